@@ -1,0 +1,181 @@
+"""Building blocks shared by the model families: RoPE variants, the KV cache, attention, MLP,
+and `TransformerSlice`, the part of a model one rank holds."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..config import ModelConfig
+from ..errors import UserError
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class RoPE(nn.Module):
+    """Rotary position embedding in the rotate-half layout Hugging Face checkpoints use."""
+
+    def __init__(self, dims: int, base: float, scaling: dict | None):
+        super().__init__()
+        self.dims = dims
+        self.position_scale = 1.0
+        rope_type = (scaling or {}).get("rope_type", "default")
+        inv_freq = 1.0 / (base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims))
+        if rope_type == "linear":
+            self.position_scale = 1.0 / float(scaling["factor"])
+        elif rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        elif rope_type != "default":
+            raise UserError(f"rope scaling type {rope_type!r} is not supported for this model "
+                            f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+        # mx.fast.rope takes periods (1/inv_freq) through `freqs`.
+        self._periods = 1.0 / inv_freq
+
+    def __call__(self, x: mx.array, offset: int) -> mx.array:
+        return mx.fast.rope(x, self.dims, traditional=False, base=None, scale=self.position_scale,
+                            offset=offset, freqs=self._periods)
+
+
+def _llama3_inv_freq(inv_freq: mx.array, s: dict) -> mx.array:
+    """Llama 3.1's frequency-dependent stretch: long wavelengths are slowed by `factor`, short
+    ones kept, and the band between interpolated smoothly."""
+    factor = float(s["factor"])
+    low, high = float(s.get("low_freq_factor", 1.0)), float(s.get("high_freq_factor", 4.0))
+    old_context = float(s.get("original_max_position_embeddings", 8192))
+    wavelen = 2 * math.pi / inv_freq
+    scaled = mx.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_context / high) & (wavelen <= old_context / low)
+    return mx.where(is_medium, smoothed, scaled)
+
+
+class KVCache:
+    """Keys and values of one attention layer, grown in steps to avoid a copy per token."""
+
+    step = 256
+
+    def __init__(self):
+        self.keys = None
+        self.values = None
+        self.offset = 0
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        previous = self.offset
+        new = keys.shape[2]
+        if self.keys is None or previous + new > self.keys.shape[2]:
+            grow = ((new + self.step - 1) // self.step) * self.step
+            B, H, _, _ = keys.shape
+            k_extra = mx.zeros((B, H, grow, keys.shape[3]), keys.dtype)
+            v_extra = mx.zeros((B, H, grow, values.shape[3]), values.dtype)
+            if self.keys is None:
+                self.keys, self.values = k_extra, v_extra
+            else:
+                self.keys = mx.concatenate([self.keys[..., :previous, :], k_extra], axis=2)
+                self.values = mx.concatenate([self.values[..., :previous, :], v_extra], axis=2)
+        self.offset += new
+        self.keys[..., previous:self.offset, :] = keys
+        self.values[..., previous:self.offset, :] = values
+        return self.keys[..., :self.offset, :], self.values[..., :self.offset, :]
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+class Attention(nn.Module):
+    """Multi-head attention with grouped-query key/value heads (n_kv_heads <= n_heads)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.n_heads = config.num_attention_heads
+        self.n_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim ** -0.5
+        hidden, qkv_bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(hidden, self.n_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, self.n_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, self.n_kv_heads * self.head_dim, bias=qkv_bias)
+        # Qwen2 puts a bias on q/k/v only; Llama's attention_bias covers o_proj too.
+        out_bias = qkv_bias and config.model_type != "qwen2"
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, hidden, bias=out_bias)
+        if config.qk_norm:
+            self.q_norm = nn.RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = nn.RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
+        self.rope = RoPE(self.head_dim, config.rope_theta, config.rope_scaling)
+
+    def __call__(self, x: mx.array, mask, cache: KVCache) -> mx.array:
+        B, T, _ = x.shape
+        q = self.q_proj(x).reshape(B, T, self.n_heads, self.head_dim)
+        k = self.k_proj(x).reshape(B, T, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(B, T, self.n_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))  # -> [B, heads, T, head_dim]
+        q = self.rope(q, offset=cache.offset)
+        k = self.rope(k, offset=cache.offset)
+        k, v = cache.update_and_fetch(k, v)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def attention_mask(num_new_tokens: int):
+    """Causal mask for a chunk of new tokens appended after the cache (lower-right aligned)."""
+    return "causal" if num_new_tokens > 1 else None
+
+
+class TransformerSlice(nn.Module):
+    """The layers [start, end) of a decoder-only transformer, plus, on the first/last stage,
+    the token embedding and the final norm + LM head.
+
+    Parameter names mirror the checkpoint's with the "model." prefix dropped and layer indices
+    made local: checkpoint `model.layers.{start + i}.X` is `layers.{i}.X` here.
+    """
+
+    def __init__(self, config: ModelConfig, make_layer: Callable[[ModelConfig, int], nn.Module],
+                 start: int, end: int, has_ends: bool):
+        super().__init__()
+        self.config = config
+        self.start, self.end, self.has_ends = start, end, has_ends
+        self.layers = [make_layer(config, i) for i in range(start, end)]
+        if has_ends:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            if not config.tie_word_embeddings:
+                self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def make_cache(self) -> list:
+        return [layer.make_cache() if hasattr(layer, "make_cache") else KVCache()
+                for layer in self.layers]
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        return self.embed_tokens(tokens)
+
+    def forward_layers(self, h: mx.array, cache: list) -> mx.array:
+        mask = attention_mask(h.shape[1])
+        for layer, layer_cache in zip(self.layers, cache):
+            h = layer(h, mask, layer_cache)
+        return h
+
+    def logits(self, h: mx.array) -> mx.array:
+        h = self.norm(h)
+        if self.config.tie_word_embeddings:
+            return self.embed_tokens.as_linear(h)
+        return self.lm_head(h)

@@ -1,0 +1,62 @@
+"""How ranks fail together.
+
+- A bug (an unhandled exception) on any rank prints that rank's traceback once and aborts the
+  whole MPI job, so no peer is left waiting forever on a message that will never come.
+- A user mistake (`UserError`) found while setting up is shared with every rank at a
+  collective checkpoint: rank 0 prints each distinct message once, and all ranks exit 1.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import traceback
+from typing import Callable, TypeVar
+
+from .errors import UserError
+
+T = TypeVar("T")
+
+
+def abort_on_unhandled_exception(comm) -> None:
+    def hook(exc_type, exc, tb):
+        if exc_type is KeyboardInterrupt:
+            print(f"pipeline: interrupted on rank {comm.Get_rank()}", file=sys.stderr)
+        else:
+            text = "".join(traceback.format_exception(exc_type, exc, tb))
+            print(f"pipeline: rank {comm.Get_rank()} on {socket.gethostname()} failed:\n{text}",
+                  file=sys.stderr, end="")
+        sys.stderr.flush()
+        comm.Abort(1)
+
+    sys.excepthook = hook
+
+
+class JobFailed(SystemExit):
+    """Raised on every rank after a checkpoint found a user error; exits with status 1."""
+
+    def __init__(self):
+        super().__init__(1)
+
+
+def checkpoint(comm, step: Callable[[], T]) -> T:
+    """Run `step` on every rank; if it raises UserError on any of them, report and fail all."""
+    error = None
+    result = None
+    try:
+        result = step()
+    except UserError as e:
+        error = str(e)
+    errors = comm.allgather(error)
+    if any(errors):
+        if comm.Get_rank() == 0:
+            failed = [(rank, msg) for rank, msg in enumerate(errors) if msg]
+            distinct = {msg for _, msg in failed}
+            for msg in sorted(distinct):
+                ranks = [rank for rank, m in failed if m == msg]
+                where = "" if len(ranks) == comm.Get_size() else \
+                    f" (rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))})"
+                print(f"error{where}: {msg}", file=sys.stderr)
+            sys.stderr.flush()
+        raise JobFailed()
+    return result

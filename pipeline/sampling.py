@@ -1,0 +1,74 @@
+"""Choosing the next token from logits: repetition penalty, temperature, top-k, top-p, min-p.
+
+Applied in the order Hugging Face's logits processors use. Temperature 0 is greedy argmax.
+A seed makes sampling reproducible: each step draws from its own key split off the seed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from .errors import UserError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0  # 0: off
+    repetition_penalty: float = 1.0  # 1: off
+    seed: int | None = None
+
+    def validate(self) -> "SamplingParams":
+        if not self.temperature >= 0:
+            raise UserError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise UserError(f"top-p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise UserError(f"top-k must be >= 0 (0 turns it off), got {self.top_k}")
+        if not 0 <= self.min_p < 1:
+            raise UserError(f"min-p must be in [0, 1), got {self.min_p}")
+        if not self.repetition_penalty > 0:
+            raise UserError(f"repetition penalty must be > 0 (1 turns it off), got {self.repetition_penalty}")
+        return self
+
+
+class Sampler:
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self._key = mx.random.key(params.seed) if params.seed is not None else None
+
+    def __call__(self, logits: mx.array, history: list[int]) -> int:
+        """logits: [vocab] for the next position; history: prompt and generated tokens so far."""
+        p = self.params
+        logits = logits.astype(mx.float32)
+        if p.repetition_penalty != 1.0 and history:
+            seen = mx.array(sorted(set(history)))
+            picked = logits[seen]
+            logits[seen] = mx.where(picked > 0, picked / p.repetition_penalty,
+                                    picked * p.repetition_penalty)
+        if p.temperature == 0:
+            return int(mx.argmax(logits).item())
+        logits = logits / p.temperature
+        if p.top_k and p.top_k < logits.shape[-1]:
+            kth = mx.sort(logits)[-p.top_k]
+            logits = mx.where(logits < kth, -mx.inf, logits)
+        if p.top_p < 1.0:
+            order = mx.argsort(-logits)
+            probs = mx.softmax(logits[order])
+            # Keep the smallest prefix of the sorted tokens whose mass reaches top_p
+            # (a token is dropped when the mass before it already reaches top_p).
+            mass_before = mx.cumsum(probs) - probs
+            drop = mx.zeros(logits.shape, dtype=mx.bool_)
+            drop[order] = mass_before >= p.top_p
+            logits = mx.where(drop, -mx.inf, logits)
+        if p.min_p > 0:
+            probs = mx.softmax(logits)
+            logits = mx.where(probs < p.min_p * probs.max(), -mx.inf, logits)
+        if self._key is not None:
+            self._key, step_key = mx.random.split(self._key)
+            return int(mx.random.categorical(logits, key=step_key).item())
+        return int(mx.random.categorical(logits).item())

@@ -1,0 +1,139 @@
+"""Our model code against transformers' own implementation of the same random weights."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from pipeline.config import ModelConfig
+from pipeline.stage import Stage
+from pipeline.weights import Checkpoint
+
+PROMPT = [1, 5, 77, 23, 299, 3, 4, 5, 6, 100, 42, 17]
+
+
+def load_stages(folder, ranges):
+    config = ModelConfig.from_folder(folder)
+    checkpoint = Checkpoint(folder)
+    return [Stage.load(config, checkpoint, r, has_ends=(i == 0), dtype=mx.float32)
+            for i, r in enumerate(ranges)]
+
+
+def forward(stages, token_ids):
+    """Run token ids through a chain of stages (stage 0 embeds and holds the head)."""
+    hidden = stages[0].model.embed(mx.array([token_ids]))
+    for stage in stages:
+        hidden = stage.run_layers(hidden)
+    return np.array(stages[0].model.logits(hidden))[0]
+
+
+def reference_logits(folder, token_ids):
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([token_ids])).logits[0].numpy()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2", "mistral"])
+def test_logits_match_transformers(tiny_models, kind):
+    folder = tiny_models[kind]
+    expected = reference_logits(folder, PROMPT)
+
+    (stage,) = load_stages(folder, [(0, 4)])
+    full = forward([stage], PROMPT)
+    assert np.abs(full - expected).max() <= 1e-4
+
+    # Token by token through the KV cache gives the same logits as the whole prompt at once.
+    stage.reset_cache()
+    incremental = np.concatenate([forward([stage], [t]) for t in PROMPT])
+    assert np.abs(incremental - expected).max() <= 1e-4
+
+    # Split into three stages, as three ranks would hold it: identical to one stage.
+    stages = load_stages(folder, [(0, 1), (1, 3), (3, 4)])
+    assert np.array_equal(forward(stages, PROMPT), full)
+
+
+def test_config_dialects_agree():
+    """rope_theta/rope_scaling (published checkpoints) and rope_parameters (transformers 5)."""
+    base = dict(model_type="llama", hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=10)
+    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    old = ModelConfig.from_dict({**base, "rope_theta": 500000.0, "rope_scaling": {"type": "llama3", **scaling}})
+    new = ModelConfig.from_dict({**base, "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0,
+                                                             **scaling}})
+    assert old.rope_theta == new.rope_theta == 500000.0
+    assert old.rope_scaling == new.rope_scaling == {"rope_type": "llama3", **scaling}
+    plain = ModelConfig.from_dict({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}})
+    assert plain.rope_theta == 1e6 and plain.rope_scaling is None
+    assert plain.head_dim == 16 and plain.num_key_value_heads == 4
+
+
+def test_mlx_quantized_folder_loads(tiny_models, tmp_path):
+    """An MLX-quantized folder (packed uint32 weights + scales/biases, `quantization` in
+    config.json, as mlx-community publishes) computes with exactly the dequantized weights."""
+    import json
+    import shutil
+
+    import mlx.nn as nn
+
+    source = tiny_models["llama"]
+    config = ModelConfig.from_folder(source)
+    checkpoint = Checkpoint(source)
+    quantized, dequantized = {}, {}
+    for name in checkpoint.tensors:
+        w = checkpoint.read(name)
+        if name.endswith("proj.weight") or name == "lm_head.weight":
+            q, s, b = mx.quantize(w, group_size=32, bits=4)
+            quantized[name], quantized[name[:-6] + "scales"], quantized[name[:-6] + "biases"] = q, s, b
+            dequantized[name] = mx.dequantize(q, s, b, group_size=32, bits=4)
+        else:
+            quantized[name] = dequantized[name] = w
+    for folder, tensors in (("q", quantized), ("dq", dequantized)):
+        (tmp_path / folder).mkdir()
+        mx.save_safetensors(str(tmp_path / folder / "model.safetensors"), tensors)
+        cfg = json.loads((source / "config.json").read_text())
+        if folder == "q":
+            cfg["quantization"] = {"group_size": 32, "bits": 4}
+        (tmp_path / folder / "config.json").write_text(json.dumps(cfg))
+    (q_stage,) = load_stages(tmp_path / "q", [(0, 4)])
+    (dq_stage,) = load_stages(tmp_path / "dq", [(0, 4)])
+    assert isinstance(q_stage.model.layers[0].self_attn.q_proj, nn.QuantizedLinear)
+    assert np.abs(forward([q_stage], PROMPT) - forward([dq_stage], PROMPT)).max() <= 1e-4
+
+
+def test_sharded_bf16_folder(tiny_models, tmp_path):
+    """Sharded safetensors with an index, in bfloat16, as most published checkpoints are."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_models["qwen3"], dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    (stage,) = load_stages(tmp_path, [(0, 4)])
+    expected = model.float().eval()(torch.tensor([PROMPT])).logits[0].detach().numpy()
+    assert np.abs(forward([stage], PROMPT) - expected).max() <= 1e-4
+
+
+def test_each_rank_reads_exactly_its_own_tensors(tiny_models, monkeypatch):
+    folder = tiny_models["llama"]
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        all_names = set(f.keys())
+    reads = []
+    original = Checkpoint.read
+    monkeypatch.setattr(Checkpoint, "read", lambda self, name: reads.append(name) or original(self, name))
+
+    ranges = [(0, 1), (1, 3), (3, 4)]
+    seen = set()
+    for rank, (start, end) in enumerate(ranges):
+        reads.clear()
+        (stage,) = [Stage.load(ModelConfig.from_folder(folder), Checkpoint(folder), (start, end),
+                               has_ends=rank == 0, dtype=mx.float32)]
+        expected = {n for n in all_names
+                    if any(n.startswith(f"model.layers.{i}.") for i in range(start, end))}
+        if rank == 0:
+            expected |= {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+        assert set(reads) == expected == set(stage.loaded_tensors)
+        assert len(reads) == len(set(reads))  # each read once
+        seen |= set(reads)
+    assert seen == all_names
