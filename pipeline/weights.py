@@ -179,7 +179,7 @@ def load_slice(model: nn.Module, checkpoint: Checkpoint, config: ModelConfig, dt
     from tqdm import tqdm
 
     weights = []
-    for name in tqdm(names, desc="loading", unit="tensor", disable=not progress, leave=False):
+    for name in tqdm(names, desc="loading", unit="tensor", disable=not progress, delay=2.0):
         array = checkpoint.read(name)
         if mx.issubdtype(array.dtype, mx.floating):
             array = array.astype(dtype)
