@@ -43,6 +43,16 @@ class Sampler:
 
     def __call__(self, logits: mx.array, history: list[int]) -> int:
         """logits: [vocab] for the next position; history: prompt and generated tokens so far."""
+        logits = self.processed_logits(logits, history)
+        if self.params.temperature == 0:
+            return int(mx.argmax(logits).item())
+        if self._key is not None:
+            self._key, step_key = mx.random.split(self._key)
+            return int(mx.random.categorical(logits, key=step_key).item())
+        return int(mx.random.categorical(logits).item())
+
+    def processed_logits(self, logits: mx.array, history: list[int]) -> mx.array:
+        """The logits sampling draws from: penalised, tempered, and -inf outside top-k/top-p/min-p."""
         p = self.params
         logits = logits.astype(mx.float32)
         if p.repetition_penalty != 1.0 and history:
@@ -51,7 +61,7 @@ class Sampler:
             logits[seen] = mx.where(picked > 0, picked / p.repetition_penalty,
                                     picked * p.repetition_penalty)
         if p.temperature == 0:
-            return int(mx.argmax(logits).item())
+            return logits
         logits = logits / p.temperature
         if p.top_k and p.top_k < logits.shape[-1]:
             kth = mx.sort(logits)[-p.top_k]
@@ -68,7 +78,4 @@ class Sampler:
         if p.min_p > 0:
             probs = mx.softmax(logits)
             logits = mx.where(probs < p.min_p * probs.max(), -mx.inf, logits)
-        if self._key is not None:
-            self._key, step_key = mx.random.split(self._key)
-            return int(mx.random.categorical(logits, key=step_key).item())
-        return int(mx.random.categorical(logits).item())
+        return logits
