@@ -1,0 +1,321 @@
+"""Tokenizer, chat template and streaming detokenizer for a Hugging Face-layout model folder.
+
+We load tokenizer.json with the `tokenizers` library and render chat templates with jinja2 the way
+transformers does, so prompts match what the model was trained with, without importing transformers.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+from .errors import UserError
+
+# The named special tokens transformers hands to a chat template (when they are set).
+_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+_REPLACEMENT = "\ufffd"  # what decode gives for an incomplete UTF-8 sequence
+
+
+class _HFTokenizersBackend:
+    """The `tokenizers`-library backend (tokenizer.json). A second backend (e.g. tiktoken for Kimi) needs the
+    same four members."""
+
+    def __init__(self, path: Path):
+        import tokenizers
+
+        try:
+            self._tok = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as e:  # the library raises a bare Exception for malformed files
+            raise UserError(f"cannot load {path}: {_one_line(e)}") from None
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)  # base vocabulary + added tokens
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+
+class Tokenizer:
+    def __init__(self, backend, *, name: str, chat_template: str | None = None,
+                 special_tokens: dict[str, str] | None = None, add_bos_token: bool | None = None,
+                 extra_eos_ids: tuple[int, ...] = ()):
+        self._backend = backend
+        self._name = name  # the folder, for error messages
+        self._chat_template = chat_template
+        self._compiled_template = None
+        self._special_tokens = dict(special_tokens or {})
+        self._add_bos_token = add_bos_token
+        self.bos_token: str | None = self._special_tokens.get("bos_token")
+        self._bos_id = backend.token_to_id(self.bos_token) if self.bos_token is not None else None
+        self.vocab_size: int = backend.vocab_size
+        eos = set(extra_eos_ids)
+        if "eos_token" in self._special_tokens:
+            eos_id = backend.token_to_id(self._special_tokens["eos_token"])
+            if eos_id is not None:
+                eos.add(eos_id)
+        self.eos_token_ids: frozenset[int] = frozenset(eos)
+
+    # -- loading ---------------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_folder(cls, folder) -> "Tokenizer":
+        folder = Path(folder)
+        tok_json = folder / "tokenizer.json"
+        if not tok_json.is_file():
+            raise UserError(f"no tokenizer.json in model folder {folder}: copy the model's tokenizer files there")
+        backend = _HFTokenizersBackend(tok_json)
+
+        tcfg = _read_json(folder / "tokenizer_config.json")
+        special = {}
+        for key in _SPECIAL_TOKEN_KEYS:
+            value = _token_content(tcfg.get(key))
+            if value is not None:
+                special[key] = value
+
+        # chat_template.jinja beside the config takes priority, as in transformers
+        template = None
+        jinja_file = folder / "chat_template.jinja"
+        if jinja_file.is_file():
+            template = jinja_file.read_text(encoding="utf-8")
+        elif tcfg.get("chat_template") is not None:
+            template = _pick_default_template(tcfg["chat_template"], folder / "tokenizer_config.json")
+
+        extra_eos = []
+        for name in ("config.json", "generation_config.json"):
+            extra_eos += _int_list(_read_json(folder / name).get("eos_token_id"), folder / name)
+
+        add_bos = tcfg.get("add_bos_token")
+        return cls(backend, name=str(folder), chat_template=template, special_tokens=special,
+                   add_bos_token=add_bos if isinstance(add_bos, bool) else None, extra_eos_ids=tuple(extra_eos))
+
+    # -- encoding --------------------------------------------------------------------------------------------
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._chat_template is not None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._backend.encode(text, add_special_tokens)
+        # tokenizer.json's post-processor decides which special tokens to add (transformers 5 does the same).
+        # But when the config explicitly asks for a BOS and the post-processor did not add one, add it: a
+        # missing BOS quietly degrades many models, and transformers 4's Llama tokenizer added it here too.
+        if (add_special_tokens and self._add_bos_token and self._bos_id is not None
+                and (not ids or ids[0] != self._bos_id)):
+            ids = [self._bos_id] + ids
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        # No clean_up_tokenization_spaces: it is lossy, and streaming needs decode to be exact
+        return self._backend.decode(list(ids), skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._backend.token_to_id(token)
+
+    # -- chat template ---------------------------------------------------------------------------------------
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if self._chat_template is None:
+            raise UserError(f"the tokenizer in {self._name} has no chat template: run without the chat template")
+        import jinja2
+
+        try:
+            if self._compiled_template is None:
+                self._compiled_template = _jinja_env().from_string(self._chat_template)
+            # Like transformers: drop None-valued keys (templates handle a missing key better than None), and
+            # pass only the special tokens that are set (an unset one must stay undefined, not render "None").
+            messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+            return self._compiled_template.render(
+                messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
+                **self._special_tokens)
+        except jinja2.TemplateError as e:
+            where = f" (template line {e.lineno})" if isinstance(e, jinja2.TemplateSyntaxError) else ""
+            raise UserError(f"the chat template of {self._name} failed{where}: {_one_line(e)}") from None
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+            # e.g. a template adding a string to a missing field; still the template's problem, not ours
+            raise UserError(f"the chat template of {self._name} failed: {type(e).__name__}: {_one_line(e)}") from None
+
+    def prompt_ids(self, prompt: str, system: str | None = None, use_chat_template: bool = True) -> list[int]:
+        if use_chat_template and self.has_chat_template:
+            messages = ([{"role": "system", "content": system}] if system is not None else [])
+            messages.append({"role": "user", "content": prompt})
+            # The rendered text already carries a BOS wherever the model wants one, so add no special tokens
+            # (this is what transformers' apply_chat_template(tokenize=True) does).
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt=True),
+                               add_special_tokens=False)
+        if system is not None:
+            why = "it has no chat template" if not self.has_chat_template else "the chat template is turned off"
+            raise UserError(f"a system prompt needs a chat template, but {why} ({self._name}): drop the system prompt")
+        return self.encode(prompt, add_special_tokens=True)
+
+
+class StreamingDetokenizer:
+    """Turns a growing token list into text pieces as they become printable.
+
+    The pieces concatenate to exactly decode(all ids), cut before the first stop string. Decoding is incremental:
+    each step decodes only the tokens since the last clean point plus the step before it as context. The context
+    matters because decoders treat the start of a sequence specially (SentencePiece drops the first token's
+    leading space), so decode(a) + decode(b) != decode(a + b) in general; with the context token in front, the
+    start effect falls on the context in both decodes and cancels out of the difference.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop_strings: list[str] = ()):
+        self._tok = tokenizer
+        self._stops = [s for s in stop_strings if s]  # an empty stop string would stop before any text
+        self._ids: list[int] = []
+        self._prefix = 0          # context tokens start here
+        self._read = 0            # text of ids[:read] is fully decoded (ids[read:] is the pending region)
+        self._prefix_text = ""    # decode(ids[prefix:read]), for taking the context back off
+        self._committed_chars = 0  # len(text of ids[:read]), for the rare full-decode fallback
+        self._region_sent = 0     # chars of the pending region's text already passed on
+        self._held = ""           # decoded text not yet returned: it might be the start of a stop string
+        self._pieces: list[str] = []
+        self._finished = False
+        self.stopped = False
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far."""
+        if len(self._pieces) > 1:
+            self._pieces = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
+
+    def add(self, token_id: int) -> str:
+        """Add one generated token; return the new text that is safe to print now (often "")."""
+        if self.stopped or self._finished:
+            return ""
+        self._ids.append(token_id)
+        region = self._region_text()
+        if region.endswith(_REPLACEMENT):
+            # The tail may be an incomplete UTF-8 sequence that later tokens complete: hold it back, but pass
+            # on the text before it, which can no longer change.
+            stable = len(region.rstrip(_REPLACEMENT))
+            new = region[self._region_sent:stable]
+            self._region_sent = max(self._region_sent, stable)
+        else:
+            # A clean end: the region is final. It becomes the context for the next step.
+            new = region[self._region_sent:]
+            self._committed_chars += len(region)
+            self._prefix, self._read = self._read, len(self._ids)
+            self._prefix_text = self._tok.decode(self._ids[self._prefix:self._read])
+            self._region_sent = 0
+        return self._emit(new, final=False)
+
+    def finish(self) -> str:
+        """Return any text still held back (cut before a stop string if one completes now)."""
+        if self.stopped or self._finished:
+            return ""
+        self._finished = True
+        new = self._region_text()[self._region_sent:] if self._read < len(self._ids) else ""
+        return self._emit(new, final=True)
+
+    def _region_text(self) -> str:
+        """The text of the pending tokens ids[read:], as it appears in decode(all ids)."""
+        window = self._tok.decode(self._ids[self._prefix:])
+        if window.startswith(self._prefix_text):
+            return window[len(self._prefix_text):]
+        # A decoder where the context trick does not hold: decode everything (slow but exact)
+        return self._tok.decode(self._ids)[self._committed_chars:]
+
+    def _emit(self, new: str, final: bool) -> str:
+        held = self._held + new
+        out = held
+        self._held = ""
+        if self._stops:
+            # Every earlier position was checked before it was emitted, so a stop can only start inside `held`
+            hits = [i for i in (held.find(s) for s in self._stops) if i >= 0]
+            if hits:
+                out = held[:min(hits)]
+                self.stopped = True
+            elif not final:
+                keep = _stop_prefix_len(held, self._stops)
+                out, self._held = held[:len(held) - keep], held[len(held) - keep:]
+        if out:
+            self._pieces.append(out)
+        return out
+
+
+# -- helpers -------------------------------------------------------------------------------------------------
+
+def _stop_prefix_len(text: str, stops: list[str]) -> int:
+    """Length of the longest tail of `text` that is the start (not the whole) of some stop string."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best
+
+
+def _jinja_env():
+    """A sandboxed environment set up like transformers' chat-template renderer."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # jinja's own tojson escapes HTML characters and sorts keys; templates expect plain json.dumps
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(format):
+        return datetime.now().strftime(format)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env
+
+
+def _read_json(path: Path) -> dict:
+    """A JSON object from `path`, or {} when the file is absent."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{path} is not valid JSON ({_one_line(e)})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path} should hold a JSON object")
+    return data
+
+
+def _token_content(value) -> str | None:
+    """A special token from tokenizer_config.json: a string, or an AddedToken dict {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _pick_default_template(value, path: Path) -> str:
+    """chat_template is a string, or a list of {"name", "template"} of which we use "default"."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        if isinstance(named.get("default"), str):
+            return named["default"]
+        raise UserError(f"{path} lists chat templates {sorted(map(str, named))} but none named 'default'")
+    raise UserError(f"{path}: chat_template should be a string or a list of named templates")
+
+
+def _int_list(value, path: Path) -> list[int]:
+    """eos_token_id in config.json / generation_config.json: absent, an int, or a list of ints."""
+    if value is None:
+        return []
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise UserError(f"{path}: eos_token_id should be an integer or a list of integers, got {value!r}")
+    return list(values)
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split())
