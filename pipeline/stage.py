@@ -1,5 +1,5 @@
-"""One rank's stage of the pipeline: its slice of the model, its KV caches, and its place in
-the ring 0 -> 1 -> ... -> N-1 -> 0.
+"""One rank's stage of the pipeline: its slice of the model, the KV caches of the sequences
+in flight (for its own layers only), and its place in the ring 0 -> 1 -> ... -> N-1 -> 0.
 
 Ranks other than 0 only follow messages: receive hidden states from the previous rank, run
 their layers, send the result to the next rank, until a STOP comes round.
@@ -7,7 +7,8 @@ their layers, send the result to the next rank, until a STOP comes round.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
 import mlx.core as mx
 
 from .config import ModelConfig
@@ -21,10 +22,7 @@ from .weights import Checkpoint, load_slice
 class Stage:
     model: TransformerSlice
     loaded_tensors: list[str]  # checkpoint names this rank read from disk
-    cache: list = None
-
-    def __post_init__(self):
-        self.reset_cache()
+    caches: dict[int, list] = field(default_factory=dict)  # sequence id -> per-layer caches
 
     @classmethod
     def load(cls, config: ModelConfig, checkpoint: Checkpoint, layers: tuple[int, int],
@@ -34,41 +32,61 @@ class Stage:
         names = load_slice(model, checkpoint, config, dtype, progress=progress)
         return cls(model, names)
 
-    def reset_cache(self) -> None:
-        self.cache = self.model.make_cache()
-
-    @property
-    def cache_nbytes(self) -> int:
-        return sum(c.nbytes for c in self.cache)
-
-    def run_layers(self, hidden: mx.array) -> mx.array:
-        hidden = self.model.forward_layers(hidden, self.cache)
+    def run_layers(self, hidden: mx.array, seq_ids: list[int] = (0,), lengths: list[int] | None = None) -> mx.array:
+        """Run packed new tokens of the given sequences through this slice's layers.
+        A sequence id seen for the first time starts with empty caches."""
+        if lengths is None:
+            lengths = [hidden.shape[1]]
+        caches = [self.caches.setdefault(s, self.model.make_cache()) for s in seq_ids]
+        hidden = self.model.forward_layers(hidden, caches, lengths)
         mx.eval(hidden)
         return hidden
 
+    def release(self, seq_ids: list[int]) -> None:
+        for s in seq_ids:
+            self.caches.pop(s, None)
 
-def ring_forward(stage: Stage, transport: Transport, hidden: mx.array) -> mx.array:
-    """Rank 0: run the hidden states through every stage of the ring and get them back."""
-    hidden = stage.run_layers(hidden)
+    @property
+    def cache_nbytes(self) -> int:
+        return sum(c.nbytes for caches in self.caches.values() for c in caches)
+
+
+def ring_forward(stage: Stage, transport: Transport, hidden: mx.array, seq_ids: list[int] = (0,),
+                 lengths: list[int] | None = None) -> mx.array:
+    """Rank 0: run packed hidden states through every stage of the ring and get them back."""
+    lengths = [hidden.shape[1]] if lengths is None else lengths
+    hidden = stage.run_layers(hidden, seq_ids, lengths)
     if transport.size > 1:
-        transport.send_message(Kind.FORWARD, 1, hidden)
-        _, hidden = transport.recv_message(transport.size - 1)
+        transport.send_message(1, Kind.FORWARD, seq_ids, lengths, hidden)
+        hidden = transport.recv_message(transport.size - 1).hidden
     return hidden
+
+
+def release_everywhere(stage: Stage, transport: Transport, seq_ids: list[int]) -> None:
+    """Rank 0: free the caches of finished sequences on every rank."""
+    stage.release(seq_ids)
+    if transport.size > 1:
+        transport.send_message(1, Kind.RELEASE, seq_ids)
 
 
 def serve(stage: Stage, transport: Transport) -> None:
     """Ranks 1..N-1: follow the ring until STOP."""
     prev, nxt = transport.rank - 1, (transport.rank + 1) % transport.size
     while True:
-        kind, hidden = transport.recv_message(prev)
-        if kind == Kind.STOP:
-            if nxt != 0:
-                transport.send_message(Kind.STOP, nxt)
+        message = transport.recv_message(prev)
+        if message.kind == Kind.FORWARD:
+            hidden = stage.run_layers(message.hidden, message.seq_ids, message.lengths)
+            transport.send_message(nxt, Kind.FORWARD, message.seq_ids, message.lengths, hidden)
+            continue
+        if message.kind == Kind.RELEASE:
+            stage.release(message.seq_ids)
+        if nxt != 0:  # RELEASE and STOP go round the ring once
+            transport.send_message(nxt, message.kind, message.seq_ids)
+        if message.kind == Kind.STOP:
             return
-        transport.send_message(Kind.FORWARD, nxt, stage.run_layers(hidden))
 
 
 def stop_ring(transport: Transport) -> None:
     """Rank 0: tell every other rank the job is over."""
     if transport.size > 1:
-        transport.send_message(Kind.STOP, 1)
+        transport.send_message(1, Kind.STOP)

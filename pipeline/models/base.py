@@ -108,19 +108,44 @@ class Attention(nn.Module):
         self.qk_norm = config.qk_norm
         self.rope = RoPE(self.head_dim, config.rope_theta, config.rope_scaling)
 
-    def __call__(self, x: mx.array, mask, cache: KVCache) -> mx.array:
-        B, T, _ = x.shape
-        q = self.q_proj(x).reshape(B, T, self.n_heads, self.head_dim)
-        k = self.k_proj(x).reshape(B, T, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(B, T, self.n_kv_heads, self.head_dim)
+    def __call__(self, x: mx.array, caches: list[KVCache], lengths: list[int]) -> mx.array:
+        """x: [1, sum(lengths), hidden], the new tokens of several sequences packed end to end;
+        sequence i owns the next lengths[i] tokens and caches[i]. Projections run on all tokens
+        at once; attention runs per sequence against its own cache, so each sequence keeps its
+        own positions and batching never changes a sequence's result."""
+        _, T, _ = x.shape
+        q = self.q_proj(x).reshape(T, self.n_heads, self.head_dim)
+        k = self.k_proj(x).reshape(T, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(T, self.n_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))  # -> [B, heads, T, head_dim]
-        q = self.rope(q, offset=cache.offset)
-        k = self.rope(k, offset=cache.offset)
-        k, v = cache.update_and_fetch(k, v)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1))
+        q, k, v = (t.transpose(1, 0, 2) for t in (q, k, v))  # -> [heads, T, head_dim]
+        outputs = []
+        for (begin, end), cache in zip(segments(lengths), caches):
+            qs, ks, vs = q[None, :, begin:end], k[None, :, begin:end], v[None, :, begin:end]
+            qs = self.rope(qs, offset=cache.offset)
+            ks = self.rope(ks, offset=cache.offset)
+            ks, vs = cache.update_and_fetch(ks, vs)
+            out = mx.fast.scaled_dot_product_attention(qs, ks, vs, scale=self.scale,
+                                                       mask=causal_mask(end - begin))
+            outputs.append(out[0].transpose(1, 0, 2).reshape(end - begin, -1))
+        out = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)
+        return self.o_proj(out[None])
+
+
+def segments(lengths: list[int]) -> list[tuple[int, int]]:
+    """[begin, end) of each sequence's tokens in a packed batch."""
+    bounds, begin = [], 0
+    for n in lengths:
+        bounds.append((begin, begin + n))
+        begin += n
+    return bounds
+
+
+def causal_mask(num_new_tokens: int):
+    """Causal mask for new tokens appended after a cache: sdpa's "causal" is lower-right
+    aligned, so the new tokens see the whole cache and each other causally."""
+    return "causal" if num_new_tokens > 1 else None
 
 
 class MLP(nn.Module):
@@ -134,11 +159,6 @@ class MLP(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-def attention_mask(num_new_tokens: int):
-    """Causal mask for a chunk of new tokens appended after the cache (lower-right aligned)."""
-    return "causal" if num_new_tokens > 1 else None
 
 
 class TransformerSlice(nn.Module):
@@ -162,16 +182,18 @@ class TransformerSlice(nn.Module):
                 self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def make_cache(self) -> list:
+        """One sequence's caches, one per layer of this slice."""
         return [layer.make_cache() if hasattr(layer, "make_cache") else KVCache()
                 for layer in self.layers]
 
     def embed(self, tokens: mx.array) -> mx.array:
         return self.embed_tokens(tokens)
 
-    def forward_layers(self, h: mx.array, cache: list) -> mx.array:
-        mask = attention_mask(h.shape[1])
-        for layer, layer_cache in zip(self.layers, cache):
-            h = layer(h, mask, layer_cache)
+    def forward_layers(self, h: mx.array, caches: list[list], lengths: list[int]) -> mx.array:
+        """h: [1, sum(lengths), hidden], tokens of len(caches) sequences packed end to end;
+        caches[i] is sequence i's list of per-layer caches (see `Attention`)."""
+        for j, layer in enumerate(self.layers):
+            h = layer(h, [seq_caches[j] for seq_caches in caches], lengths)
         return h
 
     def logits(self, h: mx.array) -> mx.array:

@@ -19,6 +19,6 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def __call__(self, x: mx.array, mask, cache: KVCache) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
+    def __call__(self, x: mx.array, caches: list[KVCache], lengths: list[int]) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), caches, lengths)
         return h + self.mlp(self.post_attention_layernorm(h))
