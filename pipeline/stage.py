@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from .config import ModelConfig
+from .formats import Requantize
 from .models import family_for
 from .models.base import TransformerSlice
 from .transport import Kind, Transport
-from .weights import Checkpoint, load_slice
+from .weights import Checkpoint, dequantize_slice, load_slice
 
 
 @dataclass
@@ -26,10 +27,14 @@ class Stage:
 
     @classmethod
     def load(cls, config: ModelConfig, checkpoint: Checkpoint, layers: tuple[int, int],
-             has_ends: bool, dtype: mx.Dtype, progress: bool = False) -> "Stage":
+             has_ends: bool, dtype: mx.Dtype, requantize: Requantize | None = None,
+             progress: bool = False, dense: bool = False) -> "Stage":
+        """dense: hold MLX-quantized weights dequantized to `dtype` (--weights-in-memory)."""
         family = family_for(config)
         model = TransformerSlice(config, family.DecoderLayer, layers[0], layers[1], has_ends)
-        names = load_slice(model, checkpoint, config, dtype, progress=progress)
+        names = load_slice(model, checkpoint, dtype, requantize, progress=progress)
+        if dense:
+            dequantize_slice(model, dtype)
         return cls(model, names)
 
     def run_layers(self, hidden: mx.array, seq_ids: list[int] = (0,), lengths: list[int] | None = None) -> mx.array:
@@ -49,6 +54,17 @@ class Stage:
     @property
     def cache_nbytes(self) -> int:
         return sum(c.nbytes for caches in self.caches.values() for c in caches)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV cache bytes one token of one sequence takes on this rank (all its layers)."""
+        return max((sum(c.bytes_per_token for c in caches) for caches in self.caches.values()), default=0)
+
+    @property
+    def weight_nbytes(self) -> int:
+        from mlx.utils import tree_flatten
+
+        return sum(a.nbytes for _, a in tree_flatten(self.model.parameters()))
 
 
 def ring_forward(stage: Stage, transport: Transport, hidden: mx.array, seq_ids: list[int] = (0,),

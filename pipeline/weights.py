@@ -9,6 +9,7 @@ exactly the bytes of the tensors a rank owns and to name the file when one is tr
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,8 +18,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .config import ModelConfig
 from .errors import UserError
+from .formats import Requantize, adapt_tensors
 
 # safetensors dtype -> (numpy dtype to read the bytes as, mlx dtype to view them as)
 _DTYPES = {
@@ -169,44 +170,195 @@ def layer_nbytes(checkpoint: Checkpoint, num_layers: int) -> tuple[list[int], in
     return per_layer, ends
 
 
-def load_slice(model: nn.Module, checkpoint: Checkpoint, config: ModelConfig, dtype: mx.Dtype,
-               progress: bool = False) -> list[str]:
-    """Load this rank's tensors into `model` (a TransformerSlice), casting floats to `dtype`.
+def load_slice(model: nn.Module, checkpoint: Checkpoint, dtype: mx.Dtype,
+               requantize: Requantize | None = None, progress: bool = False) -> list[str]:
+    """Load this rank's tensors into `model` (a TransformerSlice), floats cast to `dtype`,
+    through the format adapters (expert stacking, FP8, INT4, re-quantization).
     Returns the checkpoint names read, so callers (and tests) can see exactly what was loaded."""
-    names = owned_tensor_names(checkpoint, model.start, model.end, model.has_ends)
-    _quantize_like_checkpoint(model, checkpoint, names, config)
-
     from tqdm import tqdm
 
-    weights = []
-    for name in tqdm(names, desc="loading", unit="tensor", disable=not progress, delay=2.0):
-        array = checkpoint.read(name)
-        if mx.issubdtype(array.dtype, mx.floating):
-            array = array.astype(dtype)
-        mx.eval(array)
-        weights.append((local_name(name, model.start), array))
+    names = owned_tensor_names(checkpoint, model.start, model.end, model.has_ends)
+    bar = tqdm(total=len(names), desc="loading", unit="tensor", disable=not progress, delay=2.0)
+
+    def read(name: str) -> mx.array:
+        bar.update()
+        return checkpoint.read(name)
+
+    weights = {local_name(name, model.start): array
+               for name, array in adapt_tensors(names, checkpoint.tensors, read, dtype, requantize)}
+    bar.close()
+    _quantize_like(model, weights)
     try:
-        model.load_weights(weights, strict=True)
+        model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
         raise UserError(f"weights in {checkpoint.folder} do not match config.json: {e}") from None
+    del weights
+    for module in model.modules():
+        if hasattr(module, "after_load"):
+            module.after_load()
     mx.eval(model.parameters())
     return names
 
 
-def _quantize_like_checkpoint(model: nn.Module, checkpoint: Checkpoint, names: list[str],
-                              config: ModelConfig) -> None:
-    """Swap Linear/Embedding modules for quantized ones where the checkpoint stores them
-    MLX-quantized (a `.scales` tensor beside the packed uint32 `.weight`)."""
-    quantized = {}
-    for name in names:
-        if name.endswith(".scales"):
-            module = name[: -len(".scales")]
-            settings = config.quantization_for(module)
-            group_size = settings["group_size"] if settings else 64
-            weight = checkpoint.tensors[module + ".weight"].shape
-            in_features = checkpoint.tensors[name].shape[-1] * group_size
-            bits = settings["bits"] if settings else weight[-1] * 32 // in_features
-            quantized[local_name(module + ".weight", model.start).removesuffix(".weight")] = {
-                "group_size": group_size, "bits": bits}
-    if quantized:
-        nn.quantize(model, class_predicate=lambda path, _: quantized.get(path, False))
+def _quantize_like(model: nn.Module, weights: dict[str, mx.array]) -> None:
+    """Swap Linear/Embedding/SwitchLinear modules for quantized ones where the loaded tensors
+    are MLX-quantized (a `.scales` beside a packed uint32 `.weight`). Group size and bits
+    follow from the shapes: the module knows its input width."""
+    modules = dict(model.named_modules())
+    settings = {}
+    for name, scales in weights.items():
+        if not name.endswith(".scales"):
+            continue
+        path = name[: -len(".scales")]
+        module = modules.get(path)
+        if module is None or not hasattr(module, "to_quantized"):
+            continue
+        in_features = module.weight.shape[-1]
+        packed = weights[path + ".weight"].shape[-1]
+        settings[path] = {"group_size": in_features // scales.shape[-1], "bits": packed * 32 // in_features}
+    if settings:
+        nn.quantize(model, class_predicate=lambda path, _: settings.get(path, False))
+
+
+# ---- how a rank's weights live in memory (--weights-in-memory) ------------------------------
+# MLX's CPU quantized matmul does not use BLAS and costs about as much per row as a whole
+# matvec, so prefill and batches run many times faster on weights dequantized once at load and
+# multiplied by the BLAS; a dense copy costs 32/bits times the memory, hence a per-rank choice.
+
+WEIGHTS_IN_MEMORY = ("quantized", "fp32", "auto")
+_QUANT_BITS, _QUANT_GROUPS = (2, 3, 4, 5, 6, 8), (64, 32, 128)
+
+
+def _dense_in_features(packed_cols: int, scale_cols: int, group_hint: int | None) -> int:
+    for group in ((group_hint,) if group_hint else ()) + _QUANT_GROUPS:
+        in_features = scale_cols * group
+        if packed_cols * 32 % in_features == 0 and packed_cols * 32 // in_features in _QUANT_BITS:
+            return in_features
+    return packed_cols * 32 // 4
+
+
+def layer_nbytes_in_memory(checkpoint: Checkpoint, config, num_layers: int, dense: bool,
+                           itemsize: int = 4) -> tuple[list[int], int]:
+    """Like `layer_nbytes`, but the bytes once loaded: floats in the activation dtype
+    (`itemsize` bytes), MLX-quantized weights packed as stored (dense=False) or dequantized
+    (dense=True)."""
+    per_layer = [0] * num_layers
+    ends = 0
+    tensors = checkpoint.tensors
+    for name, info in tensors.items():
+        layer = layer_of(name)
+        if not ((layer is not None and layer < num_layers) or (layer is None and name.startswith(_ENDS))):
+            continue
+        base = name.rsplit(".", 1)[0]
+        quantized = base + ".scales" in tensors
+        numel = 1
+        for d in info.shape:
+            numel *= d
+        if quantized and name.endswith((".scales", ".biases")):
+            nbytes = 0 if dense else numel * itemsize
+        elif quantized and name.endswith(".weight") and dense:
+            settings = config.quantization_for(base) if config is not None else None
+            scale_cols = tensors[base + ".scales"].shape[-1]
+            numel = numel // info.shape[-1] * _dense_in_features(
+                info.shape[-1], scale_cols, settings and settings["group_size"])
+            nbytes = numel * itemsize
+        elif info.dtype in ("F32", "F16", "BF16", "F64"):
+            nbytes = numel * itemsize
+        else:
+            nbytes = info.nbytes
+        if layer is not None:
+            per_layer[layer] += nbytes
+        else:
+            ends += nbytes
+    return per_layer, ends
+
+
+def is_quantized(checkpoint: Checkpoint) -> bool:
+    return any(name.endswith(".scales") for name in checkpoint.tensors)
+
+
+def dequantize_slice(model: nn.Module, dtype: mx.Dtype) -> int:
+    """Replace each MLX-quantized module of `model` by its dense equivalent, weights
+    dequantized to `dtype`, one module at a time (the packed copy is freed as it goes).
+    Returns the number of modules replaced."""
+    from mlx.utils import tree_unflatten
+
+    replaced = 0
+    for path, module in list(model.named_modules()):
+        dense = _dense_module(module, dtype)
+        if dense is None:
+            continue
+        mx.eval(dense.parameters())
+        model.update_modules(tree_unflatten([(path, dense)]))
+        replaced += 1
+    return replaced
+
+
+def _dense_module(module: nn.Module, dtype: mx.Dtype) -> nn.Module | None:
+    if not isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and \
+            type(module).__name__ != "QuantizedSwitchLinear":
+        return None
+    weight = mx.dequantize(module.weight, module.scales, module.get("biases"), group_size=module.group_size,
+                           bits=module.bits, mode=getattr(module, "mode", "affine")).astype(dtype)
+    if isinstance(module, nn.QuantizedLinear):
+        out_features, in_features = weight.shape
+        dense = nn.Linear(in_features, out_features, bias="bias" in module)
+        if "bias" in module:
+            dense.bias = module.bias.astype(dtype)
+    elif isinstance(module, nn.QuantizedEmbedding):
+        dense = nn.Embedding(*weight.shape)
+    else:
+        from .models.experts import SwitchLinear
+
+        experts, out_features, in_features = weight.shape
+        dense = SwitchLinear(in_features, out_features, experts)
+    dense.weight = weight  # the random init above is lazy and never computed
+    return dense
+
+
+def available_memory_bytes() -> int:
+    """Memory this host can still give: MemAvailable, capped by a cgroup (v2 or v1) limit."""
+    available = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if available is None:
+        try:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            available = 0
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            limit = open(limit_file).read().strip()
+            usage = int(open(usage_file).read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < 2**60:
+            available = min(available, max(0, int(limit) - usage))
+        break
+    return available
+
+
+def choose_dense(hosts: list[str], available: list[int], quantized_bytes: list[int],
+                 dense_bytes: list[int], fraction: float = 0.75) -> list[bool]:
+    """Which ranks hold their weights dense: per host, in rank order, while the host's
+    quantized weights plus the dense ranks' extra bytes stay within `fraction` of its
+    available memory (the rest is left for KV caches, activations and everything else)."""
+    budget = {}
+    for host, avail in zip(hosts, available):
+        budget[host] = min(budget.get(host, avail), avail)  # ranks of a host read the same pool
+    for host in budget:
+        budget[host] = budget[host] * fraction - sum(q for h, q in zip(hosts, quantized_bytes) if h == host)
+    dense = []
+    for host, q, d in zip(hosts, quantized_bytes, dense_bytes):
+        fits = d - q <= budget[host]
+        if fits:
+            budget[host] -= d - q
+        dense.append(fits)
+    return dense

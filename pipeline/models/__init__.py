@@ -4,13 +4,16 @@ from types import ModuleType
 
 from ..config import ModelConfig
 from ..errors import UserError
-from . import llama
+from . import deepseek_v3, llama, qwen3_moe
 
 FAMILIES: dict[str, ModuleType] = {
     "llama": llama,
     "mistral": llama,
     "qwen2": llama,
     "qwen3": llama,
+    "qwen3_moe": qwen3_moe,
+    "deepseek_v3": deepseek_v3,
+    "kimi_k2": deepseek_v3,  # Kimi K2 checkpoints use the DeepSeek V3 architecture
 }
 
 

@@ -12,22 +12,31 @@ import mlx.nn as nn
 from ..config import ModelConfig
 from ..errors import UserError
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 class RoPE(nn.Module):
-    """Rotary position embedding in the rotate-half layout Hugging Face checkpoints use."""
+    """Rotary position embedding over the first `dims` features.
 
-    def __init__(self, dims: int, base: float, scaling: dict | None):
+    `traditional=False` rotates the two halves of the features (the rotate-half layout of
+    Hugging Face Llama checkpoints); `traditional=True` rotates interleaved pairs (DeepSeek).
+    """
+
+    def __init__(self, dims: int, base: float, scaling: dict | None, traditional: bool = False,
+                 max_position_embeddings: int = 4096):
         super().__init__()
         self.dims = dims
+        self.traditional = traditional
         self.position_scale = 1.0
+        self.attention_factor = 1.0  # YaRN scales cos and sin, i.e. the rotated features
         rope_type = (scaling or {}).get("rope_type", "default")
         inv_freq = 1.0 / (base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims))
         if rope_type == "linear":
             self.position_scale = 1.0 / float(scaling["factor"])
         elif rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        elif rope_type == "yarn":
+            inv_freq, self.attention_factor = _yarn_inv_freq(dims, base, scaling, max_position_embeddings)
         elif rope_type != "default":
             raise UserError(f"rope scaling type {rope_type!r} is not supported for this model "
                             f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
@@ -35,8 +44,44 @@ class RoPE(nn.Module):
         self._periods = 1.0 / inv_freq
 
     def __call__(self, x: mx.array, offset: int) -> mx.array:
-        return mx.fast.rope(x, self.dims, traditional=False, base=None, scale=self.position_scale,
-                            offset=offset, freqs=self._periods)
+        x = mx.fast.rope(x, self.dims, traditional=self.traditional, base=None,
+                         scale=self.position_scale, offset=offset, freqs=self._periods)
+        return x * self.attention_factor if self.attention_factor != 1.0 else x
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_inv_freq(dims: int, base: float, s: dict, max_position_embeddings: int) -> tuple[mx.array, float]:
+    """YaRN (arXiv 2309.00071): interpolate low frequencies by `factor`, keep high ones, blend
+    linearly between the dimensions that turn beta_slow and beta_fast times over the original
+    context."""
+    factor = float(s["factor"])
+    original = float(s.get("original_max_position_embeddings") or max_position_embeddings)
+    beta_fast, beta_slow = float(s.get("beta_fast") or 32), float(s.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return dims * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dims - 1)
+    if low == high:
+        high += 0.001
+    ramp = mx.clip((mx.arange(dims // 2, dtype=mx.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp  # 1: keep the original frequency, 0: interpolate it
+    pos_freqs = base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+    inv_freq = (1 / (factor * pos_freqs)) * (1 - extrapolation) + (1 / pos_freqs) * extrapolation
+    attention_factor = s.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = s.get("mscale"), s.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = yarn_mscale(factor)
+    return inv_freq, float(attention_factor)
 
 
 def _llama3_inv_freq(inv_freq: mx.array, s: dict) -> mx.array:
@@ -85,6 +130,13 @@ class KVCache:
     def nbytes(self) -> int:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
+    @property
+    def bytes_per_token(self) -> int:
+        if self.keys is None:
+            return 0
+        per_key = self.keys.shape[1] * self.keys.shape[3] * self.keys.itemsize
+        return per_key + self.values.shape[1] * self.values.shape[3] * self.values.itemsize
+
 
 class Attention(nn.Module):
     """Multi-head attention with grouped-query key/value heads (n_kv_heads <= n_heads)."""
@@ -106,7 +158,8 @@ class Attention(nn.Module):
             self.q_norm = nn.RMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = nn.RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.qk_norm = config.qk_norm
-        self.rope = RoPE(self.head_dim, config.rope_theta, config.rope_scaling)
+        self.rope = RoPE(self.head_dim, config.rope_theta, config.rope_scaling,
+                         max_position_embeddings=config.max_position_embeddings)
 
     def __call__(self, x: mx.array, caches: list[KVCache], lengths: list[int]) -> mx.array:
         """x: [1, sum(lengths), hidden], the new tokens of several sequences packed end to end;

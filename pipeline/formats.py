@@ -1,0 +1,143 @@
+"""Published checkpoint formats -> the tensors our modules hold, one tensor at a time.
+
+- Hugging Face per-expert tensors (`mlp.experts.{e}.gate_proj.weight`) are stacked into one
+  [experts, out, in] tensor per projection (`mlp.switch_mlp.gate_proj.weight`), as MLX
+  checkpoints already store them.
+- DeepSeek's FP8 (e4m3) weights carry `weight_scale_inv`, one float per 128x128 block:
+  w = fp8 * scale_inv, block-wise.
+- compressed-tensors "pack-quantized" INT4 (Kimi K2 Thinking): eight signed 4-bit values per
+  int32 (`weight_packed`), one scale per group of 32 (`weight_scale`), symmetric. Stored
+  unsigned as q + 8, so w = s * (u - 8) = s * u - 8s: MLX affine 4-bit with scales s and
+  biases -8s, and the same nibble order, so the packed words are reused as they are.
+- `requantize` (the `--quantize` flag) turns float weights into MLX affine tensors right after
+  each one is read, so a rank's memory never holds more than one float tensor at a time.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import mlx.core as mx
+
+from .errors import UserError
+
+_EXPERT = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$")
+_ANY_EXPERT = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.")
+_FP8_BLOCK = 128
+_CT_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_shape", ".weight_zero_point", ".weight_g_idx")
+
+
+@dataclass(frozen=True)
+class Requantize:
+    bits: int
+    group_size: int
+
+    def validate(self) -> "Requantize":
+        if self.bits not in (2, 3, 4, 5, 6, 8):
+            raise UserError(f"--quantize {self.bits}: MLX affine quantization takes 2, 3, 4, 5, 6 or 8 bits")
+        if self.group_size not in (32, 64, 128):
+            raise UserError(f"--group-size {self.group_size}: choose 32, 64 or 128")
+        return self
+
+
+def adapt_tensors(names: list[str], tensors: dict, read: Callable[[str], mx.array], dtype: mx.Dtype,
+                  requantize: Requantize | None = None) -> Iterator[tuple[str, mx.array]]:
+    """Yield (checkpoint-style name, array) for a rank's tensors in the form our modules hold:
+    floats in `dtype`, MLX-quantized triples as uint32 weight + scales/biases in `dtype`.
+    `tensors` maps every checkpoint name to its info (to find companions like scale_inv)."""
+    experts: dict[tuple[str, str, str], dict[int, mx.array]] = {}
+    expert_counts: dict[str, int] = {}
+    for name in names:
+        m = _ANY_EXPERT.match(name)
+        if m:
+            expert_counts[m.group(1)] = max(expert_counts.get(m.group(1), 0), int(m.group(2)) + 1)
+
+    def emit(name: str, array: mx.array) -> Iterator[tuple[str, mx.array]]:
+        m = _EXPERT.match(name)
+        if not m:
+            yield name, array
+            return
+        prefix, expert, proj, suffix = m.group(1), int(m.group(2)), m.group(3), m.group(4)
+        group = experts.setdefault((prefix, proj, suffix), {})
+        group[expert] = array
+        if len(group) == expert_counts[prefix]:  # the last expert of this projection arrived
+            stacked = mx.stack([group[e] for e in range(len(group))])
+            mx.eval(stacked)
+            del experts[(prefix, proj, suffix)]
+            yield f"{prefix}.switch_mlp.{proj}.{suffix}", stacked
+
+    for name in names:
+        if name.endswith("_scale_inv") or name.endswith(_CT_SUFFIXES[1:]):
+            continue  # consumed with the tensor they belong to
+        if name.endswith(".mlp.experts.gate_up_proj") or name.endswith(".mlp.experts.down_proj"):
+            yield from _fused_experts(name, read(name), dtype)
+            continue
+        if name.endswith(".weight_packed"):
+            module = name[: -len(".weight_packed")]
+            weight, scales, biases = _int4_pack_quantized(read, module, tensors, dtype)
+            for suffix, array in (("weight", weight), ("scales", scales), ("biases", biases)):
+                yield from emit(f"{module}.{suffix}", array)
+            continue
+        array = read(name)
+        if name + "_scale_inv" in tensors:
+            array = dequantize_fp8(array, read(name + "_scale_inv"), dtype)
+        elif mx.issubdtype(array.dtype, mx.floating):
+            array = array.astype(dtype)
+        if requantize and _requantizable(name, array, requantize.group_size):
+            q, s, b = mx.quantize(array, group_size=requantize.group_size, bits=requantize.bits)
+            mx.eval(q, s, b)
+            module = name[: -len(".weight")]
+            for suffix, part in (("weight", q), ("scales", s), ("biases", b)):
+                yield from emit(f"{module}.{suffix}", part)
+            continue
+        mx.eval(array)
+        yield from emit(name, array)
+    if experts:
+        missing = ", ".join(f"{p}.experts.*.{proj}" for p, proj, _ in experts)
+        raise UserError(f"incomplete expert tensors in the checkpoint: {missing}")
+
+
+def _fused_experts(name: str, array: mx.array, dtype: mx.Dtype) -> Iterator[tuple[str, mx.array]]:
+    """transformers 5's in-memory layout: experts.gate_up_proj [E, 2I, H] and down_proj [E, H, I]."""
+    prefix = name[: name.index(".experts.")]
+    array = array.astype(dtype)
+    if name.endswith("gate_up_proj"):
+        half = array.shape[1] // 2
+        yield f"{prefix}.switch_mlp.gate_proj.weight", mx.contiguous(array[:, :half])
+        yield f"{prefix}.switch_mlp.up_proj.weight", mx.contiguous(array[:, half:])
+    else:
+        yield f"{prefix}.switch_mlp.down_proj.weight", array
+
+
+def dequantize_fp8(weight: mx.array, scale_inv: mx.array, dtype: mx.Dtype) -> mx.array:
+    """DeepSeek FP8: e4m3 bytes times one scale per 128x128 block (edge blocks may be partial)."""
+    rows, cols = weight.shape
+    w = mx.from_fp8(weight, dtype=mx.float32)
+    scale = mx.repeat(mx.repeat(scale_inv.astype(mx.float32), _FP8_BLOCK, axis=0), _FP8_BLOCK, axis=1)
+    return (w * scale[:rows, :cols]).astype(dtype)
+
+
+def _int4_pack_quantized(read, module: str, tensors: dict, dtype: mx.Dtype):
+    packed = read(module + ".weight_packed")
+    scale = read(module + ".weight_scale").astype(dtype)
+    if module + ".weight_zero_point" in tensors:
+        raise UserError(f"{module}: asymmetric compressed-tensors weights (with zero points) are not supported")
+    if packed.dtype not in (mx.int32, mx.uint32):
+        raise UserError(f"{module}.weight_packed has dtype {packed.dtype}, expected int32")
+    out_features = packed.shape[0]
+    in_features = packed.shape[1] * 8
+    if module + ".weight_shape" in tensors:
+        out_features, in_features = (int(v) for v in read(module + ".weight_shape").tolist())
+    if packed.shape[1] * 8 != in_features or in_features % scale.shape[-1]:
+        raise UserError(f"{module}: packed shape {packed.shape} does not match weight_shape "
+                        f"[{out_features}, {in_features}]")
+    return packed.view(mx.uint32), scale, -8 * scale
+
+
+def _requantizable(name: str, array: mx.array, group_size: int) -> bool:
+    """Matrices of linear layers and embeddings; not norms, biases or routers (too small and too
+    sensitive to be worth it)."""
+    return (name.endswith(".weight") and array.ndim >= 2 and array.shape[-1] % group_size == 0
+            and not name.endswith("mlp.gate.weight") and mx.issubdtype(array.dtype, mx.floating))

@@ -1,0 +1,84 @@
+"""Mixture-of-experts building blocks: all of a layer's experts as stacked weights, run with
+MLX's gather matmuls (each token multiplies only by its chosen experts' matrices), never a
+Python loop over experts."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+class SwitchLinear(nn.Module):
+    """`num_experts` linear maps stacked as weight [experts, out, in]."""
+
+    def __init__(self, in_features: int, out_features: int, num_experts: int):
+        super().__init__()
+        scale = in_features ** -0.5
+        # Lazily evaluated: never materialised when checkpoint weights replace it.
+        self.weight = mx.random.uniform(-scale, scale, (num_experts, out_features, in_features))
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        return mx.gather_mm(x, self.weight.swapaxes(-1, -2), rhs_indices=indices,
+                            sorted_indices=sorted_indices)
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine", **_) -> "QuantizedSwitchLinear":
+        return QuantizedSwitchLinear.from_dense(self, group_size, bits, mode)
+
+
+class QuantizedSwitchLinear(nn.Module):
+    """SwitchLinear with MLX affine-quantized weights (packed uint32 + scales + biases)."""
+
+    def __init__(self, in_features: int, out_features: int, num_experts: int, group_size: int = 64,
+                 bits: int = 4, mode: str = "affine"):
+        super().__init__()
+        self.group_size, self.bits, self.mode = group_size, bits, mode
+        self.weight, self.scales, self.biases = mx.quantize(
+            mx.zeros((num_experts, out_features, in_features)), group_size=group_size, bits=bits, mode=mode)
+
+    @classmethod
+    def from_dense(cls, dense: SwitchLinear, group_size: int, bits: int, mode: str) -> "QuantizedSwitchLinear":
+        experts, out_features, in_features = dense.weight.shape
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        module.group_size, module.bits, module.mode = group_size, bits, mode
+        module.weight, module.scales, module.biases = mx.quantize(
+            dense.weight, group_size=group_size, bits=bits, mode=mode)
+        return module
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        return mx.gather_qmm(x, self.weight, self.scales, self.biases, rhs_indices=indices, transpose=True,
+                             group_size=self.group_size, bits=self.bits, mode=self.mode,
+                             sorted_indices=sorted_indices)
+
+
+class SwitchGLU(nn.Module):
+    """The routed experts of a layer, each a SwiGLU MLP: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int):
+        super().__init__()
+        self.gate_proj = SwitchLinear(hidden, intermediate, num_experts)
+        self.up_proj = SwitchLinear(hidden, intermediate, num_experts)
+        self.down_proj = SwitchLinear(intermediate, hidden, num_experts)
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        """x: [tokens, hidden]; indices: [tokens, k] chosen experts -> [tokens, k, hidden]."""
+        x = x[:, None, None, :]  # [tokens, 1, 1, hidden]: broadcast against the k experts
+        # With many tokens, grouping token-expert pairs by expert lets the kernel read each
+        # expert's weights once.
+        do_sort = indices.size >= 64
+        order = None
+        if do_sort:
+            flat = indices.flatten()
+            order = mx.argsort(flat)
+            x = x[order // indices.shape[-1]]  # [pairs, 1, 1, hidden]
+            idx = flat[order][:, None]
+        else:
+            idx = indices
+        h = nn.silu(self.gate_proj(x, idx, do_sort)) * self.up_proj(x, idx, do_sort)
+        out = self.down_proj(h, idx, do_sort)  # [..., 1, hidden]
+        if do_sort:
+            inverse = mx.argsort(order)
+            out = out[inverse].reshape(*indices.shape, -1)
+        else:
+            out = out.squeeze(-2)
+        return out
