@@ -48,6 +48,40 @@ def build_parser() -> argparse.ArgumentParser:
                      help="layers per rank, e.g. 10,10,10 (default: balanced by parameter bytes)")
     gen.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                      help="activation dtype (default float32: quantized matmuls on CPU are far faster in it)")
+    gen.add_argument("--quantize", type=int, choices=[2, 3, 4, 5, 6, 8], default=None, metavar="BITS",
+                     help="re-quantize float/FP8 weights to MLX affine BITS (4 or 8, ...) tensor by tensor while "
+                          "loading, so memory stays near the quantized size")
+    gen.add_argument("--group-size", type=int, choices=[32, 64, 128], default=64,
+                     help="group size for --quantize (default 64)")
+    gen.add_argument("--weights-in-memory", choices=["quantized", "fp32", "auto"], default="auto",
+                     help="MLX-quantized weights per rank: keep them packed, or dequantize them at load to "
+                          "--dtype (fp32 by default: BLAS matmuls, many times faster prefill on CPU, "
+                          "32/bits times the memory); auto (default): dequantized where the host's free "
+                          "memory allows")
+
+    add_cluster_args(gen)
+
+    pre = commands.add_parser("preflight", help="check every rank's host before a long job",
+                              description="Run under mpiexec with the job's hostfile and rank count: every "
+                                          "rank reports its host, Python and package versions, the model "
+                                          "folder (files, sizes, config.json hash) and free memory against "
+                                          "what its slice of the model needs. Rank 0 prints one table; the "
+                                          "exit status is 1 if anything is wrong, naming each problem.")
+    pre.add_argument("--model", type=Path, default=None, help="model folder (default: the default model)")
+    pre.add_argument("--split", default=None, help="layers per rank, as for generate")
+    pre.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                     help="activation dtype of the job (unquantized weights are held in it)")
+
+    ping = commands.add_parser("ping", help="time messages around the ring of ranks (checks the links)",
+                               description="Send hidden-state-sized messages around the ring 0 -> 1 -> ... -> 0 "
+                                           "with the chosen transport; report the round-trip time, and each "
+                                           "rank's CPU use while it waited.")
+    ping.add_argument("--rounds", type=int, default=20, help="messages sent around the ring (default 20)")
+    ping.add_argument("--floats", type=int, default=7168,
+                      help="float32 values per message (default 7168: one token of Kimi K2's hidden state)")
+    ping.add_argument("--pause", type=float, default=0.0,
+                      help="seconds rank 0 waits between rounds while the others idle in receive")
+    add_cluster_args(ping)
 
     conv = commands.add_parser("convert", help="convert a GGUF file into a model folder")
     conv.add_argument("--gguf", type=Path, required=True, help="the .gguf file")
@@ -66,12 +100,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
 
-    from mpi4py import MPI
-
     from . import mpi
+
+    mpi.use_the_launchers_mpi()
+    from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
     mpi.abort_on_unhandled_exception(comm)
+    mpi.announce_rank(comm)
+    _share_cores(comm)
     parser = build_parser()
 
     def parse() -> argparse.Namespace:
@@ -85,7 +122,40 @@ def main(argv: list[str] | None = None) -> int:
         from .commands import run_generate
 
         return run_generate(args, comm)
+    if args.command == "preflight":
+        from .preflight import run_preflight
+
+        return run_preflight(args, comm)
+    if args.command == "ping":
+        from .ping import run_ping
+
+        return run_ping(args, comm)
     return 0
+
+
+def add_cluster_args(parser: argparse.ArgumentParser) -> None:
+    """How ranks talk: the transport for hidden states, and the watchdog on silent peers."""
+    parser.add_argument("--transport", choices=["mpi", "mlx"], default="mpi",
+                        help="what carries hidden states between ranks: mpi (default) or mlx "
+                             "(mlx.core.distributed: JACCL RDMA over Thunderbolt 5, or its TCP ring); "
+                             "MPI stays the control plane either way")
+    parser.add_argument("--mlx-backend", choices=["auto", "ring", "jaccl", "mpi"], default="auto",
+                        help="mx.distributed backend for --transport mlx (default auto: jaccl when "
+                             "MLX_IBV_DEVICES is set, else ring)")
+    parser.add_argument("--watchdog", type=float, default=300.0, metavar="SECONDS",
+                        help="abort the job, naming the silent rank, when a rank waits longer than this "
+                             "for a peer's message (default 300; 0 turns it off)")
+
+
+def _share_cores(comm) -> None:
+    """BLAS threads per rank: this host's cores shared among its ranks (see blas.py)."""
+    from mpi4py import MPI
+
+    from . import blas
+
+    host = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    blas.set_threads_for_ranks(host.Get_size())
+    host.Free()
 
 
 def _validated(args: argparse.Namespace) -> argparse.Namespace:
@@ -98,6 +168,13 @@ def _validated(args: argparse.Namespace) -> argparse.Namespace:
                                        args.repetition_penalty, args.seed).validate()
         if args.model is not None and not args.model.is_dir():
             raise UserError(f"model folder {args.model} does not exist on {socket.gethostname()}")
+        from .formats import Requantize
+
+        args.requantize = Requantize(args.quantize, args.group_size) if args.quantize else None
+    if getattr(args, "watchdog", 0) < 0:
+        raise UserError(f"--watchdog must be >= 0 seconds (0 turns it off), got {args.watchdog:g}")
+    if args.command == "ping" and (args.rounds < 1 or args.floats < 1 or args.pause < 0):
+        raise UserError("ping needs --rounds >= 1, --floats >= 1 and --pause >= 0")
     return args
 
 

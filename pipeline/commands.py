@@ -12,14 +12,15 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from . import mpi
+from . import blas, mpi
 from .config import ModelConfig
 from .errors import UserError
 from .models import family_for
 from .partition import balanced_counts, check_ranks, layer_ranges, parse_split
 from .stage import Stage, serve, stop_ring
-from .transport import MpiTransport
-from .weights import Checkpoint, layer_nbytes
+from .transport import MlxTransport, MpiTransport
+from .weights import (Checkpoint, available_memory_bytes, choose_dense, is_quantized, layer_nbytes,
+                      layer_nbytes_in_memory)
 
 
 @dataclass
@@ -28,6 +29,7 @@ class Plan:
     config: ModelConfig
     checkpoint: Checkpoint
     ranges: list[tuple[int, int]]
+    dense: list[bool] | None = None  # per rank: MLX-quantized weights dequantized at load
 
 
 def resolve_model_folder(model: Path | None, comm) -> Path:
@@ -56,6 +58,9 @@ def resolve_model_folder(model: Path | None, comm) -> Path:
 def plan_job(args: argparse.Namespace, comm) -> Plan:
     """Read the model's config and tensor index and split its layers over the ranks.
     Every rank computes the same plan from the same files."""
+    mode = getattr(args, "weights_in_memory", "quantized")
+    # Collective, so before anything that can fail on one rank only.
+    memory = comm.allgather((socket.gethostname(), available_memory_bytes())) if mode == "auto" else None
     folder = resolve_model_folder(args.model, comm)
     config = ModelConfig.from_folder(folder)
     family_for(config)
@@ -67,7 +72,48 @@ def plan_job(args: argparse.Namespace, comm) -> Plan:
         check_ranks(layers, ranks)
         per_layer, ends = layer_nbytes(checkpoint, layers)
         counts = balanced_counts(per_layer, ranks, rank0_extra_bytes=ends)
-    return Plan(folder, config, checkpoint, layer_ranges(counts))
+    dense = [False] * ranks
+    if mode != "quantized" and is_quantized(checkpoint):
+        itemsize = getattr(mx, getattr(args, "dtype", "float32")).size
+        counts, dense = plan_weights_in_memory(mode, checkpoint, config, counts, memory, fixed=bool(args.split),
+                                               itemsize=itemsize)
+    return Plan(folder, config, checkpoint, layer_ranges(counts), dense)
+
+
+def plan_weights_in_memory(mode: str, checkpoint: Checkpoint, config: ModelConfig, counts: list[int],
+                           memory: list[tuple[str, int]] | None, fixed: bool, itemsize: int = 4):
+    """(layer counts, dense per rank) for --weights-in-memory fp32|auto on a quantized model.
+    fp32: every rank dense, layers balanced by dense bytes. auto: the same if every host's
+    ranks fit in its free memory (see `choose_dense`), else the quantized balance with ranks
+    made dense, in rank order, while their host has room."""
+    layers, ranks = config.num_hidden_layers, len(counts)
+
+    def shares(counts: list[int], dense: bool) -> list[int]:
+        per_layer, ends = layer_nbytes_in_memory(checkpoint, config, layers, dense, itemsize)
+        bounds = [sum(counts[:r]) for r in range(ranks + 1)]
+        return [sum(per_layer[bounds[r]:bounds[r + 1]]) + (ends if r == 0 else 0) for r in range(ranks)]
+
+    dense_counts = counts
+    if not fixed:
+        per_layer, ends = layer_nbytes_in_memory(checkpoint, config, layers, True, itemsize)
+        dense_counts = balanced_counts(per_layer, ranks, rank0_extra_bytes=ends)
+    if mode == "fp32":
+        return dense_counts, [True] * ranks
+    hosts, available = [h for h, _ in memory], [a for _, a in memory]
+    if all(choose_dense(hosts, available, [0] * ranks, shares(dense_counts, True))):
+        return dense_counts, [True] * ranks
+    return counts, choose_dense(hosts, available, shares(counts, False), shares(counts, True))
+
+
+def make_transport(args: argparse.Namespace, comm):
+    """The transport of `--transport`, with the `--watchdog` on silent peers (collective)."""
+    hosts = comm.allgather(socket.gethostname())
+    watchdog = getattr(args, "watchdog", 0.0)
+    if getattr(args, "transport", "mpi") == "mlx":
+        from .mlx_group import init_group
+
+        return MlxTransport(comm, init_group(comm, args.mlx_backend), watchdog, hosts)
+    return MpiTransport(comm, watchdog, hosts)
 
 
 def run_generate(args: argparse.Namespace, comm) -> int:
@@ -75,7 +121,7 @@ def run_generate(args: argparse.Namespace, comm) -> int:
     from .tokenizer import Tokenizer
 
     rank = comm.Get_rank()
-    transport = MpiTransport(comm)
+    transport = make_transport(args, comm)
     plan = mpi.checkpoint(comm, lambda: plan_job(args, comm))
 
     def prepare_prompt():
@@ -94,7 +140,8 @@ def run_generate(args: argparse.Namespace, comm) -> int:
     tokenizer, prompt_ids = mpi.checkpoint(comm, prepare_prompt)
     stage = mpi.checkpoint(comm, lambda: Stage.load(
         plan.config, plan.checkpoint, plan.ranges[rank], has_ends=rank == 0,
-        dtype=getattr(mx, args.dtype), progress=rank == 0))
+        dtype=getattr(mx, args.dtype), requantize=args.requantize, progress=rank == 0,
+        dense=bool(plan.dense and plan.dense[rank])))
 
     if rank == 0:
         def write(text: str) -> None:
@@ -111,7 +158,8 @@ def run_generate(args: argparse.Namespace, comm) -> int:
         serve(stage, transport)
         result = None
 
-    memory = comm.gather((socket.gethostname(), peak_rss_bytes()), root=0)
+    memory = comm.gather((socket.gethostname(), peak_rss_bytes(), weights_label(stage), blas.describe(),
+                          stage.weight_nbytes + stage.cache_nbytes, stage.kv_bytes_per_token), root=0)
     if rank == 0:
         print(stats_line(result, memory), file=sys.stderr, flush=True)
     return 0
@@ -122,8 +170,34 @@ def peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
 
 
-def stats_line(result, memory: list[tuple[str, int]]) -> str:
-    peaks = ", ".join(f"r{rank} {rss / 2**20:.0f} MiB" for rank, (_, rss) in enumerate(memory))
+def weights_label(stage: Stage) -> str:
+    """How this rank's weights live in memory: 'quantized' if any module is, else the float
+    dtype of its largest weights (e.g. 'fp32')."""
+    from mlx.utils import tree_flatten
+
+    if any("scales" in m for m in stage.model.modules()):
+        return "quantized"
+    _, biggest = max(tree_flatten(stage.model.parameters()), key=lambda kv: kv[1].size)
+    return {mx.float32: "fp32", mx.float16: "fp16", mx.bfloat16: "bf16"}.get(biggest.dtype, str(biggest.dtype))
+
+
+def per_rank(values: list[str]) -> str:
+    """'fp32' when every rank says the same, else 'r0 fp32, r1 quantized'."""
+    if len(set(values)) == 1:
+        return values[0]
+    return ", ".join(f"r{rank} {v}" for rank, v in enumerate(values))
+
+
+def stats_line(result, memory: list[tuple]) -> str:
+    """memory: per rank (host, peak RSS bytes[, weights label, BLAS description])."""
+    # Peak RSS beside the bytes each rank owns (weights + KV cache): the overhead of the runtime.
+    peaks = ", ".join(f"r{rank} {m[1] / 2**20:.0f} MiB" + (f" (owns {m[4] / 2**20:.0f})" if len(m) >= 6 else "")
+                      for rank, m in enumerate(memory))
+    if all(len(m) >= 6 for m in memory):
+        peaks += f", KV {sum(m[5] for m in memory) / 1024:.1f} KiB/token"
+    extra = ""
+    if all(len(m) >= 4 for m in memory):
+        extra = f", weights {per_rank([m[2] for m in memory])}, BLAS {per_rank([m[3] for m in memory])}"
     return (f"[pipeline] prompt {result.prompt_tokens} tokens, prefill {result.prefill_tps:.1f} tok/s, "
             f"decode {result.decode_tps:.1f} tok/s ({len(result.tokens)} tokens, {result.finish_reason}), "
-            f"TTFT {result.prefill_s:.3f} s, peak RSS {peaks}")
+            f"TTFT {result.prefill_s:.3f} s, peak RSS {peaks}{extra}")

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 import traceback
@@ -18,10 +19,17 @@ from .errors import UserError
 T = TypeVar("T")
 
 
+class AbortJob(Exception):
+    """A failure on one rank that must end the whole job at once (a silent peer, a transport
+    that cannot connect): printed as one `error:` line, without a traceback, then MPI_Abort."""
+
+
 def abort_on_unhandled_exception(comm) -> None:
     def hook(exc_type, exc, tb):
         if exc_type is KeyboardInterrupt:
             print(f"pipeline: interrupted on rank {comm.Get_rank()}", file=sys.stderr)
+        elif issubclass(exc_type, AbortJob):
+            print(f"error: {exc}", file=sys.stderr)
         else:
             text = "".join(traceback.format_exception(exc_type, exc, tb))
             print(f"pipeline: rank {comm.Get_rank()} on {socket.gethostname()} failed:\n{text}",
@@ -60,3 +68,22 @@ def checkpoint(comm, step: Callable[[], T]) -> T:
             sys.stderr.flush()
         raise JobFailed()
     return result
+
+
+def use_the_launchers_mpi() -> None:
+    """Before mpi4py loads: when Open MPI's mpirun started this process but mpi4py would load
+    another MPI library first (Linux, where `pip install .` brings the MPICH wheel), point it at
+    Open MPI's. Otherwise every rank fails in MPI_Init with an obscure PMIx error."""
+    if sys.platform != "linux" or "OMPI_COMM_WORLD_SIZE" not in os.environ:
+        return
+    if os.environ.get("MPI4PY_LIBMPI") or os.environ.get("MPI4PY_MPIABI"):
+        return  # the user chose
+    os.environ["MPI4PY_LIBMPI"] = "libmpi.so.40"  # Open MPI 4 and 5; found on the loader's path
+
+
+def announce_rank(comm) -> None:
+    """With PIPELINE_ANNOUNCE=1 (set by launch/run.py), tell the launcher which process is which
+    rank, so that when mpiexec reports a dead PID the launcher can say which rank it was."""
+    if os.environ.get("PIPELINE_ANNOUNCE") == "1":
+        print(f"[pipeline-rank] {comm.Get_rank()} {os.getpid()} {socket.gethostname()}",
+              file=sys.stderr, flush=True)

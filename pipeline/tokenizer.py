@@ -1,12 +1,17 @@
 """Tokenizer, chat template and streaming detokenizer for a Hugging Face-layout model folder.
 
-We load tokenizer.json with the `tokenizers` library and render chat templates with jinja2 the way
-transformers does, so prompts match what the model was trained with, without importing transformers.
+We load tokenizer.json with the `tokenizers` library (or, for Kimi K2 folders that ship a `tiktoken.model` rank
+file instead, build the encoding with the `tiktoken` library) and render chat templates with jinja2 the way
+transformers does, so prompts match what the model was trained with, without importing transformers and without
+running any Python that came with the model.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 
@@ -40,6 +45,97 @@ class _HFTokenizersBackend:
         return self._tok.token_to_id(token)
 
 
+# Kimi K2's pre-tokenizer split, the `pat_str` of TikTokenTokenizer in Moonshot's tokenization_kimi.py (the same in
+# Kimi-K2-Instruct, -Thinking, K2.5 and Kimi-Linear): runs of Han characters are pieces of their own, then
+# o200k-style letter runs (excluding Han), 1-3 digit groups, punctuation runs, newlines and other whitespace.
+# Its character-class intersections (&&) need tiktoken's Rust regex; Python's `re` cannot run it.
+_KIMI_PAT_STR = "|".join([
+    r"""[\p{Han}]+""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""",
+    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+    r"""\s*[\r\n]+""",
+    r"""\s+(?!\S)""",
+    r"""\s+""",
+])
+_KIMI_NUM_RESERVED = 256   # special-token ids: the 256 right after the base vocabulary
+_KIMI_MAX_CHUNK = 400_000  # Kimi encodes ordinary text in chunks of at most this many characters ...
+_KIMI_MAX_RUN = 25_000     # ... cut further so no piece has a longer run of all-space or all-non-space characters
+
+
+class _TiktokenBackend:
+    """Kimi K2's tokenizer (tiktoken.model + tokenizer_config.json), rebuilt without its tokenization_kimi.py.
+
+    Ids 0..n-1 are the n ranks of the rank file; n..n+255 are special tokens, named by tokenizer_config.json's
+    added_tokens_decoder where it names them and `<|reserved_token_{id}|>` elsewhere. Special-token text in the
+    input always encodes to its id (Kimi's tokenizer passes allowed_special="all"), and no BOS is ever added.
+    """
+
+    def __init__(self, rank_file: Path, tokenizer_config: dict):
+        import tiktoken
+
+        ranks = _read_tiktoken_ranks(rank_file)
+        base = len(ranks)
+        decoder = tokenizer_config.get("added_tokens_decoder") or {}
+        if not isinstance(decoder, dict):
+            raise UserError(f"{rank_file.parent / 'tokenizer_config.json'}: added_tokens_decoder should be an object")
+        named: dict[int, tuple[str, bool]] = {}
+        for key, value in decoder.items():
+            content = _token_content(value)
+            if not (isinstance(key, str) and key.isdigit() and content is not None):
+                raise UserError(f"{rank_file.parent / 'tokenizer_config.json'}: bad added_tokens_decoder entry {key!r}")
+            special = not (isinstance(value, dict) and value.get("special") is False)
+            named[int(key)] = (content, special)
+        self._specials: dict[str, int] = {}
+        # decode(skip_special_tokens=True) leaves out the named tokens marked special, as transformers does with
+        # Kimi's tokenizer: it keeps the tool-call markers ("special": false) and the unnamed reserved ids
+        self._skip_ids: set[int] = set()
+        for i in range(base, base + _KIMI_NUM_RESERVED):  # as Kimi does: entries outside this range are ignored
+            content, special = named.get(i, (f"<|reserved_token_{i}|>", False))
+            self._specials[content] = i
+            if special:
+                self._skip_ids.add(i)
+        try:
+            self._enc = tiktoken.Encoding(name=rank_file.name, pat_str=_KIMI_PAT_STR, mergeable_ranks=ranks,
+                                          special_tokens=self._specials)
+        except Exception as e:  # tiktoken's Rust side raises plain ValueErrors
+            raise UserError(f"cannot load {rank_file}: {_one_line(e)}") from None
+        self.vocab_size = self._enc.n_vocab  # base vocabulary + the 256 special ids
+        # Longest names first, so a name that starts another one never cuts it short
+        names = sorted(self._specials, key=len, reverse=True)
+        self._special_re = re.compile("(" + "|".join(map(re.escape, names)) + ")")
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        # add_special_tokens changes nothing: Kimi's tokenizer has no post-processor and adds no BOS or EOS
+        ids: list[int] = []
+        for i, part in enumerate(self._special_re.split(text)):
+            if i % 2:  # re.split puts the matched special tokens at the odd positions
+                ids.append(self._specials[part])
+                continue
+            for start in range(0, len(part), _KIMI_MAX_CHUNK):
+                for piece in _split_long_runs(part[start:start + _KIMI_MAX_CHUNK], _KIMI_MAX_RUN):
+                    ids += self._enc.encode_ordinary(piece)
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        # Unknown ids are dropped, like the tokenizers library does; tiktoken itself would raise
+        n = self.vocab_size
+        keep = [i for i in ids if 0 <= i < n and not (skip_special_tokens and i in self._skip_ids)]
+        return self._enc.decode(keep, errors="replace")  # U+FFFD for split UTF-8, as StreamingDetokenizer expects
+
+    def token_to_id(self, token: str) -> int | None:
+        """A special token's id, or the rank of the token whose bytes are `token` in UTF-8."""
+        if token in self._specials:
+            return self._specials[token]
+        try:
+            return self._enc.encode_single_token(token.encode("utf-8"))
+        except KeyError:
+            return None
+
+
 class Tokenizer:
     def __init__(self, backend, *, name: str, chat_template: str | None = None,
                  special_tokens: dict[str, str] | None = None, add_bos_token: bool | None = None,
@@ -65,12 +161,21 @@ class Tokenizer:
     @classmethod
     def from_folder(cls, folder) -> "Tokenizer":
         folder = Path(folder)
-        tok_json = folder / "tokenizer.json"
-        if not tok_json.is_file():
-            raise UserError(f"no tokenizer.json in model folder {folder}: copy the model's tokenizer files there")
-        backend = _HFTokenizersBackend(tok_json)
-
+        tok_json, rank_file = folder / "tokenizer.json", folder / "tiktoken.model"
         tcfg = _read_json(folder / "tokenizer_config.json")
+        if tok_json.is_file():
+            backend = _HFTokenizersBackend(tok_json)
+        elif rank_file.is_file():
+            # Kimi K2: the folder's tokenization_kimi.py is never imported; its pattern and rules are rebuilt here
+            model_type = _read_json(folder / "config.json").get("model_type")
+            if model_type == "kimi_k3":
+                raise UserError(f"{folder}: Kimi K3's tokenizer (its own split pattern and Python chat encoder) "
+                                "is not supported; only Kimi K2-style tiktoken.model folders are")
+            backend = _TiktokenBackend(rank_file, tcfg)
+        else:
+            raise UserError(f"no tokenizer.json (or Kimi's tiktoken.model) in model folder {folder}: "
+                            "copy the model's tokenizer files there")
+
         special = {}
         for key in _SPECIAL_TOKEN_KEYS:
             value = _token_content(tcfg.get(key))
@@ -250,6 +355,49 @@ def _stop_prefix_len(text: str, stops: list[str]) -> int:
                 best = n
                 break
     return best
+
+
+def _read_tiktoken_ranks(path: Path) -> dict[bytes, int]:
+    """A tiktoken rank file: one `<base64 token> <rank>` per line, ranks 0..n-1.
+
+    The format is tiktoken's (tiktoken.load.load_tiktoken_bpe parses it the same way), but that function copies
+    every file it reads into a cache under /tmp keyed by the file's path, so a folder updated in place would keep
+    loading the old ranks; hence this small reader."""
+    try:
+        lines = path.read_bytes().splitlines()
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror}") from None
+    ranks: dict[bytes, int] = {}
+    for number, line in enumerate(lines, 1):
+        if not line:
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+        except (ValueError, binascii.Error):
+            raise UserError(f"{path} line {number} is not `<base64 token> <rank>`: {line[:80]!r}") from None
+    values = set(ranks.values())
+    if not ranks or len(values) != len(ranks) or min(values) != 0 or max(values) != len(ranks) - 1:
+        raise UserError(f"{path}: the ranks should be 0..{len(ranks) - 1}, each used once by a distinct token")
+    return ranks
+
+
+def _split_long_runs(text: str, limit: int):
+    """Cut `text` so that no piece has more than `limit` consecutive whitespace or non-whitespace characters.
+
+    Kimi's tokenizer does this before calling tiktoken (whose regex is slow on huge runs), and where it cuts
+    changes the tokens, so we cut at the same places."""
+    start, run, run_is_space = 0, 0, None
+    for i, ch in enumerate(text):
+        is_space = ch.isspace()
+        if is_space != run_is_space:
+            run, run_is_space = 1, is_space
+            continue
+        run += 1
+        if run > limit:
+            yield text[start:i]
+            start, run = i, 1
+    yield text[start:]
 
 
 def _jinja_env():

@@ -15,6 +15,8 @@ from typing import NamedTuple
 import mlx.core as mx
 import numpy as np
 
+from .mpi import AbortJob
+
 
 class Kind(IntEnum):
     FORWARD = 1  # sequence layout + hidden states to run through the next stage's layers
@@ -60,8 +62,7 @@ class Transport(ABC):
         if seq_ids:
             self.send(np.array([*seq_ids, *lengths], dtype=np.int64), dest)
         if hidden is not None:
-            wire = hidden.view(mx.uint16) if hidden.dtype == mx.bfloat16 else hidden
-            self.send(np.ascontiguousarray(wire), dest)
+            self.send_hidden(hidden, dest)
 
     def recv_message(self, source: int) -> Message:
         header = np.empty(_HEADER_LEN, dtype=np.int64)
@@ -74,13 +75,24 @@ class Transport(ABC):
             seq_ids, lengths = layout[:num_seqs].tolist(), layout[num_seqs:].tolist()
         hidden = None
         if kind == Kind.FORWARD:
-            mx_dtype, np_dtype = _FROM_CODE[int(header[2])]
-            payload = np.empty(tuple(int(d) for d in header[4:4 + int(header[3])]), dtype=np_dtype)
-            self.recv(payload, source)
-            hidden = mx.array(payload)
-            if mx_dtype == mx.bfloat16:
-                hidden = hidden.view(mx.bfloat16)
+            mx_dtype, _ = _FROM_CODE[int(header[2])]
+            hidden = self.recv_hidden(tuple(int(d) for d in header[4:4 + int(header[3])]), mx_dtype, source)
         return Message(kind, seq_ids, lengths, hidden)
+
+    def send_hidden(self, hidden: mx.array, dest: int) -> None:
+        """The payload of a FORWARD message (a transport may carry it on another channel)."""
+        wire = hidden.view(mx.uint16) if hidden.dtype == mx.bfloat16 else hidden
+        self.send(np.ascontiguousarray(wire), dest)
+
+    def recv_hidden(self, shape: tuple[int, ...], dtype: mx.Dtype, source: int) -> mx.array:
+        payload = np.empty(shape, dtype=_WIRE[dtype][1])
+        self.recv(payload, source)
+        hidden = mx.array(payload)
+        return hidden.view(mx.bfloat16) if dtype == mx.bfloat16 else hidden
+
+
+class PeerSilent(AbortJob):
+    """A peer sent nothing for longer than the watchdog allows."""
 
 
 class MpiTransport(Transport):
@@ -88,14 +100,18 @@ class MpiTransport(Transport):
 
     Receives poll `Test` with a growing sleep instead of blocking in `Recv`: MPICH's blocking
     receive spins a whole core, which starves the working rank when ranks share cores.
+    The same loop is the watchdog: a wait longer than `watchdog_s` (0: none) aborts the job
+    with a message naming the silent peer.
     """
 
     max_sleep_s = 0.0005
 
-    def __init__(self, comm):
+    def __init__(self, comm, watchdog_s: float = 0.0, hosts: list[str] | None = None):
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
+        self.watchdog_s = watchdog_s
+        self.hosts = hosts  # host name of each rank, for messages
 
     def send(self, buf: np.ndarray, dest: int) -> None:
         self.comm.Send(buf, dest=dest)
@@ -103,7 +119,84 @@ class MpiTransport(Transport):
     def recv(self, buf: np.ndarray, source: int) -> None:
         request = self.comm.Irecv(buf, source=source)
         sleep = 0.0
+        start = time.monotonic()
         while not request.Test():
             if sleep:
                 time.sleep(sleep)
             sleep = min(self.max_sleep_s, sleep * 2 or 0.00002)
+            if self.watchdog_s and time.monotonic() - start > self.watchdog_s:
+                raise PeerSilent(self.silence(source))
+
+    def silence(self, source: int) -> str:
+        def who(rank: int) -> str:
+            return f"rank {rank}" + (f" ({self.hosts[rank]})" if self.hosts else "")
+
+        return (f"{who(self.rank)} got nothing from {who(source)} for {self.watchdog_s:g} s "
+                f"(--watchdog {self.watchdog_s:g}): rank {source} is hung or its link is down; "
+                f"aborting the job")
+
+
+class MlxTransport(MpiTransport):
+    """Hidden states over `mlx.core.distributed` (JACCL: RDMA over Thunderbolt 5 on Macs; or
+    MLX's TCP ring), everything else over MPI, which stays the control plane.
+
+    The small header of each message still travels by MPI and the wait for it is MpiTransport's
+    sleeping poll with its watchdog; only then is the payload received with MLX, whose receive
+    busy-polls (measured on the ring backend: a full core for the whole wait) and cannot time out.
+    The sender sends the payload right after the header, so MLX's receive never waits long; a
+    watchdog thread still guards it in case a peer hangs in between.
+    """
+
+    def __init__(self, comm, group, watchdog_s: float = 0.0, hosts: list[str] | None = None):
+        super().__init__(comm, watchdog_s, hosts)
+        self.group = group
+        self._guard = _Deadline(self) if watchdog_s else None
+
+    def send_hidden(self, hidden: mx.array, dest: int) -> None:
+        mx.eval(mx.distributed.send(hidden, dest, group=self.group, stream=mx.cpu))
+
+    def recv_hidden(self, shape: tuple[int, ...], dtype: mx.Dtype, source: int) -> mx.array:
+        if self._guard:
+            self._guard.arm(source)
+        hidden = mx.distributed.recv(shape, dtype, source, group=self.group, stream=mx.cpu)
+        mx.eval(hidden)
+        if self._guard:
+            self._guard.disarm()
+        return hidden
+
+
+class _Deadline:
+    """A thread that aborts the job if an armed (blocking, uninterruptible) wait runs too long."""
+
+    def __init__(self, transport: MpiTransport):
+        import threading
+
+        self.transport = transport
+        self.source: int | None = None
+        self.deadline = 0.0
+        self.cond = threading.Condition()
+        threading.Thread(target=self._run, name="pipeline-watchdog", daemon=True).start()
+
+    def arm(self, source: int) -> None:
+        with self.cond:
+            self.source, self.deadline = source, time.monotonic() + self.transport.watchdog_s
+            self.cond.notify()
+
+    def disarm(self) -> None:
+        with self.cond:
+            self.source = None
+
+    def _run(self) -> None:
+        import sys
+
+        with self.cond:
+            while True:
+                if self.source is None:
+                    self.cond.wait()
+                    continue
+                left = self.deadline - time.monotonic()
+                if left > 0:
+                    self.cond.wait(left)
+                    continue
+                print(f"error: {self.transport.silence(self.source)}", file=sys.stderr, flush=True)
+                self.transport.comm.Abort(1)

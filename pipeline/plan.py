@@ -1,0 +1,725 @@
+"""Capacity planner: does a model fit on these hosts, how are its layers split, how fast can it go.
+
+Everything comes from config.json alone (no weights): the parameter shapes of each layer are
+written out per family, the same shapes and checkpoint names the published files hold.
+
+Bytes per parameter, resident (in memory at run time, as `formats.adapt_tensors` loads them):
+- float tensors are held in the activation dtype (`--dtype`: 4 B for float32, 2 B for
+  bfloat16/float16), whatever they were on disk; DeepSeek's FP8 weights are dequantized into it
+  (MLX has no FP8 matmul);
+- MLX affine b-bit, group g (`--quantize b --group-size g`, or an MLX-quantized folder): b/8 B
+  packed plus one scale and one bias per g values, each in the dtype: b/8 + 2*dtype/g B
+  (4-bit, group 64, bfloat16: 0.5 + 4/64 = 0.5625 B). `--quantize` takes every matrix whose
+  rows divide into groups (embedding and LM head included) except MoE routers;
+- compressed-tensors INT4 (Kimi K2 Thinking's routed experts, symmetric, group 32) maps exactly
+  onto MLX affine 4-bit group 32 (scale s, bias -8s): 0.5 + 2*dtype/32 B.
+On disk (the checkpoint's own format, reported for comparison with download sizes): bf16 2 B;
+FP8 e4m3 1 B plus one fp32 scale_inv per 128x128 block (1 + 4/16384 B); pack-quantized INT4
+0.5 B plus one bf16 scale per 32 values (0.5625 B) and an int64[2] shape per tensor.
+
+Decode roofline (`predict`): decoding is memory-bound, so a stage's time for a step is the bytes
+it reads divided by its host's memory bandwidth: its non-expert weights (always), for MoE layers
+the distinct experts its tokens chose (m tokens choosing k of E experts uniformly and
+independently touch E*(1-(1-k/E)^m) experts), and each sequence's KV cache at the full context.
+Each hop moves m hidden states (m*hidden*dtype bytes) over a link of --link-gbs plus
+--link-latency-us. One stream visits the stages in turn: tok/s = 1 / (sum of stage times + hops).
+A batch of B sequences decoded as k = min(B, stages) micro-batches keeps the stages busy at once:
+tok/s = B / max(one micro-batch's round trip, k * the slowest stage or link).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .config import ModelConfig
+from .errors import UserError
+from .partition import balanced_counts, check_ranks, layer_ranges
+
+GIB = 1024**3
+CONFIG_DIR = Path(__file__).with_name("configs")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+DEEPSEEK_FAMILY = ("deepseek_v3", "kimi_k2")
+KNOWN_TYPES = (*LLAMA_FAMILY, "qwen3_moe", *DEEPSEEK_FAMILY)
+
+
+# ------------------------------------------------------------------------------------- configs
+
+def bundled_configs() -> dict[str, Path]:
+    """The real configurations shipped in pipeline/configs, by lower-case name."""
+    return {p.stem.lower(): p for p in sorted(CONFIG_DIR.glob("*.json"))}
+
+
+def load_config(spec: str | Path) -> ModelConfig:
+    """A model folder, a config.json file, or the name of a bundled config (e.g. DeepSeek-V3.1)."""
+    path = Path(spec)
+    if path.is_dir():
+        return ModelConfig.from_folder(path)
+    if not path.is_file():
+        path = bundled_configs().get(str(spec).lower().removesuffix(".json"))
+        if path is None:
+            names = ", ".join(p.stem for p in bundled_configs().values())
+            raise UserError(f"--model {spec}: not a model folder, a config.json file or a bundled config "
+                            f"({names})")
+    try:
+        return ModelConfig.from_dict(json.loads(path.read_text()))
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path} is not valid JSON ({e.msg} at line {e.lineno})") from None
+
+
+# ------------------------------------------------------------------------ parameter shapes
+
+@dataclass(frozen=True)
+class Param:
+    """One tensor of the checkpoint; routed experts: one entry stands for all `experts` copies
+    (named as expert 0)."""
+    name: str
+    shape: tuple[int, ...]
+    experts: int = 0
+
+    @property
+    def copies(self) -> int:
+        return self.experts or 1
+
+    @property
+    def size(self) -> int:  # elements of one copy
+        return math.prod(self.shape)
+
+    @property
+    def numel(self) -> int:
+        return self.size * self.copies
+
+    @property
+    def module(self) -> str:
+        return self.name.rsplit(".", 1)[0]
+
+    @property
+    def is_matrix(self) -> bool:
+        return self.name.endswith(".weight") and len(self.shape) == 2
+
+    @property
+    def is_router(self) -> bool:
+        return self.name.endswith("mlp.gate.weight")
+
+    @property
+    def is_embedding(self) -> bool:
+        return self.name.endswith("embed_tokens.weight")
+
+    @property
+    def is_linear(self) -> bool:
+        """A weight of an nn.Linear (what FP8 and compressed-tensors quantize); routers are
+        plain parameters in DeepSeek's code and kept out everywhere."""
+        return self.is_matrix and not self.is_router and not self.is_embedding
+
+
+@dataclass
+class Architecture:
+    config: ModelConfig
+    layers: list[list[Param]]  # per decoder layer, in order
+    ends: list[Param]  # embedding, final norm, LM head: rank 0's extra share
+    unused: list[Param]  # in the checkpoint, never run (DeepSeek's multi-token-prediction module)
+    top_k: int  # routed experts chosen per token (0: dense)
+    kv_values: int  # cached values per token per layer
+    kv_note: str
+
+    @property
+    def name(self) -> str:
+        return self.config.model_type
+
+
+def architecture(config: ModelConfig) -> Architecture:
+    t = config.model_type
+    if t in LLAMA_FAMILY or t == "qwen3_moe":
+        layers = [_gqa_layer(config, i) for i in range(config.num_hidden_layers)]
+        top_k = int(config.raw.get("num_experts_per_tok", 0)) if t == "qwen3_moe" else 0
+        kv = 2 * config.num_key_value_heads * config.head_dim
+        note = f"keys+values, {config.num_key_value_heads} KV heads x {config.head_dim}"
+        unused: list[Param] = []
+    elif t in DEEPSEEK_FAMILY:
+        r = config.raw
+        layers = [_deepseek_layer(config, i) for i in range(config.num_hidden_layers)]
+        top_k = int(r.get("num_experts_per_tok", 0))
+        kv = int(r["kv_lora_rank"]) + int(r["qk_rope_head_dim"])
+        note = f"MLA latent, kv_lora_rank {r['kv_lora_rank']} + rope {r['qk_rope_head_dim']}"
+        unused = []
+        for k in range(int(r.get("num_nextn_predict_layers") or 0)):
+            i = config.num_hidden_layers + k
+            p, d = f"model.layers.{i}", config.hidden_size
+            unused += [Param(f"{p}.enorm.weight", (d,)), Param(f"{p}.hnorm.weight", (d,)),
+                       Param(f"{p}.eh_proj.weight", (d, 2 * d)), *_deepseek_layer(config, i),
+                       Param(f"{p}.shared_head.norm.weight", (d,)),
+                       # The checkpoint stores its own copies of the embedding and the LM head.
+                       Param(f"{p}.embed_tokens.weight", (config.vocab_size, d)),
+                       Param(f"{p}.shared_head.head.weight", (config.vocab_size, d))]
+    else:
+        raise UserError(f"the planner does not know model_type {t!r} (known: {', '.join(KNOWN_TYPES)})")
+    v, d = config.vocab_size, config.hidden_size
+    ends = [Param("model.embed_tokens.weight", (v, d)), Param("model.norm.weight", (d,))]
+    if not config.tie_word_embeddings:
+        ends.append(Param("lm_head.weight", (v, d)))
+    return Architecture(config, layers, ends, unused, top_k, kv, note)
+
+
+def _linear(name: str, out: int, inp: int, bias: bool = False, experts: int = 0) -> list[Param]:
+    params = [Param(f"{name}.weight", (out, inp), experts)]
+    if bias:
+        params.append(Param(f"{name}.bias", (out,), experts))
+    return params
+
+
+def _norm(name: str, dim: int) -> list[Param]:
+    return [Param(f"{name}.weight", (dim,))]
+
+
+def _mlp(prefix: str, hidden: int, inter: int, bias: bool = False, experts: int = 0) -> list[Param]:
+    return (_linear(f"{prefix}.gate_proj", inter, hidden, bias, experts)
+            + _linear(f"{prefix}.up_proj", inter, hidden, bias, experts)
+            + _linear(f"{prefix}.down_proj", hidden, inter, bias, experts))
+
+
+def _gqa_layer(c: ModelConfig, i: int) -> list[Param]:
+    """Llama/Mistral/Qwen2/Qwen3 (q/k norm) and Qwen3-MoE layers."""
+    p, d, hd = f"model.layers.{i}", c.hidden_size, c.head_dim
+    heads, kv = c.num_attention_heads, c.num_key_value_heads
+    qkv_bias = c.attention_bias
+    out_bias = qkv_bias and c.model_type != "qwen2"  # Qwen2: bias on q/k/v only
+    a = f"{p}.self_attn"
+    params = (_norm(f"{p}.input_layernorm", d) + _norm(f"{p}.post_attention_layernorm", d)
+              + _linear(f"{a}.q_proj", heads * hd, d, qkv_bias) + _linear(f"{a}.k_proj", kv * hd, d, qkv_bias)
+              + _linear(f"{a}.v_proj", kv * hd, d, qkv_bias) + _linear(f"{a}.o_proj", d, heads * hd, out_bias))
+    if c.qk_norm:
+        params += _norm(f"{a}.q_norm", hd) + _norm(f"{a}.k_norm", hd)
+    r = c.raw
+    experts = int(r.get("num_experts") or r.get("num_local_experts") or 0) if c.model_type == "qwen3_moe" else 0
+    step = int(r.get("decoder_sparse_step", 1) or 1)
+    if experts and i not in (r.get("mlp_only_layers") or []) and (i + 1) % step == 0:
+        params += [Param(f"{p}.mlp.gate.weight", (experts, d))]
+        params += _mlp(f"{p}.mlp.experts.0", d, int(r["moe_intermediate_size"]), experts=experts)
+    else:
+        params += _mlp(f"{p}.mlp", d, c.intermediate_size, c.mlp_bias)
+    return params
+
+
+def _deepseek_layer(c: ModelConfig, i: int) -> list[Param]:
+    """DeepSeek V3 / Kimi K2: multi-head latent attention, then a dense MLP (the first
+    first_k_dense_replace layers) or routed + shared experts."""
+    r, p, d = c.raw, f"model.layers.{i}", c.hidden_size
+    heads = c.num_attention_heads
+    nope, rope, v = int(r["qk_nope_head_dim"]), int(r["qk_rope_head_dim"]), int(r["v_head_dim"])
+    kv_lora, q_lora = int(r["kv_lora_rank"]), r.get("q_lora_rank")
+    bias = bool(r.get("attention_bias", False))
+    a = f"{p}.self_attn"
+    params = _norm(f"{p}.input_layernorm", d) + _norm(f"{p}.post_attention_layernorm", d)
+    if q_lora:
+        params += (_linear(f"{a}.q_a_proj", int(q_lora), d, bias) + _norm(f"{a}.q_a_layernorm", int(q_lora))
+                   + _linear(f"{a}.q_b_proj", heads * (nope + rope), int(q_lora)))
+    else:
+        params += _linear(f"{a}.q_proj", heads * (nope + rope), d)
+    params += (_linear(f"{a}.kv_a_proj_with_mqa", kv_lora + rope, d, bias) + _norm(f"{a}.kv_a_layernorm", kv_lora)
+               + _linear(f"{a}.kv_b_proj", heads * (nope + v), kv_lora) + _linear(f"{a}.o_proj", d, heads * v, bias))
+    experts = int(r.get("n_routed_experts") or 0)
+    if experts and i >= int(r.get("first_k_dense_replace", 0)) and i % int(r.get("moe_layer_freq", 1)) == 0:
+        inter = int(r["moe_intermediate_size"])
+        params += [Param(f"{p}.mlp.gate.weight", (experts, d)), Param(f"{p}.mlp.gate.e_score_correction_bias", (experts,))]
+        params += _mlp(f"{p}.mlp.experts.0", d, inter, experts=experts)
+        if r.get("n_shared_experts"):
+            params += _mlp(f"{p}.mlp.shared_experts", d, inter * int(r["n_shared_experts"]))
+    else:
+        params += _mlp(f"{p}.mlp", d, c.intermediate_size)
+    return params
+
+
+@dataclass(frozen=True)
+class Counts:
+    total: int  # parameters the model runs (layers + embedding + final norm + head)
+    active: int  # read per token: all but the embedding table and the experts not chosen
+    unused: int  # in the checkpoint, never run (MTP), excluding its copies of embedding/head
+    unused_with_copies: int
+
+
+def count_params(arch: Architecture) -> Counts:
+    params = [p for layer in arch.layers for p in layer] + arch.ends
+    total = sum(p.numel for p in params)
+    skipped = sum(p.size * (p.experts - arch.top_k) for p in params if p.experts)
+    tied = arch.config.tie_word_embeddings  # then the embedding is the head and is read
+    embedding = 0 if tied else sum(p.numel for p in arch.ends if p.is_embedding)
+    copies = ("embed_tokens.weight", "shared_head.head.weight")
+    unused = sum(p.numel for p in arch.unused if not p.name.endswith(copies))
+    return Counts(total, total - skipped - embedding, unused, sum(p.numel for p in arch.unused))
+
+
+# ------------------------------------------------------------------------------ bytes
+
+@dataclass(frozen=True)
+class CheckpointFormat:
+    """How the published checkpoint stores its tensors, read from config.json."""
+    kind: str  # "float", "mlx", "fp8", "int4"
+    float_bytes: int  # bytes of its float tensors on disk
+    config: ModelConfig
+    block: tuple[int, int] = (128, 128)  # fp8 scale blocks
+    group_size: int = 32  # int4
+    ignore: tuple[str, ...] = ()  # int4: modules left in float
+
+    def native(self, p: Param) -> tuple[int, int] | None:
+        """(bits, group) of a tensor the checkpoint stores quantized in a form MLX runs as it is."""
+        if self.kind == "mlx" and p.is_matrix:
+            q = self.config.quantization
+            if p.is_router and p.module not in q:
+                return None  # routers stay in float unless listed
+            settings = self.config.quantization_for(p.module)
+            return (settings["bits"], settings["group_size"]) if settings else None
+        if self.kind == "int4" and p.is_linear and not self._ignored(p.module):
+            return 4, self.group_size
+        return None
+
+    def _ignored(self, module: str) -> bool:
+        for pattern in self.ignore:
+            if pattern.startswith("re:"):
+                if re.match(pattern[3:], module):
+                    return True
+            elif pattern == module:
+                return True
+        return False
+
+    def is_fp8(self, p: Param) -> bool:
+        return self.kind == "fp8" and p.is_linear and p.module != "lm_head"
+
+    def disk_bytes(self, p: Param) -> int:
+        native = self.native(p)
+        if native and self.kind == "int4":  # int32-packed nibbles, bf16 scale per group, int64[2] shape
+            rows, cols = p.shape
+            return p.copies * (rows * cols // 2 + rows * (cols // self.group_size) * 2 + 16)
+        if native:  # MLX affine: uint32-packed, scales and biases in the float dtype
+            return p.copies * _affine_bytes(p.shape, *native, self.float_bytes)
+        if self.is_fp8(p):
+            rows, cols = p.shape
+            blocks = math.ceil(rows / self.block[0]) * math.ceil(cols / self.block[1])
+            return p.copies * (p.size + 4 * blocks)
+        if self.kind == "fp8" and p.name.endswith("e_score_correction_bias"):
+            return p.numel * 4  # stored in fp32
+        return p.numel * self.float_bytes
+
+    def describe(self) -> str:
+        floats = {2: "bf16", 4: "fp32"}.get(self.float_bytes, f"{self.float_bytes}-byte floats")
+        if self.kind == "fp8":
+            b = self.block
+            return f"FP8 e4m3 with one fp32 scale per {b[0]}x{b[1]} block (1 + 4/{b[0] * b[1]} B/param), rest {floats}"
+        if self.kind == "int4":
+            return (f"compressed-tensors INT4, group {self.group_size}, for routed experts "
+                    f"(0.5 + 2/{self.group_size} B/param), rest {floats}")
+        if self.kind == "mlx":
+            q = self.config.quantization
+            return f"MLX affine {q['bits']}-bit, group {q.get('group_size', 64)}, rest {floats}"
+        return floats
+
+
+def checkpoint_format(config: ModelConfig) -> CheckpointFormat:
+    raw = config.raw
+    float_bytes = {"float32": 4, "float16": 2, "bfloat16": 2}.get(raw.get("torch_dtype") or raw.get("dtype"), 2)
+    if config.quantization and "bits" in config.quantization:
+        return CheckpointFormat("mlx", float_bytes, config)
+    q = raw.get("quantization_config") or {}
+    method = q.get("quant_method")
+    if not method:
+        return CheckpointFormat("float", float_bytes, config)
+    if method == "fp8":
+        return CheckpointFormat("fp8", float_bytes, config, block=tuple(q.get("weight_block_size") or (128, 128)))
+    if method == "compressed-tensors":
+        groups = list((q.get("config_groups") or {}).values())
+        weights = [g.get("weights") or {} for g in groups]
+        if (q.get("format") != "pack-quantized" or len(weights) != 1 or weights[0].get("num_bits") != 4
+                or weights[0].get("type") != "int" or not weights[0].get("symmetric")
+                or weights[0].get("strategy") != "group"):
+            raise UserError("compressed-tensors checkpoints are supported as symmetric INT4 pack-quantized "
+                            "with group strategy (as Kimi K2 Thinking ships), not this quantization_config")
+        return CheckpointFormat("int4", float_bytes, config, group_size=int(weights[0]["group_size"]),
+                                ignore=tuple(q.get("ignore") or ()))
+    raise UserError(f"unknown quantization method {method!r} in config.json (known: fp8, compressed-tensors, "
+                    f"MLX 'quantization')")
+
+
+def _affine_bytes(shape: tuple[int, ...], bits: int, group: int, scale_bytes: int) -> int:
+    """MLX affine quantization of one tensor: rows of uint32-packed values plus a scale and a bias
+    per group."""
+    rows, cols = math.prod(shape[:-1]), shape[-1]
+    return rows * math.ceil(cols * bits / 32) * 4 + rows * math.ceil(cols / group) * 2 * scale_bytes
+
+
+@dataclass(frozen=True)
+class Precision:
+    """What the weights become in memory: the checkpoint's format, the activation dtype floats
+    are cast to, and an optional re-quantization (`--quantize`)."""
+    checkpoint: CheckpointFormat
+    dtype: str = "float32"
+    quantize: int | None = None
+    group_size: int = 64
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    def resident_bytes(self, p: Param) -> int:
+        native = self.checkpoint.native(p)
+        if native:
+            return p.copies * _affine_bytes(p.shape, *native, self.dtype_bytes)
+        if self.requantized(p):
+            return p.copies * _affine_bytes(p.shape, self.quantize, self.group_size, self.dtype_bytes)
+        return p.numel * self.dtype_bytes
+
+    def requantized(self, p: Param) -> bool:
+        return bool(self.quantize) and p.is_matrix and not p.is_router and p.shape[-1] % self.group_size == 0
+
+    def describe(self) -> str:
+        d, name = self.dtype_bytes, self.dtype
+        parts = []
+        if self.checkpoint.kind == "int4":
+            g = self.checkpoint.group_size
+            parts.append(f"routed experts INT4 -> MLX affine 4-bit, group {g} (0.5 + 2x{d}/{g} = "
+                         f"{0.5 + 2 * d / g:.4g} B/param)")
+        if self.checkpoint.kind == "mlx":
+            q = self.checkpoint.config.quantization
+            b, g = q["bits"], q.get("group_size", 64)
+            parts.append(f"MLX affine {b}-bit, group {g} as stored ({b}/8 + 2x{d}/{g} = {b / 8 + 2 * d / g:.4g} B/param)")
+        if self.quantize:
+            b, g = self.quantize, self.group_size
+            parts.append(f"--quantize {b}: MLX affine {b}-bit, group {g} ({b}/8 + 2x{d}/{g} = "
+                         f"{b / 8 + 2 * d / g:.4g} B/param) for every other matrix but routers")
+        if self.checkpoint.kind == "fp8" and not self.quantize:
+            parts.append(f"FP8 weights dequantized to {name} at load (MLX has no FP8 matmul)")
+        parts.append(f"other tensors {name} ({d} B)")
+        return "; ".join(parts)
+
+
+@dataclass
+class ModelBytes:
+    """Resident bytes per layer and of rank 0's extras, plus what each layer reads per token."""
+    layers: list[int]
+    ends: int
+    fixed_read: list[int]  # per layer: bytes read every step (everything but routed experts)
+    expert_bytes: list[int]  # per layer: bytes of one routed expert (0: dense layer)
+    experts: list[int]  # per layer: routed experts (0: dense layer)
+    head_read: int  # rank 0 per token: final norm + LM head + one embedding row
+    active_params: list[int]  # per layer, for compute
+    head_params: int
+
+
+def model_bytes(arch: Architecture, precision: Precision) -> ModelBytes:
+    b = precision.resident_bytes
+    layers, fixed, expert_bytes, experts, active = [], [], [], [], []
+    for params in arch.layers:
+        layers.append(sum(b(p) for p in params))
+        fixed.append(sum(b(p) for p in params if not p.experts))
+        routed = [p for p in params if p.experts]
+        expert_bytes.append(sum(b(p) // p.copies for p in routed))
+        experts.append(routed[0].experts if routed else 0)
+        active.append(sum(p.numel for p in params if not p.experts) + arch.top_k * sum(p.size for p in routed))
+    ends = sum(b(p) for p in arch.ends)
+    embedding = next(p for p in arch.ends if p.is_embedding)
+    head = [p for p in arch.ends if not p.is_embedding] + ([embedding] if arch.config.tie_word_embeddings else [])
+    head_read = sum(b(p) for p in head) + (0 if arch.config.tie_word_embeddings else b(embedding) // embedding.shape[0])
+    return ModelBytes(layers, ends, fixed, expert_bytes, experts, head_read, active, sum(p.numel for p in head))
+
+
+def layer_counts(mb: ModelBytes, ranks: int, memory_gib: list[float] | None = None) -> list[int]:
+    """Contiguous layer counts per rank. With host memory, each rank's share of the resident
+    weight bytes is proportional to its memory (rank 0's share includes embedding + head);
+    without, the largest share is as small as possible. `generate --host-memory` uses this too."""
+    check_ranks(len(mb.layers), ranks)
+    return balanced_counts(mb.layers, ranks, rank0_extra_bytes=mb.ends, capacities=memory_gib)
+
+
+def parse_per_host(text: str, flag: str, hosts: int | None, allow_one: bool = False) -> list[float]:
+    """`512,512,256,256` -> floats, one per host (or one for all where `allow_one`)."""
+    try:
+        values = [float(part) for part in str(text).split(",")]
+    except ValueError:
+        raise UserError(f"{flag} {text!r} must be comma-separated numbers, e.g. 512,512,256,256") from None
+    if any(not v > 0 or math.isinf(v) for v in values):
+        raise UserError(f"{flag} {text!r}: every value must be a positive number")
+    if hosts is not None and len(values) != hosts and not (allow_one and len(values) == 1):
+        raise UserError(f"{flag} {text!r} has {len(values)} values but the job has {hosts} "
+                        f"{'hosts' if flag != '--host-memory' or allow_one else 'ranks'}: give one per "
+                        f"{'host' if allow_one else 'rank'}")
+    if hosts is not None and len(values) == 1 and hosts > 1:
+        values = values * hosts
+    return values
+
+
+# ----------------------------------------------------------------------- the plan itself
+
+@dataclass
+class Hardware:
+    memory_gib: list[float] | None  # None: unknown, fit not checked
+    bandwidth_gbs: list[float]
+    link_gbs: float = 5.0
+    link_latency_us: float = 100.0
+    tflops: list[float] | None = None
+    reserve_gib: float = 0.0
+
+
+@dataclass
+class RankPlan:
+    rank: int
+    start: int
+    end: int
+    weight_bytes: int
+    kv_bytes: int
+    memory_gib: float | None
+    reserve_gib: float = 0.0
+
+    @property
+    def needed(self) -> int:
+        return self.weight_bytes + self.kv_bytes
+
+    @property
+    def headroom(self) -> float | None:
+        return None if self.memory_gib is None else self.memory_gib * GIB - self.needed
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.memory_gib is None else self.headroom >= self.reserve_gib * GIB
+
+
+@dataclass
+class ClusterPlan:
+    arch: Architecture
+    precision: Precision
+    hardware: Hardware
+    counts: Counts
+    mb: ModelBytes
+    ranks: list[RankPlan]
+    context: int
+    batch: int
+    stage_ms: list[float]  # per rank, one token (batch 1)
+    single_tps: float
+    batch_tps: float
+    one_host_tps: float  # the whole model read at one host's bandwidth
+    even_split: tuple[list[int], float] | None = None  # (counts, batch tok/s) if an even split also fits
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool | None:
+        verdicts = [r.fits for r in self.ranks]
+        return None if None in verdicts else all(verdicts)
+
+
+def plan_cluster(config: ModelConfig, hosts: int, precision: Precision, hardware: Hardware,
+                 context: int = 8192, batch: int | None = None) -> ClusterPlan:
+    arch = architecture(config)
+    mb = model_bytes(arch, precision)
+    if context < 1:
+        raise UserError(f"--context must be >= 1, got {context}")
+    if context > config.max_position_embeddings:
+        raise UserError(f"--context {context} is longer than the model's context "
+                        f"({config.max_position_embeddings} tokens)")
+    batch = batch or hosts
+    if batch < 1:
+        raise UserError(f"--batch must be >= 1, got {batch}")
+    counts = layer_counts(mb, hosts, hardware.memory_gib)
+    ranks = _rank_plans(arch, mb, precision, hardware, counts, context, batch)
+    times = _Timing(arch, mb, precision, hardware, layer_ranges(counts), context)
+    one_host = _Timing(arch, mb, precision, Hardware(None, [max(hardware.bandwidth_gbs)],
+                                                     tflops=hardware.tflops and [max(hardware.tflops)]),
+                       [(0, len(mb.layers))], context)
+    plan = ClusterPlan(arch, precision, hardware, count_params(arch), mb, ranks, context, batch,
+                       [1e3 * times.stage(r, 1) for r in range(hosts)], times.single_stream(),
+                       times.batch(batch), one_host.single_stream())
+    if hardware.memory_gib and len(set(hardware.memory_gib)) > 1:
+        even = layer_counts(mb, hosts)
+        even_ranks = _rank_plans(arch, mb, precision, hardware, even, context, batch)
+        even_tps = _Timing(arch, mb, precision, hardware, layer_ranges(even), context).batch(batch)
+        if all(r.fits for r in even_ranks) and even_tps > plan.batch_tps * 1.01:
+            plan.even_split = (even, even_tps)
+    return plan
+
+
+def _rank_plans(arch, mb, precision, hardware, counts, context, batch) -> list[RankPlan]:
+    kv_per_layer = arch.kv_values * precision.dtype_bytes * context * batch
+    plans = []
+    for r, (start, end) in enumerate(layer_ranges(counts)):
+        weights = sum(mb.layers[start:end]) + (mb.ends if r == 0 else 0)
+        memory = hardware.memory_gib[r] if hardware.memory_gib else None
+        plans.append(RankPlan(r, start, end, weights, kv_per_layer * (end - start), memory, hardware.reserve_gib))
+    return plans
+
+
+class _Timing:
+    """The decode roofline of the module docstring, for one layer split."""
+
+    def __init__(self, arch, mb, precision, hardware, ranges, context):
+        self.arch, self.mb, self.hw, self.ranges = arch, mb, hardware, ranges
+        self.kv_per_layer_seq = arch.kv_values * precision.dtype_bytes * context
+        self.hidden_bytes = arch.config.hidden_size * precision.dtype_bytes
+        n = len(ranges)
+        self.bandwidth = hardware.bandwidth_gbs if len(hardware.bandwidth_gbs) == n else hardware.bandwidth_gbs[:1] * n
+
+    def stage(self, r: int, m: int) -> float:
+        """Seconds for rank r to run one decode step of m tokens (one per sequence)."""
+        start, end = self.ranges[r]
+        read = 0.0
+        for i in range(start, end):
+            read += self.mb.fixed_read[i] + m * self.kv_per_layer_seq
+            e = self.mb.experts[i]
+            if e:
+                k = min(self.arch.top_k, e)
+                read += e * (1 - (1 - k / e) ** m) * self.mb.expert_bytes[i]
+        params = sum(self.mb.active_params[start:end])
+        if r == 0:
+            read += self.mb.head_read
+            params += self.mb.head_params
+        seconds = read / (self.bandwidth[r] * 1e9)
+        if self.hw.tflops:
+            flops = self.hw.tflops[r] if len(self.hw.tflops) == len(self.ranges) else self.hw.tflops[0]
+            seconds = max(seconds, 2 * params * m / (flops * 1e12))
+        return seconds
+
+    def hop(self, m: int) -> float:
+        return m * self.hidden_bytes / (self.hw.link_gbs * 1e9) + self.hw.link_latency_us * 1e-6
+
+    @property
+    def hops(self) -> int:
+        return len(self.ranges) if len(self.ranges) > 1 else 0  # the ring returns to rank 0
+
+    def single_stream(self) -> float:
+        return 1 / (sum(self.stage(r, 1) for r in range(len(self.ranges))) + self.hops * self.hop(1))
+
+    def batch(self, b: int) -> float:
+        n = len(self.ranges)
+        k = min(b, n)
+        m = math.ceil(b / k)
+        stages = [self.stage(r, m) for r in range(n)]
+        link = self.hop(m) if self.hops else 0.0
+        round_trip = sum(stages) + self.hops * link
+        return b / max(round_trip, k * max(max(stages), link))
+
+
+# --------------------------------------------------------------------------- memory check
+
+@dataclass
+class MemoryPlan:
+    """`generate --host-memory`: the planner's split and its fit verdict, before loading."""
+    memory_gib: list[float]
+    mb: ModelBytes
+    kv_bytes_per_token_layer: int
+
+    @classmethod
+    def for_job(cls, config: ModelConfig, args: argparse.Namespace, ranks: int) -> "MemoryPlan":
+        memory = parse_per_host(args.host_memory, "--host-memory", ranks)
+        precision = Precision(checkpoint_format(config), dtype=args.dtype,
+                              quantize=getattr(args, "quantize", None), group_size=getattr(args, "group_size", None) or 64)
+        arch = architecture(config)
+        return cls(memory, model_bytes(arch, precision), arch.kv_values * precision.dtype_bytes)
+
+    def counts(self) -> list[int]:
+        return layer_counts(self.mb, len(self.memory_gib), self.memory_gib)
+
+    def check(self, ranges: list[tuple[int, int]], tokens: int) -> None:
+        """UserError (one line) unless every rank's weights + KV cache for `tokens` fit its memory."""
+        short = []
+        for r, (start, end) in enumerate(ranges):
+            weights = sum(self.mb.layers[start:end]) + (self.mb.ends if r == 0 else 0)
+            kv = self.kv_bytes_per_token_layer * tokens * (end - start)
+            if weights + kv > self.memory_gib[r] * GIB:
+                short.append(f"rank {r} needs {_gib(weights + kv)} (weights {_gib(weights)} + KV cache {_gib(kv)}) "
+                             f"but has {self.memory_gib[r]:g} GiB")
+        if short:
+            raise UserError(f"the model does not fit in --host-memory: {'; '.join(short)}; add hosts or memory, "
+                            f"or hold the weights in fewer bytes (--dtype bfloat16, --quantize 4)")
+
+
+# -------------------------------------------------------------------------------- output
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+def _b(n: float) -> str:
+    return f"{n / 1e9:.1f}B"
+
+
+def format_plan(plan: ClusterPlan, title: str) -> str:
+    arch, c, p, hw = plan.arch, plan.counts, plan.precision, plan.hardware
+    cp = p.checkpoint
+    lines = [f"{title} ({arch.name}): {len(arch.layers)} layers, {_b(c.total)} parameters, "
+             f"{_b(c.active)} read per token (embedding table excluded)"
+             + (f"; MTP module {_b(c.unused)} in the checkpoint, not run" if c.unused else "")]
+    resident = sum(plan.mb.layers) + plan.mb.ends
+    disk = sum(cp.disk_bytes(q) for layer in arch.layers for q in layer) + sum(cp.disk_bytes(q) for q in arch.ends)
+    disk_unused = sum(cp.disk_bytes(q) for q in arch.unused)
+    lines.append(f"weights in memory: {_gib(resident)} = {p.describe()}")
+    lines.append(f"checkpoint on disk: {disk / 1e9:.1f} GB" + (f" (+{disk_unused / 1e9:.1f} GB MTP module)" if disk_unused else "")
+                 + f", {cp.describe()}")
+    kv_token = arch.kv_values * p.dtype_bytes * len(arch.layers)
+    lines.append(f"KV cache: {arch.kv_note} = {arch.kv_values} values/token/layer, {kv_token / 1024:.1f} KiB per token "
+                 f"({p.dtype}); context {plan.context} x batch {plan.batch}")
+    lines.append("")
+    lines.append(f"{'rank':>4}  {'memory':>9}  {'layers':<14}  {'weights':>10}  {'KV cache':>9}  {'headroom':>10}  "
+                 f"{'fits':>4}  {'bandwidth':>10}  {'ms/token':>8}")
+    bandwidth = hw.bandwidth_gbs if len(hw.bandwidth_gbs) == len(plan.ranks) else hw.bandwidth_gbs[:1] * len(plan.ranks)
+    for r, ms, bw in zip(plan.ranks, plan.stage_ms, bandwidth):
+        memory = f"{r.memory_gib:g} GiB" if r.memory_gib is not None else "-"
+        headroom = _gib(r.headroom) if r.headroom is not None else "-"
+        fits = "-" if r.fits is None else ("yes" if r.fits else "NO")
+        span = f"{r.start}-{r.end - 1} ({r.end - r.start})"
+        lines.append(f"{r.rank:>4}  {memory:>9}  {span:<14}  {_gib(r.weight_bytes):>10}  {_gib(r.kv_bytes):>9}  "
+                     f"{headroom:>10}  {fits:>4}  {bw:>6g} GB/s  {ms:>8.2f}")
+    lines.append("")
+    hops = len(plan.ranks) if len(plan.ranks) > 1 else 0
+    link = (f" + {hops} hops of {hw.link_latency_us:g} us + {arch.config.hidden_size} x {p.dtype_bytes} B at "
+            f"{hw.link_gbs:g} GB/s" if hops else "")
+    lines.append(f"decode roofline: single stream {plan.single_tps:.1f} tok/s (stage times in turn{link}); "
+                 f"batch {plan.batch}: {plan.batch_tps:.1f} tok/s (stages overlap; slowest stage bounds it)")
+    lines.append(f"  for scale: one host holding the whole model at {max(hw.bandwidth_gbs):g} GB/s would reach "
+                 f"{plan.one_host_tps:.1f} tok/s single stream; a pipeline's single stream cannot beat that")
+    if plan.even_split:
+        counts, tps = plan.even_split
+        lines.append(f"  note: an even split also fits ({','.join(map(str, counts))}); it gives batch {plan.batch} "
+                     f"{tps:.1f} tok/s, since the larger hosts are the slowest stages: generate --split "
+                     f"{','.join(map(str, counts))}")
+    lines.append("  model: stage time = bytes read / bandwidth (non-expert weights, distinct routed experts "
+                 "E*(1-(1-k/E)^m) for m tokens, KV cache at the full context)"
+                 + ("; compute-bound at 2 x params x tokens / --tflops" if hw.tflops else "; compute not modelled")
+                 + "; peak numbers, no efficiency factor: real runs land below")
+    return "\n".join(lines)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    config = load_config(args.model)
+    hosts = args.hosts
+    memory = None
+    if args.host_memory is not None:
+        memory = parse_per_host(args.host_memory, "--host-memory", hosts)
+        hosts = hosts or len(memory)
+    if hosts is None:
+        raise UserError("plan: give --hosts N or --host-memory with one value per host")
+    if hosts < 1:
+        raise UserError(f"--hosts must be >= 1, got {hosts}")
+    hardware = Hardware(
+        memory_gib=memory,
+        bandwidth_gbs=parse_per_host(args.bandwidth_gbs, "--bandwidth-gbs", hosts, allow_one=True),
+        link_gbs=parse_per_host(args.link_gbs, "--link-gbs", 1)[0],
+        link_latency_us=_non_negative(args.link_latency_us, "--link-latency-us"),
+        tflops=parse_per_host(args.tflops, "--tflops", hosts, allow_one=True) if args.tflops else None,
+        reserve_gib=_non_negative(args.reserve_gb, "--reserve-gb"),
+    )
+    precision = Precision(checkpoint_format(config), args.dtype, args.quantize, args.group_size)
+    plan = plan_cluster(config, hosts, precision, hardware, args.context, args.batch)
+    title = Path(str(args.model)).name.removesuffix(".json") or str(args.model)
+    print(format_plan(plan, title), flush=True)
+    if plan.fits is False:
+        short = [f"rank {r.rank} needs {_gib(r.needed)} of {r.memory_gib:g} GiB" for r in plan.ranks if not r.fits]
+        raise UserError(f"the model does not fit: {'; '.join(short)}"
+                        + (f" (with --reserve-gb {hardware.reserve_gib:g})" if hardware.reserve_gib else "")
+                        + "; add hosts or memory, or hold the weights in fewer bytes (--dtype bfloat16, --quantize 4)")
+    return 0
+
+
+def _non_negative(value: float, flag: str) -> float:
+    if not value >= 0:
+        raise UserError(f"{flag} must be >= 0, got {value}")
+    return value

@@ -1,0 +1,276 @@
+"""`python -m pipeline preflight`: check every rank's host before committing to a long job.
+
+Run it under mpiexec exactly like the job (same hostfile, same number of ranks, same --model,
+--split and --dtype). Every rank reports what it has; rank 0 compares them all against rank 0
+(or, if rank 0 lacks the model, the first rank that has it), prints one table on stdout and one
+`problem:` line per thing wrong on stderr, and every rank exits 1 if there was any:
+
+- Python (major.minor) or a package version (pipeline, mlx, mpi4py, numpy, tokenizers, jinja2)
+  differs from the reference rank's;
+- the model folder is missing, or unreadable, on a rank;
+- a file is missing, extra, or of another size than on the reference rank; config.json differs
+  (sha256);
+- the rank's free memory is below what its slice of the layers needs: its weights as they will
+  be held (floats in --dtype, packed quantized weights as stored) plus 10% for caches and
+  activations. Slices are split as `generate` splits them (balanced by bytes, or --split).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import platform
+import socket
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import UserError
+
+PACKAGES = ("pipeline", "mlx", "mpi4py", "numpy", "tokenizers", "jinja2")
+HEADROOM = 1.10  # caches and activations on top of the weights
+_FLOAT_DTYPES = {"F32", "F16", "BF16", "F64", "F8_E4M3"}
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass
+class RankReport:
+    rank: int
+    host: str
+    python: str
+    packages: dict[str, str]
+    mpi_library: str
+    available: int | None  # bytes of memory free for this job, None if unknown
+    metal_limit: int | None  # macOS: the GPU's recommended working-set size
+    folder: str
+    folder_error: str | None = None
+    files: dict[str, int] = field(default_factory=dict)  # name -> size in bytes
+    config_sha256: str | None = None
+    num_layers: int = 0
+    layer_bytes: list[int] = field(default_factory=list)  # in memory, per layer
+    ends_bytes: int = 0  # embedding + final norm + head, in memory
+    disk_layer_bytes: list[int] = field(default_factory=list)
+    disk_ends_bytes: int = 0
+
+
+def run_preflight(args: argparse.Namespace, comm) -> int:
+    report = collect(args, comm)
+    reports = comm.gather(report, root=0)
+    problems: list[str] = []
+    if comm.Get_rank() == 0:
+        table, problems = evaluate(reports, args.split)
+        print(table, flush=True)
+        for problem in problems:
+            print(f"problem: {problem}", file=sys.stderr)
+        if problems:
+            print(f"preflight: {len(problems)} problem{'s' if len(problems) != 1 else ''} on "
+                  f"{len(reports)} ranks: fix them before starting the job", file=sys.stderr, flush=True)
+        else:
+            print(f"preflight: all {len(reports)} ranks ready", file=sys.stderr, flush=True)
+    return 1 if comm.bcast(bool(problems), root=0) else 0
+
+
+def collect(args: argparse.Namespace, comm) -> RankReport:
+    """What this rank has: host, versions, model files, memory."""
+    from mpi4py import MPI
+
+    folder = args.model
+    if folder is None:
+        from .commands import resolve_model_folder
+
+        try:
+            folder = resolve_model_folder(None, comm)
+        except UserError as e:
+            folder = Path("(default model)")
+            error = str(e)
+        else:
+            error = None
+    else:
+        error = None
+    report = RankReport(
+        rank=comm.Get_rank(), host=socket.gethostname(), python=platform.python_version(),
+        packages={name: package_version(name) for name in PACKAGES},
+        mpi_library=" ".join(MPI.Get_library_version().split(",")[0].split())[:40],
+        available=available_memory(), metal_limit=metal_working_set(), folder=str(folder))
+    if error:
+        report.folder_error = error
+        return report
+    folder = Path(folder)
+    if not folder.is_dir():
+        report.folder_error = f"model folder {folder} does not exist"
+        return report
+    report.files = {p.name: p.stat().st_size for p in sorted(folder.iterdir())
+                    if p.is_file() and not p.name.startswith(".")}
+    config = folder / "config.json"
+    if config.is_file():
+        report.config_sha256 = hashlib.sha256(config.read_bytes()).hexdigest()
+    try:
+        _measure_slices(report, folder, _ITEMSIZE[args.dtype])
+    except UserError as e:
+        report.folder_error = str(e)
+    return report
+
+
+def _measure_slices(report: RankReport, folder: Path, itemsize: int) -> None:
+    from .config import ModelConfig
+    from .weights import Checkpoint, layer_nbytes, layer_of
+
+    config = ModelConfig.from_folder(folder)
+    checkpoint = Checkpoint(folder)
+    report.num_layers = config.num_hidden_layers
+    report.disk_layer_bytes, report.disk_ends_bytes = layer_nbytes(checkpoint, config.num_hidden_layers)
+    per_layer = [0] * config.num_hidden_layers
+    ends = 0
+    for name, info in checkpoint.tensors.items():
+        numel = 1
+        for d in info.shape:
+            numel *= d
+        held = numel * itemsize if info.dtype in _FLOAT_DTYPES else info.nbytes
+        layer = layer_of(name)
+        if layer is not None and layer < config.num_hidden_layers:
+            per_layer[layer] += held
+        elif layer is None and name.startswith(("model.embed_tokens.", "model.norm.", "lm_head.")):
+            ends += held
+    report.layer_bytes, report.ends_bytes = per_layer, ends
+
+
+def evaluate(reports: list[RankReport], split: str | None) -> tuple[str, list[str]]:
+    """Rank 0: the table, and one line per problem."""
+    from .partition import balanced_counts, check_ranks, layer_ranges, parse_split
+
+    problems: list[str] = []
+    who = {r.rank: f"rank {r.rank} ({r.host})" for r in reports}
+    with_model = [r for r in reports if not r.folder_error]
+    ref = with_model[0] if with_model else None
+
+    for r in reports:
+        if r.folder_error:
+            problems.append(f"{who[r.rank]}: {r.folder_error}")
+    base = reports[0]
+    for r in reports[1:]:
+        if r.python.split(".")[:2] != base.python.split(".")[:2]:
+            problems.append(f"{who[r.rank]}: Python {r.python}, rank 0 has {base.python}")
+        for name in PACKAGES:
+            if r.packages[name] != base.packages[name]:
+                problems.append(f"{who[r.rank]}: {name} {r.packages[name]}, rank 0 has {base.packages[name]}")
+    if ref is not None:
+        for r in with_model:
+            if r is ref:
+                continue
+            for name in sorted(set(ref.files) | set(r.files)):
+                if name not in r.files:
+                    problems.append(f"{who[r.rank]}: {name} is missing from {r.folder} (rank {ref.rank} has it)")
+                elif name not in ref.files:
+                    problems.append(f"{who[r.rank]}: {name} in {r.folder} is not on rank {ref.rank}")
+                elif r.files[name] != ref.files[name]:
+                    problems.append(f"{who[r.rank]}: {name} is {r.files[name]:,} bytes, "
+                                    f"{ref.files[name]:,} on rank {ref.rank}: copy it again")
+            if r.config_sha256 != ref.config_sha256:
+                problems.append(f"{who[r.rank]}: config.json differs from rank {ref.rank}'s "
+                                f"(sha256 {str(r.config_sha256)[:12]} vs {str(ref.config_sha256)[:12]})")
+
+    ranges: list[tuple[int, int]] | None = None
+    if ref is not None:
+        try:
+            if split:
+                counts = parse_split(split, ref.num_layers, len(reports))
+            else:
+                check_ranks(ref.num_layers, len(reports))
+                counts = balanced_counts(ref.disk_layer_bytes, len(reports), rank0_extra_bytes=ref.disk_ends_bytes)
+            ranges = layer_ranges(counts)
+        except UserError as e:
+            problems.append(str(e))
+
+    rows = []
+    for r in reports:
+        need = None
+        if ranges is not None:
+            start, end = ranges[r.rank]
+            need = int((sum(ref.layer_bytes[start:end]) + (ref.ends_bytes if r.rank == 0 else 0)) * HEADROOM)
+            if r.available is not None and need > r.available:
+                problems.append(f"{who[r.rank]}: its slice (layers {start}-{end - 1}) needs {gib(need)} "
+                                f"but only {gib(r.available)} of memory is free: add a host, or move layers "
+                                f"off it with --split")
+            if r.metal_limit is not None and need > r.metal_limit:
+                problems.append(f"{who[r.rank]}: its slice needs {gib(need)} but the GPU may wire only "
+                                f"{gib(r.metal_limit)}: raise it with `sudo sysctl iogpu.wired_limit_mb=N` "
+                                f"(see launch/THUNDERBOLT.md)")
+        mine = [p for p in problems if p.startswith(who[r.rank] + ":")]
+        rows.append([
+            r.rank, r.host, r.python, r.packages["mlx"], r.packages["mpi4py"], r.mpi_library,
+            "missing" if r.folder_error else f"{len(r.files)} files, {gib(sum(r.files.values()))}",
+            (r.config_sha256 or "-")[:12],
+            f"{ranges[r.rank][0]}-{ranges[r.rank][1] - 1}" if ranges else "-",
+            gib(need) if need is not None else "-",
+            gib(r.available) if r.available is not None else "unknown",
+            "OK" if not mine else f"{len(mine)} problem{'s' if len(mine) > 1 else ''}",
+        ])
+    header = ["rank", "host", "python", "mlx", "mpi4py", "MPI", "model", "config sha256", "layers",
+              "needs", "free", "status"]
+    problems.sort(key=lambda p: int(p.split()[1]) if p.startswith("rank ") else -1)
+    return _table(header, rows), problems
+
+
+def package_version(name: str) -> str:
+    if name == "pipeline":
+        from . import __version__
+
+        return __version__
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "missing"
+
+
+def available_memory() -> int | None:
+    """Bytes of memory a new allocation can get without swapping."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if sys.platform == "darwin":  # free + inactive + speculative + purgeable pages
+        import re
+        import subprocess
+
+        out = subprocess.run(["vm_stat"], capture_output=True, text=True).stdout
+        page = int(re.search(r"page size of (\d+)", out).group(1)) if "page size of" in out else 16384
+        pages = 0
+        for key in ("Pages free", "Pages inactive", "Pages speculative", "Pages purgeable"):
+            m = re.search(rf"{key}:\s+(\d+)", out)
+            pages += int(m.group(1)) if m else 0
+        return pages * page if pages else None
+    return None
+
+
+def metal_working_set() -> int | None:
+    try:
+        import mlx.core as mx
+
+        if not mx.metal.is_available():
+            return None
+        info = mx.metal.device_info() if hasattr(mx.metal, "device_info") else mx.device_info()
+        return int(info["max_recommended_working_set_size"])
+    except Exception:
+        return None
+
+
+def gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 / 10 else f"{n / 2**20:.1f} MiB"
+
+
+def _table(header: list[str], rows: list[list]) -> str:
+    cells = [header] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)

@@ -1,0 +1,188 @@
+"""The optimized BLAS under MLX (blas.py) and --weights-in-memory (weights dequantized at load)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from conftest import REPO, mpiexec
+
+PROMPT = [1, 5, 77, 23, 299, 3, 4, 5, 6, 100, 42, 17]
+
+
+def clean_env(**extra: str) -> dict:
+    """The environment without BLAS thread settings the tests do not expect."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS", "PIPELINE_BLAS")}
+    return {**env, "PYTHONPATH": str(REPO), **extra}
+
+
+def run_python(code: str, **env: str) -> dict:
+    """Run `code` in a fresh interpreter (MLX binds its BLAS when first imported) -> its JSON."""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            cwd=REPO, env=clean_env(**env))
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def openblas_installed() -> bool:
+    from pipeline import blas
+
+    return any(os.path.exists(path) for path in blas.candidates())
+
+
+needs_openblas = pytest.mark.skipif(not openblas_installed(),
+                                    reason="no OpenBLAS installed (apt-get install libopenblas0-pthread)")
+
+MATMUL = """
+import json, numpy as np
+import pipeline
+from pipeline import blas
+import mlx.core as mx
+rng = np.random.default_rng(0)
+a, b = rng.standard_normal((96, 640), dtype=np.float32), rng.standard_normal((640, 200), dtype=np.float32)
+v = rng.standard_normal((1, 640), dtype=np.float32)
+ours, vec = np.array(mx.array(a) @ mx.array(b)), np.array(mx.array(v) @ mx.array(b))
+err = float(max(np.abs(ours - a @ b).max() / np.abs(a @ b).max(), np.abs(vec - v @ b).max() / np.abs(v @ b).max()))
+print(json.dumps({"in_use": blas.in_use(), "describe": blas.describe(), "err": err,
+                  "optimized": blas.is_optimized()}))
+"""
+
+
+@needs_openblas
+def test_openblas_is_what_mlx_calls_and_matches_numpy():
+    out = run_python(MATMUL)
+    assert "openblas" in os.path.basename(out["in_use"]).lower(), out
+    assert out["optimized"] and out["describe"].startswith("OpenBLAS"), out
+    assert out["err"] < 1e-5, out
+
+
+def test_opt_out_keeps_the_bundled_blas():
+    out = run_python(MATMUL, PIPELINE_BLAS="bundled")
+    assert "mlx_cpu.libs" in out["in_use"] or sys.platform != "linux", out
+    assert not out["optimized"]
+    assert "netlib" in out["describe"] and "PIPELINE_BLAS=bundled" in out["describe"], out
+    assert out["err"] < 1e-5, out
+
+
+def test_mlx_imported_first_is_reported_not_hidden():
+    code = "import mlx.core\n" + MATMUL
+    out = run_python(code)
+    assert not out["optimized"] and "imported before pipeline" in out["describe"], out
+
+
+def test_threads_share_the_host_cores(monkeypatch):
+    from pipeline import blas
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(blas, "usable_cores", lambda: 16)
+    assert [blas.threads_for(n) for n in (1, 2, 3, 4, 16, 32)] == [16, 8, 5, 4, 1, 1]
+    monkeypatch.setattr(blas, "usable_cores", lambda: 1)  # each rank bound to one core
+    assert blas.threads_for(2) == 1
+
+
+@needs_openblas
+def test_stats_line_names_the_blas_and_threads(tiny_models):
+    args = ("generate", "--model", str(tiny_models["llama"]), "--prompt", "hi", "--max-tokens", "4")
+    result = mpiexec(2, *args, env=clean_env())
+    assert result.returncode == 0, result.stderr
+    (stats,) = [line for line in result.stderr.splitlines() if line.startswith("[pipeline]")]
+    threads = max(1, (os.cpu_count() or 1) // 2)
+    assert f"BLAS OpenBLAS" in stats and f"{threads} thread" in stats and "2 ranks/host" in stats, stats
+
+    result = mpiexec(2, *args, env=clean_env(OPENBLAS_NUM_THREADS="1"))
+    assert "1 thread, OPENBLAS_NUM_THREADS" in result.stderr, result.stderr
+
+    result = mpiexec(1, *args, env=clean_env(PIPELINE_BLAS="bundled"))
+    assert result.returncode == 0, result.stderr
+    assert "BLAS netlib reference BLAS (bundled with mlx) [PIPELINE_BLAS=bundled]" in result.stderr
+
+
+# ---- --weights-in-memory ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def quantized_models(tiny_models, tmp_path_factory):
+    """The tiny llama (own LM head) and qwen3 (tied embeddings) MLX-quantized: 4-bit
+    projections and head, 8-bit embedding, fp16 scales, as mlx-community publishes them."""
+    from pipeline.weights import Checkpoint
+
+    out = {}
+    for kind in ("llama", "qwen3"):
+        source = tiny_models[kind]
+        folder = tmp_path_factory.mktemp(f"q-{kind}")
+        tensors = {}
+        for name in Checkpoint(source).tensors:
+            w = Checkpoint(source).read(name)
+            bits = 8 if name == "model.embed_tokens.weight" else 4
+            if name.endswith("proj.weight") or name in ("lm_head.weight", "model.embed_tokens.weight"):
+                q, s, b = mx.quantize(w, group_size=32, bits=bits)
+                tensors[name], tensors[name[:-6] + "scales"], tensors[name[:-6] + "biases"] = \
+                    q, s.astype(mx.float16), b.astype(mx.float16)
+            else:
+                tensors[name] = w
+        mx.save_safetensors(str(folder / "model.safetensors"), tensors)
+        config = json.loads((source / "config.json").read_text())
+        config["quantization"] = {"group_size": 32, "bits": 4, "model.embed_tokens": {"group_size": 32, "bits": 8}}
+        (folder / "config.json").write_text(json.dumps(config))
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            (folder / name).write_bytes((source / name).read_bytes())
+        out[kind] = folder
+    return out
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_dequantized_weights_compute_the_same(quantized_models, kind):
+    import mlx.nn as nn
+
+    from pipeline.config import ModelConfig
+    from pipeline.stage import Stage
+    from pipeline.weights import Checkpoint, layer_nbytes_in_memory
+
+    folder = quantized_models[kind]
+    config, checkpoint = ModelConfig.from_folder(folder), Checkpoint(folder)
+    stages = {dense: Stage.load(config, checkpoint, (0, 4), has_ends=True, dtype=mx.float32, dense=dense)
+              for dense in (False, True)}
+    assert not any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+                   for m in stages[True].model.modules())
+    assert isinstance(stages[False].model.embed_tokens, nn.QuantizedEmbedding)
+    logits = {}
+    for dense, stage in stages.items():
+        hidden = stage.run_layers(stage.model.embed(mx.array([PROMPT])))
+        logits[dense] = np.array(stage.model.logits(hidden))[0]
+        # What the planner counts is what the rank holds.
+        from mlx.utils import tree_flatten
+
+        held = sum(a.nbytes for _, a in tree_flatten(stage.model.parameters()))
+        per_layer, ends = layer_nbytes_in_memory(checkpoint, config, 4, dense)
+        assert sum(per_layer) + ends == held
+    scale = np.abs(logits[False]).max()
+    assert np.abs(logits[True] - logits[False]).max() <= 1e-5 * scale
+    assert (logits[True].argmax(-1) == logits[False].argmax(-1)).all()
+
+
+def test_greedy_identical_quantized_or_dequantized(quantized_models):
+    folder = quantized_models["qwen3"]
+    outputs = {}
+    for n, mode in ((1, "quantized"), (1, "fp32"), (2, "fp32"), (2, "auto"), (2, "quantized")):
+        result = mpiexec(n, "generate", "--model", str(folder), "--prompt", "The capital of France",
+                         "--max-tokens", "16", "--no-chat-template", "--weights-in-memory", mode)
+        assert result.returncode == 0, result.stderr
+        (stats,) = [line for line in result.stderr.splitlines() if line.startswith("[pipeline]")]
+        assert f"weights {'quantized' if mode == 'quantized' else 'fp32'}," in stats, stats
+        outputs[n, mode] = result.stdout
+    assert len(set(outputs.values())) == 1, outputs
+
+
+def test_auto_keeps_weights_quantized_where_memory_is_short():
+    from pipeline.weights import choose_dense
+
+    hosts = ["a", "a", "b"]
+    # Host a: 100 free -> 75 usable; quantized 10 + 10; dense extras 40 and 40: only one fits.
+    assert choose_dense(hosts, [100, 100, 1000], [10, 10, 10], [50, 50, 50]) == [True, False, True]
+    assert choose_dense(hosts, [1000, 1000, 10], [10, 10, 10], [50, 50, 50]) == [True, True, False]
