@@ -9,6 +9,7 @@ import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
@@ -22,6 +23,9 @@ from .transport import MlxTransport, MpiTransport
 from .weights import (Checkpoint, available_memory_bytes, choose_dense, is_quantized, layer_nbytes,
                       layer_nbytes_in_memory)
 
+if TYPE_CHECKING:
+    from .plan import MemoryPlan
+
 
 @dataclass
 class Plan:
@@ -30,6 +34,7 @@ class Plan:
     checkpoint: Checkpoint
     ranges: list[tuple[int, int]]
     dense: list[bool] | None = None  # per rank: MLX-quantized weights dequantized at load
+    host_memory: "MemoryPlan | None" = None  # generate --host-memory: the planner's split and fit check
 
 
 def resolve_model_folder(model: Path | None, comm) -> Path:
@@ -66,8 +71,15 @@ def plan_job(args: argparse.Namespace, comm) -> Plan:
     family_for(config)
     checkpoint = Checkpoint(folder)
     ranks, layers = comm.Get_size(), config.num_hidden_layers
+    host_memory = None
+    if getattr(args, "host_memory", None):
+        from .plan import MemoryPlan
+
+        host_memory = MemoryPlan.for_job(config, args, ranks)
     if args.split:
         counts = parse_split(args.split, layers, ranks)
+    elif host_memory:
+        counts = host_memory.counts()
     else:
         check_ranks(layers, ranks)
         per_layer, ends = layer_nbytes(checkpoint, layers)
@@ -75,9 +87,9 @@ def plan_job(args: argparse.Namespace, comm) -> Plan:
     dense = [False] * ranks
     if mode != "quantized" and is_quantized(checkpoint):
         itemsize = getattr(mx, getattr(args, "dtype", "float32")).size
-        counts, dense = plan_weights_in_memory(mode, checkpoint, config, counts, memory, fixed=bool(args.split),
-                                               itemsize=itemsize)
-    return Plan(folder, config, checkpoint, layer_ranges(counts), dense)
+        counts, dense = plan_weights_in_memory(mode, checkpoint, config, counts, memory,
+                                               fixed=bool(args.split or host_memory), itemsize=itemsize)
+    return Plan(folder, config, checkpoint, layer_ranges(counts), dense, host_memory)
 
 
 def plan_weights_in_memory(mode: str, checkpoint: Checkpoint, config: ModelConfig, counts: list[int],
@@ -134,6 +146,8 @@ def run_generate(args: argparse.Namespace, comm) -> int:
         if len(ids) >= context:
             raise UserError(f"the prompt has {len(ids)} tokens but the model's context is {context}: "
                             f"shorten it")
+        if plan.host_memory:  # the planner's verdict, before any weights are read
+            plan.host_memory.check(plan.ranges, min(len(ids) + args.max_tokens, context), plan.dense)
         return tokenizer, ids
 
     # Tokenize before loading weights so a bad prompt fails in seconds, not after the load.
@@ -166,6 +180,15 @@ def run_generate(args: argparse.Namespace, comm) -> int:
 
 
 def peak_rss_bytes() -> int:
+    """This process's peak resident memory. On Linux, VmHWM: unlike ru_maxrss it is not
+    inherited through fork + exec from a large parent process."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
 

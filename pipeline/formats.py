@@ -47,7 +47,8 @@ def adapt_tensors(names: list[str], tensors: dict, read: Callable[[str], mx.arra
     """Yield (checkpoint-style name, array) for a rank's tensors in the form our modules hold:
     floats in `dtype`, MLX-quantized triples as uint32 weight + scales/biases in `dtype`.
     `tensors` maps every checkpoint name to its info (to find companions like scale_inv)."""
-    experts: dict[tuple[str, str, str], dict[int, mx.array]] = {}
+    # Stacked expert tensors being filled: (prefix, proj, suffix) -> [array, experts still missing].
+    experts: dict[tuple[str, str, str], list] = {}
     expert_counts: dict[str, int] = {}
     for name in names:
         m = _ANY_EXPERT.match(name)
@@ -60,13 +61,20 @@ def adapt_tensors(names: list[str], tensors: dict, read: Callable[[str], mx.arra
             yield name, array
             return
         prefix, expert, proj, suffix = m.group(1), int(m.group(2)), m.group(3), m.group(4)
-        group = experts.setdefault((prefix, proj, suffix), {})
-        group[expert] = array
-        if len(group) == expert_counts[prefix]:  # the last expert of this projection arrived
-            stacked = mx.stack([group[e] for e in range(len(group))])
-            mx.eval(stacked)
-            del experts[(prefix, proj, suffix)]
-            yield f"{prefix}.switch_mlp.{proj}.{suffix}", stacked
+        key = (prefix, proj, suffix)
+        if key not in experts:
+            count = expert_counts[prefix]
+            experts[key] = [mx.zeros((count, *array.shape), array.dtype), count]
+            mx.eval(experts[key][0])
+        entry = experts[key]
+        # Written in place (the stacked array's only reference is donated), so a layer's
+        # experts never exist twice in memory.
+        entry[0][expert] = array
+        mx.eval(entry[0])
+        entry[1] -= 1
+        if entry[1] == 0:
+            del experts[key]
+            yield f"{prefix}.switch_mlp.{proj}.{suffix}", entry[0]
 
     for name in names:
         if name.endswith("_scale_inv") or name.endswith(_CT_SUFFIXES[1:]):

@@ -184,8 +184,14 @@ def load_slice(model: nn.Module, checkpoint: Checkpoint, dtype: mx.Dtype,
         bar.update()
         return checkpoint.read(name)
 
-    weights = {local_name(name, model.start): array
-               for name, array in adapt_tensors(names, checkpoint.tensors, read, dtype, requantize)}
+    # Loading makes many short-lived tensors (raw bytes, dequantized floats before
+    # re-quantization); MLX's allocator would keep their buffers cached and resident.
+    cache_limit = mx.set_cache_limit(0)
+    try:
+        weights = {local_name(name, model.start): array
+                   for name, array in adapt_tensors(names, checkpoint.tensors, read, dtype, requantize)}
+    finally:
+        mx.set_cache_limit(cache_limit)
     bar.close()
     _quantize_like(model, weights)
     try:
@@ -283,21 +289,25 @@ def dequantize_slice(model: nn.Module, dtype: mx.Dtype) -> int:
     Returns the number of modules replaced."""
     from mlx.utils import tree_unflatten
 
-    replaced = 0
-    for path, module in list(model.named_modules()):
+    paths = [path for path, module in model.named_modules() if _is_quantized_module(module)]
+    for path in paths:  # by path, so no list keeps the packed modules alive
+        module = model
+        for part in path.split("."):
+            module = module[int(part)] if isinstance(module, list) else module[part]
         dense = _dense_module(module, dtype)
-        if dense is None:
-            continue
         mx.eval(dense.parameters())
         model.update_modules(tree_unflatten([(path, dense)]))
-        replaced += 1
-    return replaced
+        del module, dense
+        mx.clear_cache()  # give the packed copy back now, not after the whole slice is dense
+    return len(paths)
 
 
-def _dense_module(module: nn.Module, dtype: mx.Dtype) -> nn.Module | None:
-    if not isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and \
-            type(module).__name__ != "QuantizedSwitchLinear":
-        return None
+def _is_quantized_module(module: nn.Module) -> bool:
+    return isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)) or \
+        type(module).__name__ == "QuantizedSwitchLinear"
+
+
+def _dense_module(module: nn.Module, dtype: mx.Dtype) -> nn.Module:
     weight = mx.dequantize(module.weight, module.scales, module.get("biases"), group_size=module.group_size,
                            bits=module.bits, mode=getattr(module, "mode", "affine")).astype(dtype)
     if isinstance(module, nn.QuantizedLinear):
