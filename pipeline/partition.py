@@ -10,16 +10,22 @@ from __future__ import annotations
 from .errors import UserError
 
 
-def balanced_counts(layer_bytes: list[int], ranks: int, rank0_extra_bytes: int = 0) -> list[int]:
-    """Layer counts per rank (each >= 1) minimising the largest per-rank byte total."""
+def balanced_counts(layer_bytes: list[int], ranks: int, rank0_extra_bytes: int = 0,
+                    capacities: list[float] | None = None) -> list[int]:
+    """Layer counts per rank (each >= 1) minimising the largest per-rank byte total, or with
+    `capacities` (e.g. each host's memory) the largest total relative to its rank's capacity, so
+    that shares come out proportional to capacity."""
     num_layers = len(layer_bytes)
     check_ranks(num_layers, ranks)
+    if capacities is not None and len(capacities) != ranks:
+        raise ValueError(f"{len(capacities)} capacities for {ranks} ranks")
     prefix = [0]
     for b in layer_bytes:
         prefix.append(prefix[-1] + b)
 
-    def load(rank: int, i: int, j: int) -> int:  # bytes of `rank` owning layers [i, j)
-        return prefix[j] - prefix[i] + (rank0_extra_bytes if rank == 0 else 0)
+    def load(rank: int, i: int, j: int) -> float:  # bytes of `rank` owning layers [i, j)
+        total = prefix[j] - prefix[i] + (rank0_extra_bytes if rank == 0 else 0)
+        return total if capacities is None else total / capacities[rank]
 
     # best[r][j]: smallest possible max-share when ranks 0..r own layers [0, j); exact DP,
     # cheap for any real model (layers <= a few hundred).

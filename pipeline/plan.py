@@ -33,7 +33,7 @@ import argparse
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .config import ModelConfig
@@ -358,6 +358,7 @@ class Precision:
     dtype: str = "float32"
     quantize: int | None = None
     group_size: int = 64
+    dense: bool = False  # MLX-quantized weights dequantized to the dtype (generate --weights-in-memory)
 
     @property
     def dtype_bytes(self) -> int:
@@ -365,6 +366,8 @@ class Precision:
 
     def resident_bytes(self, p: Param) -> int:
         native = self.checkpoint.native(p)
+        if native and self.dense and self.checkpoint.kind == "mlx":
+            return p.numel * self.dtype_bytes
         if native:
             return p.copies * _affine_bytes(p.shape, *native, self.dtype_bytes)
         if self.requantized(p):
@@ -387,8 +390,8 @@ class Precision:
             parts.append(f"MLX affine {b}-bit, group {g} as stored ({b}/8 + 2x{d}/{g} = {b / 8 + 2 * d / g:.4g} B/param)")
         if self.quantize:
             b, g = self.quantize, self.group_size
-            parts.append(f"--quantize {b}: MLX affine {b}-bit, group {g} ({b}/8 + 2x{d}/{g} = "
-                         f"{b / 8 + 2 * d / g:.4g} B/param) for every other matrix but routers")
+            parts.append(f"MLX affine {b}-bit, group {g} from --quantize {b} ({b}/8 + 2x{d}/{g} = "
+                         f"{b / 8 + 2 * d / g:.4g} B/param) for the other matrices but routers")
         if self.checkpoint.kind == "fp8" and not self.quantize:
             parts.append(f"FP8 weights dequantized to {name} at load (MLX has no FP8 matmul)")
         parts.append(f"other tensors {name} ({d} B)")
@@ -433,20 +436,20 @@ def layer_counts(mb: ModelBytes, ranks: int, memory_gib: list[float] | None = No
     return balanced_counts(mb.layers, ranks, rank0_extra_bytes=mb.ends, capacities=memory_gib)
 
 
-def parse_per_host(text: str, flag: str, hosts: int | None, allow_one: bool = False) -> list[float]:
-    """`512,512,256,256` -> floats, one per host (or one for all where `allow_one`)."""
+def parse_per_host(text: str, flag: str, count: int | None, unit: str = "hosts",
+                   allow_one: bool = False) -> list[float]:
+    """`512,512,256,256` -> floats, one per host/rank (or one for all, where `allow_one`)."""
     try:
         values = [float(part) for part in str(text).split(",")]
     except ValueError:
         raise UserError(f"{flag} {text!r} must be comma-separated numbers, e.g. 512,512,256,256") from None
     if any(not v > 0 or math.isinf(v) for v in values):
         raise UserError(f"{flag} {text!r}: every value must be a positive number")
-    if hosts is not None and len(values) != hosts and not (allow_one and len(values) == 1):
-        raise UserError(f"{flag} {text!r} has {len(values)} values but the job has {hosts} "
-                        f"{'hosts' if flag != '--host-memory' or allow_one else 'ranks'}: give one per "
-                        f"{'host' if allow_one else 'rank'}")
-    if hosts is not None and len(values) == 1 and hosts > 1:
-        values = values * hosts
+    if count is not None and len(values) != count and not (allow_one and len(values) == 1):
+        raise UserError(f"{flag} {text!r} has {len(values)} value{'s' * (len(values) != 1)} but there are "
+                        f"{count} {unit}: give one per {unit.removesuffix('s')}")
+    if count is not None and len(values) == 1 and count > 1:
+        values = values * count
     return values
 
 
@@ -500,7 +503,6 @@ class ClusterPlan:
     batch_tps: float
     one_host_tps: float  # the whole model read at one host's bandwidth
     even_split: tuple[list[int], float] | None = None  # (counts, batch tok/s) if an even split also fits
-    notes: list[str] = field(default_factory=list)
 
     @property
     def fits(self) -> bool | None:
@@ -509,15 +511,17 @@ class ClusterPlan:
 
 
 def plan_cluster(config: ModelConfig, hosts: int, precision: Precision, hardware: Hardware,
-                 context: int = 8192, batch: int | None = None) -> ClusterPlan:
+                 context: int | None = None, batch: int | None = None) -> ClusterPlan:
+    """context: tokens per sequence for the KV cache (default: 8192, or the model's context if shorter)."""
     arch = architecture(config)
     mb = model_bytes(arch, precision)
+    context = min(8192, config.max_position_embeddings) if context is None else context
     if context < 1:
         raise UserError(f"--context must be >= 1, got {context}")
     if context > config.max_position_embeddings:
         raise UserError(f"--context {context} is longer than the model's context "
                         f"({config.max_position_embeddings} tokens)")
-    batch = batch or hosts
+    batch = hosts if batch is None else batch
     if batch < 1:
         raise UserError(f"--batch must be >= 1, got {batch}")
     counts = layer_counts(mb, hosts, hardware.memory_gib)
@@ -604,25 +608,29 @@ class _Timing:
 class MemoryPlan:
     """`generate --host-memory`: the planner's split and its fit verdict, before loading."""
     memory_gib: list[float]
-    mb: ModelBytes
+    mb: ModelBytes  # weights as loaded
+    dense_mb: ModelBytes  # with MLX-quantized weights dequantized (ranks --weights-in-memory makes dense)
     kv_bytes_per_token_layer: int
 
     @classmethod
     def for_job(cls, config: ModelConfig, args: argparse.Namespace, ranks: int) -> "MemoryPlan":
-        memory = parse_per_host(args.host_memory, "--host-memory", ranks)
-        precision = Precision(checkpoint_format(config), dtype=args.dtype,
-                              quantize=getattr(args, "quantize", None), group_size=getattr(args, "group_size", None) or 64)
+        memory = parse_per_host(args.host_memory, "--host-memory", ranks, unit="ranks")
+        precision = Precision(checkpoint_format(config), dtype=getattr(args, "dtype", "float32"),
+                              quantize=getattr(args, "quantize", None),
+                              group_size=getattr(args, "group_size", None) or 64)
         arch = architecture(config)
-        return cls(memory, model_bytes(arch, precision), arch.kv_values * precision.dtype_bytes)
+        return cls(memory, model_bytes(arch, precision), model_bytes(arch, replace(precision, dense=True)),
+                   arch.kv_values * precision.dtype_bytes)
 
     def counts(self) -> list[int]:
         return layer_counts(self.mb, len(self.memory_gib), self.memory_gib)
 
-    def check(self, ranges: list[tuple[int, int]], tokens: int) -> None:
+    def check(self, ranges: list[tuple[int, int]], tokens: int, dense: list[bool] | None = None) -> None:
         """UserError (one line) unless every rank's weights + KV cache for `tokens` fit its memory."""
         short = []
         for r, (start, end) in enumerate(ranges):
-            weights = sum(self.mb.layers[start:end]) + (self.mb.ends if r == 0 else 0)
+            mb = self.dense_mb if dense and dense[r] else self.mb
+            weights = sum(mb.layers[start:end]) + (mb.ends if r == 0 else 0)
             kv = self.kv_bytes_per_token_layer * tokens * (end - start)
             if weights + kv > self.memory_gib[r] * GIB:
                 short.append(f"rank {r} needs {_gib(weights + kv)} (weights {_gib(weights)} + KV cache {_gib(kv)}) "
@@ -651,7 +659,7 @@ def format_plan(plan: ClusterPlan, title: str) -> str:
     resident = sum(plan.mb.layers) + plan.mb.ends
     disk = sum(cp.disk_bytes(q) for layer in arch.layers for q in layer) + sum(cp.disk_bytes(q) for q in arch.ends)
     disk_unused = sum(cp.disk_bytes(q) for q in arch.unused)
-    lines.append(f"weights in memory: {_gib(resident)} = {p.describe()}")
+    lines.append(f"weights in memory: {_gib(resident)}; {p.describe()}")
     lines.append(f"checkpoint on disk: {disk / 1e9:.1f} GB" + (f" (+{disk_unused / 1e9:.1f} GB MTP module)" if disk_unused else "")
                  + f", {cp.describe()}")
     kv_token = arch.kv_values * p.dtype_bytes * len(arch.layers)
