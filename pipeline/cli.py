@@ -59,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "32/bits times the memory); auto (default): dequantized where the host's free "
                           "memory allows")
 
+    gen.add_argument("--host-memory", default=None, metavar="GIB,GIB,...",
+                     help="memory of each rank's host in GiB, one value per rank (e.g. 512,512,256,256): "
+                          "layers are split in proportion, as `plan` proposes, and a model that does not "
+                          "fit stops with one line before anything is loaded")
+
     add_cluster_args(gen)
 
     pre = commands.add_parser("preflight", help="check every rank's host before a long job",
@@ -71,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--split", default=None, help="layers per rank, as for generate")
     pre.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                      help="activation dtype of the job (unquantized weights are held in it)")
+    pre.add_argument("--quantize", type=int, default=None, metavar="BITS",
+                     help="the job's --quantize: weights re-quantized to BITS while loading")
+    pre.add_argument("--group-size", type=int, choices=[32, 64, 128], default=64)
 
     ping = commands.add_parser("ping", help="time messages around the ring of ranks (checks the links)",
                                description="Send hidden-state-sized messages around the ring 0 -> 1 -> ... -> 0 "
@@ -83,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="seconds rank 0 waits between rounds while the others idle in receive")
     add_cluster_args(ping)
 
+    add_plan_parser(commands)
+
     conv = commands.add_parser("convert", help="convert a GGUF file into a model folder")
     conv.add_argument("--gguf", type=Path, required=True, help="the .gguf file")
     conv.add_argument("--out", type=Path, required=True, help="the model folder to write")
@@ -91,10 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["convert"]:
-        # A single-process command: no MPI needed.
+    if argv[:1] in (["convert"], ["plan"]):
+        # Single-process commands: no MPI needed.
         try:
             args = build_parser().parse_args(argv)
+            if args.command == "plan":
+                from .plan import run_plan
+
+                return run_plan(args)
             return run_convert(args)
         except UserError as e:
             print(f"error: {e}", file=sys.stderr)
@@ -107,7 +121,6 @@ def main(argv: list[str] | None = None) -> int:
 
     comm = MPI.COMM_WORLD
     mpi.abort_on_unhandled_exception(comm)
-    mpi.announce_rank(comm)
     _share_cores(comm)
     parser = build_parser()
 
@@ -133,15 +146,52 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def add_plan_parser(commands) -> None:
+    plan = commands.add_parser(
+        "plan", help="will a model fit on these hosts, how to split it, how fast (config.json only, no MPI)",
+        description="From config.json alone (a model folder, a config.json, or a bundled config name such as "
+                    "DeepSeek-V3.1 or Kimi-K2-Thinking): each rank's layers, weight and KV cache bytes, "
+                    "headroom and whether it fits, and decode tok/s predicted by a stated roofline "
+                    "(memory bandwidth per host, link bandwidth and latency per hop).")
+    plan.add_argument("--model", required=True, help="model folder, config.json file, or bundled config name")
+    plan.add_argument("--hosts", type=int, default=None, help="hosts, one rank each (default: as many as --host-memory)")
+    plan.add_argument("--host-memory", default=None, metavar="GIB,GIB,...",
+                      help="memory per host in GiB, e.g. 512,512,256,256: shares proportional to it (the split "
+                           "generate --host-memory uses) and a fit verdict; without it, an even split")
+    plan.add_argument("--quantize", type=int, choices=[2, 3, 4, 5, 6, 8], default=None, metavar="BITS",
+                      help="plan for weights re-quantized to MLX affine BITS (as generate --quantize)")
+    plan.add_argument("--group-size", type=int, choices=[32, 64, 128], default=64, help="for --quantize (default 64)")
+    plan.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                      help="activation dtype, which unquantized weights and the KV cache are held in "
+                           "(default float32, as generate)")
+    plan.add_argument("--context", type=int, default=None,
+                      help="tokens per sequence for the KV cache (default 8192, or the model's context if shorter)")
+    plan.add_argument("--batch", type=int, default=None,
+                      help="sequences decoded together (default: one per host, which fills the pipeline)")
+    plan.add_argument("--bandwidth-gbs", default="819",
+                      help="memory bandwidth per host in GB/s, one value or one per host (default 819: M3 Ultra)")
+    plan.add_argument("--link-gbs", default="5",
+                      help="link bandwidth per hop in GB/s (default 5: Thunderbolt 5, in practice)")
+    plan.add_argument("--link-latency-us", type=float, default=100.0,
+                      help="latency per hop in microseconds (default 100: MPI over TCP on a Thunderbolt bridge; "
+                           "about 10 with RDMA)")
+    plan.add_argument("--tflops", default=None,
+                      help="compute per host in TFLOPS (one value or one per host) to cap large batches; "
+                           "default: not modelled")
+    plan.add_argument("--reserve-gb", type=float, default=0.0,
+                      help="GiB per host to keep free for the OS and activations when judging the fit (default 0)")
+
+
 def add_cluster_args(parser: argparse.ArgumentParser) -> None:
     """How ranks talk: the transport for hidden states, and the watchdog on silent peers."""
     parser.add_argument("--transport", choices=["mpi", "mlx"], default="mpi",
                         help="what carries hidden states between ranks: mpi (default) or mlx "
                              "(mlx.core.distributed: JACCL RDMA over Thunderbolt 5, or its TCP ring); "
                              "MPI stays the control plane either way")
-    parser.add_argument("--mlx-backend", choices=["auto", "ring", "jaccl", "mpi"], default="auto",
+    parser.add_argument("--mlx-backend", choices=["auto", "ring", "jaccl"], default="auto",
                         help="mx.distributed backend for --transport mlx (default auto: jaccl when "
-                             "MLX_IBV_DEVICES is set, else ring)")
+                             "MLX_IBV_DEVICES is set, else ring; MLX's own mpi backend cannot share "
+                             "the process with mpi4py, which has already initialized MPI)")
     parser.add_argument("--watchdog", type=float, default=300.0, metavar="SECONDS",
                         help="abort the job, naming the silent rank, when a rank waits longer than this "
                              "for a peer's message (default 300; 0 turns it off)")

@@ -8,10 +8,14 @@ have set per rank we derive from MPI, the control plane:
   a JSON hostfile ([["ip:port"], ...], one entry per rank). The address is 127.0.0.1 when every
   rank is on one host, else the IPv4 address of $PIPELINE_IFACE (e.g. bridge0, the Thunderbolt
   bridge; launch/run.py --iface sets it), else what the host name resolves to.
-- jaccl (RDMA over Thunderbolt 5, macOS 26.2+): MLX_IBV_DEVICES must name the device file that
-  `mlx.distributed_config --backend jaccl` writes; MLX_RANK is the MPI rank and, unless set,
+- jaccl (RDMA over Thunderbolt 5, macOS 26.2+): MLX_IBV_DEVICES names the device file (per rank,
+  its RDMA device towards each peer), or PIPELINE_JACCL_DEVICES holds that list itself
+  (launch/run.py --mlx-hostfile takes it from the hostfile `mlx.distributed_config --backend jaccl`
+  writes); MLX_RANK is the MPI rank and, unless set,
   MLX_JACCL_COORDINATOR is rank 0's address with a free port, broadcast over MPI.
-- mpi: MLX's MPI backend (it loads Open MPI itself); nothing to set.
+
+MLX's own `mpi` backend is not offered: it calls MPI_Init itself, which fails (Open MPI: "attempted
+to initialize MPI more than once") in a process where mpi4py already has.
 """
 
 from __future__ import annotations
@@ -29,9 +33,21 @@ from .errors import UserError
 def resolve_backend(requested: str) -> str:
     if requested != "auto":
         return requested
-    if os.environ.get("MLX_IBV_DEVICES") or os.environ.get("JACCL_IBV_DEVICES"):
+    if any(os.environ.get(k) for k in ("MLX_IBV_DEVICES", "JACCL_IBV_DEVICES", "PIPELINE_JACCL_DEVICES")):
         return "jaccl"
     return "ring"
+
+
+def _write_jaccl_devices(rank: int) -> None:
+    """PIPELINE_JACCL_DEVICES (the device list itself, as launch/run.py --mlx-hostfile passes it)
+    -> a file for MLX_IBV_DEVICES, which JACCL wants as a path on every host."""
+    devices = os.environ.get("PIPELINE_JACCL_DEVICES")
+    if not devices or os.environ.get("MLX_IBV_DEVICES") or os.environ.get("JACCL_IBV_DEVICES"):
+        return
+    fd, path = tempfile.mkstemp(prefix=f"pipeline-jaccl-{rank}-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        f.write(devices)
+    os.environ["MLX_IBV_DEVICES"] = path
 
 
 def init_group(comm, requested: str):
@@ -44,6 +60,8 @@ def init_group(comm, requested: str):
     rank = comm.Get_rank()
 
     def check_here():
+        if backend == "jaccl":
+            _write_jaccl_devices(rank)
         if not mx.distributed.is_available(backend):
             raise UserError(f"--transport mlx: MLX's {backend} backend is not available on "
                             f"{socket.gethostname()} (mlx {mx.__version__})")

@@ -79,11 +79,3 @@ def use_the_launchers_mpi() -> None:
     if os.environ.get("MPI4PY_LIBMPI") or os.environ.get("MPI4PY_MPIABI"):
         return  # the user chose
     os.environ["MPI4PY_LIBMPI"] = "libmpi.so.40"  # Open MPI 4 and 5; found on the loader's path
-
-
-def announce_rank(comm) -> None:
-    """With PIPELINE_ANNOUNCE=1 (set by launch/run.py), tell the launcher which process is which
-    rank, so that when mpiexec reports a dead PID the launcher can say which rank it was."""
-    if os.environ.get("PIPELINE_ANNOUNCE") == "1":
-        print(f"[pipeline-rank] {comm.Get_rank()} {os.getpid()} {socket.gethostname()}",
-              file=sys.stderr, flush=True)

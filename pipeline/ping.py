@@ -11,7 +11,6 @@ import argparse
 import os
 import socket
 import statistics
-import sys
 import time
 
 import mlx.core as mx

@@ -11,15 +11,14 @@ Run it under mpiexec exactly like the job (same hostfile, same number of ranks, 
 - a file is missing, extra, or of another size than on the reference rank; config.json differs
   (sha256);
 - the rank's free memory is below what its slice of the layers needs: its weights as they will
-  be held (floats in --dtype, packed quantized weights as stored) plus 10% for caches and
-  activations. Slices are split as `generate` splits them (balanced by bytes, or --split).
+  be held (floats in --dtype, packed quantized weights as stored, --quantize applied as the loader
+  applies it) plus 10% for caches and activations. Slices are split as `generate` splits them (balanced by bytes, or --split).
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import platform
 import socket
 import sys
@@ -91,7 +90,8 @@ def collect(args: argparse.Namespace, comm) -> RankReport:
     report = RankReport(
         rank=comm.Get_rank(), host=socket.gethostname(), python=platform.python_version(),
         packages={name: package_version(name) for name in PACKAGES},
-        mpi_library=" ".join(MPI.Get_library_version().split(",")[0].split())[:40],
+        mpi_library=" ".join(MPI.Get_library_version().strip().splitlines()[0].split(",")[0]
+                             .replace("Version:", "").split())[:40],
         available=available_memory(), metal_limit=metal_working_set(), folder=str(folder))
     if error:
         report.folder_error = error
@@ -106,13 +106,15 @@ def collect(args: argparse.Namespace, comm) -> RankReport:
     if config.is_file():
         report.config_sha256 = hashlib.sha256(config.read_bytes()).hexdigest()
     try:
-        _measure_slices(report, folder, _ITEMSIZE[args.dtype])
+        _measure_slices(report, folder, _ITEMSIZE[args.dtype], getattr(args, "quantize", None),
+                        getattr(args, "group_size", 64))
     except UserError as e:
         report.folder_error = str(e)
     return report
 
 
-def _measure_slices(report: RankReport, folder: Path, itemsize: int) -> None:
+def _measure_slices(report: RankReport, folder: Path, itemsize: int, quantize: int | None = None,
+                    group_size: int = 64) -> None:
     from .config import ModelConfig
     from .weights import Checkpoint, layer_nbytes, layer_of
 
@@ -127,12 +129,21 @@ def _measure_slices(report: RankReport, folder: Path, itemsize: int) -> None:
         for d in info.shape:
             numel *= d
         held = numel * itemsize if info.dtype in _FLOAT_DTYPES else info.nbytes
+        if quantize and info.dtype in _FLOAT_DTYPES and _requantized(name, info.shape, group_size):
+            rows, cols = numel // info.shape[-1], info.shape[-1]
+            held = rows * -(-cols * quantize // 32) * 4 + rows * -(-cols // group_size) * 2 * itemsize
         layer = layer_of(name)
         if layer is not None and layer < config.num_hidden_layers:
             per_layer[layer] += held
         elif layer is None and name.startswith(("model.embed_tokens.", "model.norm.", "lm_head.")):
             ends += held
     report.layer_bytes, report.ends_bytes = per_layer, ends
+
+
+def _requantized(name: str, shape: tuple[int, ...], group_size: int) -> bool:
+    """As the loader's --quantize: matrices of linear layers and embeddings, not norms or routers."""
+    return (name.endswith(".weight") and len(shape) >= 2 and shape[-1] % group_size == 0
+            and not name.endswith("mlp.gate.weight"))
 
 
 def evaluate(reports: list[RankReport], split: str | None) -> tuple[str, list[str]]:

@@ -35,6 +35,7 @@ class Message(NamedTuple):
 _WIRE = {mx.float32: (0, np.float32), mx.float16: (1, np.float16), mx.bfloat16: (2, np.uint16)}
 _FROM_CODE = {code: (mx_dtype, np_dtype) for mx_dtype, (code, np_dtype) in _WIRE.items()}
 _HEADER_LEN = 8  # kind, number of sequences, dtype code, ndim, up to 4 dims
+_INLINE_SEQS = 28  # layouts of up to this many sequences ride in the header: one message less per hop
 
 
 class Transport(ABC):
@@ -52,26 +53,33 @@ class Transport(ABC):
     def send_message(self, dest: int, kind: Kind, seq_ids: list[int] = (), lengths: list[int] = (),
                      hidden: mx.array | None = None) -> None:
         """Header, then (if any sequences) their ids and lengths, then (FORWARD) the payload."""
-        header = np.zeros(_HEADER_LEN, dtype=np.int64)
+        header = np.zeros(_HEADER_LEN + 2 * _INLINE_SEQS, dtype=np.int64)
         header[0], header[1] = kind, len(seq_ids)
         if hidden is not None:
             header[2], _ = _WIRE[hidden.dtype]
             header[3] = hidden.ndim
             header[4:4 + hidden.ndim] = hidden.shape
+        layout = [*seq_ids, *lengths]
+        if len(seq_ids) <= _INLINE_SEQS:
+            header[_HEADER_LEN:_HEADER_LEN + len(layout)] = layout
         self.send(header, dest)
-        if seq_ids:
-            self.send(np.array([*seq_ids, *lengths], dtype=np.int64), dest)
+        if len(seq_ids) > _INLINE_SEQS:
+            self.send(np.array(layout, dtype=np.int64), dest)
         if hidden is not None:
             self.send_hidden(hidden, dest)
 
     def recv_message(self, source: int) -> Message:
-        header = np.empty(_HEADER_LEN, dtype=np.int64)
+        header = np.empty(_HEADER_LEN + 2 * _INLINE_SEQS, dtype=np.int64)
         self.recv(header, source)
         kind, num_seqs = Kind(int(header[0])), int(header[1])
         seq_ids, lengths = [], []
         if num_seqs:
-            layout = np.empty(num_seqs * (2 if kind == Kind.FORWARD else 1), dtype=np.int64)
-            self.recv(layout, source)
+            size = num_seqs * (2 if kind == Kind.FORWARD else 1)
+            if num_seqs <= _INLINE_SEQS:
+                layout = header[_HEADER_LEN:_HEADER_LEN + size]
+            else:
+                layout = np.empty(size, dtype=np.int64)
+                self.recv(layout, source)
             seq_ids, lengths = layout[:num_seqs].tolist(), layout[num_seqs:].tolist()
         hidden = None
         if kind == Kind.FORWARD:
@@ -105,6 +113,7 @@ class MpiTransport(Transport):
     """
 
     max_sleep_s = 0.0005
+    spin_s = 0.0002  # poll without sleeping this long first: a reply due in microseconds costs no sleep
 
     def __init__(self, comm, watchdog_s: float = 0.0, hosts: list[str] | None = None):
         self.comm = comm
@@ -119,13 +128,21 @@ class MpiTransport(Transport):
     def recv(self, buf: np.ndarray, source: int) -> None:
         request = self.comm.Irecv(buf, source=source)
         sleep = 0.0
-        start = time.monotonic()
+        start = last = time.monotonic()
+        spin_until = time.perf_counter() + self.spin_s
         while not request.Test():
+            if time.perf_counter() < spin_until:
+                continue
             if sleep:
                 time.sleep(sleep)
             sleep = min(self.max_sleep_s, sleep * 2 or 0.00002)
-            if self.watchdog_s and time.monotonic() - start > self.watchdog_s:
-                raise PeerSilent(self.silence(source))
+            if self.watchdog_s:
+                now = time.monotonic()
+                if now - last > 1.0:  # this process was stopped (SIGSTOP, a suspended laptop): not the peer's fault
+                    start += now - last
+                last = now
+                if now - start > self.watchdog_s:
+                    raise PeerSilent(self.silence(source))
 
     def silence(self, source: int) -> str:
         def who(rank: int) -> str:

@@ -1,0 +1,109 @@
+"""Name the rank that a signal killed.
+
+When a rank dies of a signal (SIGKILL from the out-of-memory killer, a segfault, a `kill`),
+mpiexec tears the job down within a second, but MPICH's notice names only a PID, and sometimes
+the PID of a rank it killed while cleaning up rather than the one that died first.
+
+So every rank of `mpiexec ... python -m pipeline` runs under a small supervisor: the process
+that mpiexec started stays a light parent (it has imported nothing but this module), runs the
+real rank as its child (a fresh interpreter with the same arguments, environment and file
+descriptors, so MPI's PMI connection is inherited), passes on the signals it receives, and if
+the child dies of a signal the supervisor did not pass on, prints
+
+    error: rank 2 (studio-3, pid 4242) was killed by signal 9 (SIGKILL): out of memory? ...
+
+and exits with 128 + the signal, which mpiexec sees as that rank failing. If the supervisor is
+killed (mpiexec cleaning up), the child dies with it: PR_SET_PDEATHSIG on Linux, a watcher
+thread elsewhere. PIPELINE_SUPERVISE=0 turns it off.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+
+_RANK_ENV = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MPI_LOCALRANKID")
+_CHILD = "PIPELINE_SUPERVISED"
+_FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT)
+
+
+def launched_rank() -> str | None:
+    for name in _RANK_ENV[:3]:
+        if name in os.environ:
+            return os.environ[name]
+    return None
+
+
+def wanted() -> bool:
+    """True in the process mpiexec started for `python -m pipeline ...` (not yet supervised)."""
+    argv = getattr(sys, "orig_argv", [])
+    run_as_module = any(a == "-m" and b == "pipeline" for a, b in zip(argv, argv[1:]))
+    return (run_as_module and launched_rank() is not None and _CHILD not in os.environ
+            and os.environ.get("PIPELINE_SUPERVISE", "1") != "0")
+
+
+def supervise() -> None:
+    """Run this rank as a child process and exit with its status (never returns)."""
+    import subprocess
+
+    argv = sys.orig_argv[sys.orig_argv.index("-m"):]
+    env = {**os.environ, _CHILD: str(os.getpid())}
+    preexec = _die_with_parent if sys.platform.startswith("linux") else None
+    child = subprocess.Popen([sys.executable, *argv], env=env, close_fds=False, preexec_fn=preexec)
+    passed_on: set[int] = set()
+
+    def pass_on(signum, _frame):
+        passed_on.add(signum)
+        try:
+            child.send_signal(signum)
+        except ProcessLookupError:
+            pass
+
+    for sig in _FORWARDED:
+        signal.signal(sig, pass_on)
+    while True:
+        try:
+            status = child.wait()
+            break
+        except InterruptedError:
+            continue
+    if status >= 0:
+        os._exit(status)
+    sig = -status
+    if sig not in passed_on:
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = f"signal {sig}"
+        hint = {signal.SIGKILL: ": out of memory? (check with `python -m pipeline preflight`)",
+                signal.SIGSEGV: ": a crash in native code",
+                signal.SIGBUS: ": a crash in native code (or a model file changed while mapped)"}.get(sig, "")
+        sys.stderr.write(f"error: rank {launched_rank()} ({socket.gethostname()}, pid {child.pid}) was "
+                         f"killed by signal {sig} ({name}){hint}; ending the job\n")
+        sys.stderr.flush()
+    os._exit(128 + sig)
+
+
+def _die_with_parent() -> None:  # in the child, between fork and exec (Linux)
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def watch_parent() -> None:
+    """In the supervised child on systems without PR_SET_PDEATHSIG: exit if the supervisor dies."""
+    if _CHILD not in os.environ or sys.platform.startswith("linux"):
+        return
+    import threading
+    import time
+
+    parent = int(os.environ[_CHILD])
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="pipeline-supervisor-watch", daemon=True).start()

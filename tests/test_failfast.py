@@ -1,0 +1,101 @@
+"""Fail fast, never hang, with real mpiexec (MPICH) and mpirun (Open MPI, when installed):
+a rank killed by a signal ends the job within seconds with a line naming it; a rank that stops
+answering is caught by the watchdog, which names it; a rank idling in receive barely uses CPU."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO
+from test_launch import HAVE_OPENMPI
+
+MPIS = ["mpich", pytest.param("openmpi", marks=pytest.mark.skipif(
+    not HAVE_OPENMPI, reason="Open MPI is not installed (apt-get install openmpi-bin; .ci/run installs it)"))]
+
+
+def start_ping(mpi: str, ranks: int, *args: str, pause: float = 0.2) -> tuple[subprocess.Popen, dict[int, int]]:
+    """A long `ping` job through launch/run.py; returns it once every rank has reported its pid."""
+    proc = subprocess.Popen([sys.executable, str(REPO / "launch" / "run.py"), "--mpi", mpi, "-n", str(ranks),
+                             "ping", "--rounds", "1000000", "--pause", str(pause), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    pids: dict[int, int] = {}
+    deadline = time.monotonic() + 60
+    while len(pids) < ranks and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        m = re.match(r"(\d+)\s+\S+\s+(\d+)$", line.strip())
+        if m:
+            pids[int(m.group(1))] = int(m.group(2))
+    if len(pids) < ranks:
+        proc.kill()
+        pytest.fail(f"the job did not start: {proc.communicate()[1]}")
+    time.sleep(1.0)  # let a few rounds go round
+    return proc, pids
+
+
+def finish(proc: subprocess.Popen, since: float) -> tuple[float, str]:
+    try:
+        _, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("the job hung")
+    return time.monotonic() - since, err
+
+
+@pytest.mark.parametrize("mpi", MPIS)
+def test_a_killed_rank_ends_the_job_and_is_named(mpi):
+    proc, pids = start_ping(mpi, 3)
+    start = time.monotonic()
+    os.kill(pids[1], signal.SIGKILL)
+    elapsed, err = finish(proc, start)
+    assert proc.returncode != 0
+    assert elapsed < 10, f"took {elapsed:.1f} s"
+    named = [line for line in err.splitlines() if line.startswith("error: rank 1 ")]
+    assert named and f"pid {pids[1]}" in named[0] and "signal 9 (SIGKILL)" in named[0], err
+    print(f"{mpi}: job ended {elapsed:.2f} s after SIGKILL of rank 1")
+
+
+@pytest.mark.parametrize("mpi", MPIS)
+def test_watchdog_names_a_rank_that_stops_answering(mpi):
+    # Rank 2 has waited for rank 1 since before rank 0 sent the round rank 1 never forwarded: by
+    # the pause, so rank 2's watchdog fires first and its abort ends the job before rank 0's does.
+    proc, pids = start_ping(mpi, 3, "--watchdog", "2", pause=1.0)
+    start = time.monotonic()
+    os.kill(pids[1], signal.SIGSTOP)  # alive but silent: no launcher notices this
+    try:
+        elapsed, err = finish(proc, start)
+    finally:
+        try:
+            os.kill(pids[1], signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode != 0
+    assert elapsed < 10, f"took {elapsed:.1f} s"
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert errors and "got nothing from rank 1" in errors[0] and "--watchdog 2" in errors[0], err
+    assert not any("got nothing from rank 0" in e or "got nothing from rank 2" in e for e in errors), err
+    print(f"{mpi}: watchdog (2 s) ended the job {elapsed:.2f} s after rank 1 stopped")
+
+
+@pytest.mark.parametrize("transport", ["mpi", "mlx"])
+def test_a_rank_waiting_for_activations_does_not_spin(transport):
+    """Rank 1 waits ~3 s for rank 0's next message; its CPU time while waiting stays far below."""
+    result = subprocess.run(["mpiexec", "-n", "2", sys.executable, "-m", "pipeline", "ping", "--rounds", "2",
+                             "--pause", "3", "--transport", transport],
+                            capture_output=True, text=True, timeout=120, cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 0, result.stderr
+    row = [line.split() for line in result.stdout.splitlines() if line.startswith("1 ")][-1]  # the wait table
+    waited, cpu = float(row[2]), float(row[3])
+    assert waited > 2.5
+    assert cpu < 0.25 * waited, result.stdout
+    print(f"{transport}: rank 1 waited {waited:.2f} s using {cpu:.2f} s of CPU ({100 * cpu / waited:.1f}%)")

@@ -1,0 +1,130 @@
+"""Hostfiles in both MPI dialects, the mpirun/mpiexec line launch/run.py builds for each MPI,
+its one-line errors, and real jobs started through it (MPICH always, Open MPI when installed)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, mpiexec
+from pipeline.errors import UserError
+from pipeline.hostfile import check_slots, format_hostfile, parse_hostfile
+
+spec = importlib.util.spec_from_file_location("launch_run", REPO / "launch" / "run.py")
+launch_run = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(launch_run)
+
+HAVE_OPENMPI = any(launch_run._flavor_of(p)[0] == "openmpi"
+                   for p in filter(None, map(shutil.which, launch_run._CANDIDATES["openmpi"])))
+
+
+def launch(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "launch" / "run.py"), *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def test_both_dialects_comments_and_bare_hosts():
+    text = """
+    # four Mac Studios on the Thunderbolt bridge
+    studio-1 slots=1          # Open MPI
+    10.0.5.2:2                # MPICH
+    studio-3 slots=1 max_slots=1
+    studio-4
+    """
+    hosts = parse_hostfile(text)
+    assert [(h.name, h.slots, h.line) for h in hosts] == [
+        ("studio-1", 1, 3), ("10.0.5.2", 2, 4), ("studio-3", 1, 5), ("studio-4", 1, 6)]
+    assert format_hostfile(hosts, "openmpi") == "studio-1 slots=1\n10.0.5.2 slots=2\nstudio-3 slots=1\nstudio-4 slots=1\n"
+    assert format_hostfile(hosts, "mpich") == "studio-1:1\n10.0.5.2:2\nstudio-3:1\nstudio-4:1\n"
+    check_slots(hosts, 5)
+    assert parse_hostfile((REPO / "hostfile.example").read_text())  # the shipped example parses
+
+
+@pytest.mark.parametrize("text, fragments", [
+    ("a slots=1\nb slots=two\n", ["hosts:2", "slots", "'two'"]),
+    ("a slots=1\n\nb c d\n", ["hosts:3", "cannot read", "'b c d'"]),
+    ("a slots=1\nb:0\n", ["hosts:2", ">= 1"]),
+    ("a slots=1\nb cpus=4\n", ["hosts:2", "unknown setting 'cpus'"]),
+    ("a slots=1\nb:1\na:2\n", ["hosts:3", "host a is listed twice", "line 1"]),
+    ("# nothing\n", ["no hosts"]),
+])
+def test_hostfile_mistakes_name_the_line(text, fragments):
+    with pytest.raises(UserError) as e:
+        parse_hostfile(text, "hosts")
+    for fragment in fragments:
+        assert fragment in str(e.value)
+
+
+def test_fewer_slots_than_ranks():
+    with pytest.raises(UserError, match="has 3 slots on 2 hosts but the job needs 4 ranks"):
+        check_slots(parse_hostfile("a slots=1\nb:2\n"), 4)
+
+
+def test_commands_for_each_mpi():
+    env = {"PYTHONPATH": "/src", "PIPELINE_IFACE": "bridge0"}
+    build = launch_run.build_command
+    ompi = build("openmpi", "/usr/bin/mpirun", "mpirun (Open MPI) 4.1.4", 4, REPO / "h", "bridge0", env,
+                 "/usr/bin/python3", ["generate", "--prompt", "hi"], is_root=True, cores=16)
+    assert ompi[:5] == ["/usr/bin/mpirun", "-n", "4", "--hostfile", str(REPO / "h")]
+    assert "--allow-run-as-root" in ompi and "--oversubscribe" not in ompi
+    joined = " ".join(ompi)
+    assert "--mca btl_tcp_if_include bridge0 --mca oob_tcp_if_include bridge0" in joined
+    assert "-x PIPELINE_IFACE=bridge0 -x PYTHONPATH=/src" in joined
+    assert ompi[-6:] == ["/usr/bin/python3", "-m", "pipeline", "generate", "--prompt", "hi"]
+    ompi5 = " ".join(build("openmpi", "mpirun", "mpirun (Open MPI) 5.0.6", 2, None, "bridge0", {}, "py", ["ping"],
+                           is_root=False, cores=1))
+    assert "--prtemca oob_tcp_if_include bridge0" in ompi5
+    assert "--allow-run-as-root" not in ompi5 and "--oversubscribe" in ompi5  # 2 ranks, 1 core, no hostfile
+
+    mpich = build("mpich", "/usr/bin/mpiexec", "MPICH (Hydra) 5.0.2", 4, REPO / "h", "bridge0", env,
+                  "/usr/bin/python3", ["generate", "--prompt", "hi"], is_root=True, cores=1)
+    assert mpich[:5] == ["/usr/bin/mpiexec", "-n", "4", "-f", str(REPO / "h")]
+    assert "-iface bridge0" in " ".join(mpich) and "-genv PYTHONPATH /src" in " ".join(mpich)
+    assert not {"--allow-run-as-root", "--oversubscribe"} & set(mpich)
+    assert mpich[-6:] == ["/usr/bin/python3", "-m", "pipeline", "generate", "--prompt", "hi"]
+
+
+def test_dry_run_converts_the_hostfile_for_the_installed_mpi(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("studio-1 slots=1\nstudio-2:1\n")
+    result = launch("--mpi", "mpich", "--hostfile", str(hostfile), "--iface", "bridge0", "--env", "FOO=bar",
+                    "--dry-run", "generate", "--prompt", "hi")
+    assert result.returncode == 0, result.stderr
+    assert "hosts.mpich: studio-1:1 | studio-2:1" in result.stdout
+    command = result.stdout.splitlines()[-1]
+    assert " -n 2 -f " in command and "-iface bridge0" in command and "-genv FOO bar" in command
+    assert command.endswith("-m pipeline generate --prompt hi")
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("a slots=1\nb slots=x\n", ":2: slots must be"),
+    ("a slots=1\nb:1\na slots=1\n", ":3: host a is listed twice"),
+    ("a slots=1\nb:2\n", "has 3 slots on 2 hosts but the job needs 4 ranks"),
+])
+def test_launcher_rejects_bad_hostfiles_with_one_line(tmp_path, text, fragment):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text(text)
+    result = launch("--hostfile", str(hostfile), "-n", "4", "generate", "--prompt", "hi")
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("mpi", ["mpich", pytest.param("openmpi", marks=pytest.mark.skipif(
+    not HAVE_OPENMPI, reason="Open MPI is not installed (apt-get install openmpi-bin)"))])
+def test_job_through_the_launcher_matches_plain_mpiexec(tiny_models, tmp_path, mpi):
+    args = ["generate", "--model", str(tiny_models["llama"]), "--prompt", "The capital of France",
+            "--max-tokens", "12", "--no-chat-template"]
+    expected = mpiexec(3, *args)
+    assert expected.returncode == 0, expected.stderr
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost slots=3\n")
+    result = launch("--mpi", mpi, "--hostfile", str(hostfile), *args)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == expected.stdout

@@ -1,0 +1,80 @@
+"""`python -m pipeline preflight` under real mpiexec: one table, a problem line naming the rank
+for each mismatch, exit 1; per-rank model folders simulated with MPMD (`A : B : C`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+from conftest import REPO, mpiexec
+from pipeline.preflight import RankReport, evaluate
+
+
+def mpmd(*folders) -> subprocess.CompletedProcess:
+    """One rank per folder: `mpiexec -n 1 ... --model A : -n 1 ... --model B : ...`."""
+    cmd = ["mpiexec"]
+    for i, folder in enumerate(folders):
+        cmd += ([":"] if i else []) + ["-n", "1", sys.executable, "-m", "pipeline", "preflight", "--model", str(folder)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def test_all_ranks_ready(tiny_models):
+    result = mpiexec(2, "preflight", "--model", str(tiny_models["llama"]))
+    assert result.returncode == 0, result.stderr
+    table = result.stdout.strip().splitlines()
+    assert table[0].split()[:3] == ["rank", "host", "python"] and len(table) == 3  # printed once
+    assert "0-" in table[1] and table[1].endswith("OK") and table[2].endswith("OK")
+    assert "preflight: all 2 ranks ready" in result.stderr
+
+
+def test_a_mismatched_model_folder_on_one_rank(tiny_models, tmp_path):
+    good = tiny_models["llama"]
+    changed = tmp_path / "changed"
+    shutil.copytree(good, changed)
+    config = json.loads((changed / "config.json").read_text())
+    (changed / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-3}))
+    weights = changed / "model.safetensors"
+    with open(weights, "ab") as f:
+        f.write(b"\0" * 16)
+    (changed / "tokenizer.json").unlink()
+
+    result = mpmd(good, changed, tmp_path / "absent")
+    assert result.returncode == 1
+    assert len(result.stdout.strip().splitlines()) == 4 and "Traceback" not in result.stderr
+    problems = [line for line in result.stderr.splitlines() if line.startswith("problem: ")]
+    text = "\n".join(problems)
+    assert "rank 1 (" in text and "config.json differs from rank 0's" in text
+    assert "model.safetensors is " in text and "tokenizer.json is missing" in text
+    assert "rank 2 (" in text and "absent does not exist" in text
+    assert not any(p.startswith("problem: rank 0") for p in problems)
+    assert "preflight: 5 problems on 3 ranks" in result.stderr
+
+
+def report(rank, available, **kw) -> RankReport:
+    base = dict(rank=rank, host=f"studio-{rank + 1}", python="3.12.1",
+                packages={n: "1" for n in ("pipeline", "mlx", "mpi4py", "numpy", "tokenizers", "jinja2")},
+                mpi_library="Open MPI v5.0.6", available=available, metal_limit=None, folder="/m",
+                files={"config.json": 10, "model.safetensors": 1000}, config_sha256="ab" * 32,
+                num_layers=4, layer_bytes=[100 * 2**30] * 4, ends_bytes=20 * 2**30,
+                disk_layer_bytes=[100] * 4, disk_ends_bytes=20)
+    base.update(kw)
+    return RankReport(**base)
+
+
+def test_memory_and_version_problems_name_the_rank():
+    reports = [report(0, 512 * 2**30), report(1, 96 * 2**30),
+               report(2, 512 * 2**30, python="3.11.9", packages={**report(0, 0).packages, "mlx": "2"}),
+               report(3, None)]
+    table, problems = evaluate(reports, split=None)
+    assert any("rank 1 (studio-2): its slice (layers 1-1) needs 110.0 GiB but only 96.0 GiB" in p for p in problems)
+    assert "rank 2 (studio-3): Python 3.11.9, rank 0 has 3.12.1" in problems
+    assert "rank 2 (studio-3): mlx 2, rank 0 has 1" in problems
+    assert len(problems) == 3
+    rows = table.splitlines()
+    assert rows[4].split()[-1] == "OK" and "unknown" in rows[4]  # free memory unknown is no problem
+    _, problems = evaluate(reports, split="1,1,1")
+    assert problems[0] == "--split '1,1,1' has 3 counts but the job has 4 ranks"
