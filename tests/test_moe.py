@@ -13,12 +13,10 @@ import transformers
 from mlx.utils import tree_flatten
 from safetensors.torch import load_file, save_file
 
-from conftest import VOCAB_SIZE, mpiexec, write_tokenizer
+from conftest import VOCAB_SIZE, forward, load_stages, mpiexec, write_tokenizer
 from pipeline.config import ModelConfig
 from pipeline.formats import Requantize
 from pipeline.models.deepseek_v3 import MoEGate
-from pipeline.stage import Stage
-from pipeline.weights import Checkpoint
 
 PROMPT = [1, 5, 77, 23, 299, 3, 4, 5, 6, 100, 42, 17]
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "beta_fast": 32,
@@ -63,17 +61,7 @@ def _perturb_and_save(model, folder):
 
 
 def load(folder, ranges=((0, 4),), requantize=None):
-    config = ModelConfig.from_folder(folder)
-    checkpoint = Checkpoint(folder)
-    return [Stage.load(config, checkpoint, r, has_ends=(i == 0), dtype=mx.float32, requantize=requantize)
-            for i, r in enumerate(ranges)]
-
-
-def forward(stages, token_ids):
-    hidden = stages[0].model.embed(mx.array([token_ids]))
-    for stage in stages:
-        hidden = stage.run_layers(hidden)
-    return np.array(stages[0].model.logits(hidden))[0]
+    return load_stages(folder, ranges, requantize=requantize)
 
 
 CASES = {

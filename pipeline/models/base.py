@@ -214,6 +214,25 @@ class MLP(nn.Module):
         return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class PreNormBlock(nn.Module):
+    """The decoder block every family here shares: h = x + attn(norm(x)); out = h + mlp(norm(h)).
+    Families differ only in the attention and the feed-forward they plug in."""
+
+    def __init__(self, config: ModelConfig, self_attn: nn.Module, mlp: nn.Module):
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def make_cache(self):
+        return self.self_attn.make_cache() if hasattr(self.self_attn, "make_cache") else KVCache()
+
+    def __call__(self, x: mx.array, caches: list, lengths: list[int]) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), caches, lengths)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
 class TransformerSlice(nn.Module):
     """The layers [start, end) of a decoder-only transformer, plus, on the first/last stage,
     the token embedding and the final norm + LM head.
@@ -236,8 +255,7 @@ class TransformerSlice(nn.Module):
 
     def make_cache(self) -> list:
         """One sequence's caches, one per layer of this slice."""
-        return [layer.make_cache() if hasattr(layer, "make_cache") else KVCache()
-                for layer in self.layers]
+        return [layer.make_cache() for layer in self.layers]
 
     def embed(self, tokens: mx.array) -> mx.array:
         return self.embed_tokens(tokens)

@@ -23,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..config import ModelConfig
-from .base import MLP, KVCache, RoPE, causal_mask, segments, yarn_mscale
+from .base import MLP, KVCache, PreNormBlock, RoPE, causal_mask, segments, yarn_mscale
 from .experts import SwitchGLU
 
 
@@ -165,20 +165,9 @@ def is_moe_layer(config: ModelConfig, layer_index: int) -> bool:
             and layer_index % int(r.get("moe_layer_freq", 1)) == 0)
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int):
-        super().__init__()
-        self.self_attn = MultiHeadLatentAttention(config)
-        if is_moe_layer(config, layer_index):
-            self.mlp = DeepseekMoE(config)
-        else:
-            self.mlp = MLP(config.hidden_size, config.intermediate_size)
-        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def make_cache(self) -> KVCache:
-        return self.self_attn.make_cache()
-
-    def __call__(self, x: mx.array, caches: list[KVCache], lengths: list[int]) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), caches, lengths)
-        return h + self.mlp(self.post_attention_layernorm(h))
+def DecoderLayer(config: ModelConfig, layer_index: int) -> PreNormBlock:
+    if is_moe_layer(config, layer_index):
+        mlp = DeepseekMoE(config)
+    else:
+        mlp = MLP(config.hidden_size, config.intermediate_size)
+    return PreNormBlock(config, MultiHeadLatentAttention(config), mlp)

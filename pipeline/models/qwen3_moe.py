@@ -7,7 +7,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..config import ModelConfig
-from .base import MLP, Attention, KVCache
+from .base import MLP, Attention, PreNormBlock
 from .experts import SwitchGLU
 
 
@@ -43,17 +43,9 @@ def is_sparse_layer(config: ModelConfig, layer_index: int) -> bool:
             and (layer_index + 1) % step == 0)
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int):
-        super().__init__()
-        self.self_attn = Attention(config)
-        if is_sparse_layer(config, layer_index):
-            self.mlp = SparseMoeBlock(config)
-        else:
-            self.mlp = MLP(config.hidden_size, config.intermediate_size)
-        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def __call__(self, x: mx.array, caches: list[KVCache], lengths: list[int]) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), caches, lengths)
-        return h + self.mlp(self.post_attention_layernorm(h))
+def DecoderLayer(config: ModelConfig, layer_index: int) -> PreNormBlock:
+    if is_sparse_layer(config, layer_index):
+        mlp = SparseMoeBlock(config)
+    else:
+        mlp = MLP(config.hidden_size, config.intermediate_size)
+    return PreNormBlock(config, Attention(config), mlp)
