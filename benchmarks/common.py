@@ -174,7 +174,8 @@ def run_pipeline(ranks: int, model: Path, prompt: str, max_tokens: int, *extra: 
 
 
 def run_mlx_lm(model: Path, prompt_ids: list[int], max_tokens: int, *, openblas: bool, dense: bool,
-               cast_fp32: bool = True, env: dict | None = None, timeout: float = 1800) -> dict:
+               cast_fp32: bool = True, pipeline_blas: bool = False, env: dict | None = None,
+               timeout: float = 1800) -> dict:
     cmd = [sys.executable, str(REPO / "benchmarks" / "_mlx_lm_run.py"), "--model", str(model),
            "--prompt-ids", ",".join(map(str, prompt_ids)), "--max-tokens", str(max_tokens)]
     if openblas:
@@ -183,6 +184,8 @@ def run_mlx_lm(model: Path, prompt_ids: list[int], max_tokens: int, *, openblas:
         cmd.append("--dense")
     if not cast_fp32:
         cmd.append("--as-published")
+    if pipeline_blas:
+        cmd.append("--pipeline-blas")
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env_with_repo(**(env or {})),
                           timeout=timeout)
@@ -324,15 +327,9 @@ def param_count(folder: Path) -> int:
 
 # ---- plots -----------------------------------------------------------------------------------------
 
-def bar_chart(path: Path, title: str, groups: list[str], series: dict[str, list[dict | None]], ylabel: str,
-              log: bool = False) -> Path:
+def bars(ax, title: str, groups: list[str], series: dict[str, list[dict | None]], ylabel: str,
+         log: bool = False) -> None:
     """Grouped bars of medians with min-max whiskers: one group per x label, one bar per series."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups) * max(1, len(series)) / 2.5), 4.2))
     width = 0.8 / max(1, len(series))
     for i, (name, stats) in enumerate(series.items()):
         xs, meds, lo, hi = [], [], [], []
@@ -343,20 +340,42 @@ def bar_chart(path: Path, title: str, groups: list[str], series: dict[str, list[
             meds.append(s["median"])
             lo.append(s["median"] - s["min"])
             hi.append(s["max"] - s["median"])
-        bars = ax.bar(xs, meds, width, label=name, yerr=[lo, hi], capsize=3)
+        ax.bar(xs, meds, width, label=name, yerr=[lo, hi], capsize=3)
         for x, m in zip(xs, meds):
-            ax.annotate(f"{m:.3g}", (x, m), ha="center", va="bottom", fontsize=7, xytext=(0, 2),
+            ax.annotate(f"{m:.3g}", (x, m), ha="center", va="bottom", fontsize=6, xytext=(0, 2),
                         textcoords="offset points")
-        del bars
     ax.set_xticks(range(len(groups)))
-    ax.set_xticklabels(groups)
+    ax.set_xticklabels(groups, fontsize=8)
     ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=10)
+    ax.set_title(title, fontsize=9)
     if log:
         ax.set_yscale("log")
-    ax.legend(fontsize=7)
+
+
+def figure(panels: int, width: float = 6.0, height: float = 4.2):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, panels, figsize=(width * panels, height), squeeze=False)
+    return fig, list(axes[0])
+
+
+def save(fig, path: Path, legend_ax=None) -> Path:
+    import matplotlib.pyplot as plt
+
+    if legend_ax is not None:
+        legend_ax.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def bar_chart(path: Path, title: str, groups: list[str], series: dict[str, list[dict | None]], ylabel: str,
+              log: bool = False) -> Path:
+    fig, (ax,) = figure(1, width=max(6, 1.6 * len(groups) * max(1, len(series)) / 2.5))
+    bars(ax, title, groups, series, ylabel, log)
+    return save(fig, path, ax)

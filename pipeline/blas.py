@@ -13,6 +13,13 @@ Threads: ranks on one host would oversubscribe its cores if each ran a BLAS thre
 `set_threads_for_ranks()` gives each rank cores // ranks-on-this-host threads, unless the user
 set `OPENBLAS_NUM_THREADS` (which OpenBLAS itself reads at load).
 
+One-row products: MLX calls `cblas_sgemm` even for a single row (every decode step), and
+OpenBLAS before 0.3.27 runs that as a full GEMM, packing the weight matrix: 13-23 GB/s where its
+`cblas_sgemv` reads the same matrix at 35-50 GB/s here. A ten-line C shim, compiled once per
+machine into $PIPELINE_CACHE/blas/ when a C compiler is there and loaded ahead of the BLAS, takes
+`cblas_sgemm` and sends 1-row (and 1-column) products to `cblas_sgemv`, all others on to the
+BLAS (what OpenBLAS 0.3.27+ does itself). `PIPELINE_BLAS_SHIM=0` leaves it out.
+
 `in_use()` says which library MLX's `cblas_sgemm` actually resolves to, by reading libmlx.so's
 own GOT slot for it; that is what the stats line reports.
 
@@ -40,6 +47,7 @@ THREAD_ENV = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS")
 @dataclass
 class BlasState:
     path: str | None = None  # the library we loaded, if any
+    shim: str | None = None  # the 1-row GEMM -> GEMV shim in front of it, if loaded
     name: str = ""  # e.g. "OpenBLAS 0.3.21"
     handle: ctypes.CDLL | None = None
     note: str = ""  # why nothing was loaded, or a caveat
@@ -87,13 +95,15 @@ def load() -> BlasState:
         if not os.path.exists(path):
             continue
         try:
-            handle = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            handle = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
             handle.cblas_sgemm  # noqa: B018 -- a CBLAS, or useless to MLX
         except (OSError, AttributeError) as e:
             _state.note = f"{path}: {e}"
             continue
         _state.path, _state.handle = os.path.realpath(path), handle
         _state.name = _library_name(handle, path)
+        _load_shim(handle)  # first in the global scope, so MLX's cblas_sgemm binds to it
+        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)  # then the BLAS itself, for every other symbol
         _early_threads()
         return _state
     if choice:
@@ -101,6 +111,90 @@ def load() -> BlasState:
     elif not _state.note:
         _state.note = f"no OpenBLAS found: {INSTALL_HINT}"
     return _state
+
+
+SHIM_ENV = "PIPELINE_BLAS_SHIM"
+SHIM_SOURCE = r"""
+/* pipeline's BLAS shim: 1-row/1-column SGEMMs (MLX's matvecs) as SGEMV; everything else on to the BLAS. */
+#include <dlfcn.h>
+typedef void (*sgemm_t)(int, int, int, int, int, int, float, const float *, int, const float *, int, float,
+                        float *, int);
+typedef void (*sgemv_t)(int, int, int, int, float, const float *, int, const float *, int, float, float *, int);
+static sgemm_t real_sgemm;
+static sgemv_t real_sgemv;
+int pipeline_shim_init(void *handle) {
+    real_sgemm = (sgemm_t)dlsym(handle, "cblas_sgemm");
+    real_sgemv = (sgemv_t)dlsym(handle, "cblas_sgemv");
+    return real_sgemm && real_sgemv;
+}
+enum { RowMajor = 101, NoTrans = 111 };
+void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, const float *a, int lda,
+                 const float *b, int ldb, float beta, float *c, int ldc) {
+    if (order == RowMajor && m == 1 && n > 1) {  /* c[1,n] = a[1,k] op(b)[k,n]: a row times b */
+        /* op(b) = b (k x n): c = b^T a; op(b) = b^T (b is n x k): c = b a. a's k values lie 1 apart, or lda (ta). */
+        real_sgemv(RowMajor, tb == NoTrans ? 112 : NoTrans, tb == NoTrans ? k : n, tb == NoTrans ? n : k, alpha, b,
+                   ldb, a, ta == NoTrans ? 1 : lda, beta, c, 1);
+        return;
+    }
+    if (order == RowMajor && n == 1 && m > 1) {  /* c[m,1] = op(a)[m,k] b[k,1] */
+        real_sgemv(RowMajor, ta == NoTrans ? NoTrans : 112, ta == NoTrans ? m : k, ta == NoTrans ? k : m, alpha, a,
+                   lda, b, tb == NoTrans ? ldb : 1, beta, c, ldc);
+        return;
+    }
+    real_sgemm(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+"""
+
+
+def _shim_path() -> Path:
+    import hashlib
+
+    from .default_model import cache_root
+
+    digest = hashlib.sha256(SHIM_SOURCE.encode()).hexdigest()[:12]
+    return cache_root() / "blas" / f"sgemm-shim-{os.uname().machine}-{digest}.so"
+
+
+def _build_shim(path: Path) -> bool:
+    """Compile the shim once per machine (a few hundred ms); False if there is no compiler."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not compiler:
+        return False
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            source, out = Path(tmp) / "shim.c", Path(tmp) / "shim.so"
+            source.write_text(SHIM_SOURCE)
+            result = subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", str(out), str(source), "-ldl"],
+                                    capture_output=True, timeout=60)
+            if result.returncode != 0:
+                return False
+            os.replace(out, path)  # atomic: ranks building at once each publish a whole file
+        return True
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def _load_shim(blas: ctypes.CDLL) -> None:
+    """Put the 1-row GEMM -> GEMV shim in front of `blas` in the global scope (see above)."""
+    if os.environ.get(SHIM_ENV, "").strip().lower() in ("0", "off", "no", "none"):
+        return
+    try:
+        blas.cblas_sgemv  # noqa: B018
+        path = _shim_path()
+        if not path.is_file() and not _build_shim(path):
+            _state.note = "no C compiler for the 1-row GEMM shim"
+            return
+        shim = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+        shim.pipeline_shim_init.argtypes = [ctypes.c_void_p]
+        if shim.pipeline_shim_init(blas._handle):
+            _state.shim = os.path.realpath(path)
+    except (OSError, AttributeError):
+        return
 
 
 def _library_name(handle: ctypes.CDLL, path: str) -> str:
@@ -187,7 +281,9 @@ def in_use(symbol: str = "cblas_sgemm") -> str | None:
 
 def is_optimized() -> bool:
     path = in_use()
-    return bool(path) and "openblas" in Path(path).name.lower() and "mlx_cpu.libs" not in path
+    state = load()
+    return bool(path) and (os.path.realpath(path) in (state.path, state.shim) or
+                           ("openblas" in Path(path).name.lower() and "mlx_cpu.libs" not in path))
 
 
 def describe() -> str:
@@ -198,10 +294,11 @@ def describe() -> str:
     path = in_use()
     if path is None:
         used = "unknown"
-    elif state.path and os.path.realpath(path) == state.path:
+    elif state.path and os.path.realpath(path) in (state.path, state.shim):
         threads = num_threads()
         detail = ", ".join(x for x in (f"{threads} thread{'s' if threads != 1 else ''}" if threads else "",
-                                       state.threads_from) if x)
+                                       state.threads_from,
+                                       "1-row GEMMs as GEMV" if os.path.realpath(path) == state.shim else "") if x)
         return f"{state.name}" + (f" ({detail})" if detail else "")
     elif "mlx_cpu.libs" in path and Path(path).name.startswith("libblas"):
         used = "netlib reference BLAS (bundled with mlx)"

@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_cluster_args(ping)
 
     add_plan_parser(commands)
+    from .batch import add_batch_parser
+
+    add_batch_parser(commands)
 
     conv = commands.add_parser("convert", help="convert a GGUF file into a model folder")
     conv.add_argument("--gguf", type=Path, required=True, help="the .gguf file")
@@ -135,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
         from .commands import run_generate
 
         return run_generate(args, comm)
+    if args.command == "batch":
+        from .commands import run_batch
+
+        return run_batch(args, comm)
     if args.command == "preflight":
         from .preflight import run_preflight
 
@@ -161,6 +168,9 @@ def add_plan_parser(commands) -> None:
     plan.add_argument("--quantize", type=int, choices=[2, 3, 4, 5, 6, 8], default=None, metavar="BITS",
                       help="plan for weights re-quantized to MLX affine BITS (as generate --quantize)")
     plan.add_argument("--group-size", type=int, choices=[32, 64, 128], default=64, help="for --quantize (default 64)")
+    plan.add_argument("--weights-in-memory", choices=["quantized", "fp32"], default="quantized",
+                      help="MLX-quantized weights held packed (default) or dequantized to --dtype, as generate "
+                           "--weights-in-memory fp32 (or auto, where memory allows) holds them")
     plan.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                       help="activation dtype, which unquantized weights and the KV cache are held in "
                            "(default float32, as generate)")
@@ -221,6 +231,10 @@ def _validated(args: argparse.Namespace) -> argparse.Namespace:
         from .formats import Requantize
 
         args.requantize = Requantize(args.quantize, args.group_size) if args.quantize else None
+    if args.command == "batch":
+        from .batch import validate_args
+
+        validate_args(args)
     if getattr(args, "watchdog", 0) < 0:
         raise UserError(f"--watchdog must be >= 0 seconds (0 turns it off), got {args.watchdog:g}")
     if args.command == "ping" and (args.rounds < 1 or args.floats < 1 or args.pause < 0):

@@ -224,3 +224,96 @@ def stats_line(result, memory: list[tuple]) -> str:
     return (f"[pipeline] prompt {result.prompt_tokens} tokens, prefill {result.prefill_tps:.1f} tok/s, "
             f"decode {result.decode_tps:.1f} tok/s ({len(result.tokens)} tokens, {result.finish_reason}), "
             f"TTFT {result.prefill_s:.3f} s, peak RSS {peaks}{extra}")
+
+
+def run_batch(args: argparse.Namespace, comm) -> int:
+    """`batch`: JSONL requests in, JSONL results out, every rank busy (see scheduler.py)."""
+    from .batch import ResultsFile, check_paths, note, read_requests
+    from .scheduler import Scheduler, follow, stop_followers
+    from .tokenizer import Tokenizer
+    from .trace import Timeline, split_hint, summary_lines, write_chrome_trace
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    transport = make_transport(args, comm)
+    plan = mpi.checkpoint(comm, lambda: plan_job(args, comm))
+
+    def prepare():
+        """Rank 0, before any weights are read: the input parsed (duplicate ids refused), the
+        output locked and repaired, error records for lines that cannot run, what is left."""
+        if rank != 0:
+            return None
+        check_paths(args)
+        tokenizer = Tokenizer.from_folder(plan.folder)
+        requests, bad = read_requests(args.input, args.sampling, args.max_tokens, args.system)
+        results = ResultsFile(args.output)
+        if results.repaired:
+            note(f"{args.output}: {results.repaired}")
+        skipped = sum(1 for r in requests if r.key in results.done)
+        skipped += sum(1 for b in bad if b.key in results.done)
+        errors = [b for b in bad if b.key not in results.done]
+        for b in errors:
+            results.write(b.record())
+        todo = [r for r in requests if r.key not in results.done]
+        if skipped:
+            note(f"skipping {skipped} request{'s' if skipped != 1 else ''} already in {args.output}")
+        if errors:
+            note(f"{len(errors)} input line{'s' if len(errors) != 1 else ''} cannot run: error records written")
+        return tokenizer, todo, results, len(errors)
+
+    prepared = mpi.checkpoint(comm, prepare)
+    todo_count = comm.bcast(len(prepared[1]) if rank == 0 else None, root=0)
+    if todo_count == 0:
+        if rank == 0:
+            prepared[2].close()
+            note(f"nothing to run: every request of {args.input} has a record in {args.output}")
+        return 0
+
+    stage = mpi.checkpoint(comm, lambda: Stage.load(
+        plan.config, plan.checkpoint, plan.ranges[rank], has_ends=rank == 0,
+        dtype=getattr(mx, args.dtype), requantize=args.requantize, progress=rank == 0 and not args.quiet,
+        dense=bool(plan.dense and plan.dense[rank])))
+    timeline = Timeline(rank, keep_spans=args.trace is not None)
+    packed = args.packed_matmuls
+    comm.Barrier()
+    timeline.restart()
+    stats = None
+    if rank == 0:
+        from tqdm import tqdm
+
+        tokenizer, todo, results, bad_lines = prepared
+        progress = tqdm(total=todo_count, unit="req", desc="batch", file=sys.stderr, disable=args.quiet,
+                        dynamic_ncols=True)
+        try:
+            stats = Scheduler(stage, transport, tokenizer, todo, results.write, max_batch=args.max_batch,
+                              microbatches=args.microbatches or size, packed=packed,
+                              use_chat_template=not args.no_chat_template, timeline=timeline,
+                              progress=progress).run()
+        finally:  # on an exception, the abort hook ends every rank: no STOP to wait on
+            progress.close()
+            results.close()
+        stop_followers(transport, timeline)
+    else:
+        follow(stage, transport, timeline, packed)
+    timeline.finish()
+
+    summaries = comm.gather(timeline.summary(), root=0)
+    memory = comm.gather((socket.gethostname(), peak_rss_bytes(), weights_label(stage), blas.describe()), root=0)
+    if rank == 0:
+        hosts = [m[0] for m in memory]
+        print(f"[pipeline] batch: {stats.done} done, {stats.errors + bad_lines} error records, "
+              f"{stats.generated_tokens} tokens generated in {stats.wall_s:.2f} s: {stats.tokens_per_s:.1f} tok/s "
+              f"(prompts {stats.prompt_tokens} tokens; {args.microbatches or size} micro-batches, "
+              f"max batch {args.max_batch}, {'packed' if packed else 'per-sequence'} matmuls); "
+              f"weights {per_rank([m[2] for m in memory])}, BLAS {per_rank([m[3] for m in memory])}, "
+              f"peak RSS " + ", ".join(f"r{r} {m[1] / 2**20:.0f} MiB" for r, m in enumerate(memory)),
+              file=sys.stderr)
+        for line in summary_lines(summaries, hosts if len(set(hosts)) > 1 else None):
+            print(line, file=sys.stderr)
+        hint = split_hint(summaries, [end - start for start, end in plan.ranges])
+        if hint and stats.wall_s > 5:  # a few seconds of decoding say something; a blip does not
+            print(hint, file=sys.stderr)
+        sys.stderr.flush()
+        if args.trace is not None:
+            write_chrome_trace(args.trace, summaries, hosts)
+            note(f"trace written to {args.trace} (open it in https://ui.perfetto.dev)")
+    return 0

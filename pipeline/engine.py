@@ -52,14 +52,32 @@ def generate(stage: Stage, transport: Transport, tokenizer: Tokenizer, prompt_id
         hidden = ring_forward(stage, transport, hidden)
         return model.logits(hidden[:, -1, :])[0]
 
+    # On one rank, without a repetition penalty (which needs each token in hand), the next step
+    # is built and started before this token is read, as mlx-lm does: Python building its graph
+    # overlaps the CPU computing this one. Same tokens; at the end one step is computed unused.
+    overlap = transport.size == 1 and sampling.repetition_penalty == 1.0
+
+    def following_token(token: mx.array) -> mx.array:
+        hidden = stage.run_layers(model.embed(token.reshape(1, 1)), evaluate=False)
+        return sampler.lazy(model.logits(hidden[:, -1, :])[0])
+
     start = time.perf_counter()
     for chunk_start in range(0, len(prompt_ids), PREFILL_CHUNK):
         logits = next_logits(prompt_ids[chunk_start:chunk_start + PREFILL_CHUNK])
     tokens: list[int] = []
     finish_reason = "length"
     first_token_at = None
+    pending = sampler.lazy(logits) if overlap else None
     while len(tokens) < max_tokens:
-        token = sampler(logits, history)
+        if overlap:
+            following = None
+            if len(tokens) + 1 < max_tokens:
+                following = following_token(pending)
+                mx.async_eval(following)
+            token = int(pending.item())
+            pending = following
+        else:
+            token = sampler(logits, history)
         if first_token_at is None:
             first_token_at = time.perf_counter()
         if token in tokenizer.eos_token_ids:
@@ -71,7 +89,7 @@ def generate(stage: Stage, transport: Transport, tokenizer: Tokenizer, prompt_id
         if detokenizer.stopped:
             finish_reason = "stop"
             break
-        if len(tokens) < max_tokens:
+        if len(tokens) < max_tokens and not overlap:
             logits = next_logits([token])
     if not detokenizer.stopped:
         on_text(detokenizer.finish())

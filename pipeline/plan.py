@@ -387,7 +387,10 @@ class Precision:
         if self.checkpoint.kind == "mlx":
             q = self.checkpoint.config.quantization
             b, g = q["bits"], q.get("group_size", 64)
-            parts.append(f"MLX affine {b}-bit, group {g} as stored ({b}/8 + 2x{d}/{g} = {b / 8 + 2 * d / g:.4g} B/param)")
+            if self.dense:
+                parts.append(f"MLX affine {b}-bit, group {g} dequantized to {name} at load (--weights-in-memory fp32)")
+            else:
+                parts.append(f"MLX affine {b}-bit, group {g} as stored ({b}/8 + 2x{d}/{g} = {b / 8 + 2 * d / g:.4g} B/param)")
         if self.quantize:
             b, g = self.quantize, self.group_size
             parts.append(f"MLX affine {b}-bit, group {g} from --quantize {b} ({b}/8 + 2x{d}/{g} = "
@@ -715,7 +718,8 @@ def run_plan(args: argparse.Namespace) -> int:
         tflops=parse_per_host(args.tflops, "--tflops", hosts, allow_one=True) if args.tflops else None,
         reserve_gib=_non_negative(args.reserve_gb, "--reserve-gb"),
     )
-    precision = Precision(checkpoint_format(config), args.dtype, args.quantize, args.group_size)
+    precision = Precision(checkpoint_format(config), args.dtype, args.quantize, args.group_size,
+                          dense=getattr(args, "weights_in_memory", "quantized") == "fp32")
     plan = plan_cluster(config, hosts, precision, hardware, args.context, args.batch)
     title = Path(str(args.model)).name.removesuffix(".json") or str(args.model)
     print(format_plan(plan, title), flush=True)

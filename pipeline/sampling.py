@@ -41,6 +41,19 @@ class Sampler:
         self.params = params
         self._key = mx.random.key(params.seed) if params.seed is not None else None
 
+    def lazy(self, logits: mx.array) -> mx.array:
+        """The next token as an unevaluated scalar, for a caller that starts the following step
+        before reading it. Same draws as `__call__`; not with a repetition penalty (it needs the
+        history in hand)."""
+        assert self.params.repetition_penalty == 1.0
+        logits = self.processed_logits(logits, [])
+        if self.params.temperature == 0:
+            return mx.argmax(logits)
+        if self._key is not None:
+            self._key, step_key = mx.random.split(self._key)
+            return mx.random.categorical(logits, key=step_key)
+        return mx.random.categorical(logits)
+
     def __call__(self, logits: mx.array, history: list[int]) -> int:
         """logits: [vocab] for the next position; history: prompt and generated tokens so far."""
         logits = self.processed_logits(logits, history)

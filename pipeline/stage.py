@@ -37,14 +37,17 @@ class Stage:
             dequantize_slice(model, dtype)
         return cls(model, names)
 
-    def run_layers(self, hidden: mx.array, seq_ids: list[int] = (0,), lengths: list[int] | None = None) -> mx.array:
+    def run_layers(self, hidden: mx.array, seq_ids: list[int] = (0,), lengths: list[int] | None = None,
+                   evaluate: bool = True) -> mx.array:
         """Run packed new tokens of the given sequences through this slice's layers.
-        A sequence id seen for the first time starts with empty caches."""
+        A sequence id seen for the first time starts with empty caches. evaluate=False returns
+        the result unevaluated (for a caller that overlaps building the graph with computing)."""
         if lengths is None:
             lengths = [hidden.shape[1]]
         caches = [self.caches.setdefault(s, self.model.make_cache()) for s in seq_ids]
         hidden = self.model.forward_layers(hidden, caches, lengths)
-        mx.eval(hidden)
+        if evaluate:
+            mx.eval(hidden)
         return hidden
 
     def release(self, seq_ids: list[int]) -> None:

@@ -36,11 +36,16 @@ _WIRE = {mx.float32: (0, np.float32), mx.float16: (1, np.float16), mx.bfloat16: 
 _FROM_CODE = {code: (mx_dtype, np_dtype) for mx_dtype, (code, np_dtype) in _WIRE.items()}
 _HEADER_LEN = 8  # kind, number of sequences, dtype code, ndim, up to 4 dims
 _INLINE_SEQS = 28  # layouts of up to this many sequences ride in the header: one message less per hop
+_HEADER_BYTES = (_HEADER_LEN + 2 * _INLINE_SEQS) * 8
 
 
 class Transport(ABC):
     rank: int
     size: int
+    # FORWARD payloads up to this many bytes travel in the header's message (one message per hop),
+    # for transports whose `recv` takes a message shorter than its buffer (MPI does); 0: never.
+    inline_bytes = 0
+    _inbox: np.ndarray | None = None
 
     @abstractmethod
     def send(self, buf: np.ndarray, dest: int) -> None:
@@ -62,15 +67,51 @@ class Transport(ABC):
         layout = [*seq_ids, *lengths]
         if len(seq_ids) <= _INLINE_SEQS:
             header[_HEADER_LEN:_HEADER_LEN + len(layout)] = layout
+        if hidden is not None and self._inlined(len(seq_ids), hidden.nbytes):
+            wire = np.asarray(hidden.view(mx.uint16) if hidden.dtype == mx.bfloat16 else hidden)
+            message = np.empty(_HEADER_BYTES + wire.nbytes, dtype=np.uint8)
+            message[:_HEADER_BYTES] = header.view(np.uint8)
+            message[_HEADER_BYTES:] = wire.reshape(-1).view(np.uint8)
+            self.send(message, dest)
+            return
         self.send(header, dest)
         if len(seq_ids) > _INLINE_SEQS:
             self.send(np.array(layout, dtype=np.int64), dest)
         if hidden is not None:
             self.send_hidden(hidden, dest)
 
+    def isend(self, buf: np.ndarray, dest: int):
+        """Start sending `buf` and return a request whose `Test()` is True once `buf` may be
+        reused; the caller keeps `buf` alive until then. This default sends before returning."""
+        self.send(buf, dest)
+        return _SENT
+
+    def isend_message(self, dest: int, kind: Kind, seq_ids: list[int] = (), lengths: list[int] = (),
+                      hidden: mx.array | None = None) -> "PendingSend":
+        """`send_message` without waiting for the receiver, so a rank with several messages in
+        flight (the batch schedule) never blocks in a send while its peer blocks sending to it.
+        Same framing: each buffer `send_message` would `send` is `isend` instead (a payload a
+        transport carries on another channel, as MlxTransport does, still goes blocking)."""
+        pending = PendingSend()
+        self.send = lambda buf, to: pending.add(self.isend(buf, to), buf)  # shadows the method
+        try:
+            self.send_message(dest, kind, seq_ids, lengths, hidden)
+        finally:
+            del self.send
+        return pending
+
+    def _inlined(self, num_seqs: int, payload_bytes: int) -> bool:
+        return num_seqs <= _INLINE_SEQS and payload_bytes <= self.inline_bytes
+
     def recv_message(self, source: int) -> Message:
-        header = np.empty(_HEADER_LEN + 2 * _INLINE_SEQS, dtype=np.int64)
-        self.recv(header, source)
+        if self.inline_bytes:  # one buffer, reused: a header, or a header and its payload
+            if self._inbox is None:
+                self._inbox = np.empty(_HEADER_BYTES + self.inline_bytes, dtype=np.uint8)
+            inbox = self._inbox
+        else:
+            inbox = np.empty(_HEADER_BYTES, dtype=np.uint8)
+        self.recv(inbox, source)
+        header = inbox[:_HEADER_BYTES].view(np.int64)
         kind, num_seqs = Kind(int(header[0])), int(header[1])
         seq_ids, lengths = [], []
         if num_seqs:
@@ -83,8 +124,14 @@ class Transport(ABC):
             seq_ids, lengths = layout[:num_seqs].tolist(), layout[num_seqs:].tolist()
         hidden = None
         if kind == Kind.FORWARD:
-            mx_dtype, _ = _FROM_CODE[int(header[2])]
-            hidden = self.recv_hidden(tuple(int(d) for d in header[4:4 + int(header[3])]), mx_dtype, source)
+            mx_dtype, np_dtype = _FROM_CODE[int(header[2])]
+            shape = tuple(int(d) for d in header[4:4 + int(header[3])])
+            nbytes = int(np.prod(shape)) * np.dtype(np_dtype).itemsize
+            if self._inlined(num_seqs, nbytes):
+                hidden = mx.array(inbox[_HEADER_BYTES:_HEADER_BYTES + nbytes].view(np_dtype).reshape(shape))
+                hidden = hidden.view(mx.bfloat16) if mx_dtype == mx.bfloat16 else hidden
+            else:
+                hidden = self.recv_hidden(shape, mx_dtype, source)
         return Message(kind, seq_ids, lengths, hidden)
 
     def send_hidden(self, hidden: mx.array, dest: int) -> None:
@@ -97,6 +144,38 @@ class Transport(ABC):
         self.recv(payload, source)
         hidden = mx.array(payload)
         return hidden.view(mx.bfloat16) if dtype == mx.bfloat16 else hidden
+
+
+class _Sent:
+    def Test(self) -> bool:  # noqa: N802 (mpi4py's spelling)
+        return True
+
+
+_SENT = _Sent()
+
+
+class PendingSend:
+    """The requests of one message sent with `isend_message`, and the buffers they read from,
+    which stay alive until every request is complete."""
+
+    def __init__(self):
+        self._parts: list[tuple[object, np.ndarray]] = []
+
+    def add(self, request, buf: np.ndarray) -> None:
+        self._parts.append((request, buf))
+
+    def done(self) -> bool:
+        """True once the whole message has left (each call also drives MPI's progress)."""
+        self._parts = [(r, b) for r, b in self._parts if not r.Test()]
+        return not self._parts
+
+    def wait(self) -> None:
+        """Block until sent, sleeping between polls as receives do (no core spinning)."""
+        sleep = 0.0
+        while not self.done():
+            if sleep:
+                time.sleep(sleep)
+            sleep = min(MpiTransport.max_sleep_s, sleep * 2 or 0.00002)
 
 
 class PeerSilent(AbortJob):
@@ -113,6 +192,7 @@ class MpiTransport(Transport):
     """
 
     max_sleep_s = 0.0005
+    inline_bytes = 1 << 20
     spin_s = 0.0002  # poll without sleeping this long first: a reply due in microseconds costs no sleep
 
     def __init__(self, comm, watchdog_s: float = 0.0, hosts: list[str] | None = None):
@@ -124,6 +204,9 @@ class MpiTransport(Transport):
 
     def send(self, buf: np.ndarray, dest: int) -> None:
         self.comm.Send(buf, dest=dest)
+
+    def isend(self, buf: np.ndarray, dest: int):
+        return self.comm.Isend(buf, dest=dest)
 
     def recv(self, buf: np.ndarray, source: int) -> None:
         request = self.comm.Irecv(buf, source=source)
@@ -163,6 +246,8 @@ class MlxTransport(MpiTransport):
     The sender sends the payload right after the header, so MLX's receive never waits long; a
     watchdog thread still guards it in case a peer hangs in between.
     """
+
+    inline_bytes = 0  # payloads always go by MLX
 
     def __init__(self, comm, group, watchdog_s: float = 0.0, hosts: list[str] | None = None):
         super().__init__(comm, watchdog_s, hosts)

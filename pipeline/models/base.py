@@ -172,12 +172,13 @@ class Attention(nn.Module):
         v = self.v_proj(x).reshape(T, self.n_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = (t.transpose(1, 0, 2) for t in (q, k, v))  # -> [heads, T, head_dim]
+        # q and k rotated in one RoPE call: on CPU each call costs ~40 us whatever its size.
+        qk = mx.concatenate([q, k], axis=1).transpose(1, 0, 2)  # -> [heads + kv heads, T, head_dim]
+        v = v.transpose(1, 0, 2)
         outputs = []
         for (begin, end), cache in zip(segments(lengths), caches):
-            qs, ks, vs = q[None, :, begin:end], k[None, :, begin:end], v[None, :, begin:end]
-            qs = self.rope(qs, offset=cache.offset)
-            ks = self.rope(ks, offset=cache.offset)
+            qks = self.rope(qk[None, :, begin:end], offset=cache.offset)
+            qs, ks, vs = qks[:, :self.n_heads], qks[:, self.n_heads:], v[None, :, begin:end]
             ks, vs = cache.update_and_fetch(ks, vs)
             out = mx.fast.scaled_dot_product_attention(qs, ks, vs, scale=self.scale,
                                                        mask=causal_mask(end - begin))

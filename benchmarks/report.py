@@ -1,0 +1,200 @@
+"""Markdown tables from benchmarks/results/*.json, written into README.md between the markers
+`<!-- benchmarks:begin -->` and `<!-- benchmarks:end -->` (or printed with --print).
+
+    python benchmarks/report.py [--print]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+BEGIN, END = "<!-- benchmarks:begin -->", "<!-- benchmarks:end -->"
+
+
+def load(name: str) -> dict | None:
+    path = common.RESULTS / f"{name}.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def med(s: dict | None, scale: float = 1.0, digits: int = 3) -> str:
+    if not s or not s.get("n"):
+        return "-"
+    return f"{s['median'] * scale:.{digits}g} ±{s['spread_pct'] / 2:.0f}%"
+
+
+def num(x: float, digits: int = 3) -> str:
+    return f"{x:.{digits}g}"
+
+
+def header(p: dict) -> str:
+    m = p["machine"]
+    load = p.get("load_after")
+    return (f"{m['cpu']}, {m['cores']} cores, {m['memory_bytes'] / 2**30:.0f} GiB; mlx {p['versions'].get('mlx')}, "
+            f"mlx-lm {p['versions'].get('mlx-lm')}; commit {p['git']['commit'][:8]}{'+dirty' if p['git']['dirty'] else ''}; "
+            f"{p['date'][:16]}; load average at the end {load[0]:.1f}" if load else "")
+
+
+def single(p: dict) -> list[str]:
+    out = [f"**2a. One rank, batch 1** (`benchmarks/bench_single.py`; median ±half the min-max spread of "
+           f"{p['runs']} interleaved runs; {header(p)}). ![2a](benchmarks/results/single.png)", "",
+           "| model | contender | prefill tok/s | decode tok/s | TTFT s | peak RSS MiB | same text |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
+    for model, r in p["models"].items():
+        for c, s in r["stats"].items():
+            out.append(f"| {model} ({r['parameters'] / 1e9:.2f} B, prompt {r['prompt_tokens']}, {r['new_tokens']} new) | "
+                       f"{c} | {med(s['prefill_tps'])} | {med(s['decode_tps'])} | {med(s['ttft_s'])} | "
+                       f"{med(s['peak_rss_mib'], digits=4)} | {'yes' if r['same_text_as_pipeline'][c] else 'no'} |")
+    out.append("")
+    for model, r in p["models"].items():
+        out.append(f"- {model}: " + "; ".join(f"{k} **{v:.2f}x**" for k, v in r["ratios"].items()))
+    return out
+
+
+def batch(p: dict) -> list[str]:
+    out = [f"**2b. Batch jobs** (`benchmarks/bench_batch.py`; default model, {p['requests']} chat requests, "
+           f"{p['prompt_tokens']} prompt tokens, up to {p['max_tokens']} new each, greedy, OPENBLAS_NUM_THREADS=1; "
+           f"{p['runs']} runs; {header(p)}). ![2b](benchmarks/results/batch.png)", "",
+           "| contender | generated tok/s | seconds | texts equal to 1 rank |", "| --- | --- | --- | --- |"]
+    for c, s in p["stats"].items():
+        out.append(f"| {c} | {med(s['tok_s'])} | {med(s['seconds'])} | {p['texts_equal_to_1_rank'][c]}/{p['requests']} |")
+    out += ["", "- " + "; ".join(f"{k} **{v:.2f}x**" for k, v in p["ratios"].items())]
+    return out
+
+
+def mlx_pipeline(p: dict) -> list[str]:
+    out = [f"**2c. Two ranks, single stream, vs mlx-lm's pipeline mode** (`benchmarks/bench_mlx_pipeline.py`; "
+           f"random Qwen2-0.5B 4-bit, prompt {p['prompt_tokens']}, {p['new_tokens']} new; {p['runs']} runs; "
+           f"{header(p)}). ![2c](benchmarks/results/mlx_pipeline.png)", "",
+           "| contender | prefill tok/s | decode tok/s | TTFT s | same text |", "| --- | --- | --- | --- | --- |"]
+    for c, s in p["stats"].items():
+        out.append(f"| {c} | {med(s['prefill_tps'])} | {med(s['decode_tps'])} | {med(s['ttft_s'])} | "
+                   f"{'yes' if p['same_text_as_pipeline'][c] else 'no'} |")
+    out += ["", "- " + "; ".join(f"{k} **{v:.2f}x**" for k, v in p["ratios"].items())]
+    return out
+
+
+def hop(p: dict) -> list[str]:
+    out = [f"**2d. Per-hop overhead** (`benchmarks/bench_hop.py`; 2 ranks, one host; {p['iters']} round trips "
+           f"per run, {p['runs']} runs; {header(p)}). ![2d](benchmarks/results/hop.png)", "",
+           "| hidden x tokens | bytes | raw mpi4py us/hop | pipeline transport us/hop | ratio |",
+           "| --- | --- | --- | --- | --- |"]
+    for label, r in p["micro"].items():
+        out.append(f"| {label} | {r['bytes']} | {med(r['stats']['raw'])} | {med(r['stats']['transport'])} | "
+                   f"**{r['ratio']:.2f}x** |")
+    s = p["in_situ"]
+    out += ["", f"- In situ (SmolLM2 decode, 1 BLAS thread per rank): {med(s['decode_ms_per_token']['1 rank'])} "
+                f"ms/token on 1 rank, {med(s['decode_ms_per_token']['2 ranks'])} on 2: "
+                f"{s['per_hop_us']:.0f} us per hop ({s['ratio_to_raw']:.1f}x the raw ping-pong)."]
+    return out
+
+
+def memory(p: dict) -> list[str]:
+    out = [f"**2e. Peak RSS per rank vs owned weight bytes** (`benchmarks/bench_memory.py`; {p['runs']} runs; "
+           f"a process with only the runtime imported: {p['baseline_rss']['median'] / 2**20:.0f} MiB; {header(p)}). "
+           f"![2e](benchmarks/results/memory.png)", "",
+           "| model | ranks, weights | rank | owned MiB | peak RSS MiB | RSS / owned | (RSS - runtime) / owned |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
+    for model, r in p["models"].items():
+        for label, c in r["configs"].items():
+            for rank, q in enumerate(c["per_rank"]):
+                out.append(f"| {model} | {label} | r{rank} | {q['owned_bytes'] / 2**20:.0f} | "
+                           f"{q['peak_rss']['median'] / 2**20:.0f} | **{q['ratio']:.2f}x** | "
+                           f"{q['ratio_above_baseline']:.2f}x |")
+    return out
+
+
+def roofline(p: dict) -> list[str]:
+    bw = p["bandwidth_gbps"]
+    out = [f"**2f. Roofline** (`benchmarks/bench_roofline.py`; {p['runs']} runs; {header(p)}). Read bandwidth: "
+           + ", ".join(f"{k} {med(v)} GB/s" for k, v in bw.items())
+           + f". ![2f](benchmarks/results/roofline.png)", "",
+           "| model | weights | MiB read per token | decode tok/s | GB/s | of machine bandwidth | roofline tok/s |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
+    for model, r in p["models"].items():
+        for mode, m in r["modes"].items():
+            out.append(f"| {model} | {mode} | {m['bytes_per_token']['total'] / 2**20:.0f} | {med(m['decode_tps'])} | "
+                       f"{m['achieved_gbps']:.2f} | **{m['fraction_of_machine_bw']:.0%}** | {m['roofline_tps']:.1f} |")
+    return out
+
+
+def goals(results: dict) -> list[str]:
+    out = ["**Goals** (issue 6):", "", "| goal | measured | met |", "| --- | --- | --- |"]
+    s = results.get("single")
+    if s:
+        for model, r in s["models"].items():
+            same = r["ratios"]["decode pipeline / mlx-lm+OpenBLAS"]
+            dense = r["ratios"]["decode pipeline / mlx-lm+OpenBLAS+fp32 weights"]
+            kernels = r["ratios"].get("decode pipeline / mlx-lm+pipeline BLAS+fp32 weights")
+            installed = r["ratios"]["decode pipeline / mlx-lm"]
+            out.append(f"| single-rank decode >= 1.1x mlx-lm with the same BLAS ({model}) | {same:.2f}x (OpenBLAS, "
+                       f"mlx-lm's weights as in the folder), {dense:.2f}x (OpenBLAS, mlx-lm's weights dequantized "
+                       f"like ours)" + (f", {kernels:.2f}x (mlx-lm on our whole BLAS set-up incl. the GEMV shim, "
+                                        f"fp32 weights: identical kernels)" if kernels else "")
+                       + f" | {'yes' if min(same, dense) >= 1.1 else 'no'}"
+                       + (f" (runtime alone: {'yes' if kernels >= 1.1 else 'no'})" if kernels else "") + " |")
+            out.append(f"| far above mlx-lm as installed ({model}) | decode {installed:.2f}x, prefill "
+                       f"{r['ratios']['prefill pipeline / mlx-lm']:.1f}x | {'yes' if installed >= 2 else 'no'} |")
+    b = results.get("batch")
+    if b:
+        two = b["ratios"]["pipeline batch, 2 ranks / pipeline batch, 1 rank"]
+        vs = {k.split(" / ")[1]: v for k, v in b["ratios"].items() if k.startswith("pipeline batch, 2 ranks / mlx-lm")}
+        out.append(f"| batch on 2 one-core ranks >= 1.8x one rank | {two:.2f}x | {'yes' if two >= 1.8 else 'no'} |")
+        out.append("| batch >= 2x mlx-lm's pipeline mode | not measured (mlx-lm's pipeline mode in batch); against "
+                   "mlx-lm's single-process batch_generate with one thread: "
+                   + ", ".join(f"{v:.2f}x ({k})" for k, v in vs.items()) + " | - |")
+    else:
+        out.append("| batch on 2 one-core ranks >= 1.8x one rank, >= 2x mlx-lm's pipeline mode | not run (2b) | - |")
+    h = results.get("hop")
+    if h:
+        worst = max(r["ratio"] for r in h["micro"].values())
+        out.append(f"| per-hop overhead <= 2x raw ping-pong | {min(r['ratio'] for r in h['micro'].values()):.2f}x-"
+                   f"{worst:.2f}x | {'yes' if worst <= 2 else 'no'} |")
+    m = results.get("memory")
+    if m:
+        ratios = [(model, label, q["ratio"]) for model, r in m["models"].items() for label, c in r["configs"].items()
+                  for q in c["per_rank"]]
+        big = [x for x in ratios if x[0] != "smollm2"]
+        worst_big = max(big, key=lambda x: x[2]) if big else None
+        out.append(f"| RSS <= 1.15x owned bytes | " + (f"1B model: worst {worst_big[2]:.2f}x ({worst_big[1]}); " if big else "")
+                   + f"SmolLM2 (100-600 MiB owned, runtime {m['baseline_rss']['median'] / 2**20:.0f} MiB): up to "
+                   f"{max(x[2] for x in ratios if x[0] == 'smollm2'):.2f}x | "
+                   f"{'yes (1B)' if big and worst_big[2] <= 1.15 else 'no'} |")
+    return out
+
+
+def render() -> str:
+    results = {name: load(name) for name in ("single", "batch", "mlx_pipeline", "hop", "memory", "roofline")}
+    lines = goals(results) + [""]
+    for name, fn in (("single", single), ("batch", batch), ("mlx_pipeline", mlx_pipeline), ("hop", hop), ("memory", memory),
+                     ("roofline", roofline)):
+        if results[name]:
+            lines += fn(results[name]) + [""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--print", action="store_true")
+    args = parser.parse_args()
+    text = render()
+    if args.print:
+        print(text)
+        return
+    readme = common.REPO / "README.md"
+    content = readme.read_text()
+    if BEGIN not in content or END not in content:
+        raise SystemExit(f"README.md has no {BEGIN} ... {END} section")
+    before, rest = content.split(BEGIN, 1)
+    _, after = rest.split(END, 1)
+    readme.write_text(before + BEGIN + "\n" + text + END + after)
+    print("README.md updated")
+
+
+if __name__ == "__main__":
+    main()
