@@ -59,6 +59,10 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--contenders", default=None,
+                        help="comma-separated subset of the contenders (default all; ratios need 'pipeline' and the "
+                             "mlx-lm ones)")
+    parser.add_argument("--name", default="single", help="results/NAME.json and .png (default single)")
     args = parser.parse_args()
 
     results = {}
@@ -68,7 +72,10 @@ def main() -> None:
         text, ids = common.prompt_of(model, prompt_tokens)
         print(f"{name}: {model} ({common.param_count(model) / 1e9:.3f} B parameters), prompt {len(ids)} tokens, "
               f"{new_tokens} new tokens; load {common.load_average()}", flush=True)
-        runs = common.interleave(contenders(model, name, text, ids, new_tokens), args.runs, args.warmup)
+        chosen = contenders(model, name, text, ids, new_tokens)
+        if args.contenders:
+            chosen = {c: f for c, f in chosen.items() if c in args.contenders.split(",")}
+        runs = common.interleave(chosen, args.runs, args.warmup)
         for rs in runs.values():
             for r in rs:
                 r["peak_rss_mib"] = max(r["peak_rss"]) / 2**20
@@ -76,32 +83,24 @@ def main() -> None:
         stats = {c: common.summarize_runs(rs, KEYS) for c, rs in runs.items()}
         decode = {c: s["decode_tps"]["median"] for c, s in stats.items()}
         prefill = {c: s["prefill_tps"]["median"] for c, s in stats.items()}
+        ratios = {f"{what} pipeline / {c}": table["pipeline"] / table[c]
+                  for what, table in (("decode", decode), ("prefill", prefill)) for c in table
+                  if c.startswith("mlx-lm") and "pipeline" in table}
         results[name] = {
             "folder": str(model), "parameters": common.param_count(model), "prompt_tokens": len(ids),
             "new_tokens": new_tokens,
             "generated": {c: rs[0]["generated"] for c, rs in runs.items()},
             "same_text_as_pipeline": {c: t == texts["pipeline"] for c, t in texts.items()},
             "stats": stats,
-            "ratios": {
-                "decode pipeline / mlx-lm": decode["pipeline"] / decode["mlx-lm"],
-                "decode pipeline / mlx-lm+OpenBLAS": decode["pipeline"] / decode["mlx-lm+OpenBLAS"],
-                "decode pipeline / mlx-lm+OpenBLAS+fp32 weights":
-                    decode["pipeline"] / decode["mlx-lm+OpenBLAS+fp32 weights"],
-                "decode pipeline / mlx-lm+pipeline BLAS+fp32 weights":
-                    decode["pipeline"] / decode["mlx-lm+pipeline BLAS+fp32 weights"],
-                "prefill pipeline / mlx-lm": prefill["pipeline"] / prefill["mlx-lm"],
-                "prefill pipeline / mlx-lm+OpenBLAS": prefill["pipeline"] / prefill["mlx-lm+OpenBLAS"],
-                "prefill pipeline / mlx-lm+OpenBLAS+fp32 weights":
-                    prefill["pipeline"] / prefill["mlx-lm+OpenBLAS+fp32 weights"],
-            },
+            "ratios": ratios,
             "runs": runs,
         }
         for key, value in results[name]["ratios"].items():
             print(f"  {key}: {value:.2f}x", flush=True)
 
-    payload = common.record("single", "2a: one rank, batch 1, pipeline generate vs mlx-lm stream_generate",
+    payload = common.record(args.name, "2a: one rank, batch 1, pipeline generate vs mlx-lm stream_generate",
                             runs=args.runs, warmup=args.warmup, load_after=common.load_average(), models=results)
-    path = common.write_json("single", payload)
+    path = common.write_json(args.name, payload)
     plot(payload)
     print(f"wrote {path}")
 
@@ -121,7 +120,7 @@ def plot(payload: dict) -> None:
         common.bars(ax, label, models, series, label, log=log)
     fig.suptitle(f"2a single rank, batch 1 ({payload['machine']['cores']} cores; median, min-max of "
                  f"{payload['runs']} runs)", fontsize=10)
-    common.save(fig, common.RESULTS / "single.png", axes[1])
+    common.save(fig, common.RESULTS / f"{payload['benchmark']}.png", axes[1])
 
 
 if __name__ == "__main__":
