@@ -7,6 +7,8 @@ so a second transport (e.g. MLX distributed over Thunderbolt RDMA) only implemen
 
 from __future__ import annotations
 
+import math
+import os
 import time
 from abc import ABC, abstractmethod
 from enum import IntEnum
@@ -126,7 +128,7 @@ class Transport(ABC):
         if kind == Kind.FORWARD:
             mx_dtype, np_dtype = _FROM_CODE[int(header[2])]
             shape = tuple(int(d) for d in header[4:4 + int(header[3])])
-            nbytes = int(np.prod(shape)) * np.dtype(np_dtype).itemsize
+            nbytes = math.prod(shape) * np.dtype(np_dtype).itemsize
             if self._inlined(num_seqs, nbytes):
                 hidden = mx.array(inbox[_HEADER_BYTES:_HEADER_BYTES + nbytes].view(np_dtype).reshape(shape))
                 hidden = hidden.view(mx.bfloat16) if mx_dtype == mx.bfloat16 else hidden
@@ -215,6 +217,7 @@ class MpiTransport(Transport):
         spin_until = time.perf_counter() + self.spin_s
         while not request.Test():
             if time.perf_counter() < spin_until:
+                os.sched_yield()  # a busy core (more ranks than cores) runs its other work meanwhile
                 continue
             if sleep:
                 time.sleep(sleep)
