@@ -397,7 +397,8 @@ def add_batch_parser(commands) -> None:
     batch.add_argument("--max-batch", type=int, default=32,
                        help="most sequences in progress at once, over all micro-batches (default 32)")
     batch.add_argument("--microbatches", type=int, default=None,
-                       help="micro-batches in flight around the ring (default: the number of ranks)")
+                       help="micro-batches in flight around the ring (default: twice the number of ranks, or "
+                            "the number of ranks with --packed-matmuls)")
     batch.add_argument("--packed-matmuls", action="store_true",
                        help="multiply the rows of all a micro-batch's sequences in one matmul: several times "
                             "the throughput on CPU, but each row's float rounding then depends on its "

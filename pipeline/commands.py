@@ -274,6 +274,10 @@ def run_batch(args: argparse.Namespace, comm) -> int:
         dense=bool(plan.dense and plan.dense[rank])))
     timeline = Timeline(rank, keep_spans=args.trace is not None)
     packed = args.packed_matmuls
+    # Exact mode: twice as many micro-batches as ranks, so a late one never starves a stage (a
+    # micro-batch's round trip alone takes as long as the ring needs for N of them). Packed: N,
+    # since smaller micro-batches mean smaller, less efficient matrix products.
+    microbatches = args.microbatches or (size if packed or size == 1 else 2 * size)
     comm.Barrier()
     timeline.restart()
     stats = None
@@ -285,7 +289,7 @@ def run_batch(args: argparse.Namespace, comm) -> int:
                         dynamic_ncols=True)
         try:
             stats = Scheduler(stage, transport, tokenizer, todo, results.write, max_batch=args.max_batch,
-                              microbatches=args.microbatches or size, packed=packed,
+                              microbatches=microbatches, packed=packed,
                               use_chat_template=not args.no_chat_template, timeline=timeline,
                               progress=progress).run()
         finally:  # on an exception, the abort hook ends every rank: no STOP to wait on
@@ -302,7 +306,7 @@ def run_batch(args: argparse.Namespace, comm) -> int:
         hosts = [m[0] for m in memory]
         print(f"[pipeline] batch: {stats.done} done, {stats.errors + bad_lines} error records, "
               f"{stats.generated_tokens} tokens generated in {stats.wall_s:.2f} s: {stats.tokens_per_s:.1f} tok/s "
-              f"(prompts {stats.prompt_tokens} tokens; {args.microbatches or size} micro-batches, "
+              f"(prompts {stats.prompt_tokens} tokens; {microbatches} micro-batches, "
               f"max batch {args.max_batch}, {'packed' if packed else 'per-sequence'} matmuls); "
               f"weights {per_rank([m[2] for m in memory])}, BLAS {per_rank([m[3] for m in memory])}, "
               f"peak RSS " + ", ".join(f"r{r} {m[1] / 2**20:.0f} MiB" for r, m in enumerate(memory)),
