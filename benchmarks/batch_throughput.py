@@ -8,7 +8,7 @@ wall time beside it), the ratio to 1 rank, each rank's idle share and the pipeli
 the job's own summary, and whether every rank count produced the same texts.
 
     python benchmarks/batch_throughput.py [--ranks 1,2] [--requests 32] [--max-tokens 64] [--runs 1]
-        [--packed] [--microbatches M] [--trace-dir DIR] [--json FILE]
+        [--packed] [--microbatches M[,M...]] [--trace-dir DIR] [--json FILE]
 
 --packed also runs `--packed-matmuls` and counts the texts that differ from the exact runs.
 Measure on an idle machine: the load average before each run is printed.
@@ -72,7 +72,8 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--runs", type=int, default=1, help="rounds, each running every rank count once (default 1)")
-    parser.add_argument("--microbatches", type=int, default=None, help="pass --microbatches to every run")
+    parser.add_argument("--microbatches", default=None,
+                        help="--microbatches for the multi-rank runs; a comma list runs each (default: the command's)")
     parser.add_argument("--packed", action="store_true", help="also run with --packed-matmuls")
     parser.add_argument("--trace-dir", type=Path, default=None, help="write each run's --trace here")
     parser.add_argument("--json", type=Path, default=None, help="write every run's figures to this file")
@@ -80,6 +81,8 @@ def main() -> int:
     args = parser.parse_args()
     rank_counts = [int(r) for r in args.ranks.split(",")]
     modes = {"exact": ()} | ({"packed": ("--packed-matmuls",)} if args.packed else {})
+    variants = [None] if args.microbatches is None else [int(m) for m in args.microbatches.split(",")]
+    configs = [(ranks, m) for ranks in rank_counts for m in (variants if ranks > 1 else [None])]
 
     with tempfile.TemporaryDirectory() as tmp:
         inp = Path(tmp) / "requests.jsonl"
@@ -87,31 +90,32 @@ def main() -> int:
         runs = []
         for round_ in range(args.runs):
             for mode, flags in modes.items():
-                for ranks in rank_counts:
+                for ranks, micro in configs:
                     extra = [*flags, *(["--model", str(args.model)] if args.model else []),
-                             *(["--microbatches", str(args.microbatches)] if args.microbatches else [])]
+                             *(["--microbatches", str(micro)] if micro else [])]
                     if args.trace_dir:
                         args.trace_dir.mkdir(parents=True, exist_ok=True)
-                        extra += ["--trace", str(args.trace_dir / f"batch-{mode}-{ranks}ranks-{round_}.json")]
+                        extra += ["--trace", str(args.trace_dir / f"batch-{mode}-{ranks}ranks-m{micro or ranks}-{round_}.json")]
                     r = run(ranks, inp, Path(tmp) / f"out-{mode}-{ranks}.jsonl", *extra)
-                    r["mode"], r["round"] = mode, round_
+                    r["mode"], r["round"], r["microbatches"] = mode, round_, micro or ranks
                     runs.append(r)
-                    print(f"round {round_} {mode:6s} {ranks} rank(s): {r['tokens']} tokens, {r['tok_s']:.1f} tok/s "
+                    print(f"round {round_} {mode:6s} {ranks} rank(s), {micro or ranks} micro-batches: {r['tokens']} tokens, "
+                          f"{r['tok_s']:.1f} tok/s "
                           f"(schedule {r['schedule_s']:.1f} s, job {r['job_wall_s']:.1f} s), bubble "
                           f"{r['bubble_percent']:.1f}%, idle per rank {r['idle_percent']}, load before "
                           f"{r['load_before']:.2f}", flush=True)
 
     print()
     print(f"{args.requests} requests, up to {args.max_tokens} new tokens each, greedy, OPENBLAS_NUM_THREADS=1")
-    print(f"{'mode':7s} {'ranks':>5s} {'tok/s':>8s} {'ratio':>6s} {'bubble':>7s}  idle per rank")
+    print(f"{'mode':7s} {'ranks':>5s} {'mbs':>4s} {'tok/s':>8s} {'ratio':>6s} {'bubble':>7s}  idle per rank")
     for mode in modes:
         base = statistics.median(r["tok_s"] for r in runs if r["mode"] == mode and r["ranks"] == rank_counts[0])
-        for ranks in rank_counts:
-            mine = [r for r in runs if r["mode"] == mode and r["ranks"] == ranks]
+        for ranks, micro in configs:
+            mine = [r for r in runs if r["mode"] == mode and r["ranks"] == ranks and r["microbatches"] == (micro or ranks)]
             tps = statistics.median(r["tok_s"] for r in mine)
             bubble = statistics.median(r["bubble_percent"] for r in mine)
             idle = {k: statistics.median(r["idle_percent"][k] for r in mine) for k in mine[0]["idle_percent"]}
-            print(f"{mode:7s} {ranks:5d} {tps:8.1f} {tps / base:5.2f}x {bubble:6.1f}%  "
+            print(f"{mode:7s} {ranks:5d} {micro or ranks:4d} {tps:8.1f} {tps / base:5.2f}x {bubble:6.1f}%  "
                   + ", ".join(f"r{k} {v:.1f}%" for k, v in sorted(idle.items())))
     reference = next(r["texts"] for r in runs if r["mode"] == "exact")
     for mode in modes:

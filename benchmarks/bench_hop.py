@@ -7,8 +7,10 @@ of the same bytes, two ranks on this host (MPICH shared memory).
                   Hidden sizes of SmolLM2 (576), Llama-3.2-1B (2048) and DeepSeek V3 (7168);
                   1 token (decode) and 16 tokens (a batch step).
   in situ         decode seconds per token of the default model on 2 ranks minus on 1 rank, both
-                  with one BLAS thread per rank, halved (2 hops per token): what a hop costs inside
-                  the real ring, stage bookkeeping included.
+                  with one BLAS thread per rank, halved (2 hops per token): an upper bound on what a
+                  hop costs inside the real ring, since it also holds what 2 ranks lose besides the
+                  hops (one rank overlaps building the next step's graph with computing this one;
+                  a ring cannot, and each rank evaluates its own graph).
 
     python benchmarks/bench_hop.py [--runs 5] [--iters 2000]
 """

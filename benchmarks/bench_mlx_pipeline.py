@@ -93,12 +93,12 @@ def main() -> None:
               for c in table if c.startswith("mlx-lm")}
     for k, v in ratios.items():
         print(f"  {k}: {v:.2f}x")
-    texts = {c: rs[0]["text"].strip() for c, rs in runs.items()}
+    texts = {c: rs[0]["text"] for c, rs in runs.items()}
     payload = common.record(
         "mlx_pipeline", "2c: two ranks, single stream: pipeline vs mlx-lm's pipeline mode (mlx.launch ring)",
         runs=args.runs, warmup=args.warmup, load_after=common.load_average(), folder=str(model),
         parameters=common.param_count(model), prompt_tokens=len(ids), new_tokens=args.new_tokens,
-        same_text_as_pipeline={c: t == texts["pipeline"] for c, t in texts.items()},
+        same_text_as_pipeline={c: common.same_text(t, texts["pipeline"]) for c, t in texts.items()},
         stats=stats, ratios=ratios, runs_detail=runs)
     path = common.write_json("mlx_pipeline", payload)
     plot(payload)

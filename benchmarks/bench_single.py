@@ -79,7 +79,7 @@ def main() -> None:
         for rs in runs.values():
             for r in rs:
                 r["peak_rss_mib"] = max(r["peak_rss"]) / 2**20
-        texts = {c: rs[0]["text"].strip() for c, rs in runs.items()}
+        texts = {c: rs[0]["text"] for c, rs in runs.items()}
         stats = {c: common.summarize_runs(rs, KEYS) for c, rs in runs.items()}
         decode = {c: s["decode_tps"]["median"] for c, s in stats.items()}
         prefill = {c: s["prefill_tps"]["median"] for c, s in stats.items()}
@@ -90,7 +90,7 @@ def main() -> None:
             "folder": str(model), "parameters": common.param_count(model), "prompt_tokens": len(ids),
             "new_tokens": new_tokens,
             "generated": {c: rs[0]["generated"] for c, rs in runs.items()},
-            "same_text_as_pipeline": {c: t == texts["pipeline"] for c, t in texts.items()},
+            "same_text_as_pipeline": {c: common.same_text(t, texts["pipeline"]) for c, t in texts.items()},
             "stats": stats,
             "ratios": ratios,
             "runs": runs,

@@ -127,6 +127,13 @@ def interleave(contenders: dict[str, Callable[[], dict]], runs: int, warmup: int
     return measured
 
 
+def same_text(a: str, b: str) -> bool:
+    """Equal up to surrounding space and newline style (our stdout passes through text-mode pipes,
+    which turn \r\n and \r into \n)."""
+    norm = lambda s: s.replace("\r\n", "\n").replace("\r", "\n").strip()  # noqa: E731
+    return norm(a) == norm(b)
+
+
 def summarize_runs(runs: list[dict], keys: list[str]) -> dict:
     return {key: summary([r.get(key) for r in runs]) for key in keys}
 
