@@ -397,13 +397,14 @@ def add_batch_parser(commands) -> None:
     batch.add_argument("--max-batch", type=int, default=32,
                        help="most sequences in progress at once, over all micro-batches (default 32)")
     batch.add_argument("--microbatches", type=int, default=None,
-                       help="micro-batches in flight around the ring (default: twice the number of ranks, or "
-                            "the number of ranks with --packed-matmuls)")
+                       help="micro-batches in flight around the ring (default: the number of ranks; twice that "
+                            "where sequences cannot share matrix products exactly)")
     batch.add_argument("--packed-matmuls", action="store_true",
-                       help="multiply the rows of all a micro-batch's sequences in one matmul: several times "
-                            "the throughput on CPU, but each row's float rounding then depends on its "
-                            "batch-mates, so a greedy text can differ from `generate`'s (default: each "
-                            "sequence's matmuls on its own rows, exactly as `generate` computes them)")
+                       help="put all rows of a micro-batch in one matrix product even where the BLAS rounds a "
+                            "row differently by row count (no BLAS shim: macOS, no C compiler, "
+                            "PIPELINE_BLAS_SHIM=0): faster there, but a greedy text can then differ from "
+                            "`generate`'s. With the shim (Linux default) products are batch-invariant and "
+                            "shared anyway")
     batch.add_argument("--quiet", action="store_true", help="no progress bar")
     batch.add_argument("--trace", type=Path, default=None, metavar="FILE",
                        help="write a Chrome trace-event JSON of every rank's compute, receive and send spans "

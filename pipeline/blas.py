@@ -13,12 +13,16 @@ Threads: ranks on one host would oversubscribe its cores if each ran a BLAS thre
 `set_threads_for_ranks()` gives each rank cores // ranks-on-this-host threads, unless the user
 set `OPENBLAS_NUM_THREADS` (which OpenBLAS itself reads at load).
 
-One-row products: MLX calls `cblas_sgemm` even for a single row (every decode step), and
-OpenBLAS before 0.3.27 runs that as a full GEMM, packing the weight matrix: 13-23 GB/s where its
-`cblas_sgemv` reads the same matrix at 35-50 GB/s here. A ten-line C shim, compiled once per
-machine into $PIPELINE_CACHE/blas/ when a C compiler is there and loaded ahead of the BLAS, takes
-`cblas_sgemm` and sends 1-row (and 1-column) products to `cblas_sgemv`, all others on to the
-BLAS (what OpenBLAS 0.3.27+ does itself). `PIPELINE_BLAS_SHIM=0` leaves it out.
+The shim (blas_shim.c): MLX calls `cblas_sgemm` for every fp32 product, one row (each decode
+step) included. A small C file, compiled once per machine and CPU into $PIPELINE_CACHE/blas/ when a
+C compiler is there and loaded ahead of the BLAS, takes `cblas_sgemm` first and
+- computes `x @ w.T` of up to 64 rows with its own batch-invariant kernel: each row rounds the same
+  whatever else shares the call, so packing several sequences' rows into one product (batch jobs)
+  gives each exactly what it gets alone; OpenBLAS's kernels round a row differently by row count.
+  One row reads the weights at sgemv's speed (OpenBLAS before 0.3.27 runs a 1-row GEMM as a full
+  GEMM that packs the weight matrix: half the speed);
+- sends other 1-row (and 1-column) products to `cblas_sgemv`, all others on to the BLAS.
+`PIPELINE_BLAS_SHIM=0` leaves it out (batch jobs then multiply each sequence's rows on their own).
 
 `in_use()` says which library MLX's `cblas_sgemm` actually resolves to, by reading libmlx.so's
 own GOT slot for it; that is what the stats line reports.
@@ -47,7 +51,8 @@ THREAD_ENV = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS")
 @dataclass
 class BlasState:
     path: str | None = None  # the library we loaded, if any
-    shim: str | None = None  # the 1-row GEMM -> GEMV shim in front of it, if loaded
+    shim: str | None = None  # the shim in front of it (blas_shim.c), if loaded
+    invariant_rows: int = 0  # the shim's batch-invariant kernel takes products of up to this many rows
     name: str = ""  # e.g. "OpenBLAS 0.3.21"
     handle: ctypes.CDLL | None = None
     note: str = ""  # why nothing was loaded, or a caveat
@@ -114,36 +119,18 @@ def load() -> BlasState:
 
 
 SHIM_ENV = "PIPELINE_BLAS_SHIM"
-SHIM_SOURCE = r"""
-/* pipeline's BLAS shim: 1-row/1-column SGEMMs (MLX's matvecs) as SGEMV; everything else on to the BLAS. */
-#include <dlfcn.h>
-typedef void (*sgemm_t)(int, int, int, int, int, int, float, const float *, int, const float *, int, float,
-                        float *, int);
-typedef void (*sgemv_t)(int, int, int, int, float, const float *, int, const float *, int, float, float *, int);
-static sgemm_t real_sgemm;
-static sgemv_t real_sgemv;
-int pipeline_shim_init(void *handle) {
-    real_sgemm = (sgemm_t)dlsym(handle, "cblas_sgemm");
-    real_sgemv = (sgemv_t)dlsym(handle, "cblas_sgemv");
-    return real_sgemm && real_sgemv;
-}
-enum { RowMajor = 101, NoTrans = 111 };
-void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, const float *a, int lda,
-                 const float *b, int ldb, float beta, float *c, int ldc) {
-    if (order == RowMajor && m == 1 && n > 1) {  /* c[1,n] = a[1,k] op(b)[k,n]: a row times b */
-        /* op(b) = b (k x n): c = b^T a; op(b) = b^T (b is n x k): c = b a. a's k values lie 1 apart, or lda (ta). */
-        real_sgemv(RowMajor, tb == NoTrans ? 112 : NoTrans, tb == NoTrans ? k : n, tb == NoTrans ? n : k, alpha, b,
-                   ldb, a, ta == NoTrans ? 1 : lda, beta, c, 1);
-        return;
-    }
-    if (order == RowMajor && n == 1 && m > 1) {  /* c[m,1] = op(a)[m,k] b[k,1] */
-        real_sgemv(RowMajor, ta == NoTrans ? NoTrans : 112, ta == NoTrans ? m : k, ta == NoTrans ? k : m, alpha, a,
-                   lda, b, tb == NoTrans ? ldb : 1, beta, c, ldc);
-        return;
-    }
-    real_sgemm(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-}
-"""
+SHIM_SOURCE = Path(__file__).with_name("blas_shim.c")
+
+
+
+def _cpu_signature() -> str:
+    """The CPU the shim is built for (-march=native): a cache shared by unlike nodes keeps one each."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags", "Features", "CPU part"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return os.uname().machine
 
 
 def _shim_path() -> Path:
@@ -151,12 +138,18 @@ def _shim_path() -> Path:
 
     from .default_model import cache_root
 
-    digest = hashlib.sha256(SHIM_SOURCE.encode()).hexdigest()[:12]
+    digest = hashlib.sha256(SHIM_SOURCE.read_bytes() + _cpu_signature().encode()).hexdigest()[:12]
     return cache_root() / "blas" / f"sgemm-shim-{os.uname().machine}-{digest}.so"
 
 
+# Tried in order: OpenMP spreads the batch-invariant kernel over the BLAS's threads; -march=native
+# gives it FMA and wide vectors. -ffp-contract=off: the compiler must not fuse some multiply-adds and
+# not others, or a row's rounding would depend on which tile computed it.
+SHIM_FLAGS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native"], ["-O3"])
+
+
 def _build_shim(path: Path) -> bool:
-    """Compile the shim once per machine (a few hundred ms); False if there is no compiler."""
+    """Compile the shim once per machine (about a second); False if there is no working compiler."""
     import shutil
     import subprocess
     import tempfile
@@ -167,34 +160,43 @@ def _build_shim(path: Path) -> bool:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            source, out = Path(tmp) / "shim.c", Path(tmp) / "shim.so"
-            source.write_text(SHIM_SOURCE)
-            result = subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", str(out), str(source), "-ldl"],
-                                    capture_output=True, timeout=60)
-            if result.returncode != 0:
-                return False
-            os.replace(out, path)  # atomic: ranks building at once each publish a whole file
-        return True
+            out = Path(tmp) / "shim.so"
+            for flags in SHIM_FLAGS:
+                result = subprocess.run([compiler, *flags, "-ffp-contract=off", "-shared", "-fPIC", "-o", str(out),
+                                         str(SHIM_SOURCE), "-ldl"], capture_output=True, timeout=120)
+                if result.returncode == 0:
+                    os.replace(out, path)  # atomic: ranks building at once each publish a whole file
+                    return True
+        return False
     except (OSError, subprocess.SubprocessError):
         return False
 
 
 def _load_shim(blas: ctypes.CDLL) -> None:
-    """Put the 1-row GEMM -> GEMV shim in front of `blas` in the global scope (see above)."""
+    """Put the shim in front of `blas` in the global scope (see blas_shim.c)."""
     if os.environ.get(SHIM_ENV, "").strip().lower() in ("0", "off", "no", "none"):
         return
     try:
         blas.cblas_sgemv  # noqa: B018
         path = _shim_path()
         if not path.is_file() and not _build_shim(path):
-            _state.note = "no C compiler for the 1-row GEMM shim"
+            _state.note = "no C compiler for the BLAS shim"
             return
         shim = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
         shim.pipeline_shim_init.argtypes = [ctypes.c_void_p]
         if shim.pipeline_shim_init(blas._handle):
             _state.shim = os.path.realpath(path)
+            _state.invariant_rows = int(shim.pipeline_invariant_max_rows())
     except (OSError, AttributeError):
         return
+
+
+def invariant_rows() -> int:
+    """Up to how many rows an fp32 `x @ w.T` rounds each row the same whatever else is in the call
+    (the shim's batch-invariant kernel is in use); 0 if not known to."""
+    state = load()
+    return state.invariant_rows if state.shim and is_optimized() and os.path.realpath(in_use() or "") == state.shim \
+        else 0
 
 
 def _library_name(handle: ctypes.CDLL, path: str) -> str:
@@ -298,7 +300,7 @@ def describe() -> str:
         threads = num_threads()
         detail = ", ".join(x for x in (f"{threads} thread{'s' if threads != 1 else ''}" if threads else "",
                                        state.threads_from,
-                                       "1-row GEMMs as GEMV" if os.path.realpath(path) == state.shim else "") if x)
+                                       f"batch-invariant GEMM <= {state.invariant_rows} rows" if os.path.realpath(path) == state.shim else "") if x)
         return f"{state.name}" + (f" ({detail})" if detail else "")
     elif "mlx_cpu.libs" in path and Path(path).name.startswith("libblas"):
         used = "netlib reference BLAS (bundled with mlx)"

@@ -226,10 +226,17 @@ def stats_line(result, memory: list[tuple]) -> str:
             f"TTFT {result.prefill_s:.3f} s, peak RSS {peaks}{extra}")
 
 
+def matmuls_label(group_rows: int) -> str:
+    """How a rank's matrix products take a micro-batch's sequences, for the stats line."""
+    if group_rows == sys.maxsize:
+        return "all rows packed"
+    return f"batch-invariant, up to {group_rows} rows" if group_rows else "per sequence"
+
+
 def run_batch(args: argparse.Namespace, comm) -> int:
     """`batch`: JSONL requests in, JSONL results out, every rank busy (see scheduler.py)."""
     from .batch import ResultsFile, check_paths, note, read_requests
-    from .scheduler import Scheduler, follow, stop_followers
+    from .scheduler import Scheduler, exact_group_rows, follow, stop_followers
     from .tokenizer import Tokenizer
     from .trace import Timeline, split_hint, summary_lines, write_chrome_trace
 
@@ -273,11 +280,11 @@ def run_batch(args: argparse.Namespace, comm) -> int:
         dtype=getattr(mx, args.dtype), requantize=args.requantize, progress=rank == 0 and not args.quiet,
         dense=bool(plan.dense and plan.dense[rank])))
     timeline = Timeline(rank, keep_spans=args.trace is not None)
-    packed = args.packed_matmuls
-    # Exact mode: twice as many micro-batches as ranks, so a late one never starves a stage (a
-    # micro-batch's round trip alone takes as long as the ring needs for N of them). Packed: N,
-    # since smaller micro-batches mean smaller, less efficient matrix products.
-    microbatches = args.microbatches or (size if packed or size == 1 else 2 * size)
+    group_rows = exact_group_rows(args.packed_matmuls)  # this rank's own: it depends on its BLAS
+    # Sequences sharing products: one micro-batch per rank, since smaller ones make smaller, less
+    # efficient products. Each on its own: twice as many, so a late one never starves a stage (a
+    # micro-batch's round trip alone takes as long as the ring needs for N of them).
+    microbatches = args.microbatches or (size if group_rows or size == 1 else 2 * size)
     comm.Barrier()
     timeline.restart()
     stats = None
@@ -289,7 +296,7 @@ def run_batch(args: argparse.Namespace, comm) -> int:
                         dynamic_ncols=True)
         try:
             stats = Scheduler(stage, transport, tokenizer, todo, results.write, max_batch=args.max_batch,
-                              microbatches=microbatches, packed=packed,
+                              microbatches=microbatches, group_rows=group_rows,
                               use_chat_template=not args.no_chat_template, timeline=timeline,
                               progress=progress).run()
         finally:  # on an exception, the abort hook ends every rank: no STOP to wait on
@@ -297,17 +304,18 @@ def run_batch(args: argparse.Namespace, comm) -> int:
             results.close()
         stop_followers(transport, timeline)
     else:
-        follow(stage, transport, timeline, packed)
+        follow(stage, transport, timeline, group_rows)
     timeline.finish()
 
     summaries = comm.gather(timeline.summary(), root=0)
-    memory = comm.gather((socket.gethostname(), peak_rss_bytes(), weights_label(stage), blas.describe()), root=0)
+    memory = comm.gather((socket.gethostname(), peak_rss_bytes(), weights_label(stage), blas.describe(),
+                          matmuls_label(group_rows)), root=0)
     if rank == 0:
         hosts = [m[0] for m in memory]
         print(f"[pipeline] batch: {stats.done} done, {stats.errors + bad_lines} error records, "
               f"{stats.generated_tokens} tokens generated in {stats.wall_s:.2f} s: {stats.tokens_per_s:.1f} tok/s "
               f"(prompts {stats.prompt_tokens} tokens; {microbatches} micro-batches, "
-              f"max batch {args.max_batch}, {'packed' if packed else 'per-sequence'} matmuls); "
+              f"max batch {args.max_batch}; matmuls {per_rank([m[4] for m in memory])}); "
               f"weights {per_rank([m[2] for m in memory])}, BLAS {per_rank([m[3] for m in memory])}, "
               f"peak RSS " + ", ".join(f"r{r} {m[1] / 2**20:.0f} MiB" for r, m in enumerate(memory)),
               file=sys.stderr)

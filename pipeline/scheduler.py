@@ -8,12 +8,14 @@ the final norm and head, samples each sequence's next token, writes the records 
 finished, and the micro-batch goes round again with their places given to waiting requests,
 whose prompts (in chunks, as `generate` takes them) ride along with the others' decoding.
 
-Exactness: attention runs per sequence against its own cache, but a BLAS matrix product rounds
-a row differently depending on how many rows share the call (and OpenBLAS's threads). So by
-default every stage multiplies each sequence's rows on their own, in the very shapes `generate`
-uses (one row per decoded token, a whole prompt chunk at once), and greedy text equals
-`generate`'s for that request alone. `packed=True` multiplies all rows of a micro-batch together:
-faster on CPU, within float rounding of it.
+Exactness: attention runs per sequence against its own cache, and a matrix product must round
+each sequence's rows as it would alone. OpenBLAS does not (its kernels, and so its roundings,
+change with the row count), so on Linux products of up to 64 rows go to the batch-invariant kernel
+of pipeline's BLAS shim (blas_shim.c), and the sequences of a micro-batch share their products in
+groups of up to that many rows; a prompt chunk longer than that runs alone, in the very shape
+`generate` gives it. Without the shim each sequence runs on its own. Either way greedy text equals
+`generate`'s for that request alone. `--packed-matmuls` puts all rows of a micro-batch in one product
+whatever the BLAS (e.g. on a GPU): results then within float rounding of that.
 
 No deadlock: rank 0 never blocks in a send (`isend_message`), and only ever waits for the oldest
 micro-batch in flight, which every other rank forwards in order; followers send without waiting
@@ -22,7 +24,9 @@ too, keeping a bounded number of sends pending.
 
 from __future__ import annotations
 
+import itertools
 import math
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -30,6 +34,7 @@ from typing import Callable
 
 import mlx.core as mx
 
+from . import blas
 from .batch import Request, error_record, result_record
 from .engine import PREFILL_CHUNK
 from .errors import UserError
@@ -43,15 +48,33 @@ from .transport import Kind, Transport
 FOLLOWER_MAX_PENDING = 4  # sends a follower may leave in flight before it waits for the oldest
 
 
-def forward_stage(stage: Stage, hidden: mx.array, seq_ids: list[int], lengths: list[int], packed: bool) -> mx.array:
-    """This rank's layers over a micro-batch: packed, or each sequence's rows on their own."""
-    if packed or len(seq_ids) == 1:
+def row_groups(lengths: list[int], group_rows: int) -> list[tuple[int, int]]:
+    """Which consecutive sequences of a micro-batch share their matrix products, as [begin, end)
+    index ranges: runs of up to `group_rows` rows in all, a longer sequence alone (0: each alone)."""
+    groups, begin, rows = [], 0, 0
+    for i, n in enumerate(lengths):
+        if i > begin and rows + n > group_rows:
+            groups.append((begin, i))
+            begin, rows = i, 0
+        rows += n
+    groups.append((begin, len(lengths)))
+    return groups
+
+
+def exact_group_rows(packed: bool) -> int:
+    """How many rows of different sequences one product may hold on this rank (see the module
+    docstring): the BLAS shim's batch-invariant limit, unbounded when packing was asked for."""
+    return sys.maxsize if packed else blas.invariant_rows()
+
+
+def forward_stage(stage: Stage, hidden: mx.array, seq_ids: list[int], lengths: list[int], group_rows: int) -> mx.array:
+    """This rank's layers over a micro-batch, its sequences sharing products `group_rows` at a time."""
+    groups = row_groups(lengths, group_rows)
+    if len(groups) == 1:
         return stage.run_layers(hidden, seq_ids, lengths)
-    model = stage.model
-    outputs = []
-    for (begin, end), seq in zip(segments(lengths), seq_ids):
-        caches = stage.caches.setdefault(seq, model.make_cache())
-        outputs.append(model.forward_layers(hidden[:, begin:end], [caches], [end - begin]))
+    offsets = [0, *itertools.accumulate(lengths)]
+    outputs = [stage.run_layers(hidden[:, offsets[b]:offsets[e]], seq_ids[b:e], lengths[b:e], evaluate=False)
+               for b, e in groups]
     out = mx.concatenate(outputs, axis=1)
     mx.eval(out)
     return out
@@ -111,13 +134,13 @@ class BatchStats:
 
 class Scheduler:
     def __init__(self, stage: Stage, transport: Transport, tokenizer: Tokenizer, requests: list[Request],
-                 write: Callable[[dict], None], *, max_batch: int, microbatches: int, packed: bool,
+                 write: Callable[[dict], None], *, max_batch: int, microbatches: int, group_rows: int,
                  use_chat_template: bool, timeline: Timeline, progress=None):
         self.stage, self.transport, self.tokenizer = stage, transport, tokenizer
         self.model = stage.model
         self.waiting = deque(requests)
         self.write = write
-        self.max_batch, self.microbatches, self.packed = max_batch, microbatches, packed
+        self.max_batch, self.microbatches, self.group_rows = max_batch, microbatches, group_rows
         self.use_chat_template = use_chat_template
         self.timeline = timeline
         self.progress = progress
@@ -207,7 +230,7 @@ class Scheduler:
             lengths = [len(tokens) for tokens in inputs]
             seq_ids = [seq.seq_id for seq in seqs]
             hidden = self.model.embed(mx.array([[t for tokens in inputs for t in tokens]]))
-            hidden = forward_stage(self.stage, hidden, seq_ids, lengths, self.packed)
+            hidden = forward_stage(self.stage, hidden, seq_ids, lengths, self.group_rows)
         microbatch = Microbatch(number, seqs, lengths)
         if self.transport.size == 1:
             microbatch.hidden = hidden
@@ -240,12 +263,11 @@ class Scheduler:
             if not sampling:
                 return
             hidden = microbatch.hidden
-            if self.packed:
-                rows = mx.concatenate([hidden[:, end - 1, :] for _, end in sampling], axis=0)
-                logits = self.model.logits(rows)
-                rows_logits = [logits[i] for i in range(len(sampling))]
-            else:  # one row at a time, as generate computes it
-                rows_logits = [self.model.logits(hidden[:, end - 1, :])[0] for _, end in sampling]
+            rows = [hidden[:, end - 1, :] for _, end in sampling]  # each sequence's last position
+            rows_logits = []
+            for b, e in row_groups([1] * len(rows), self.group_rows):
+                logits = self.model.logits(mx.concatenate(rows[b:e], axis=0))
+                rows_logits.extend(logits[i] for i in range(e - b))
             mx.eval(rows_logits)
             finished = []
             now = time.perf_counter()
@@ -306,7 +328,7 @@ def stop_followers(transport: Transport, timeline: Timeline) -> None:
             transport.isend_message(1, Kind.STOP).wait()
 
 
-def follow(stage: Stage, transport: Transport, timeline: Timeline, packed: bool) -> None:
+def follow(stage: Stage, transport: Transport, timeline: Timeline, group_rows: int) -> None:
     """Ranks 1..N-1 in a batch job: run each micro-batch through this rank's layers and pass it
     on, in order, until STOP comes round; sends do not wait for the next rank to receive."""
     prev, nxt = transport.rank - 1, (transport.rank + 1) % transport.size
@@ -325,7 +347,7 @@ def follow(stage: Stage, transport: Transport, timeline: Timeline, packed: bool)
             message = transport.recv_message(prev)
         if message.kind == Kind.FORWARD:
             with timeline.span(COMPUTE, f"layers ({len(message.seq_ids)} seqs, {sum(message.lengths)} tokens)"):
-                hidden = forward_stage(stage, message.hidden, message.seq_ids, message.lengths, packed)
+                hidden = forward_stage(stage, message.hidden, message.seq_ids, message.lengths, group_rows)
             send(Kind.FORWARD, message.seq_ids, message.lengths, hidden)
             continue
         if message.kind == Kind.RELEASE:

@@ -364,7 +364,7 @@ def test_packed_matmuls_run_the_same_requests(llama, tmp_path):
     records = read_records(out)
     assert sorted(r["id"] for r in records) == list(range(len(PROMPTS)))
     assert all(r["usage"]["completion_tokens"] >= 1 for r in records)
-    assert "packed matmuls" in result.stderr
+    assert "matmuls all rows packed" in result.stderr
 
 
 def test_summary_and_trace_formatting():

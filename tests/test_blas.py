@@ -87,18 +87,18 @@ print(json.dumps({"err": err, "describe": blas.describe(), "in_use": blas.in_use
 
 
 @needs_openblas
-def test_one_row_products_through_the_gemv_shim_are_exact():
-    """Every transpose layout of 1-row and 1-column products (which the shim sends to GEMV) and
+def test_products_through_the_shim_are_exact():
+    """Every transpose layout of 1-row and 1-column products (the shim's own kernel, or GEMV) and
     ordinary ones against numpy; with the shim and without it."""
     import shutil
 
     if not (shutil.which("cc") or shutil.which("gcc")):
         pytest.skip("no C compiler for the shim")
     out = run_python(SHIM_CASES)
-    assert "1-row GEMMs as GEMV" in out["describe"] and "sgemm-shim" in out["in_use"], out
+    assert "batch-invariant GEMM <= 64 rows" in out["describe"] and "sgemm-shim" in out["in_use"], out
     assert out["err"] < 1e-5, out
     out = run_python(SHIM_CASES, PIPELINE_BLAS_SHIM="0")
-    assert "GEMV" not in out["describe"] and "openblas" in out["in_use"].lower(), out
+    assert "batch-invariant" not in out["describe"] and "openblas" in out["in_use"].lower(), out
     assert out["err"] < 1e-5, out
 
 
@@ -237,3 +237,47 @@ def test_plan_counts_dequantized_weights(quantized_models):
 
     quantized, dense = weights_line("quantized"), weights_line("fp32")
     assert "as stored" in quantized and "dequantized to float32" in dense, (quantized, dense)
+
+
+INVARIANCE = """
+import json, numpy as np
+import pipeline
+import mlx.core as mx
+from pipeline import blas
+rng = np.random.default_rng(2)
+differ, err = {}, 0.0
+for n, k in [(576, 576), (1536, 576), (200, 1000), (37, 13), (4096, 64)]:
+    w = mx.array(rng.standard_normal((n, k), dtype=np.float32))
+    bias = mx.array(rng.standard_normal((n,), dtype=np.float32))
+    x = mx.array(rng.standard_normal((64, k), dtype=np.float32))
+    alone = [np.array(x[i:i + 1] @ w.T)[0] for i in range(64)]
+    alone_bias = [np.array(mx.addmm(bias, x[i:i + 1], w.T))[0] for i in range(64)]
+    exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    for m in (2, 3, 5, 6, 7, 13, 16, 31, 64):
+        for offset in (0, 64 - m):  # the same rows at the top of the call, and lower down
+            rows = np.array(x[offset:offset + m] @ w.T)
+            with_bias = np.array(mx.addmm(bias, x[offset:offset + m], w.T))
+            differ[f"{n}x{k} m{m}+{offset}"] = sum(
+                int((rows[i] != alone[offset + i]).any() or (with_bias[i] != alone_bias[offset + i]).any())
+                for i in range(m))
+            err = max(err, float(np.abs(rows - exact[offset:offset + m]).max() / np.abs(exact).max()))
+print(json.dumps({"differ": differ, "err": err, "rows": blas.invariant_rows(), "describe": blas.describe()}))
+"""
+
+
+@needs_openblas
+@pytest.mark.parametrize("threads", ["1", "2"])
+def test_shim_rounds_each_row_as_alone_whatever_shares_the_call(threads):
+    """The batch-invariant kernel: a row's product with w.T (and with a bias) is bit-identical
+    whether it is alone or among up to 64 rows, at any place, on 1 or 2 threads (OpenBLAS's own
+    kernels are not: checked below, so this test would notice if the shim stopped being used)."""
+    import shutil
+
+    if not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler for the shim")
+    out = run_python(INVARIANCE, OPENBLAS_NUM_THREADS=threads)
+    assert out["rows"] == 64, out
+    assert not any(out["differ"].values()), {k: v for k, v in out["differ"].items() if v}
+    assert out["err"] < 1e-5, out
+    plain = run_python(INVARIANCE, OPENBLAS_NUM_THREADS=threads, PIPELINE_BLAS_SHIM="0")
+    assert plain["rows"] == 0 and any(plain["differ"].values()), plain

@@ -1,0 +1,168 @@
+/* pipeline's BLAS shim: loaded ahead of OpenBLAS, so MLX's calls to cblas_sgemm land here first.
+ *
+ * 1. Batch-invariant products. For up to INVARIANT_MAX_ROWS rows of A times a row-major weight
+ *    matrix W taken transposed (MLX's `x @ w.T`, every Linear layer and the LM head), each output
+ *    element c[i][j] is one fixed sequence of float operations on row i of A and row j of W: eight
+ *    lanes of FMAs over k, then the same pairwise sum of the lanes, then the same tail. It does not
+ *    depend on how many rows share the call, nor on where row i sits in it. OpenBLAS picks different
+ *    kernels, and so different roundings, by row count (1, 4 and 16 rows of the same input round
+ *    differently), which would make a sequence's greedy text depend on what else is in its batch.
+ *    Column blocks are spread over the BLAS's own thread count (OpenMP); the split does not change
+ *    any element's arithmetic either.
+ * 2. One-row products in other layouts go to sgemv (OpenBLAS before 0.3.27 runs them as a full
+ *    GEMM that packs the whole weight matrix: 2x slower).
+ * 3. Everything else (prompt chunks of more rows, other layouts) goes on to the BLAS's sgemm.
+ *
+ * Compiled once per machine and CPU (-march=native) into $PIPELINE_CACHE/blas/ by pipeline/blas.py.
+ */
+#include <dlfcn.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define INVARIANT_MAX_ROWS 64
+#define COLUMN_BLOCK 48 /* columns of W per task: a multiple of both tile widths below */
+
+typedef void (*sgemm_t)(int, int, int, int, int, int, float, const float *, int, const float *, int, float,
+                        float *, int);
+typedef void (*sgemv_t)(int, int, int, int, float, const float *, int, const float *, int, float, float *, int);
+static sgemm_t real_sgemm;
+static sgemv_t real_sgemv;
+static int (*blas_threads)(void);
+
+int pipeline_invariant_max_rows(void) { return INVARIANT_MAX_ROWS; }
+
+int pipeline_shim_init(void *handle) {
+    real_sgemm = (sgemm_t)dlsym(handle, "cblas_sgemm");
+    real_sgemv = (sgemv_t)dlsym(handle, "cblas_sgemv");
+    blas_threads = (int (*)(void))dlsym(handle, "openblas_get_num_threads");
+    return real_sgemm && real_sgemv;
+}
+
+/* ---- the batch-invariant kernel ------------------------------------------------------------------ */
+
+typedef float v8 __attribute__((vector_size(32)));
+
+static inline v8 load8(const float *p) {
+    v8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* Keeps a loaded vector in a register: otherwise the compiler folds the load into each FMA that
+   uses it, and loads, not FMAs, bound the tile. Changes no arithmetic. */
+static inline v8 in_register(v8 v) {
+#if defined(__GNUC__) && defined(__AVX__)
+    __asm__("" : "+x"(v));
+#endif
+    return v;
+}
+
+/* acc + a*b, lane by lane: one rounding with FMA hardware, else two (built with -ffp-contract=off, so
+   the compiler never fuses some of these and not others). */
+#if defined(__FMA__) && defined(__AVX__)
+#include <immintrin.h>
+static inline v8 fma8(v8 a, v8 b, v8 acc) { return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)acc); }
+#else
+static inline v8 fma8(v8 a, v8 b, v8 acc) { return acc + a * b; }
+#endif
+
+/* The end of every element's dot product: lanes summed pairwise, then the k % 8 tail in order. */
+static inline float finish(v8 acc, const float *a, const float *w, int k8, int k) {
+    float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (int t = k8; t < k; t++) s = s + a[t] * w[t];
+    return s;
+}
+
+static inline void store(float *c, float s, float alpha, float beta) {
+    *c = beta == 0.0f ? alpha * s : alpha * s + beta * *c;
+}
+
+/* A ROWS x COLS tile of C: rows of A times rows of W, ROWS*COLS independent accumulators. */
+#define TILE(ROWS, COLS)                                                                                       \
+    static void tile_##ROWS##x##COLS(int k, const float *a, int lda, const float *w, int ldw, float *c, int ldc, \
+                                 float alpha, float beta) {                                                \
+        v8 acc[ROWS][COLS];                                                                                    \
+        memset(acc, 0, sizeof acc);                                                                        \
+        const int k8 = k & ~7;                                                                             \
+        for (int t = 0; t < k8; t += 8) {                                                                  \
+            v8 wt[COLS];                                                                                   \
+            for (int q = 0; q < COLS; q++) wt[q] = in_register(load8(w + (long)q * ldw + t));               \
+            for (int r = 0; r < ROWS; r++) {                                                                 \
+                v8 at = load8(a + (long)r * lda + t);                                                      \
+                for (int q = 0; q < COLS; q++) acc[r][q] = fma8(at, wt[q], acc[r][q]);                       \
+            }                                                                                              \
+        }                                                                                                  \
+        for (int r = 0; r < ROWS; r++)                                                                       \
+            for (int q = 0; q < COLS; q++)                                                                   \
+                store(c + (long)r * ldc + q, finish(acc[r][q], a + (long)r * lda, w + (long)q * ldw, k8, k), \
+                      alpha, beta);                                                                        \
+    }
+/* Row tiles as tall as the registers allow: 32 vector registers with AVX-512, 16 without. */
+#if defined(__AVX512F__) || defined(__aarch64__)
+#define MR 6
+#define NR 4
+TILE(6, 4)
+TILE(6, 1)
+#define tile_main tile_6x4
+#define tile_main_column tile_6x1
+#else
+#define MR 4
+#define NR 3
+TILE(4, 3)
+TILE(4, 1)
+#define tile_main tile_4x3
+#define tile_main_column tile_4x1
+#endif
+TILE(1, 8)
+TILE(1, 1)
+
+/* c[m][n] = alpha * a[m][k] . w[n][k]^T + beta * c, rows of A and W contiguous. */
+static void invariant_gemm(int m, int n, int k, float alpha, const float *a, int lda, const float *w, int ldw,
+                           float beta, float *c, int ldc) {
+    const int blocks = (n + COLUMN_BLOCK - 1) / COLUMN_BLOCK;
+    int threads = blas_threads ? blas_threads() : 1;
+    if ((long)m * n * k < (1L << 18)) threads = 1; /* too small to be worth waking threads */
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int b = 0; b < blocks; b++) {
+        const int j0 = b * COLUMN_BLOCK, j1 = j0 + COLUMN_BLOCK < n ? j0 + COLUMN_BLOCK : n;
+        int i = 0;
+        for (; i + MR <= m; i += MR) {
+            const float *ai = a + (long)i * lda;
+            int j = j0;
+            for (; j + NR <= j1; j += NR) tile_main(k, ai, lda, w + (long)j * ldw, ldw, c + (long)i * ldc + j, ldc, alpha, beta);
+            for (; j < j1; j++) tile_main_column(k, ai, lda, w + (long)j * ldw, ldw, c + (long)i * ldc + j, ldc, alpha, beta);
+        }
+        for (; i < m; i++) {
+            const float *ai = a + (long)i * lda;
+            int j = j0;
+            for (; j + 8 <= j1; j += 8) tile_1x8(k, ai, lda, w + (long)j * ldw, ldw, c + (long)i * ldc + j, ldc, alpha, beta);
+            for (; j < j1; j++) tile_1x1(k, ai, lda, w + (long)j * ldw, ldw, c + (long)i * ldc + j, ldc, alpha, beta);
+        }
+    }
+}
+
+/* ---- the entry point MLX calls ------------------------------------------------------------------- */
+
+enum { RowMajor = 101, NoTrans = 111, Trans = 112 };
+
+void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, const float *a, int lda,
+                 const float *b, int ldb, float beta, float *c, int ldc) {
+    if (order == RowMajor && ta == NoTrans && tb != NoTrans && m <= INVARIANT_MAX_ROWS && n > 1 && k > 0) {
+        invariant_gemm(m, n, k, alpha, a, lda, b, ldb, beta, c, ldc); /* x @ w.T */
+        return;
+    }
+    if (order == RowMajor && m == 1 && n > 1) { /* c[1,n] = a[1,k] op(b)[k,n]: a row times b */
+        /* op(b) = b (k x n): c = b^T a; op(b) = b^T (b is n x k): c = b a. a's k values lie 1 apart, or lda (ta). */
+        real_sgemv(RowMajor, tb == NoTrans ? Trans : NoTrans, tb == NoTrans ? k : n, tb == NoTrans ? n : k, alpha, b,
+                   ldb, a, ta == NoTrans ? 1 : lda, beta, c, 1);
+        return;
+    }
+    if (order == RowMajor && n == 1 && m > 1) { /* c[m,1] = op(a)[m,k] b[k,1] */
+        real_sgemv(RowMajor, ta == NoTrans ? NoTrans : Trans, ta == NoTrans ? m : k, ta == NoTrans ? k : m, alpha, a,
+                   lda, b, tb == NoTrans ? ldb : 1, beta, c, ldc);
+        return;
+    }
+    real_sgemm(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
