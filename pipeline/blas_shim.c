@@ -99,24 +99,35 @@ static inline void store(float *c, float s, float alpha, float beta) {
                 store(c + (long)r * ldc + q, finish(acc[r][q], a + (long)r * lda, w + (long)q * ldw, k8, k), \
                       alpha, beta);                                                                        \
     }
-/* Row tiles as tall as the registers allow: 32 vector registers with AVX-512, 16 without. */
-#if defined(__AVX512F__) || defined(__aarch64__)
-#define MR 6
-#define NR 4
-TILE(6, 4)
-TILE(6, 1)
-#define tile_main tile_6x4
-#define tile_main_column tile_6x1
-#else
-#define MR 4
-#define NR 3
-TILE(4, 3)
-TILE(4, 1)
-#define tile_main tile_4x3
-#define tile_main_column tile_4x1
-#endif
+/* Tiles by the number of rows left: as tall and wide as the vector registers allow (32 with AVX-512
+   or on arm64, 16 with AVX2), one row 8 columns wide (a matrix-vector product streaming 8 rows of W).
+   COLUMN_BLOCK must be a multiple of every width. */
+typedef void (*tile_fn)(int, const float *, int, const float *, int, float *, int, float, float);
 TILE(1, 8)
 TILE(1, 1)
+TILE(2, 4)
+TILE(2, 1)
+TILE(3, 1)
+TILE(4, 1)
+#if defined(__AVX512F__) || defined(__aarch64__)
+#define MR 6
+TILE(3, 4)
+TILE(4, 4)
+TILE(5, 4)
+TILE(6, 4)
+TILE(5, 1)
+TILE(6, 1)
+static const tile_fn wide[MR + 1] = {0, tile_1x8, tile_2x4, tile_3x4, tile_4x4, tile_5x4, tile_6x4};
+static const int width[MR + 1] = {0, 8, 4, 4, 4, 4, 4};
+static const tile_fn narrow[MR + 1] = {0, tile_1x1, tile_2x1, tile_3x1, tile_4x1, tile_5x1, tile_6x1};
+#else
+#define MR 4
+TILE(3, 3)
+TILE(4, 3)
+static const tile_fn wide[MR + 1] = {0, tile_1x8, tile_2x4, tile_3x3, tile_4x3};
+static const int width[MR + 1] = {0, 8, 4, 3, 3};
+static const tile_fn narrow[MR + 1] = {0, tile_1x1, tile_2x1, tile_3x1, tile_4x1};
+#endif
 
 /* c[m][n] = alpha * a[m][k] . w[n][k]^T + beta * c, rows of A and W contiguous. */
 static void invariant_gemm(int m, int n, int k, float alpha, const float *a, int lda, const float *w, int ldw,
@@ -127,18 +138,14 @@ static void invariant_gemm(int m, int n, int k, float alpha, const float *a, int
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int b = 0; b < blocks; b++) {
         const int j0 = b * COLUMN_BLOCK, j1 = j0 + COLUMN_BLOCK < n ? j0 + COLUMN_BLOCK : n;
-        int i = 0;
-        for (; i + MR <= m; i += MR) {
+        for (int i = 0; i < m;) {
+            const int rows = m - i < MR ? m - i : MR, cols = width[rows];
             const float *ai = a + (long)i * lda;
+            float *ci = c + (long)i * ldc;
             int j = j0;
-            for (; j + NR <= j1; j += NR) tile_main(k, ai, lda, w + (long)j * ldw, ldw, c + (long)i * ldc + j, ldc, alpha, beta);
-            for (; j < j1; j++) tile_main_column(k, ai, lda, w + (long)j * ldw, ldw, c + (long)i * ldc + j, ldc, alpha, beta);
-        }
-        for (; i < m; i++) {
-            const float *ai = a + (long)i * lda;
-            int j = j0;
-            for (; j + 8 <= j1; j += 8) tile_1x8(k, ai, lda, w + (long)j * ldw, ldw, c + (long)i * ldc + j, ldc, alpha, beta);
-            for (; j < j1; j++) tile_1x1(k, ai, lda, w + (long)j * ldw, ldw, c + (long)i * ldc + j, ldc, alpha, beta);
+            for (; j + cols <= j1; j += cols) wide[rows](k, ai, lda, w + (long)j * ldw, ldw, ci + j, ldc, alpha, beta);
+            for (; j < j1; j++) narrow[rows](k, ai, lda, w + (long)j * ldw, ldw, ci + j, ldc, alpha, beta);
+            i += rows;
         }
     }
 }

@@ -17,7 +17,7 @@ from . import blas, mpi
 from .config import ModelConfig
 from .errors import UserError
 from .models import family_for
-from .partition import balanced_counts, check_ranks, layer_ranges, parse_split
+from .partition import LAYER_OVERHEAD_BYTES, balanced_counts, check_ranks, layer_ranges, parse_split
 from .stage import Stage, serve, stop_ring
 from .transport import MlxTransport, MpiTransport
 from .weights import (Checkpoint, available_memory_bytes, choose_dense, is_quantized, layer_nbytes,
@@ -83,7 +83,7 @@ def plan_job(args: argparse.Namespace, comm) -> Plan:
     else:
         check_ranks(layers, ranks)
         per_layer, ends = layer_nbytes(checkpoint, layers)
-        counts = balanced_counts(per_layer, ranks, rank0_extra_bytes=ends)
+        counts = balanced_counts(per_layer, ranks, rank0_extra_bytes=ends, layer_overhead_bytes=LAYER_OVERHEAD_BYTES)
     dense = [False] * ranks
     if mode != "quantized" and is_quantized(checkpoint):
         itemsize = getattr(mx, getattr(args, "dtype", "float32")).size
@@ -108,7 +108,7 @@ def plan_weights_in_memory(mode: str, checkpoint: Checkpoint, config: ModelConfi
     dense_counts = counts
     if not fixed:
         per_layer, ends = layer_nbytes_in_memory(checkpoint, config, layers, True, itemsize)
-        dense_counts = balanced_counts(per_layer, ranks, rank0_extra_bytes=ends)
+        dense_counts = balanced_counts(per_layer, ranks, rank0_extra_bytes=ends, layer_overhead_bytes=LAYER_OVERHEAD_BYTES)
     if mode == "fp32":
         return dense_counts, [True] * ranks
     hosts, available = [h for h, _ in memory], [a for _, a in memory]

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from .config import ModelConfig
 from .errors import UserError
-from .partition import balanced_counts, check_ranks, layer_ranges
+from .partition import LAYER_OVERHEAD_BYTES, balanced_counts, check_ranks, layer_ranges
 
 GIB = 1024**3
 CONFIG_DIR = Path(__file__).with_name("configs")
@@ -436,7 +436,8 @@ def layer_counts(mb: ModelBytes, ranks: int, memory_gib: list[float] | None = No
     weight bytes is proportional to its memory (rank 0's share includes embedding + head);
     without, the largest share is as small as possible. `generate --host-memory` uses this too."""
     check_ranks(len(mb.layers), ranks)
-    return balanced_counts(mb.layers, ranks, rank0_extra_bytes=mb.ends, capacities=memory_gib)
+    return balanced_counts(mb.layers, ranks, rank0_extra_bytes=mb.ends, capacities=memory_gib,
+                           layer_overhead_bytes=0 if memory_gib else LAYER_OVERHEAD_BYTES)
 
 
 def parse_per_host(text: str, flag: str, count: int | None, unit: str = "hosts",

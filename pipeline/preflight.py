@@ -148,7 +148,7 @@ def _requantized(name: str, shape: tuple[int, ...], group_size: int) -> bool:
 
 def evaluate(reports: list[RankReport], split: str | None) -> tuple[str, list[str]]:
     """Rank 0: the table, and one line per problem."""
-    from .partition import balanced_counts, check_ranks, layer_ranges, parse_split
+    from .partition import LAYER_OVERHEAD_BYTES, balanced_counts, check_ranks, layer_ranges, parse_split
 
     problems: list[str] = []
     who = {r.rank: f"rank {r.rank} ({r.host})" for r in reports}
@@ -188,7 +188,8 @@ def evaluate(reports: list[RankReport], split: str | None) -> tuple[str, list[st
                 counts = parse_split(split, ref.num_layers, len(reports))
             else:
                 check_ranks(ref.num_layers, len(reports))
-                counts = balanced_counts(ref.disk_layer_bytes, len(reports), rank0_extra_bytes=ref.disk_ends_bytes)
+                counts = balanced_counts(ref.disk_layer_bytes, len(reports), rank0_extra_bytes=ref.disk_ends_bytes,
+                                         layer_overhead_bytes=LAYER_OVERHEAD_BYTES)
             ranges = layer_ranges(counts)
         except UserError as e:
             problems.append(str(e))

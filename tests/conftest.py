@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+import pipeline  # noqa: F401 -- first, so MLX binds the BLAS (and shim) a real run uses
+
 REPO = Path(__file__).resolve().parents[1]
 
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "

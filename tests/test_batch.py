@@ -240,7 +240,7 @@ def test_a_second_job_cannot_write_the_same_output(llama, tmp_path):
 
 # -- crashes and resuming -----------------------------------------------------------------------------------
 
-CRASH_ROWS = [{"id": f"r{i:02d}", "prompt": PROMPTS[i % len(PROMPTS)] + f" {i}", "max_tokens": 24 + i % 7}
+CRASH_ROWS = [{"id": f"r{i:02d}", "prompt": PROMPTS[i % len(PROMPTS)] + f" {i}", "max_tokens": 60 + i % 7}
               for i in range(24)]
 
 

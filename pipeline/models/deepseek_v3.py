@@ -23,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..config import ModelConfig
-from .base import MLP, KVCache, PreNormBlock, RoPE, causal_mask, segments, yarn_mscale
+from .base import MLP, KVCache, PreNormBlock, RoPE, causal_mask, positions, segments, yarn_mscale
 from .experts import SwitchGLU
 
 
@@ -70,7 +70,9 @@ class MultiHeadLatentAttention(nn.Module):
         else:
             w = proj.weight
         w = w.reshape(self.n_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
-        self.w_uk = mx.contiguous(w[:, : self.qk_nope_head_dim, :])  # [heads, nope, latent]
+        # [heads, latent, nope]: the query takes it as q_nope @ w_uk.T, the x @ w.T form that the BLAS
+        # shim computes batch-invariantly (see blas_shim.c), like w_uv on the output side.
+        self.w_uk = mx.contiguous(w[:, : self.qk_nope_head_dim, :].swapaxes(1, 2))
         self.w_uv = mx.contiguous(w[:, self.qk_nope_head_dim:, :])  # [heads, v, latent]
         del self["kv_b_proj"]
 
@@ -86,17 +88,20 @@ class MultiHeadLatentAttention(nn.Module):
             q = self.q_proj(x)
         q = q.reshape(T, self.n_heads, -1).transpose(1, 0, 2)  # [heads, T, q_head_dim]
         q_nope, q_rope = q[..., : self.qk_nope_head_dim], q[..., self.qk_nope_head_dim:]
-        q_latent = q_nope @ self.w_uk  # [heads, T, latent]: W_uk absorbed into the query
+        q_latent = q_nope @ self.w_uk.swapaxes(-1, -2)  # [heads, T, latent]: W_uk absorbed into the query
 
         compressed = self.kv_a_proj_with_mqa(x)[0]  # [T, latent + rope]
         latent = self.kv_a_layernorm(compressed[:, : self.kv_lora_rank])
         k_rope = compressed[:, self.kv_lora_rank:]
 
+        # Every token's rotary parts rotated in one call each, at its own position.
+        offsets = positions(lengths, caches)
+        q_rope = self.rope(q_rope.transpose(1, 0, 2)[:, :, None], offset=offsets)[:, :, 0].transpose(1, 0, 2)
+        k_rope = self.rope(k_rope[:, None, None], offset=offsets)[:, 0, 0]
         outputs = []
         for (begin, end), cache in zip(segments(lengths), caches):
-            qr = self.rope(q_rope[None, :, begin:end], offset=cache.offset)
-            kr = self.rope(k_rope[None, None, begin:end], offset=cache.offset)
-            cached_latent, cached_rope = cache.update_and_fetch(latent[None, None, begin:end], kr)
+            qr = q_rope[None, :, begin:end]
+            cached_latent, cached_rope = cache.update_and_fetch(latent[None, None, begin:end], k_rope[None, None, begin:end])
             queries = mx.concatenate([q_latent[None, :, begin:end], qr], axis=-1)
             keys = mx.concatenate([cached_latent, cached_rope], axis=-1)  # one "head" shared by all
             out = mx.fast.scaled_dot_product_attention(queries, keys, cached_latent, scale=self.scale,
