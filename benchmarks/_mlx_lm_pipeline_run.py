@@ -2,6 +2,8 @@
 its layers with `mlx_lm.utils.sharded_load(pipeline_group=...)` (PipelineMixin.pipeline), all ranks
 run `stream_generate` in lockstep, rank 0 prints one JSON line of timings.
 
+--prompts FILE  a batch instead (JSON [[ids...], ...]) through `batch_generate`, in lockstep too;
+               rank 0 prints generated tokens, seconds and tok/s
 --blas PATH  load that BLAS with RTLD_GLOBAL before mlx is imported
 --dense      dequantize quantized layers to fp32 after loading
 Floats are cast to fp32 as in _mlx_lm_run.py.
@@ -19,7 +21,8 @@ import time
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
-    parser.add_argument("--prompt-ids", required=True)
+    parser.add_argument("--prompt-ids", default=None)
+    parser.add_argument("--prompts", default=None)
     parser.add_argument("--max-tokens", type=int, required=True)
     parser.add_argument("--blas", default=None)
     parser.add_argument("--dense", action="store_true")
@@ -30,7 +33,7 @@ def main() -> None:
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_unflatten
-    from mlx_lm import stream_generate
+    from mlx_lm import batch_generate, stream_generate
     from mlx_lm.utils import sharded_load
 
     group = mx.distributed.init()
@@ -52,6 +55,18 @@ def main() -> None:
                 model.update_modules(tree_unflatten([(path, dense)]))
     mx.eval(model.parameters())
     mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu))
+
+    if args.prompts:
+        prompts = json.load(open(args.prompts))
+        start = time.perf_counter()
+        response = batch_generate(model, tokenizer, prompts, max_tokens=args.max_tokens, return_token_ids=True)
+        seconds = time.perf_counter() - start
+        tokens = sum(len(t) for t in response.token_ids)
+        if group.rank() == 0:
+            print(json.dumps({"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
+                              "texts": response.texts}), flush=True)
+        mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu))
+        return
 
     ids = [int(x) for x in args.prompt_ids.split(",")]
     text, tokens = "", []

@@ -8,7 +8,10 @@ wall time beside it), the ratio to 1 rank, each rank's idle share and the pipeli
 the job's own summary, and whether every rank count produced the same texts.
 
     python benchmarks/batch_throughput.py [--ranks 1,2] [--requests 32] [--max-tokens 64] [--runs 1]
-        [--packed] [--microbatches M[,M...]] [--trace-dir DIR] [--json FILE]
+        [--packed] [--microbatches M[,M...]] [--split S] [--trace-dir DIR] [--json FILE] [--save]
+
+--save writes benchmarks/results/batch_throughput.json (machine, versions, commit; README table
+via report.py).
 
 --packed also runs `--packed-matmuls` and counts the texts that differ from the exact runs.
 Measure on an idle machine: the load average before each run is printed.
@@ -28,6 +31,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
 
 TOPICS = ["a lighthouse keeper", "a lost robot", "the first snow of winter", "a city under the sea", "an old clock",
           "a dragon who cannot fly", "a library at midnight", "a train across the desert", "a garden on Mars",
@@ -40,6 +45,7 @@ SUMMARY = re.compile(r"\[pipeline\] batch: (\d+) done, (\d+) error records, (\d+
 RANK = re.compile(r"\[pipeline\] rank (\d+).*: compute ([\d.]+) s, waiting to receive ([\d.]+) s, sending ([\d.]+) s, "
                   r"idle ([\d.]+)%")
 BUBBLE = re.compile(r"pipeline bubble ([\d.]+)%")
+SPLIT = re.compile(r"layers per rank ([\d,]+)")
 
 
 def requests(count: int, max_tokens: int) -> list[dict]:
@@ -61,9 +67,10 @@ def run(ranks: int, inp: Path, out: Path, *extra: str) -> dict:
     m = SUMMARY.search(result.stderr)
     idle = {int(r[0]): float(r[4]) for r in RANK.findall(result.stderr)}
     texts = {r["id"]: r["text"] for r in map(json.loads, out.read_text().splitlines())}
+    split = SPLIT.search(result.stderr)
     return {"ranks": ranks, "tokens": int(m[3]), "schedule_s": float(m[4]), "tok_s": float(m[5]), "job_wall_s": wall,
             "idle_percent": idle, "bubble_percent": float(BUBBLE.search(result.stderr)[1]), "load_before": load,
-            "texts": texts, "stderr": result.stderr}
+            "texts": texts, "stderr": result.stderr, "split": split[1] if split else None}
 
 
 def main() -> int:
@@ -78,6 +85,8 @@ def main() -> int:
     parser.add_argument("--trace-dir", type=Path, default=None, help="write each run's --trace here")
     parser.add_argument("--json", type=Path, default=None, help="write every run's figures to this file")
     parser.add_argument("--model", type=Path, default=None, help="model folder (default: the default model)")
+    parser.add_argument("--split", default=None, help="--split for the multi-rank runs (default: the command's)")
+    parser.add_argument("--save", action="store_true", help="write benchmarks/results/batch_throughput.json")
     args = parser.parse_args()
     rank_counts = [int(r) for r in args.ranks.split(",")]
     modes = {"exact": ()} | ({"packed": ("--packed-matmuls",)} if args.packed else {})
@@ -92,7 +101,8 @@ def main() -> int:
             for mode, flags in modes.items():
                 for ranks, micro in configs:
                     extra = [*flags, *(["--model", str(args.model)] if args.model else []),
-                             *(["--microbatches", str(micro)] if micro else [])]
+                             *(["--microbatches", str(micro)] if micro else []),
+                             *(["--split", args.split] if args.split and ranks > 1 else [])]
                     if args.trace_dir:
                         args.trace_dir.mkdir(parents=True, exist_ok=True)
                         extra += ["--trace", str(args.trace_dir / f"batch-{mode}-{ranks}ranks-m{micro or ranks}-{round_}.json")]
@@ -108,6 +118,7 @@ def main() -> int:
     print()
     print(f"{args.requests} requests, up to {args.max_tokens} new tokens each, greedy, OPENBLAS_NUM_THREADS=1")
     print(f"{'mode':7s} {'ranks':>5s} {'mbs':>4s} {'tok/s':>8s} {'ratio':>6s} {'bubble':>7s}  idle per rank")
+    table = []
     for mode in modes:
         base = statistics.median(r["tok_s"] for r in runs if r["mode"] == mode and r["ranks"] == rank_counts[0])
         for ranks, micro in configs:
@@ -115,19 +126,30 @@ def main() -> int:
             tps = statistics.median(r["tok_s"] for r in mine)
             bubble = statistics.median(r["bubble_percent"] for r in mine)
             idle = {k: statistics.median(r["idle_percent"][k] for r in mine) for k in mine[0]["idle_percent"]}
+            table.append({"mode": mode, "ranks": ranks, "microbatches": micro or ranks, "split": mine[0]["split"],
+                          "tok_s": common.summary([r["tok_s"] for r in mine]), "ratio": tps / base,
+                          "bubble_percent": bubble, "idle_percent": idle})
             print(f"{mode:7s} {ranks:5d} {micro or ranks:4d} {tps:8.1f} {tps / base:5.2f}x {bubble:6.1f}%  "
-                  + ", ".join(f"r{k} {v:.1f}%" for k, v in sorted(idle.items())))
+                  + ", ".join(f"r{k} {v:.1f}%" for k, v in sorted(idle.items())) + f"  split {mine[0]['split']}")
     reference = next(r["texts"] for r in runs if r["mode"] == "exact")
+    identical = {}
     for mode in modes:
         same = all(r["texts"] == reference for r in runs if r["mode"] == mode)
         differing = max(sum(r["texts"][i] != reference[i] for i in reference) for r in runs if r["mode"] == mode)
+        identical[mode] = same
         print(f"{mode}: texts {'identical to' if same else f'{differing} of {len(reference)} differ from'} "
               f"the first exact run, over every rank count and round")
+    for r in runs:
+        r.pop("texts"), r.pop("stderr")
+    payload = {"requests": args.requests, "max_tokens": args.max_tokens, "table": table,
+               "texts_identical_over_runs": identical, "runs_detail": runs}
     if args.json:
-        for r in runs:
-            r.pop("texts"), r.pop("stderr")
-        args.json.write_text(json.dumps({"requests": args.requests, "max_tokens": args.max_tokens, "runs": runs},
-                                        indent=1))
+        args.json.write_text(json.dumps(payload, indent=1))
+    if args.save:
+        path = common.write_json("batch_throughput", common.record(
+            "batch_throughput", "issue 4: pipeline batch on 1 vs 2 one-core ranks, default model",
+            runs=args.runs, load_after=common.load_average(), **payload))
+        print(f"wrote {path}")
     return 0
 
 

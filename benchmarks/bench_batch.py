@@ -3,9 +3,9 @@ prompts (the same chat-templated token ids), greedy, same max tokens, one BLAS t
 process (OPENBLAS_NUM_THREADS=1: on 2 cores, 2 ranks have a core each).
 
 Contenders, interleaved run by run:
-  pipeline batch, 1 rank            weights auto (fp32 here), OpenBLAS + GEMV shim
+  pipeline batch, 1 rank            weights auto (fp32 here), OpenBLAS + the batch-invariant shim
   pipeline batch, 2 ranks
-  pipeline batch --packed-matmuls, 1 and 2 ranks   the batch's rows in one matmul per layer
+  pipeline batch, 2 ranks, per-sequence   PIPELINE_BLAS_SHIM=0: each sequence's products on their own
   mlx-lm batch_generate             after `import pipeline` (our BLAS set-up), fp32 weights: its best
   mlx-lm batch_generate, OpenBLAS   OpenBLAS loaded first, weights as in the folder (4-bit)
 Throughput = generated tokens / time from the first prompt in to the last token out (load excluded).
@@ -40,14 +40,14 @@ def prompts(count: int) -> list[str]:
     return [texts[i % len(texts)] for i in range(count)]
 
 
-def run_batch(ranks: int, model: Path, requests: Path, max_tokens: int, *extra: str) -> dict:
+def run_batch(ranks: int, model: Path, requests: Path, max_tokens: int, *extra: str, env: dict | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.jsonl"
         start = time.perf_counter()
         proc = subprocess.run(["mpiexec", "-n", str(ranks), sys.executable, "-m", "pipeline", "batch", "--model",
                                str(model), "--input", str(requests), "--output", str(out), "--quiet", "--max-tokens",
                                str(max_tokens), *extra], capture_output=True, text=True, cwd=common.REPO,
-                              env=common.env_with_repo(**ONE_THREAD), timeout=3600)
+                              env=common.env_with_repo(**ONE_THREAD, **(env or {})), timeout=3600)
         if proc.returncode != 0:
             raise RuntimeError(proc.stderr[-3000:])
         m = SUMMARY.search(proc.stderr)
@@ -101,10 +101,8 @@ def main() -> None:
         runs = common.interleave({
             "pipeline batch, 1 rank": lambda: run_batch(1, model, requests, args.max_tokens),
             "pipeline batch, 2 ranks": lambda: run_batch(2, model, requests, args.max_tokens),
-            "pipeline batch --packed-matmuls, 1 rank": lambda: run_batch(1, model, requests, args.max_tokens,
-                                                                         "--packed-matmuls"),
-            "pipeline batch --packed-matmuls, 2 ranks": lambda: run_batch(2, model, requests, args.max_tokens,
-                                                                          "--packed-matmuls"),
+            "pipeline batch, 2 ranks, per-sequence": lambda: run_batch(2, model, requests, args.max_tokens,
+                                                                       env={"PIPELINE_BLAS_SHIM": "0"}),
             "mlx-lm batch_generate, our BLAS + fp32 weights": lambda: run_mlx_lm_batch(
                 model, ids_file, args.max_tokens, pipeline_blas=True, dense=True),
             "mlx-lm batch_generate, OpenBLAS": lambda: run_mlx_lm_batch(model, ids_file, args.max_tokens, openblas=True),
@@ -113,10 +111,8 @@ def main() -> None:
     tps = {c: s["tok_s"]["median"] for c, s in stats.items()}
     base = "pipeline batch, 1 rank"
     ratios = {f"{c} / {base}": v / tps[base] for c, v in tps.items() if c != base}
-    ratios[f"packed 2 ranks / packed 1 rank"] = (tps["pipeline batch --packed-matmuls, 2 ranks"]
-                                                 / tps["pipeline batch --packed-matmuls, 1 rank"])
-    for mine in ("pipeline batch, 2 ranks", "pipeline batch --packed-matmuls, 2 ranks"):
-        ratios.update({f"{mine} / {c}": tps[mine] / tps[c] for c in tps if c.startswith("mlx-lm")})
+    mine = "pipeline batch, 2 ranks"
+    ratios.update({f"{mine} / {c}": tps[mine] / tps[c] for c in tps if c.startswith("mlx-lm")})
     for k, v in ratios.items():
         print(f"  {k}: {v:.2f}x")
     reference = runs[base][0]["texts"]

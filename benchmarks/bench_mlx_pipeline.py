@@ -11,8 +11,7 @@ Contenders, interleaved run by run:
   mlx-lm pipeline                as installed (bundled reference BLAS)
   mlx-lm pipeline+OpenBLAS       OpenBLAS loaded first, OPENBLAS_NUM_THREADS=1 per rank
   mlx-lm pipeline+OpenBLAS+fp32 weights
-mlx-lm's floats are cast to fp32 as in 2a. The batch half of 2c needs `pipeline batch`
-(see benchmarks/README.md).
+mlx-lm's floats are cast to fp32 as in 2a. The batch half of 2c: bench_mlx_pipeline_batch.py.
 
     python benchmarks/bench_mlx_pipeline.py [--runs 5]
 """
@@ -42,13 +41,16 @@ def qwen2_05b() -> Path:
 
 
 def run_mlx_lm_pipeline(model: Path, ids: list[int], new_tokens: int, *, openblas: bool, dense: bool,
-                        ranks: int = 2) -> dict:
+                        ranks: int = 2, prompts: Path | None = None) -> dict:
+    """One mlx-lm pipeline-mode job: `ids` through stream_generate, or the batch in the JSON file
+    `prompts` through batch_generate."""
     launcher = shutil.which("mlx.launch")
     cmd = [launcher, "--backend", "ring", "-n", str(ranks)]
     if openblas:
         cmd += ["--env", "OPENBLAS_NUM_THREADS=1"]
     cmd += [sys.executable, str(common.REPO / "benchmarks" / "_mlx_lm_pipeline_run.py"), "--model", str(model),
-            "--prompt-ids", ",".join(map(str, ids)), "--max-tokens", str(new_tokens)]
+            "--max-tokens", str(new_tokens)]
+    cmd += ["--prompts", str(prompts)] if prompts else ["--prompt-ids", ",".join(map(str, ids))]
     if openblas:
         cmd += ["--blas", common.OPENBLAS]
     if dense:

@@ -315,7 +315,8 @@ def run_batch(args: argparse.Namespace, comm) -> int:
         print(f"[pipeline] batch: {stats.done} done, {stats.errors + bad_lines} error records, "
               f"{stats.generated_tokens} tokens generated in {stats.wall_s:.2f} s: {stats.tokens_per_s:.1f} tok/s "
               f"(prompts {stats.prompt_tokens} tokens; {microbatches} micro-batches, "
-              f"max batch {args.max_batch}; matmuls {per_rank([m[4] for m in memory])}); "
+              f"max batch {args.max_batch}; matmuls {per_rank([m[4] for m in memory])}; layers per rank "
+              f"{','.join(str(end - start) for start, end in plan.ranges)}); "
               f"weights {per_rank([m[2] for m in memory])}, BLAS {per_rank([m[3] for m in memory])}, "
               f"peak RSS " + ", ".join(f"r{r} {m[1] / 2**20:.0f} MiB" for r, m in enumerate(memory)),
               file=sys.stderr)

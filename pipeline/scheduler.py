@@ -46,6 +46,11 @@ from .trace import COMPUTE, RECV, SEND, Timeline
 from .transport import Kind, Transport
 
 FOLLOWER_MAX_PENDING = 4  # sends a follower may leave in flight before it waits for the oldest
+# Prompt tokens one micro-batch may carry (at least one chunk): prompts are spread over several
+# round trips, riding along with the others' decoding, so that every micro-batch (and so every
+# stage) gets a like share of the prefill work; big lumps of prefill idle the other ranks.
+# A prompt's own chunks stay `generate`'s, so results do not change.
+PREFILL_BUDGET = 128
 
 
 def row_groups(lengths: list[int], group_rows: int) -> list[tuple[int, int]]:
@@ -135,13 +140,14 @@ class BatchStats:
 class Scheduler:
     def __init__(self, stage: Stage, transport: Transport, tokenizer: Tokenizer, requests: list[Request],
                  write: Callable[[dict], None], *, max_batch: int, microbatches: int, group_rows: int,
-                 use_chat_template: bool, timeline: Timeline, progress=None):
+                 use_chat_template: bool, timeline: Timeline, progress=None, prefill_budget: int = PREFILL_BUDGET):
         self.stage, self.transport, self.tokenizer = stage, transport, tokenizer
         self.model = stage.model
         self.waiting = deque(requests)
         self.write = write
         self.max_batch, self.microbatches, self.group_rows = max_batch, microbatches, group_rows
         self.use_chat_template = use_chat_template
+        self.prefill_budget = prefill_budget
         self.timeline = timeline
         self.progress = progress
         self.context = self.model.config.max_position_embeddings
@@ -207,14 +213,14 @@ class Scheduler:
     def _take(self) -> list[Sequence]:
         """The next micro-batch from the sequences ready to run, oldest first: an even share of
         the sequences in progress (so `microbatches` of them fill the ring), with prompt chunks up
-        to PREFILL_CHUNK tokens in all (at least one), so new prompts do not stall the ring."""
+        to `prefill_budget` tokens in all (at least one), so new prompts do not stall the ring."""
         share = math.ceil(self.active / self.microbatches)
         taken, skipped, prompt_tokens = [], deque(), 0
         while self.ready and len(taken) < share:
             seq = self.ready.popleft()
             if seq.prefilling:
                 chunk = min(PREFILL_CHUNK, len(seq.prompt_ids) - seq.fed)
-                if prompt_tokens and prompt_tokens + chunk > PREFILL_CHUNK:
+                if prompt_tokens and prompt_tokens + chunk > self.prefill_budget:
                     skipped.append(seq)
                     continue
                 prompt_tokens += chunk
