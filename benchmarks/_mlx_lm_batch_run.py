@@ -1,7 +1,7 @@
 """One mlx-lm `batch_generate` run (a fresh process): prompts as token ids from a JSON file,
 greedy, prints one JSON line: generated tokens, seconds inside batch_generate, tok/s, texts.
 
---pipeline-blas  `import pipeline` first (OpenBLAS, threads, the 1-row GEMM -> GEMV shim)
+--pipeline-blas  `import pipeline` first (OpenBLAS, threads, the batch-invariant BLAS shim)
 --blas PATH      or load that BLAS with RTLD_GLOBAL before mlx is imported
 --dense          dequantize quantized layers to fp32 after loading
 Floats are cast to fp32 as in _mlx_lm_run.py.

@@ -4,7 +4,7 @@ greedily from the given token ids with `stream_generate`, print one JSON line of
 --blas PATH   load that BLAS with RTLD_GLOBAL before mlx is imported (what pipeline does)
 --dense       dequantize MLX-quantized layers to fp32 after loading (pipeline's --weights-in-memory fp32)
 --pipeline-blas  `import pipeline` first: pipeline's whole BLAS set-up (OpenBLAS, its threads, the
-              1-row GEMM -> GEMV shim), so that only the runtimes differ
+              batch-invariant BLAS shim), so that only the runtimes differ
 --as-published  keep the checkpoint's float dtype (default: cast floats to fp32, the dtype pipeline
               computes in: mlx-lm on CPU in fp16/bf16 is 20x slower)
 """

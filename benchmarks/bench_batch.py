@@ -40,6 +40,15 @@ def prompts(count: int) -> list[str]:
     return [texts[i % len(texts)] for i in range(count)]
 
 
+def write_inputs(folder: Path, texts: list[str], ids: list[list[int]], max_tokens: int) -> tuple[Path, Path]:
+    """The same requests for both sides: JSONL for `pipeline batch`, token ids for mlx-lm."""
+    requests, ids_file = folder / "requests.jsonl", folder / "ids.json"
+    requests.write_text("".join(json.dumps({"id": i, "prompt": t, "max_tokens": max_tokens}) + "\n"
+                                for i, t in enumerate(texts)))
+    ids_file.write_text(json.dumps(ids))
+    return requests, ids_file
+
+
 def run_batch(ranks: int, model: Path, requests: Path, max_tokens: int, *extra: str, env: dict | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.jsonl"
@@ -91,11 +100,7 @@ def main() -> None:
     tokenizer = Tokenizer.from_folder(model)
     ids = [tokenizer.prompt_ids(t) for t in texts]
     with tempfile.TemporaryDirectory() as tmp:
-        requests = Path(tmp) / "requests.jsonl"
-        requests.write_text("".join(json.dumps({"id": i, "prompt": t, "max_tokens": args.max_tokens}) + "\n"
-                                    for i, t in enumerate(texts)))
-        ids_file = Path(tmp) / "ids.json"
-        ids_file.write_text(json.dumps(ids))
+        requests, ids_file = write_inputs(Path(tmp), texts, ids, args.max_tokens)
         print(f"{args.requests} requests, {sum(map(len, ids))} prompt tokens, up to {args.max_tokens} new each; "
               f"load {common.load_average()}", flush=True)
         runs = common.interleave({

@@ -15,14 +15,13 @@ Throughput = generated tokens / time from the first prompt in to the last token 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from bench_batch import prompts, run_batch  # noqa: E402
+from bench_batch import prompts, run_batch, write_inputs  # noqa: E402
 from bench_mlx_pipeline import qwen2_05b, run_mlx_lm_pipeline  # noqa: E402
 
 KEYS = ["tok_s", "seconds"]
@@ -40,11 +39,7 @@ def main() -> None:
     texts = prompts(args.requests)
     ids = [common.prompt_ids(model, t) for t in texts]
     with tempfile.TemporaryDirectory() as tmp:
-        requests = Path(tmp) / "requests.jsonl"
-        requests.write_text("".join(json.dumps({"id": i, "prompt": t, "max_tokens": args.max_tokens}) + "\n"
-                                    for i, t in enumerate(texts)))
-        ids_file = Path(tmp) / "ids.json"
-        ids_file.write_text(json.dumps(ids))
+        requests, ids_file = write_inputs(Path(tmp), texts, ids, args.max_tokens)
         print(f"{model}: {args.requests} requests, {sum(map(len, ids))} prompt tokens, up to {args.max_tokens} new "
               f"each; load {common.load_average()}", flush=True)
         theirs = lambda **kw: lambda: run_mlx_lm_pipeline(model, [], args.max_tokens, prompts=ids_file,  # noqa: E731

@@ -9,8 +9,8 @@ Contenders, interleaved run by run, each run a fresh process:
   mlx-lm                        mlx_lm.load + stream_generate as installed (bundled reference BLAS)
   mlx-lm+OpenBLAS               the same with OpenBLAS loaded into the process first
   mlx-lm+OpenBLAS+fp32 weights  and its quantized layers dequantized to fp32 after loading
-  mlx-lm+pipeline BLAS+fp32 weights  `import pipeline` first (OpenBLAS, threads and the 1-row
-                                GEMM -> GEMV shim exactly as ours), fp32 weights: the same kernels
+  mlx-lm+pipeline BLAS+fp32 weights  `import pipeline` first (OpenBLAS, threads and the
+                                BLAS shim exactly as ours), fp32 weights: the same kernels
                                 as pipeline, so only the runtimes differ
 mlx-lm's floats are cast to fp32 (pipeline's activation dtype; in fp16/bf16 MLX's CPU kernels are
 20x slower, see `--as-published` in _mlx_lm_run.py). Same prompt token ids, greedy, same counts.

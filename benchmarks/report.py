@@ -79,6 +79,33 @@ def mlx_pipeline(p: dict) -> list[str]:
     return out
 
 
+def batch_throughput(p: dict) -> list[str]:
+    out = [f"**Batch scaling, issue 4** (`benchmarks/batch_throughput.py --save`; default model, {p['requests']} "
+           f"requests of up to {p['max_tokens']} new tokens, greedy, OPENBLAS_NUM_THREADS=1, every run a fresh "
+           f"`mpiexec` job; median ±half the spread of {p['runs']} interleaved rounds; {header(p)}).", "",
+           "| ranks | layers per rank | micro-batches | generated tok/s | vs 1 rank | pipeline bubble | idle per rank |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in p["table"]:
+        out.append(f"| {r['ranks']} | {r['split']} | {r['microbatches']} | {med(r['tok_s'])} | **{r['ratio']:.2f}x** | "
+                   f"{r['bubble_percent']:.1f}% | " + ", ".join(f"r{k} {v:.1f}%" for k, v in sorted(r['idle_percent'].items()))
+                   + " |")
+    same = all(p["texts_identical_over_runs"].values())
+    out += ["", f"- Texts {'identical' if same else 'NOT identical'} over every rank count and round."]
+    return out
+
+
+def mlx_pipeline_batch(p: dict) -> list[str]:
+    out = [f"**2c, batch: two ranks vs mlx-lm's pipeline mode with `batch_generate`** "
+           f"(`benchmarks/bench_mlx_pipeline_batch.py`; random Qwen2-0.5B 4-bit, {p['requests']} requests, "
+           f"{p['prompt_tokens']} prompt tokens, up to {p['max_tokens']} new each, 1 BLAS thread per rank; "
+           f"{p['runs']} runs; {header(p)}). ![2c batch](benchmarks/results/mlx_pipeline_batch.png)", "",
+           "| contender | generated tok/s | seconds | texts equal to pipeline's |", "| --- | --- | --- | --- |"]
+    for c, s in p["stats"].items():
+        out.append(f"| {c} | {med(s['tok_s'])} | {med(s['seconds'])} | {p['same_text_as_pipeline'][c]}/{p['requests']} |")
+    out += ["", "- " + "; ".join(f"{k} **{v:.2f}x**" for k, v in p["ratios"].items())]
+    return out
+
+
 def hop(p: dict) -> list[str]:
     out = [f"**2d. Per-hop overhead** (`benchmarks/bench_hop.py`; 2 ranks, one host; {p['iters']} round trips "
            f"per run, {p['runs']} runs; {header(p)}). ![2d](benchmarks/results/hop.png)", "",
@@ -114,7 +141,7 @@ def roofline(p: dict) -> list[str]:
     bw = p["bandwidth_gbps"]
     out = [f"**2f. Roofline** (`benchmarks/bench_roofline.py`; {p['runs']} runs; {header(p)}). Read bandwidth: "
            + ", ".join(f"{k} {med(v)} GB/s" for k, v in bw.items())
-           + f". ![2f](benchmarks/results/roofline.png)", "",
+           + ". ![2f](benchmarks/results/roofline.png)", "",
            "| model | weights | MiB read per token | decode tok/s | GB/s | of machine bandwidth | roofline tok/s |",
            "| --- | --- | --- | --- | --- | --- | --- |"]
     for model, r in p["models"].items():
@@ -126,33 +153,42 @@ def roofline(p: dict) -> list[str]:
 
 def goals(results: dict) -> list[str]:
     out = ["**Goals** (issue 6):", "", "| goal | measured | met |", "| --- | --- | --- |"]
-    s = results.get("single")
-    if s:
-        for model, r in s["models"].items():
+    for model, (r, source) in latest_single().items():
+        if True:
             same = r["ratios"]["decode pipeline / mlx-lm+OpenBLAS"]
             dense = r["ratios"]["decode pipeline / mlx-lm+OpenBLAS+fp32 weights"]
             kernels = r["ratios"].get("decode pipeline / mlx-lm+pipeline BLAS+fp32 weights")
             installed = r["ratios"]["decode pipeline / mlx-lm"]
-            out.append(f"| single-rank decode >= 1.1x mlx-lm with the same BLAS ({model}) | {same:.2f}x (OpenBLAS, "
+            out.append(f"| single-rank decode >= 1.1x mlx-lm with the same BLAS ({model}; {source}) | {same:.2f}x (OpenBLAS, "
                        f"mlx-lm's weights as in the folder), {dense:.2f}x (OpenBLAS, mlx-lm's weights dequantized "
-                       f"like ours)" + (f", {kernels:.2f}x (mlx-lm on our whole BLAS set-up incl. the GEMV shim, "
+                       f"like ours)" + (f", {kernels:.2f}x (mlx-lm on our whole BLAS set-up incl. the BLAS shim, "
                                         f"fp32 weights: identical kernels)" if kernels else "")
                        + f" | {'yes' if min(same, dense) >= 1.1 else 'no'}"
                        + (f" (runtime alone: {'yes' if kernels >= 1.1 else 'no'})" if kernels else "") + " |")
             out.append(f"| far above mlx-lm as installed ({model}) | decode {installed:.2f}x, prefill "
                        f"{r['ratios']['prefill pipeline / mlx-lm']:.1f}x | {'yes' if installed >= 2 else 'no'} |")
-    b = results.get("batch")
+    t, b, mp = results.get("batch_throughput"), results.get("batch"), results.get("mlx_pipeline_batch")
+    measured = []
+    if t:
+        row = next(r for r in t["table"] if r["mode"] == "exact" and r["ranks"] == 2)
+        measured.append(f"{row['ratio']:.2f}x ({t['requests']} requests x {t['max_tokens']} tokens, "
+                        f"batch_throughput.py, split {row['split']}, bubble {row['bubble_percent']:.1f}%)")
     if b:
-        two = b["ratios"]["pipeline batch, 2 ranks / pipeline batch, 1 rank"]
-        packed = b["ratios"].get("packed 2 ranks / packed 1 rank")
-        vs = {k: v for k, v in b["ratios"].items() if "2 ranks / mlx-lm" in k}
-        out.append(f"| batch on 2 one-core ranks >= 1.8x one rank | {two:.2f}x (per-sequence matmuls)"
-                   + (f", {packed:.2f}x (--packed-matmuls)" if packed else "") + f" | {'yes' if two >= 1.8 else 'no'} |")
-        out.append("| batch >= 2x mlx-lm's pipeline mode | not measured (mlx-lm's pipeline mode in batch); against "
-                   "mlx-lm's single-process batch_generate with one thread: "
-                   + "; ".join(f"{k} {v:.2f}x" for k, v in vs.items()) + " | - |")
+        measured.append(f"{b['ratios']['pipeline batch, 2 ranks / pipeline batch, 1 rank']:.2f}x "
+                        f"({b['requests']} x {b['max_tokens']}, 2b)")
+    if measured:
+        verdicts = [f"{'yes' if float(m.split('x')[0]) >= 1.8 else 'no'} ({m.split('(')[1].split(',')[0]})"
+                    for m in measured]
+        out.append(f"| batch on 2 one-core ranks >= 1.8x one rank | {'; '.join(measured)} | {'; '.join(verdicts)} |")
     else:
-        out.append("| batch on 2 one-core ranks >= 1.8x one rank, >= 2x mlx-lm's pipeline mode | not run (2b) | - |")
+        out.append("| batch on 2 one-core ranks >= 1.8x one rank | not run | - |")
+    if mp:
+        vs = {k.split(" / ")[1]: v for k, v in mp["ratios"].items()}
+        out.append("| batch >= 2x mlx-lm's pipeline mode (2 ranks, batch_generate) | "
+                   + "; ".join(f"{v:.2f}x {k}" for k, v in vs.items())
+                   + f" | {'yes' if min(vs.values()) >= 2 else 'no'} |")
+    else:
+        out.append("| batch >= 2x mlx-lm's pipeline mode | not run (bench_mlx_pipeline_batch.py) | - |")
     h = results.get("hop")
     if h:
         worst = max(r["ratio"] for r in h["micro"].values())
@@ -174,6 +210,17 @@ def goals(results: dict) -> list[str]:
     return out
 
 
+def latest_single() -> dict:
+    """Per model, its figures from the newest of single.json and the single_*.json reruns."""
+    found = {}
+    for path in sorted(common.RESULTS.glob("single*.json")):
+        p = json.loads(path.read_text())
+        for model, r in p["models"].items():
+            if "decode pipeline / mlx-lm+OpenBLAS" in r["ratios"] and (model not in found or p["date"] > found[model][2]):
+                found[model] = (r, path.name, p["date"])
+    return {model: (r, name) for model, (r, name, _) in found.items()}
+
+
 def reruns() -> list[str]:
     lines = []
     for extra in sorted(common.RESULTS.glob("single_*.json")):  # targeted reruns (bench_single.py --name ...)
@@ -186,10 +233,12 @@ def reruns() -> list[str]:
 
 
 def render() -> str:
-    results = {name: load(name) for name in ("single", "batch", "mlx_pipeline", "hop", "memory", "roofline")}
+    names = ("single", "batch_throughput", "batch", "mlx_pipeline", "mlx_pipeline_batch", "hop", "memory", "roofline")
+    results = {name: load(name) for name in names}
     lines = goals(results) + [""]
-    for name, fn in (("single", single), ("batch", batch), ("mlx_pipeline", mlx_pipeline), ("hop", hop), ("memory", memory),
-                     ("roofline", roofline)):
+    for name, fn in (("single", single), ("batch_throughput", batch_throughput), ("batch", batch),
+                     ("mlx_pipeline", mlx_pipeline), ("mlx_pipeline_batch", mlx_pipeline_batch), ("hop", hop),
+                     ("memory", memory), ("roofline", roofline)):
         if results[name]:
             lines += fn(results[name]) + [""]
         if name == "single":
