@@ -380,6 +380,8 @@ def result_record(request: Request, text: str, finish_reason: str, prompt_tokens
 # -- the command line ---------------------------------------------------------------------------------------
 
 def add_batch_parser(commands) -> None:
+    from .cli import add_sampling_args, add_weights_args  # cli imports this module's parser in turn
+
     batch = commands.add_parser(
         "batch", help="run a JSONL file of requests with every rank busy; resumable",
         description="Run with `mpiexec -n N python -m pipeline batch --input IN.jsonl --output OUT.jsonl`. "
@@ -409,27 +411,10 @@ def add_batch_parser(commands) -> None:
     batch.add_argument("--trace", type=Path, default=None, metavar="FILE",
                        help="write a Chrome trace-event JSON of every rank's compute, receive and send spans "
                             "(open it in https://ui.perfetto.dev)")
-    batch.add_argument("--max-tokens", type=int, default=256, help="default most new tokens per request (256)")
-    batch.add_argument("--temp", type=float, default=0.0, help="default temperature; 0 is greedy (default)")
-    batch.add_argument("--top-p", type=float, default=1.0)
-    batch.add_argument("--top-k", type=int, default=0)
-    batch.add_argument("--min-p", type=float, default=0.0)
-    batch.add_argument("--repetition-penalty", type=float, default=1.0)
-    batch.add_argument("--seed", type=int, default=None,
-                       help="default random seed (each request samples from its own generator)")
+    add_sampling_args(batch, per_request=True)
     batch.add_argument("--system", default=None, help="system message for requests given as a 'prompt'")
     batch.add_argument("--no-chat-template", action="store_true", help="feed 'prompt' requests as raw text")
-    batch.add_argument("--stop", action="append", default=[], help="default stop string (repeatable)")
-    batch.add_argument("--split", default=None,
-                       help="layers per rank, e.g. 10,10,10 (default: balanced by parameter bytes)")
-    batch.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
-                       help="activation dtype (default float32)")
-    batch.add_argument("--quantize", type=int, choices=[2, 3, 4, 5, 6, 8], default=None, metavar="BITS",
-                       help="re-quantize float/FP8 weights to MLX affine BITS while loading")
-    batch.add_argument("--group-size", type=int, choices=[32, 64, 128], default=64,
-                       help="group size for --quantize (default 64)")
-    batch.add_argument("--weights-in-memory", choices=["quantized", "fp32", "auto"], default="auto",
-                       help="MLX-quantized weights: packed, or dequantized at load (as for generate)")
+    add_weights_args(batch)
     batch.add_argument("--watchdog", type=float, default=300.0, metavar="SECONDS",
                        help="abort the job, naming the silent rank, when a rank waits longer than this for a "
                             "peer's message (default 300; 0 turns it off)")

