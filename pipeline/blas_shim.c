@@ -22,7 +22,7 @@
 #endif
 
 #define INVARIANT_MAX_ROWS 64
-#define COLUMN_BLOCK 48 /* columns of W per task: a multiple of both tile widths below */
+#define COLUMN_BLOCK 48 /* columns of W per task: a multiple of every tile width below (8, 4, 3) */
 
 typedef void (*sgemm_t)(int, int, int, int, int, int, float, const float *, int, const float *, int, float,
                         float *, int);
