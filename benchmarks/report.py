@@ -82,7 +82,8 @@ def mlx_pipeline(p: dict) -> list[str]:
 def batch_throughput(p: dict) -> list[str]:
     out = [f"**Batch scaling, issue 4** (`benchmarks/batch_throughput.py --save`; default model, {p['requests']} "
            f"requests of up to {p['max_tokens']} new tokens, greedy, OPENBLAS_NUM_THREADS=1, every run a fresh "
-           f"`mpiexec` job; median ±half the spread of {p['runs']} interleaved rounds; {header(p)}).", "",
+           f"`mpiexec` job; median ±half the spread of {p['runs']} interleaved rounds"
+           + (f" ({p['note']})" if p.get("note") else "") + f"; {header(p)}).", "",
            "| ranks | layers per rank | micro-batches | generated tok/s | vs 1 rank | pipeline bubble | idle per rank |",
            "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in p["table"]:
