@@ -10,9 +10,9 @@ Floats are cast to fp32 as in _mlx_lm_run.py.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
-import time
+
+from _mlx_lm_common import add_blas_args, dequantize_to_fp32, preload_blas, timed_batch_generate
 
 
 def main() -> None:
@@ -20,40 +20,19 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--prompts", required=True, help="JSON file: [[ids...], ...]")
     parser.add_argument("--max-tokens", type=int, required=True)
-    parser.add_argument("--blas", default=None)
-    parser.add_argument("--pipeline-blas", action="store_true")
-    parser.add_argument("--dense", action="store_true")
+    add_blas_args(parser)
     args = parser.parse_args()
-    if args.blas:
-        ctypes.CDLL(args.blas, mode=ctypes.RTLD_GLOBAL)
-    if args.pipeline_blas:
-        import pipeline  # noqa: F401
+    preload_blas(args)
 
     import mlx.core as mx
-    import mlx.nn as nn
-    from mlx.utils import tree_unflatten
-    from mlx_lm import batch_generate, load
+    from mlx_lm import load
 
     model, tokenizer = load(args.model)
     model.set_dtype(mx.float32)
     if args.dense:
-        for path, module in list(model.named_modules()):
-            if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-                w = mx.dequantize(module.weight, module.scales, module.get("biases"), group_size=module.group_size,
-                                  bits=module.bits, mode=module.mode).astype(mx.float32)
-                dense = nn.Linear(w.shape[1], w.shape[0], bias=False) if isinstance(module, nn.QuantizedLinear) \
-                    else nn.Embedding(*w.shape)
-                dense.weight = w
-                mx.eval(dense.parameters())
-                model.update_modules(tree_unflatten([(path, dense)]))
+        dequantize_to_fp32(model)
     mx.eval(model.parameters())
-    prompts = json.load(open(args.prompts))
-    start = time.perf_counter()
-    response = batch_generate(model, tokenizer, prompts, max_tokens=args.max_tokens, return_token_ids=True)
-    seconds = time.perf_counter() - start
-    tokens = sum(len(t) for t in response.token_ids)
-    print(json.dumps({"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
-                      "prompt_tokens": response.stats.prompt_tokens, "texts": response.texts}))
+    print(json.dumps(timed_batch_generate(model, tokenizer, json.load(open(args.prompts)), args.max_tokens)))
 
 
 if __name__ == "__main__":

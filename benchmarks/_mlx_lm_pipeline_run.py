@@ -12,10 +12,10 @@ Floats are cast to fp32 as in _mlx_lm_run.py.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import resource
-import time
+
+from _mlx_lm_common import add_blas_args, dequantize_to_fp32, preload_blas, timed_batch_generate, timed_stream_generate
 
 
 def main() -> None:
@@ -24,73 +24,32 @@ def main() -> None:
     parser.add_argument("--prompt-ids", default=None)
     parser.add_argument("--prompts", default=None)
     parser.add_argument("--max-tokens", type=int, required=True)
-    parser.add_argument("--blas", default=None)
-    parser.add_argument("--dense", action="store_true")
+    add_blas_args(parser, pipeline_blas=False)
     args = parser.parse_args()
-    if args.blas:
-        ctypes.CDLL(args.blas, mode=ctypes.RTLD_GLOBAL)
+    preload_blas(args)
 
     import mlx.core as mx
-    import mlx.nn as nn
-    from mlx.utils import tree_unflatten
-    from mlx_lm import batch_generate, stream_generate
     from mlx_lm.utils import sharded_load
 
     group = mx.distributed.init()
     model, tokenizer = sharded_load(args.model, pipeline_group=group)
     model.set_dtype(mx.float32)
     if args.dense:
-        for path, module in list(model.named_modules()):
-            if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-                w = mx.dequantize(module.weight, module.scales, module.get("biases"), group_size=module.group_size,
-                                  bits=module.bits, mode=module.mode).astype(mx.float32)
-                if isinstance(module, nn.QuantizedLinear):
-                    dense = nn.Linear(w.shape[1], w.shape[0], bias="bias" in module)
-                    if "bias" in module:
-                        dense.bias = module.bias
-                else:
-                    dense = nn.Embedding(*w.shape)
-                dense.weight = w
-                mx.eval(dense.parameters())
-                model.update_modules(tree_unflatten([(path, dense)]))
+        dequantize_to_fp32(model)
     mx.eval(model.parameters())
     mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu))
 
+    # Every rank runs the same generation loop in lockstep; rank 0 reports.
     if args.prompts:
-        prompts = json.load(open(args.prompts))
-        start = time.perf_counter()
-        response = batch_generate(model, tokenizer, prompts, max_tokens=args.max_tokens, return_token_ids=True)
-        seconds = time.perf_counter() - start
-        tokens = sum(len(t) for t in response.token_ids)
-        if group.rank() == 0:
-            print(json.dumps({"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
-                              "texts": response.texts}), flush=True)
-        mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu))
-        return
-
-    ids = [int(x) for x in args.prompt_ids.split(",")]
-    text, tokens = "", []
-    start = time.perf_counter()
-    first = last = None
-    finish = None
-    for response in stream_generate(model, tokenizer, ids, max_tokens=args.max_tokens):
-        now = time.perf_counter()
-        first = first or now
-        last = now
-        text += response.text
-        finish = response.finish_reason
-        if finish != "stop":
-            tokens.append(int(response.token))
-    generated = len(tokens)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    peaks = mx.distributed.all_gather(mx.array([peak / 2**20], dtype=mx.float32), stream=mx.cpu)
-    mx.eval(peaks)
+        out = timed_batch_generate(model, tokenizer, json.load(open(args.prompts)), args.max_tokens)
+    else:
+        out = timed_stream_generate(model, tokenizer, [int(x) for x in args.prompt_ids.split(",")], args.max_tokens)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        peaks = mx.distributed.all_gather(mx.array([peak / 2**20], dtype=mx.float32), stream=mx.cpu)
+        mx.eval(peaks)
+        out["peak_rss"] = [int(p * 2**20) for p in peaks.tolist()]
     if group.rank() == 0:
-        print(json.dumps({"prompt_tokens": len(ids), "ttft_s": first - start,
-                          "prefill_tps": len(ids) / (first - start),
-                          "decode_tps": (generated - 1) / (last - first) if generated > 1 and last > first else 0.0,
-                          "generated": generated, "finish": finish, "peak_rss": [int(p * 2**20) for p in peaks.tolist()],
-                          "text": text}), flush=True)
+        print(json.dumps(out), flush=True)
     mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu))  # leave together: no broken sockets
 
 
