@@ -122,7 +122,6 @@ SHIM_ENV = "PIPELINE_BLAS_SHIM"
 SHIM_SOURCE = Path(__file__).with_name("blas_shim.c")
 
 
-
 def _cpu_signature() -> str:
     """The CPU the shim is built for (-march=native): a cache shared by unlike nodes keeps one each."""
     try:
@@ -148,13 +147,19 @@ def _shim_path() -> Path:
 SHIM_FLAGS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native"], ["-O3"])
 
 
+def c_compiler() -> str | None:
+    """The C compiler the shim is built with: $CC, else cc, gcc or clang on the PATH."""
+    import shutil
+
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
 def _build_shim(path: Path) -> bool:
     """Compile the shim once per machine (about a second); False if there is no working compiler."""
-    import shutil
     import subprocess
     import tempfile
 
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    compiler = c_compiler()
     if not compiler:
         return False
     try:
@@ -195,8 +200,7 @@ def invariant_rows() -> int:
     """Up to how many rows an fp32 `x @ w.T` rounds each row the same whatever else is in the call
     (the shim's batch-invariant kernel is in use); 0 if not known to."""
     state = load()
-    return state.invariant_rows if state.shim and is_optimized() and os.path.realpath(in_use() or "") == state.shim \
-        else 0
+    return state.invariant_rows if state.shim and os.path.realpath(in_use() or "") == state.shim else 0
 
 
 def _library_name(handle: ctypes.CDLL, path: str) -> str:

@@ -24,7 +24,6 @@ too, keeping a bounded number of sends pending.
 
 from __future__ import annotations
 
-import itertools
 import math
 import sys
 import time
@@ -77,8 +76,8 @@ def forward_stage(stage: Stage, hidden: mx.array, seq_ids: list[int], lengths: l
     groups = row_groups(lengths, group_rows)
     if len(groups) == 1:
         return stage.run_layers(hidden, seq_ids, lengths)
-    offsets = [0, *itertools.accumulate(lengths)]
-    outputs = [stage.run_layers(hidden[:, offsets[b]:offsets[e]], seq_ids[b:e], lengths[b:e], evaluate=False)
+    tokens = segments(lengths)  # each sequence's [begin, end) among the packed tokens
+    outputs = [stage.run_layers(hidden[:, tokens[b][0]:tokens[e - 1][1]], seq_ids[b:e], lengths[b:e], evaluate=False)
                for b, e in groups]
     out = mx.concatenate(outputs, axis=1)
     mx.eval(out)

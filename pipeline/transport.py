@@ -41,6 +41,17 @@ _INLINE_SEQS = 28  # layouts of up to this many sequences ride in the header: on
 _HEADER_BYTES = (_HEADER_LEN + 2 * _INLINE_SEQS) * 8
 
 
+def _to_wire(hidden: mx.array) -> np.ndarray:
+    """Hidden states as numpy (bf16, which numpy lacks, as its raw uint16 bits)."""
+    return np.asarray(hidden.view(mx.uint16) if hidden.dtype == mx.bfloat16 else hidden)
+
+
+def _from_wire(payload: np.ndarray, dtype: mx.Dtype) -> mx.array:
+    """The inverse of `_to_wire` (a copy, so `payload`'s buffer may be reused)."""
+    hidden = mx.array(payload)
+    return hidden.view(mx.bfloat16) if dtype == mx.bfloat16 else hidden
+
+
 class Transport(ABC):
     rank: int
     size: int
@@ -70,7 +81,7 @@ class Transport(ABC):
         if len(seq_ids) <= _INLINE_SEQS:
             header[_HEADER_LEN:_HEADER_LEN + len(layout)] = layout
         if hidden is not None and self._inlined(len(seq_ids), hidden.nbytes):
-            wire = np.asarray(hidden.view(mx.uint16) if hidden.dtype == mx.bfloat16 else hidden)
+            wire = _to_wire(hidden)
             message = np.empty(_HEADER_BYTES + wire.nbytes, dtype=np.uint8)
             message[:_HEADER_BYTES] = header.view(np.uint8)
             message[_HEADER_BYTES:] = wire.reshape(-1).view(np.uint8)
@@ -130,22 +141,19 @@ class Transport(ABC):
             shape = tuple(int(d) for d in header[4:4 + int(header[3])])
             nbytes = math.prod(shape) * np.dtype(np_dtype).itemsize
             if self._inlined(num_seqs, nbytes):
-                hidden = mx.array(inbox[_HEADER_BYTES:_HEADER_BYTES + nbytes].view(np_dtype).reshape(shape))
-                hidden = hidden.view(mx.bfloat16) if mx_dtype == mx.bfloat16 else hidden
+                hidden = _from_wire(inbox[_HEADER_BYTES:_HEADER_BYTES + nbytes].view(np_dtype).reshape(shape), mx_dtype)
             else:
                 hidden = self.recv_hidden(shape, mx_dtype, source)
         return Message(kind, seq_ids, lengths, hidden)
 
     def send_hidden(self, hidden: mx.array, dest: int) -> None:
         """The payload of a FORWARD message (a transport may carry it on another channel)."""
-        wire = hidden.view(mx.uint16) if hidden.dtype == mx.bfloat16 else hidden
-        self.send(np.ascontiguousarray(wire), dest)
+        self.send(np.ascontiguousarray(_to_wire(hidden)), dest)
 
     def recv_hidden(self, shape: tuple[int, ...], dtype: mx.Dtype, source: int) -> mx.array:
         payload = np.empty(shape, dtype=_WIRE[dtype][1])
         self.recv(payload, source)
-        hidden = mx.array(payload)
-        return hidden.view(mx.bfloat16) if dtype == mx.bfloat16 else hidden
+        return _from_wire(payload, dtype)
 
 
 class _Sent:

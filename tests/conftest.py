@@ -21,6 +21,19 @@ CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\
 VOCAB_SIZE = 384
 
 
+def openblas_installed() -> bool:
+    from pipeline import blas
+
+    return any(os.path.exists(path) for path in blas.candidates())
+
+
+def shim_buildable() -> bool:
+    """OpenBLAS and a C compiler are there (as in CI), so pipeline's BLAS shim must be in use."""
+    from pipeline import blas
+
+    return openblas_installed() and blas.c_compiler() is not None
+
+
 def write_tokenizer(folder: Path) -> None:
     """A byte-level BPE tokenizer trained on a few sentences, with ChatML special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

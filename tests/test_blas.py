@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import REPO, mpiexec
+from conftest import REPO, mpiexec, openblas_installed
 
 PROMPT = [1, 5, 77, 23, 299, 3, 4, 5, 6, 100, 42, 17]
 
@@ -29,12 +29,6 @@ def run_python(code: str, **env: str) -> dict:
                             cwd=REPO, env=clean_env(**env))
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1])
-
-
-def openblas_installed() -> bool:
-    from pipeline import blas
-
-    return any(os.path.exists(path) for path in blas.candidates())
 
 
 needs_openblas = pytest.mark.skipif(not openblas_installed(),
@@ -90,9 +84,9 @@ print(json.dumps({"err": err, "describe": blas.describe(), "in_use": blas.in_use
 def test_products_through_the_shim_are_exact():
     """Every transpose layout of 1-row and 1-column products (the shim's own kernel, or GEMV) and
     ordinary ones against numpy; with the shim and without it."""
-    import shutil
+    from pipeline import blas
 
-    if not (shutil.which("cc") or shutil.which("gcc")):
+    if not blas.c_compiler():
         pytest.skip("no C compiler for the shim")
     out = run_python(SHIM_CASES)
     assert "batch-invariant GEMM <= 64 rows" in out["describe"] and "sgemm-shim" in out["in_use"], out
@@ -271,9 +265,9 @@ def test_shim_rounds_each_row_as_alone_whatever_shares_the_call(threads):
     """The batch-invariant kernel: a row's product with w.T (and with a bias) is bit-identical
     whether it is alone or among up to 64 rows, at any place, on 1 or 2 threads (OpenBLAS's own
     kernels are not: checked below, so this test would notice if the shim stopped being used)."""
-    import shutil
+    from pipeline import blas
 
-    if not (shutil.which("cc") or shutil.which("gcc")):
+    if not blas.c_compiler():
         pytest.skip("no C compiler for the shim")
     out = run_python(INVARIANCE, OPENBLAS_NUM_THREADS=threads)
     assert out["rows"] == 64, out

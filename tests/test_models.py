@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import os
-
 import mlx.core as mx
 import numpy as np
 import pytest
 import torch
 import transformers
 
-from conftest import forward, load_stages
+from conftest import forward, load_stages, shim_buildable
 from pipeline.config import ModelConfig
 from pipeline.stage import Stage
 from pipeline.weights import Checkpoint
@@ -128,13 +126,11 @@ def test_each_rank_reads_exactly_its_own_tensors(tiny_models, monkeypatch):
 def expect_batch_invariant_products() -> bool:
     """Whether this process's fp32 products round each row as alone (the BLAS shim is in use);
     where OpenBLAS and a C compiler are installed (as in CI) it must be."""
-    import shutil
-
     from pipeline import blas
 
     if blas.invariant_rows():
         return True
-    assert not (any(os.path.exists(p) for p in blas.candidates()) and shutil.which("cc")), blas.describe()
+    assert not shim_buildable(), blas.describe()
     return False
 
 
