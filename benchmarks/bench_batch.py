@@ -15,7 +15,6 @@ Throughput = generated tokens / time from the first prompt in to the last token 
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import subprocess
@@ -85,9 +84,7 @@ def run_mlx_lm_batch(model: Path, ids_file: Path, max_tokens: int, **flags) -> d
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=1)
+    parser = common.arguments(__doc__)
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=32)
     args = parser.parse_args()

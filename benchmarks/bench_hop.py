@@ -17,7 +17,6 @@ of the same bytes, two ranks on this host (MPICH shared memory).
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -41,8 +40,7 @@ def hop(mode: str, hidden: int, tokens: int, iters: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--runs", type=int, default=5)
+    parser = common.arguments(__doc__, warmup=False)
     parser.add_argument("--iters", type=int, default=2000)
     parser.add_argument("--in-situ-tokens", type=int, default=64)
     args = parser.parse_args()

@@ -12,7 +12,6 @@ tokenizers): the part of RSS that is not weights.
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -54,8 +53,7 @@ def baseline() -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--runs", type=int, default=5)
+    parser = common.arguments(__doc__, warmup=False)
     args = parser.parse_args()
 
     base = common.summary([r["rss"] for r in common.interleave({"baseline": baseline}, args.runs, 0)["baseline"]])

@@ -18,7 +18,6 @@ mlx-lm's floats are cast to fp32 as in 2a. The batch half of 2c: bench_mlx_pipel
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import subprocess
@@ -67,9 +66,7 @@ def run_mlx_lm_pipeline(model: Path, ids: list[int], new_tokens: int, *, openbla
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=1)
+    parser = common.arguments(__doc__)
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=32)
     args = parser.parse_args()

@@ -14,7 +14,6 @@ Throughput = generated tokens / time from the first prompt in to the last token 
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 from pathlib import Path
@@ -28,9 +27,7 @@ KEYS = ["tok_s", "seconds"]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=1)
+    parser = common.arguments(__doc__)
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=24)
     args = parser.parse_args()

@@ -17,7 +17,6 @@ can be at most bandwidth / bytes per token. Measured here:
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -74,8 +73,7 @@ def bytes_per_token(folder: Path, dense: bool, context: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--runs", type=int, default=5)
+    parser = common.arguments(__doc__, warmup=False)
     args = parser.parse_args()
     cores = os.cpu_count() or 1
 

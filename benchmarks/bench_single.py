@@ -23,7 +23,6 @@ group 64, bf16 scales, made once under $PIPELINE_CACHE/bench-models, never commi
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -55,9 +54,7 @@ def contenders(model: Path, name: str, text: str, ids: list[int], new_tokens: in
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=1)
+    parser = common.arguments(__doc__)
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--contenders", default=None,
                         help="comma-separated subset of the contenders (default all; ratios need 'pipeline' and the "

@@ -7,6 +7,7 @@ imports mlx.core), so a run measures exactly what a user's command would.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -106,6 +107,16 @@ def summary(values: list[float]) -> dict:
     return {"median": med, "min": min(values), "max": max(values), "n": len(values),
             "spread_pct": 100.0 * (max(values) - min(values)) / med if med else 0.0,
             "stdev": statistics.stdev(values) if len(values) > 1 else 0.0, "values": values}
+
+
+def arguments(doc: str, warmup: bool = True) -> argparse.ArgumentParser:
+    """A benchmark's command line: its docstring's first line, --runs (at least 5 for a median
+    and spread by default) and, for interleaved contenders, --warmup rounds kept apart."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=5)
+    if warmup:
+        parser.add_argument("--warmup", type=int, default=1)
+    return parser
 
 
 def interleave(contenders: dict[str, Callable[[], dict]], runs: int, warmup: int = 1,
