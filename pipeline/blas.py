@@ -154,8 +154,9 @@ def c_compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
-def _build_shim(path: Path) -> bool:
-    """Compile the shim once per machine (about a second); False if there is no working compiler."""
+def build_shim(path: Path, extra_flags: tuple[str, ...] = ()) -> bool:
+    """Compile the shim once per machine (about a second); False if there is no working compiler.
+    extra_flags: e.g. ("-mno-avx512f",) builds the variant a CPU without AVX-512 gets (tests)."""
     import subprocess
     import tempfile
 
@@ -167,7 +168,7 @@ def _build_shim(path: Path) -> bool:
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
             out = Path(tmp) / "shim.so"
             for flags in SHIM_FLAGS:
-                result = subprocess.run([compiler, *flags, "-ffp-contract=off", "-shared", "-fPIC", "-o", str(out),
+                result = subprocess.run([compiler, *flags, *extra_flags, "-ffp-contract=off", "-shared", "-fPIC", "-o", str(out),
                                          str(SHIM_SOURCE), "-ldl"], capture_output=True, timeout=120)
                 if result.returncode == 0:
                     os.replace(out, path)  # atomic: ranks building at once each publish a whole file
@@ -184,7 +185,7 @@ def _load_shim(blas: ctypes.CDLL) -> None:
     try:
         blas.cblas_sgemv  # noqa: B018
         path = _shim_path()
-        if not path.is_file() and not _build_shim(path):
+        if not path.is_file() and not build_shim(path):
             _state.note = "no C compiler for the BLAS shim"
             return
         shim = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)

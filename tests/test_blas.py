@@ -275,3 +275,48 @@ def test_shim_rounds_each_row_as_alone_whatever_shares_the_call(threads):
     assert out["err"] < 1e-5, out
     plain = run_python(INVARIANCE, OPENBLAS_NUM_THREADS=threads, PIPELINE_BLAS_SHIM="0")
     assert plain["rows"] == 0 and any(plain["differ"].values()), plain
+
+
+def _shim_sgemm(path):
+    """The shim's cblas_sgemm, loaded on its own (RTLD_LOCAL: MLX keeps the one it has)."""
+    import ctypes
+
+    fn = ctypes.CDLL(str(path), mode=ctypes.RTLD_LOCAL).cblas_sgemm
+    fp = ctypes.POINTER(ctypes.c_float)
+    fn.argtypes = [ctypes.c_int] * 6 + [ctypes.c_float, fp, ctypes.c_int, fp, ctypes.c_int, ctypes.c_float, fp,
+                                        ctypes.c_int]
+
+    def x_times_wt(x: np.ndarray, w: np.ndarray, c: np.ndarray, beta: float) -> np.ndarray:
+        (m, k), n = x.shape, w.shape[0]
+        out = c.copy()
+        fn(101, 111, 112, m, n, k, 1.0, x.ctypes.data_as(fp), k, w.ctypes.data_as(fp), k, beta,
+           out.ctypes.data_as(fp), n)  # row-major x @ w.T: the batch-invariant kernel's case
+        return out
+
+    return x_times_wt
+
+
+def test_shim_kernel_rounds_the_same_with_or_without_avx512(tmp_path):
+    """The AVX-512 tiles (two columns' 8 lanes in one 16-lane register) must give the very bits of
+    the 8-lane tiles a CPU without AVX-512 runs, so that a layer rounds the same on either kind of
+    node: the shim built both ways, compared over shapes with k and n tails and 1..64 rows."""
+    from pipeline import blas
+
+    if not blas.c_compiler():
+        pytest.skip("no C compiler for the shim")
+    if "avx512f" not in open("/proc/cpuinfo").read():
+        pytest.skip("this CPU has no AVX-512: both builds would be the same code")
+    native, portable = tmp_path / "native.so", tmp_path / "portable.so"
+    assert blas.build_shim(native) and blas.build_shim(portable, ("-mno-avx512f",))
+    ours, theirs = _shim_sgemm(native), _shim_sgemm(portable)
+    rng = np.random.default_rng(3)
+    differ = []
+    for n, k in [(576, 576), (1536, 576), (200, 1000), (37, 13), (4096, 64), (49, 7), (96, 17), (3, 1)]:
+        w = rng.standard_normal((n, k), dtype=np.float32)
+        for m in (1, 2, 3, 5, 7, 8, 9, 13, 16, 31, 32, 64):
+            x = rng.standard_normal((m, k), dtype=np.float32)
+            c = rng.standard_normal((m, n), dtype=np.float32)
+            for beta in (0.0, 1.0):
+                if not np.array_equal(ours(x, w, c, beta).view(np.uint32), theirs(x, w, c, beta).view(np.uint32)):
+                    differ.append((n, k, m, beta))
+    assert not differ, differ
