@@ -121,11 +121,13 @@ def make_transport(args: argparse.Namespace, comm):
     """The transport of `--transport`, with the `--watchdog` on silent peers (collective)."""
     hosts = comm.allgather(socket.gethostname())
     watchdog = getattr(args, "watchdog", 0.0)
+    # No more ranks on this host than cores it lets us use: waiting by polling takes no one's CPU.
+    own_core = hosts.count(hosts[comm.Get_rank()]) <= blas.usable_cores()
     if getattr(args, "transport", "mpi") == "mlx":
         from .mlx_group import init_group
 
-        return MlxTransport(comm, init_group(comm, args.mlx_backend), watchdog, hosts)
-    return MpiTransport(comm, watchdog, hosts)
+        return MlxTransport(comm, init_group(comm, args.mlx_backend), watchdog, hosts, own_core)
+    return MpiTransport(comm, watchdog, hosts, own_core)
 
 
 def run_generate(args: argparse.Namespace, comm) -> int:
