@@ -183,9 +183,9 @@ class Attention(nn.Module):
             ks, vs = cache.update_and_fetch(ks, vs)
             out = mx.fast.scaled_dot_product_attention(qs, ks, vs, scale=self.scale,
                                                        mask=causal_mask(end - begin))
-            outputs.append(out[0].transpose(1, 0, 2).reshape(end - begin, -1))
-        out = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)
-        return self.o_proj(out[None])
+            outputs.append(out[0])  # [heads, t, head_dim]: back to token-major once, for all
+        out = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=1)
+        return self.o_proj(out.transpose(1, 0, 2).reshape(1, T, -1))
 
 
 def positions(lengths: list[int], caches: list) -> mx.array:
