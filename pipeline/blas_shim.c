@@ -81,6 +81,15 @@ static inline void store(float *c, float s, float alpha, float beta) {
     *c = beta == 0.0f ? alpha * s : alpha * s + beta * *c;
 }
 
+/* While `lines` is left: the next cache line of each of `rows` rows of W from `next` on (a block
+   ahead, see invariant_gemm), into L2, one line a k step. */
+static inline void fetch_ahead(const float **next, int *lines, int rows, int ldw) {
+    if (*lines > 0) {
+        for (int q = 0; q < rows; q++) __builtin_prefetch(*next + (long)q * ldw, 0, 2);
+        *next += 16, (*lines)--;
+    }
+}
+
 /* A ROWS x COLS tile of C: rows of A times rows of W, ROWS*COLS independent accumulators. */
 #define TILE(ROWS, COLS)                                                                                       \
     static void tile_##ROWS##x##COLS(int k, const float *a, int lda, const float *w, int ldw, float *c, int ldc, \
@@ -89,10 +98,7 @@ static inline void store(float *c, float s, float alpha, float beta) {
         memset(acc, 0, sizeof acc);                                                                        \
         const int k8 = k & ~7;                                                                             \
         for (int t = 0; t < k8; t += 8) {                                                                  \
-            if (lines > 0) {                                                                               \
-                for (int q = 0; q < COLS; q++) __builtin_prefetch(next + (long)q * ldw, 0, 2);             \
-                next += 16, lines--;                                                                       \
-            }                                                                                              \
+            fetch_ahead(&next, &lines, COLS, ldw);                                                         \
             v8 wt[COLS];                                                                                   \
             for (int q = 0; q < COLS; q++) wt[q] = in_register(load8(w + (long)q * ldw + t));               \
             for (int r = 0; r < ROWS; r++) {                                                                 \
@@ -137,10 +143,7 @@ static inline v8 high_half(v16 v) { return (v8)_mm512_extractf32x8_ps((__m512)v,
         memset(acc, 0, sizeof acc);                                                                        \
         const int k8 = k & ~7;                                                                             \
         for (int t = 0; t < k8; t += 8) {                                                                  \
-            if (lines > 0) {                                                                               \
-                for (int q = 0; q < 2 * PAIRS; q++) __builtin_prefetch(next + (long)q * ldw, 0, 2);        \
-                next += 16, lines--;                                                                       \
-            }                                                                                              \
+            fetch_ahead(&next, &lines, 2 * PAIRS, ldw);                                                    \
             v16 wt[PAIRS];                                                                                 \
             for (int p = 0; p < PAIRS; p++)                                                                  \
                 wt[p] = pair_rows(w + (long)(2 * p) * ldw + t, w + (long)(2 * p + 1) * ldw + t);           \
