@@ -4,6 +4,7 @@ a user's input runs as a collective checkpoint, so every rank learns of a failur
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import socket
 import sys
@@ -117,12 +118,28 @@ def plan_weights_in_memory(mode: str, checkpoint: Checkpoint, config: ModelConfi
     return counts, choose_dense(hosts, available, shares(counts, False), shares(counts, True))
 
 
+def cpus_allowed() -> frozenset[int]:
+    """The CPUs this process may run on (its binding, or cgroup cpuset)."""
+    try:
+        return frozenset(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity API (macOS): count the machine's CPUs
+        return frozenset(range(os.cpu_count() or 1))
+
+
+def has_own_core(placement: list[tuple[str, frozenset[int]]], rank: int) -> bool:
+    """Whether `rank` has a core to itself: no more ranks on its host than the CPUs they may run on
+    together (each bound to its own, or all free to use all). Waiting by polling then takes no
+    one's CPU. placement: (host, CPUs allowed) of every rank."""
+    mine = [cpus for host, cpus in placement if host == placement[rank][0]]
+    return len(mine) <= len(frozenset().union(*mine))
+
+
 def make_transport(args: argparse.Namespace, comm):
     """The transport of `--transport`, with the `--watchdog` on silent peers (collective)."""
-    hosts = comm.allgather(socket.gethostname())
+    placement = comm.allgather((socket.gethostname(), cpus_allowed()))
+    hosts = [host for host, _ in placement]
     watchdog = getattr(args, "watchdog", 0.0)
-    # No more ranks on this host than cores it lets us use: waiting by polling takes no one's CPU.
-    own_core = hosts.count(hosts[comm.Get_rank()]) <= blas.usable_cores()
+    own_core = has_own_core(placement, comm.Get_rank())
     if getattr(args, "transport", "mpi") == "mlx":
         from .mlx_group import init_group
 
