@@ -57,6 +57,7 @@ class BlasState:
     handle: ctypes.CDLL | None = None
     note: str = ""  # why nothing was loaded, or a caveat
     threads_from: str = ""  # "ranks per host", "OPENBLAS_NUM_THREADS", ...
+    bound: str = ""  # how many CPUs each rank bound itself to (cores.py), e.g. "1 CPU/rank"
 
 
 _state: BlasState | None = None
@@ -242,6 +243,11 @@ def threads_for(ranks_on_host: int) -> int:
     return max(1, min(usable_cores(), (os.cpu_count() or 1) // max(1, ranks_on_host)))
 
 
+def note_binding(cpus: str) -> None:
+    """Say in the stats line that this rank bound itself to its share of CPUs (cores.bind)."""
+    load().bound = cpus
+
+
 def set_threads_for_ranks(ranks_on_host: int) -> int | None:
     """Give this rank its share of the host's cores; returns the thread count set (None: the
     user's OPENBLAS_NUM_THREADS stands, or the library has no thread control)."""
@@ -304,7 +310,7 @@ def describe() -> str:
     elif state.path and os.path.realpath(path) in (state.path, state.shim):
         threads = num_threads()
         detail = ", ".join(x for x in (f"{threads} thread{'s' if threads != 1 else ''}" if threads else "",
-                                       state.threads_from,
+                                       state.threads_from, f"bound, {state.bound}" if state.bound else "",
                                        f"batch-invariant GEMM <= {state.invariant_rows} rows" if os.path.realpath(path) == state.shim else "") if x)
         return f"{state.name}" + (f" ({detail})" if detail else "")
     elif "mlx_cpu.libs" in path and Path(path).name.startswith("libblas"):

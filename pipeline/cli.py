@@ -221,12 +221,14 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _share_cores(comm) -> None:
-    """BLAS threads per rank: this host's cores shared among its ranks (see blas.py)."""
+    """This host's cores shared among its ranks: each bound to its share where the launcher left
+    them free (cores.py), and as many BLAS threads (blas.py)."""
     from mpi4py import MPI
 
-    from . import blas
+    from . import blas, cores
 
     host = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    blas.note_binding(cores.describe(cores.bind(host)))
     blas.set_threads_for_ranks(host.Get_size())
     host.Free()
 

@@ -4,7 +4,6 @@ a user's input runs as a collective checkpoint, so every rank learns of a failur
 from __future__ import annotations
 
 import argparse
-import os
 import resource
 import socket
 import sys
@@ -14,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
-from . import blas, mpi
+from . import blas, cores, mpi
 from .config import ModelConfig
 from .errors import UserError
 from .models import family_for
@@ -118,28 +117,12 @@ def plan_weights_in_memory(mode: str, checkpoint: Checkpoint, config: ModelConfi
     return counts, choose_dense(hosts, available, shares(counts, False), shares(counts, True))
 
 
-def cpus_allowed() -> frozenset[int]:
-    """The CPUs this process may run on (its binding, or cgroup cpuset)."""
-    try:
-        return frozenset(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # no affinity API (macOS): count the machine's CPUs
-        return frozenset(range(os.cpu_count() or 1))
-
-
-def has_own_core(placement: list[tuple[str, frozenset[int]]], rank: int) -> bool:
-    """Whether `rank` has a core to itself: no more ranks on its host than the CPUs they may run on
-    together (each bound to its own, or all free to use all). Waiting by polling then takes no
-    one's CPU. placement: (host, CPUs allowed) of every rank."""
-    mine = [cpus for host, cpus in placement if host == placement[rank][0]]
-    return len(mine) <= len(frozenset().union(*mine))
-
-
 def make_transport(args: argparse.Namespace, comm):
     """The transport of `--transport`, with the `--watchdog` on silent peers (collective)."""
-    placement = comm.allgather((socket.gethostname(), cpus_allowed()))
+    placement = comm.allgather((socket.gethostname(), cores.cpus_allowed()))
     hosts = [host for host, _ in placement]
     watchdog = getattr(args, "watchdog", 0.0)
-    own_core = has_own_core(placement, comm.Get_rank())
+    own_core = cores.has_own_core(placement, comm.Get_rank())
     if getattr(args, "transport", "mpi") == "mlx":
         from .mlx_group import init_group
 

@@ -127,7 +127,7 @@ def test_stats_line_names_the_blas_and_threads(tiny_models):
     assert result.returncode == 0, result.stderr
     (stats,) = [line for line in result.stderr.splitlines() if line.startswith("[pipeline]")]
     threads = max(1, (os.cpu_count() or 1) // 2)
-    assert f"BLAS OpenBLAS" in stats and f"{threads} thread" in stats and "2 ranks/host" in stats, stats
+    assert "BLAS OpenBLAS" in stats and f"{threads} thread" in stats and "2 ranks/host" in stats, stats
 
     result = mpiexec(2, *args, env=clean_env(OPENBLAS_NUM_THREADS="1"))
     assert "1 thread, OPENBLAS_NUM_THREADS" in result.stderr, result.stderr

@@ -46,18 +46,3 @@ def test_framing_round_trips_every_layout():
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
 
-
-def test_polling_waits_only_where_each_rank_has_a_core():
-    """Receives poll without sleeping (transport.MpiTransport.OWN_CORE_SPIN_S) only when the ranks
-    of a host are no more than the CPUs they may run on together: bound one per core, or all free
-    on enough cores; never when they share cores (polling would take the working rank's CPU)."""
-    from pipeline.commands import has_own_core
-
-    two = frozenset({0, 1})
-    assert has_own_core([("a", two), ("a", two)], 0)  # 2 ranks free on 2 cores
-    assert has_own_core([("a", frozenset({0})), ("a", frozenset({1}))], 1)  # bound one per core
-    assert not has_own_core([("a", two)] * 3, 2)  # 3 ranks on 2 cores
-    assert not has_own_core([("a", frozenset({0})), ("a", frozenset({0}))], 0)  # both bound to core 0
-    # other hosts' ranks do not count against this one's cores
-    assert has_own_core([("a", frozenset({0})), ("b", frozenset({0})), ("b", frozenset({0}))], 0)
-    assert not has_own_core([("a", frozenset({0})), ("b", frozenset({0})), ("b", frozenset({0}))], 1)
