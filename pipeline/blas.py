@@ -169,8 +169,8 @@ def build_shim(path: Path, extra_flags: tuple[str, ...] = ()) -> bool:
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
             out = Path(tmp) / "shim.so"
             for flags in SHIM_FLAGS:
-                result = subprocess.run([compiler, *flags, *extra_flags, "-ffp-contract=off", "-shared", "-fPIC", "-o", str(out),
-                                         str(SHIM_SOURCE), "-ldl"], capture_output=True, timeout=120)
+                result = subprocess.run([compiler, *flags, *extra_flags, "-ffp-contract=off", "-shared", "-fPIC",
+                                         "-o", str(out), str(SHIM_SOURCE), "-ldl"], capture_output=True, timeout=120)
                 if result.returncode == 0:
                     os.replace(out, path)  # atomic: ranks building at once each publish a whole file
                     return True

@@ -2,11 +2,12 @@
 
 Binding. MPICH's `mpiexec` leaves ranks unbound, and the kernel then moves them between cores
 (measured on 2 cores, a 2-rank batch job: `mpiexec -bind-to core` 5-12% faster in 4 of 4 paired
-runs while the machine was busy; this self-binding faster in 6 of 8, median +2%). So when the launcher left every rank of a host free on the same CPUs and there are
-at least as many CPUs as ranks, each rank binds itself to its own equal share (local rank i gets
-the i-th share), the same share of cores its BLAS threads get (blas.threads_for). A launcher's
-binding (Open MPI's `--bind-to`, Slurm's `--cpu-bind`, `taskset`) is left alone, as is a host
-with more ranks than CPUs. `PIPELINE_BIND=0` turns it off.
+runs while the machine was busy; this self-binding faster in 6 of 8, median +2%). So when the
+launcher left every rank of a host free on the same CPUs and there are at least as many CPUs as
+ranks, each rank binds itself to its own equal share (local rank i gets the i-th share), the same
+share of cores its BLAS threads get (blas.threads_for). A launcher's binding (Open MPI's
+`--bind-to`, Slurm's `--cpu-bind`, `taskset`) is left alone, as is a host with more ranks than
+CPUs. `PIPELINE_BIND=0` turns it off.
 
 Polling. A rank with a core to itself waits for messages by polling (transport.MpiTransport).
 """
