@@ -232,10 +232,9 @@ def _early_threads() -> None:
 
 
 def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0)) or 1
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+    from .cores import cpus_allowed
+
+    return len(cpus_allowed()) or 1
 
 
 def threads_for(ranks_on_host: int) -> int:

@@ -45,4 +45,3 @@ def test_framing_round_trips_every_layout():
                             timeout=120, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
-
