@@ -52,8 +52,19 @@ def single(p: dict) -> list[str]:
                        f"{med(s['peak_rss_mib'], digits=4)} | {'yes' if r['same_text_as_pipeline'][c] else 'no'} |")
     out.append("")
     for model, r in p["models"].items():
-        out.append(f"- {model}: " + "; ".join(f"{k} **{v:.2f}x**" for k, v in r["ratios"].items()))
+        out.append(f"- {model}: " + ratios(r["ratios"]))
     return out
+
+
+def ratios(values: dict) -> str:
+    return "; ".join(f"{k} **{v:.2f}x**" for k, v in values.items())
+
+
+def contender_rows(p: dict, texts_equal: dict) -> list[str]:
+    """Rows of a batch table (generated tok/s, seconds, texts equal out of the requests), then ratios."""
+    rows = [f"| {c} | {med(s['tok_s'])} | {med(s['seconds'])} | {texts_equal[c]}/{p['requests']} |"
+            for c, s in p["stats"].items()]
+    return rows + ["", "- " + ratios(p["ratios"])]
 
 
 def batch(p: dict) -> list[str]:
@@ -61,10 +72,7 @@ def batch(p: dict) -> list[str]:
            f"{p['prompt_tokens']} prompt tokens, up to {p['max_tokens']} new each, greedy, OPENBLAS_NUM_THREADS=1; "
            f"{p['runs']} runs; {header(p)}). ![2b](benchmarks/results/batch.png)", "",
            "| contender | generated tok/s | seconds | texts equal to 1 rank |", "| --- | --- | --- | --- |"]
-    for c, s in p["stats"].items():
-        out.append(f"| {c} | {med(s['tok_s'])} | {med(s['seconds'])} | {p['texts_equal_to_1_rank'][c]}/{p['requests']} |")
-    out += ["", "- " + "; ".join(f"{k} **{v:.2f}x**" for k, v in p["ratios"].items())]
-    return out
+    return out + contender_rows(p, p["texts_equal_to_1_rank"])
 
 
 def mlx_pipeline(p: dict) -> list[str]:
@@ -75,8 +83,7 @@ def mlx_pipeline(p: dict) -> list[str]:
     for c, s in p["stats"].items():
         out.append(f"| {c} | {med(s['prefill_tps'])} | {med(s['decode_tps'])} | {med(s['ttft_s'])} | "
                    f"{'yes' if p['same_text_as_pipeline'][c] else 'no'} |")
-    out += ["", "- " + "; ".join(f"{k} **{v:.2f}x**" for k, v in p["ratios"].items())]
-    return out
+    return out + ["", "- " + ratios(p["ratios"])]
 
 
 def batch_throughput(p: dict) -> list[str]:
@@ -101,10 +108,7 @@ def mlx_pipeline_batch(p: dict) -> list[str]:
            f"{p['prompt_tokens']} prompt tokens, up to {p['max_tokens']} new each, 1 BLAS thread per rank; "
            f"{p['runs']} runs; {header(p)}). ![2c batch](benchmarks/results/mlx_pipeline_batch.png)", "",
            "| contender | generated tok/s | seconds | texts equal to pipeline's |", "| --- | --- | --- | --- |"]
-    for c, s in p["stats"].items():
-        out.append(f"| {c} | {med(s['tok_s'])} | {med(s['seconds'])} | {p['same_text_as_pipeline'][c]}/{p['requests']} |")
-    out += ["", "- " + "; ".join(f"{k} **{v:.2f}x**" for k, v in p["ratios"].items())]
-    return out
+    return out + contender_rows(p, p["same_text_as_pipeline"])
 
 
 def hop(p: dict) -> list[str]:
