@@ -222,13 +222,14 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
 
 def _share_cores(comm) -> None:
     """This host's cores shared among its ranks: each bound to its share where the launcher left
-    them free (cores.py), and as many BLAS threads (blas.py)."""
+    them free, its threads SCHED_BATCH on a single CPU (cores.py), and as many BLAS threads (blas.py)."""
     from mpi4py import MPI
 
     from . import blas, cores
 
     host = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    blas.note_binding(cores.describe(cores.bind(host)))
+    cpus = cores.bind(host)
+    blas.note_binding(cores.describe(cpus, batch=cores.schedule_as_batch()))
     blas.set_threads_for_ranks(host.Get_size())
     host.Free()
 
