@@ -41,6 +41,11 @@ class Sampler:
         self.params = params
         self._key = mx.random.key(params.seed) if params.seed is not None else None
 
+    @property
+    def greedy(self) -> bool:
+        """Plain argmax: no temperature, no penalty (nothing else applies then)."""
+        return self.params.temperature == 0 and self.params.repetition_penalty == 1.0
+
     def lazy(self, logits: mx.array) -> mx.array:
         """The next token as an unevaluated scalar, for a caller that starts the following step
         before reading it. Same draws as `__call__`; not with a repetition penalty (it needs the
