@@ -407,6 +407,11 @@ def add_batch_parser(commands) -> None:
                             "PIPELINE_BLAS_SHIM=0): faster there, but a greedy text can then differ from "
                             "`generate`'s. With the shim (Linux default) products are batch-invariant and "
                             "shared anyway")
+    batch.add_argument("--head-share", default="auto", metavar="auto|off|FRACTION",
+                       help="let the last rank compute part of the LM head for greedy requests, sized micro-batch "
+                            "by micro-batch to keep the ranks evenly busy (auto, the default), not at all (off), or "
+                            "a fixed fraction of the vocabulary up to 0.5; it holds up to half the head for this. "
+                            "Only where every rank's products are exact (the BLAS shim) or --packed-matmuls")
     batch.add_argument("--quiet", action="store_true", help="no progress bar")
     batch.add_argument("--trace", type=Path, default=None, metavar="FILE",
                        help="write a Chrome trace-event JSON of every rank's compute, receive and send spans "
@@ -430,6 +435,15 @@ def validate_args(args: argparse.Namespace) -> None:
         raise UserError(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.microbatches is not None and args.microbatches < 1:
         raise UserError(f"--microbatches must be >= 1, got {args.microbatches}")
+    if args.head_share not in ("auto", "off"):
+        try:
+            fraction = float(args.head_share)
+        except ValueError:
+            fraction = -1.0
+        if not 0 < fraction <= 0.5:
+            raise UserError(f"--head-share must be auto, off, or a fraction of the vocabulary in (0, 0.5], "
+                            f"got {args.head_share!r}")
+        args.head_share = fraction
     args.sampling = SamplingParams(args.temp, args.top_p, args.top_k, args.min_p,
                                    args.repetition_penalty, args.seed).validate()
     if args.model is not None and not args.model.is_dir():

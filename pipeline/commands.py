@@ -20,8 +20,8 @@ from .models import family_for
 from .partition import LAYER_OVERHEAD_BYTES, balanced_counts, check_ranks, layer_ranges, parse_split
 from .stage import Stage, serve, stop_ring
 from .transport import MlxTransport, MpiTransport
-from .weights import (Checkpoint, available_memory_bytes, choose_dense, is_quantized, layer_nbytes,
-                      layer_nbytes_in_memory)
+from .weights import (Checkpoint, available_memory_bytes, choose_dense, head_nbytes_in_memory, is_quantized,
+                      layer_nbytes, layer_nbytes_in_memory)
 
 if TYPE_CHECKING:
     from .plan import MemoryPlan
@@ -60,9 +60,10 @@ def resolve_model_folder(model: Path | None, comm) -> Path:
     return default_model_dir(progress=False)
 
 
-def plan_job(args: argparse.Namespace, comm) -> Plan:
+def plan_job(args: argparse.Namespace, comm, last_rank_head: float = 0.0) -> Plan:
     """Read the model's config and tensor index and split its layers over the ranks.
-    Every rank computes the same plan from the same files."""
+    Every rank computes the same plan from the same files. last_rank_head: the part of the LM head
+    the last rank holds besides its layers (batch, head_share.py), counted in its memory."""
     mode = getattr(args, "weights_in_memory", "quantized")
     # Collective, so before anything that can fail on one rank only.
     memory = comm.allgather((socket.gethostname(), available_memory_bytes())) if mode == "auto" else None
@@ -88,12 +89,14 @@ def plan_job(args: argparse.Namespace, comm) -> Plan:
     if mode != "quantized" and is_quantized(checkpoint):
         itemsize = getattr(mx, getattr(args, "dtype", "float32")).size
         counts, dense = plan_weights_in_memory(mode, checkpoint, config, counts, memory,
-                                               fixed=bool(args.split or host_memory), itemsize=itemsize)
+                                               fixed=bool(args.split or host_memory), itemsize=itemsize,
+                                               last_rank_head=last_rank_head)
     return Plan(folder, config, checkpoint, layer_ranges(counts), dense, host_memory)
 
 
 def plan_weights_in_memory(mode: str, checkpoint: Checkpoint, config: ModelConfig, counts: list[int],
-                           memory: list[tuple[str, int]] | None, fixed: bool, itemsize: int = 4):
+                           memory: list[tuple[str, int]] | None, fixed: bool, itemsize: int = 4,
+                           last_rank_head: float = 0.0):
     """(layer counts, dense per rank) for --weights-in-memory fp32|auto on a quantized model.
     fp32: every rank dense, layers balanced by dense bytes. auto: the same if every host's
     ranks fit in its free memory (see `choose_dense`), else the quantized balance with ranks
@@ -102,8 +105,10 @@ def plan_weights_in_memory(mode: str, checkpoint: Checkpoint, config: ModelConfi
 
     def shares(counts: list[int], dense: bool) -> list[int]:
         per_layer, ends = layer_nbytes_in_memory(checkpoint, config, layers, dense, itemsize)
+        head = round(last_rank_head * head_nbytes_in_memory(checkpoint, config, dense, itemsize))
         bounds = [sum(counts[:r]) for r in range(ranks + 1)]
-        return [sum(per_layer[bounds[r]:bounds[r + 1]]) + (ends if r == 0 else 0) for r in range(ranks)]
+        return [sum(per_layer[bounds[r]:bounds[r + 1]]) + (ends if r == 0 else 0) + (head if r == ranks - 1 else 0)
+                for r in range(ranks)]
 
     dense_counts = counts
     if not fixed:
@@ -228,6 +233,11 @@ def stats_line(result, memory: list[tuple]) -> str:
             f"TTFT {result.prefill_s:.3f} s, peak RSS {peaks}{extra}")
 
 
+def head_share_label(share: float | None, size: int) -> str:
+    """'; LM head r1 23%' in the batch stats: the mean part of the vocabulary the last rank computed."""
+    return "" if share is None else f"; LM head r{size - 1} {100 * share:.0f}%"
+
+
 def matmuls_label(group_rows: int) -> str:
     """How a rank's matrix products take a micro-batch's sequences, for the stats line."""
     if group_rows == sys.maxsize:
@@ -238,13 +248,17 @@ def matmuls_label(group_rows: int) -> str:
 def run_batch(args: argparse.Namespace, comm) -> int:
     """`batch`: JSONL requests in, JSONL results out, every rank busy (see scheduler.py)."""
     from .batch import ResultsFile, check_paths, note, read_requests
+    from .head_share import HeadSplit, head_share_fraction, head_share_rows
     from .scheduler import Scheduler, exact_group_rows, follow, stop_followers
     from .tokenizer import Tokenizer
     from .trace import Timeline, split_hint, summary_lines, write_chrome_trace
 
     rank, size = comm.Get_rank(), comm.Get_size()
     transport = make_transport(args, comm)
-    plan = mpi.checkpoint(comm, lambda: plan_job(args, comm))
+    group_rows = exact_group_rows(args.packed_matmuls)  # this rank's own: it depends on its BLAS
+    head_fraction = head_share_fraction(args.head_share, comm.allgather(group_rows))
+    plan = mpi.checkpoint(comm, lambda: plan_job(args, comm, last_rank_head=head_fraction))
+    head_rows = head_share_rows(head_fraction, plan.config.vocab_size)
 
     def prepare():
         """Rank 0, before any weights are read: the input parsed (duplicate ids refused), the
@@ -280,9 +294,8 @@ def run_batch(args: argparse.Namespace, comm) -> int:
     stage = mpi.checkpoint(comm, lambda: Stage.load(
         plan.config, plan.checkpoint, plan.ranges[rank], has_ends=rank == 0,
         dtype=getattr(mx, args.dtype), requantize=args.requantize, progress=rank == 0 and not args.quiet,
-        dense=bool(plan.dense and plan.dense[rank])))
+        dense=bool(plan.dense and plan.dense[rank]), head_rows=head_rows if rank == size - 1 else 0))
     timeline = Timeline(rank, keep_spans=args.trace is not None)
-    group_rows = exact_group_rows(args.packed_matmuls)  # this rank's own: it depends on its BLAS
     # Sequences sharing products: one micro-batch per rank, since smaller ones make smaller, less
     # efficient products. Each on its own: twice as many, so a late one never starves a stage (a
     # micro-batch's round trip alone takes as long as the ring needs for N of them).
@@ -297,10 +310,13 @@ def run_batch(args: argparse.Namespace, comm) -> int:
         progress = tqdm(total=todo_count, unit="req", desc="batch", file=sys.stderr, disable=args.quiet,
                         dynamic_ncols=True)
         try:
+            head_split = None
+            if head_rows:
+                head_split = HeadSplit(head_rows, None if args.head_share == "auto" else head_rows)
             stats = Scheduler(stage, transport, tokenizer, todo, results.write, max_batch=args.max_batch,
                               microbatches=microbatches, group_rows=group_rows,
                               use_chat_template=not args.no_chat_template, timeline=timeline,
-                              progress=progress).run()
+                              progress=progress, head_split=head_split).run()
         finally:  # on an exception, the abort hook ends every rank: no STOP to wait on
             progress.close()
             results.close()
@@ -318,7 +334,8 @@ def run_batch(args: argparse.Namespace, comm) -> int:
               f"{stats.generated_tokens} tokens generated in {stats.wall_s:.2f} s: {stats.tokens_per_s:.1f} tok/s "
               f"(prompts {stats.prompt_tokens} tokens; {microbatches} micro-batches, "
               f"max batch {args.max_batch}; matmuls {per_rank([m[4] for m in memory])}; layers per rank "
-              f"{','.join(str(end - start) for start, end in plan.ranges)}); "
+              f"{','.join(str(end - start) for start, end in plan.ranges)}"
+              f"{head_share_label(stats.head_share, size)}); "
               f"weights {per_rank([m[2] for m in memory])}, BLAS {per_rank([m[3] for m in memory])}, "
               f"peak RSS " + ", ".join(f"r{r} {m[1] / 2**20:.0f} MiB" for r, m in enumerate(memory)),
               file=sys.stderr)

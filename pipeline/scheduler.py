@@ -3,10 +3,12 @@
 Rank 0 holds up to `max_batch` sequences in progress and keeps up to `microbatches` micro-batches
 in flight: it embeds one micro-batch's next tokens and runs its own layers, hands the hidden
 states to rank 1 and, without waiting, starts the next, so while rank 1 runs micro-batch A rank 0
-runs B (GPipe for decoding). When a micro-batch comes back from the last rank, rank 0 applies
-the final norm and head, samples each sequence's next token, writes the records of those that
-finished, and the micro-batch goes round again with their places given to waiting requests,
-whose prompts (in chunks, as `generate` takes them) ride along with the others' decoding.
+runs B (GPipe for decoding). When a micro-batch comes back from the last rank (each sequence's
+last hidden state only), rank 0 applies the final norm and head, samples each sequence's next
+token, writes the records of those that finished, and the micro-batch goes round again with their
+places given to waiting requests, whose prompts (in chunks, as `generate` takes them) ride along
+with the others' decoding. The last rank computes a share of the head for greedy micro-batches,
+sized as the ring runs so that neither end waits for the other (head_share.py).
 
 Exactness: attention runs per sequence against its own cache, and a matrix product must round
 each sequence's rows as it would alone. OpenBLAS does not (its kernels, and so its roundings,
@@ -37,6 +39,7 @@ from . import blas
 from .batch import Request, error_record, result_record
 from .engine import PREFILL_CHUNK
 from .errors import UserError
+from .head_share import HeadSplit, combined_argmax, last_positions, returned_rows, split_returned
 from .models.base import segments
 from .sampling import Sampler
 from .stage import Stage
@@ -120,7 +123,8 @@ class Microbatch:
     number: int
     seqs: list[Sequence]
     lengths: list[int]
-    hidden: mx.array | None = None  # the result, once back on rank 0
+    head_columns: int = 0  # LM head columns the last rank computes for it (head_share.py)
+    hidden: mx.array | None = None  # the result once back on rank 0: each sequence's last position
 
 
 @dataclass
@@ -130,6 +134,7 @@ class BatchStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     wall_s: float = 0.0
+    head_share: float | None = None  # mean fraction of the LM head the last rank computed, if shared
 
     @property
     def tokens_per_s(self) -> float:
@@ -139,7 +144,8 @@ class BatchStats:
 class Scheduler:
     def __init__(self, stage: Stage, transport: Transport, tokenizer: Tokenizer, requests: list[Request],
                  write: Callable[[dict], None], *, max_batch: int, microbatches: int, group_rows: int,
-                 use_chat_template: bool, timeline: Timeline, progress=None, prefill_budget: int = PREFILL_BUDGET):
+                 use_chat_template: bool, timeline: Timeline, progress=None, prefill_budget: int = PREFILL_BUDGET,
+                 head_split: HeadSplit | None = None):
         self.stage, self.transport, self.tokenizer = stage, transport, tokenizer
         self.model = stage.model
         self.waiting = deque(requests)
@@ -149,6 +155,7 @@ class Scheduler:
         self.prefill_budget = prefill_budget
         self.timeline = timeline
         self.progress = progress
+        self.head_split = head_split
         self.context = self.model.config.max_position_embeddings
         self.ready: deque[Sequence] = deque()  # in progress, not in flight
         self.in_flight: deque[Microbatch] = deque()
@@ -178,6 +185,8 @@ class Scheduler:
             pending.wait()
         self.sends = []
         self.stats.wall_s = time.perf_counter() - self.start
+        if self.head_split is not None:
+            self.stats.head_share = self.head_split.mean_columns() / self.model.config.vocab_size
         return self.stats
 
     def _admit(self) -> None:
@@ -238,20 +247,28 @@ class Scheduler:
             hidden = forward_stage(self.stage, hidden, seq_ids, lengths, self.group_rows)
         microbatch = Microbatch(number, seqs, lengths)
         if self.transport.size == 1:
-            microbatch.hidden = hidden
+            microbatch.hidden = last_positions(hidden, lengths)
         else:
+            # Sampling rows need every logit: only all-greedy micro-batches share the head.
+            if self.head_split is not None and all(seq.sampler.greedy for seq in seqs):
+                microbatch.head_columns = self.head_split.columns
             with self.timeline.span(SEND, f"mb {number}"):
-                self.sends.append(self.transport.isend_message(1, Kind.FORWARD, seq_ids, lengths, hidden))
+                self.sends.append(self.transport.isend_message(1, Kind.FORWARD, seq_ids, lengths, hidden,
+                                                               head_share=microbatch.head_columns))
                 self._reap()
         return microbatch
 
     def _receive(self, microbatch: Microbatch) -> None:
+        start = time.perf_counter()
         with self.timeline.span(RECV, f"mb {microbatch.number}"):
             message = self.transport.recv_message(self.transport.size - 1)
+        waited = time.perf_counter() - start
         if message.kind != Kind.FORWARD or message.seq_ids != [s.seq_id for s in microbatch.seqs]:
             raise RuntimeError(f"expected micro-batch {microbatch.number} back from the last rank, "
                                f"got {message.kind.name} for sequences {message.seq_ids}")
         microbatch.hidden = message.hidden
+        if self.head_split is not None:
+            self.head_split.update(waited, message.idle_us / 1e6, sum(not s.prefilling for s in microbatch.seqs))
         self._reap()
 
     def _reap(self) -> None:
@@ -260,26 +277,35 @@ class Scheduler:
     def _step(self, microbatch: Microbatch) -> None:
         """Head and sampling for each sequence whose prompt is all in; records for the finished."""
         with self.timeline.span(COMPUTE, f"mb {microbatch.number}: head + sample"):
-            ends = [end for _, end in segments(microbatch.lengths)]
-            sampling = [(seq, end) for seq, end in zip(microbatch.seqs, ends) if not seq.prefilling]
+            index = [i for i, seq in enumerate(microbatch.seqs) if not seq.prefilling]
+            sampling = [microbatch.seqs[i] for i in index]
             for seq in microbatch.seqs:
                 if seq.prefilling:  # more prompt chunks to go: no token yet
                     self.ready.append(seq)
             if not sampling:
                 return
-            hidden = microbatch.hidden
-            rows = [hidden[:, end - 1, :] for _, end in sampling]  # each sequence's last position
-            logits = [self.model.logits(mx.concatenate(rows[b:e], axis=0))
-                      for b, e in row_groups([1] * len(rows), self.group_rows)]
-            logits = logits[0] if len(logits) == 1 else mx.concatenate(logits, axis=0)  # [rows, vocab]
+            rows, share = split_returned(microbatch.hidden, self.model.config.hidden_size)
+            if len(index) < rows.shape[0]:  # some sequences are still reading their prompt
+                rows, share = rows[mx.array(index)], None if share is None else share[mx.array(index)]
+            own = self.model.config.vocab_size - microbatch.head_columns  # the entries rank 0 computes
+            started = time.perf_counter()
+            logits = [self.model.logits(rows[b:e], vocab_end=own if share is not None else None)
+                      for b, e in row_groups([1] * len(index), self.group_rows)]
+            logits = logits[0] if len(logits) == 1 else mx.concatenate(logits, axis=0)  # [rows, own]
             # Every row's argmax in one op, read back at once: what greedy requests take (the same
             # index a row's own argmax gives); a sync per row cost rank 0 ~1 ms a micro-batch.
-            greedy = mx.argmax(logits, axis=-1)
+            if share is None:
+                greedy = mx.argmax(logits, axis=-1)
+            else:
+                greedy = combined_argmax(logits, share, own)
+                self.head_split.note_shared(microbatch.head_columns)
             mx.eval(logits, greedy)
+            if self.head_split is not None:
+                self.head_split.observe_cost(time.perf_counter() - started, len(index), own)
             greedy = greedy.tolist()
             finished = []
             now = time.perf_counter()
-            for i, (seq, _) in enumerate(sampling):
+            for i, seq in enumerate(sampling):
                 token = greedy[i] if seq.sampler.greedy else seq.sampler(logits[i], seq.history)
                 if seq.first_token_at is None:
                     seq.first_token_at = now
@@ -342,21 +368,29 @@ def follow(stage: Stage, transport: Transport, timeline: Timeline, group_rows: i
     prev, nxt = transport.rank - 1, (transport.rank + 1) % transport.size
     pending: deque = deque()
 
-    def send(*message) -> None:
+    def send(*message, **fields) -> None:
         with timeline.span(SEND, "send"):
-            pending.append(transport.isend_message(nxt, *message))
+            pending.append(transport.isend_message(nxt, *message, **fields))
             while pending and pending[0].done():
                 pending.popleft()
             while len(pending) > FOLLOWER_MAX_PENDING:
                 pending.popleft().wait()
 
     while True:
+        start = time.perf_counter()
         with timeline.span(RECV, "recv"):
             message = transport.recv_message(prev)
+        waited = time.perf_counter() - start
         if message.kind == Kind.FORWARD:
             with timeline.span(COMPUTE, f"layers ({len(message.seq_ids)} seqs, {sum(message.lengths)} tokens)"):
                 hidden = forward_stage(stage, message.hidden, message.seq_ids, message.lengths, group_rows)
-            send(Kind.FORWARD, message.seq_ids, message.lengths, hidden)
+                if nxt == 0:  # back to rank 0: the last positions only, with the head's share if asked
+                    hidden = returned_rows(stage.model, hidden, message.lengths, message.head_share, group_rows)
+                    mx.eval(hidden)
+            if nxt == 0:
+                send(Kind.FORWARD, message.seq_ids, message.lengths, hidden, idle_us=round(waited * 1e6))
+            else:
+                send(Kind.FORWARD, message.seq_ids, message.lengths, hidden, head_share=message.head_share)
             continue
         if message.kind == Kind.RELEASE:
             stage.release(message.seq_ids)

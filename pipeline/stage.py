@@ -28,10 +28,11 @@ class Stage:
     @classmethod
     def load(cls, config: ModelConfig, checkpoint: Checkpoint, layers: tuple[int, int],
              has_ends: bool, dtype: mx.Dtype, requantize: Requantize | None = None,
-             progress: bool = False, dense: bool = False) -> "Stage":
-        """dense: hold MLX-quantized weights dequantized to `dtype` (--weights-in-memory)."""
+             progress: bool = False, dense: bool = False, head_rows: int = 0) -> "Stage":
+        """dense: hold MLX-quantized weights dequantized to `dtype` (--weights-in-memory).
+        head_rows: also hold the LM head's last rows (the last rank of a batch job, head_share.py)."""
         family = family_for(config)
-        model = TransformerSlice(config, family.DecoderLayer, layers[0], layers[1], has_ends)
+        model = TransformerSlice(config, family.DecoderLayer, layers[0], layers[1], has_ends, head_rows)
         names = load_slice(model, checkpoint, dtype, requantize, progress=progress)
         if dense:
             dequantize_slice(model, dtype)

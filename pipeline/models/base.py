@@ -243,23 +243,27 @@ class PreNormBlock(nn.Module):
 
 class TransformerSlice(nn.Module):
     """The layers [start, end) of a decoder-only transformer, plus, on the first/last stage,
-    the token embedding and the final norm + LM head.
+    the token embedding and the final norm + LM head, and with `head_rows` > 0 (the last rank of a
+    batch job, see head_share.py) the final norm and the LM head's last `head_rows` rows.
 
     Parameter names mirror the checkpoint's with the "model." prefix dropped and layer indices
     made local: checkpoint `model.layers.{start + i}.X` is `layers.{i}.X` here.
     """
 
     def __init__(self, config: ModelConfig, make_layer: Callable[[ModelConfig, int], nn.Module],
-                 start: int, end: int, has_ends: bool):
+                 start: int, end: int, has_ends: bool, head_rows: int = 0):
         super().__init__()
         self.config = config
-        self.start, self.end, self.has_ends = start, end, has_ends
+        self.start, self.end, self.has_ends, self.head_rows = start, end, has_ends, head_rows
         self.layers = [make_layer(config, i) for i in range(start, end)]
+        if has_ends or head_rows:
+            self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         if has_ends:
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-            self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
             if not config.tie_word_embeddings:
                 self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if head_rows:
+            self.head_share = nn.Linear(config.hidden_size, head_rows, bias=False)
 
     def make_cache(self) -> list:
         """One sequence's caches, one per layer of this slice."""
@@ -275,8 +279,12 @@ class TransformerSlice(nn.Module):
             h = layer(h, [seq_caches[j] for seq_caches in caches], lengths)
         return h
 
-    def logits(self, h: mx.array) -> mx.array:
+    def logits(self, h: mx.array, vocab_end: int | None = None) -> mx.array:
+        """Logits of every vocabulary entry, or of entries [0, vocab_end) only."""
         h = self.norm(h)
-        if self.config.tie_word_embeddings:
-            return self.embed_tokens.as_linear(h)
-        return self.lm_head(h)
+        head = self.embed_tokens if self.config.tie_word_embeddings else self.lm_head
+        if vocab_end is not None:
+            from ..head_share import head_columns
+
+            return head_columns(head, h, 0, vocab_end)
+        return head.as_linear(h) if self.config.tie_word_embeddings else head(h)
