@@ -58,7 +58,7 @@ def generate(stage: Stage, transport: Transport, tokenizer: Tokenizer, prompt_id
     overlap = transport.size == 1 and sampling.repetition_penalty == 1.0
 
     def following_token(token: mx.array) -> mx.array:
-        hidden = stage.run_layers(model.embed(token.reshape(1, 1)), evaluate=False)
+        hidden = stage.run_layers(model.embed(token.reshape(1, 1)), evaluate=False, last_only=True)
         return sampler.lazy(model.logits(hidden[:, -1, :])[0])
 
     start = time.perf_counter()

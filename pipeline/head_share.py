@@ -26,7 +26,6 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from .models.base import segments
 
 GAIN = 0.3  # fraction of the measured imbalance corrected per micro-batch: smooths the wait jitter
 STEP = 16  # columns move in multiples of this
@@ -58,26 +57,13 @@ def head_columns(head: nn.Module, x: mx.array, begin: int, end: int) -> mx.array
     return x @ weight.T
 
 
-def extra_width(dtype: mx.Dtype) -> int:
-    """Columns of `dtype` that the share's (max, argmax) take beside the hidden states: two float32
-    values, their bits carried as `dtype` (an index above 256 does not fit a bfloat16 exactly)."""
-    return 8 // dtype.size
-
-
-def last_positions(hidden: mx.array, lengths: list[int]) -> mx.array:
-    """[1, T, hidden] packed tokens -> [1, len(lengths), hidden]: each sequence's last position
-    (all rank 0 needs back from the ring)."""
-    ends = [end - 1 for _, end in segments(lengths)]
-    return hidden if len(ends) == hidden.shape[1] else hidden[:, mx.array(ends)]
-
-
-def returned_rows(model, hidden: mx.array, lengths: list[int], columns: int, group_rows: int) -> mx.array:
-    """Last rank: what goes back to rank 0 for a micro-batch: each sequence's last hidden state, and
-    with `columns` > 0 the max and argmax of its logits over the last `columns` vocabulary entries
-    (see the module docstring). Rows share products `group_rows` at a time, as everywhere."""
+def returned_rows(model, last: mx.array, columns: int, group_rows: int) -> mx.array:
+    """Last rank: what goes back to rank 0 for a micro-batch: `last`, each sequence's last hidden
+    state [1, n, hidden], and with `columns` > 0 the max and argmax of its logits over the last
+    `columns` vocabulary entries (see the module docstring). Rows share products `group_rows` at a
+    time, as everywhere."""
     from .scheduler import row_groups
 
-    last = last_positions(hidden, lengths)
     if not columns:
         return last
     rows = model.norm(last[0])

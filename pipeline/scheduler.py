@@ -39,7 +39,7 @@ from . import blas
 from .batch import Request, error_record, result_record
 from .engine import PREFILL_CHUNK
 from .errors import UserError
-from .head_share import HeadSplit, combined_argmax, last_positions, returned_rows, split_returned
+from .head_share import HeadSplit, combined_argmax, returned_rows, split_returned
 from .models.base import segments
 from .sampling import Sampler
 from .stage import Stage
@@ -75,12 +75,14 @@ def exact_group_rows(packed: bool) -> int:
 
 
 def forward_stage(stage: Stage, hidden: mx.array, seq_ids: list[int], lengths: list[int], group_rows: int) -> mx.array:
-    """This rank's layers over a micro-batch, its sequences sharing products `group_rows` at a time."""
+    """This rank's layers over a micro-batch, its sequences sharing products `group_rows` at a time.
+    The rank with the model's final layer returns each sequence's last position only."""
     groups = row_groups(lengths, group_rows)
     if len(groups) == 1:
-        return stage.run_layers(hidden, seq_ids, lengths)
+        return stage.run_layers(hidden, seq_ids, lengths, last_only=True)
     tokens = segments(lengths)  # each sequence's [begin, end) among the packed tokens
-    outputs = [stage.run_layers(hidden[:, tokens[b][0]:tokens[e - 1][1]], seq_ids[b:e], lengths[b:e], evaluate=False)
+    outputs = [stage.run_layers(hidden[:, tokens[b][0]:tokens[e - 1][1]], seq_ids[b:e], lengths[b:e], evaluate=False,
+                                last_only=True)
                for b, e in groups]
     out = mx.concatenate(outputs, axis=1)
     mx.eval(out)
@@ -247,7 +249,7 @@ class Scheduler:
             hidden = forward_stage(self.stage, hidden, seq_ids, lengths, self.group_rows)
         microbatch = Microbatch(number, seqs, lengths)
         if self.transport.size == 1:
-            microbatch.hidden = last_positions(hidden, lengths)
+            microbatch.hidden = hidden  # each sequence's last position (rank 0 holds the final layer)
         else:
             # Sampling rows need every logit: only all-greedy micro-batches share the head.
             if self.head_split is not None and all(seq.sampler.greedy for seq in seqs):
@@ -384,8 +386,8 @@ def follow(stage: Stage, transport: Transport, timeline: Timeline, group_rows: i
         if message.kind == Kind.FORWARD:
             with timeline.span(COMPUTE, f"layers ({len(message.seq_ids)} seqs, {sum(message.lengths)} tokens)"):
                 hidden = forward_stage(stage, message.hidden, message.seq_ids, message.lengths, group_rows)
-                if nxt == 0:  # back to rank 0: the last positions only, with the head's share if asked
-                    hidden = returned_rows(stage.model, hidden, message.lengths, message.head_share, group_rows)
+                if nxt == 0:  # back to rank 0: the last positions, with the head's share if asked
+                    hidden = returned_rows(stage.model, hidden, message.head_share, group_rows)
                     mx.eval(hidden)
             if nxt == 0:
                 send(Kind.FORWARD, message.seq_ids, message.lengths, hidden, idle_us=round(waited * 1e6))

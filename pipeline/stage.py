@@ -39,14 +39,16 @@ class Stage:
         return cls(model, names)
 
     def run_layers(self, hidden: mx.array, seq_ids: list[int] = (0,), lengths: list[int] | None = None,
-                   evaluate: bool = True) -> mx.array:
+                   evaluate: bool = True, last_only: bool = False) -> mx.array:
         """Run packed new tokens of the given sequences through this slice's layers.
         A sequence id seen for the first time starts with empty caches. evaluate=False returns
-        the result unevaluated (for a caller that overlaps building the graph with computing)."""
+        the result unevaluated (for a caller that overlaps building the graph with computing).
+        last_only: where this slice ends the model, each sequence's last position only (what
+        generating reads; see TransformerSlice.forward_layers)."""
         if lengths is None:
             lengths = [hidden.shape[1]]
         caches = [self.caches.setdefault(s, self.model.make_cache()) for s in seq_ids]
-        hidden = self.model.forward_layers(hidden, caches, lengths)
+        hidden = self.model.forward_layers(hidden, caches, lengths, last_only=last_only)
         if evaluate:
             mx.eval(hidden)
         return hidden
@@ -73,9 +75,10 @@ class Stage:
 
 def ring_forward(stage: Stage, transport: Transport, hidden: mx.array, seq_ids: list[int] = (0,),
                  lengths: list[int] | None = None) -> mx.array:
-    """Rank 0: run packed hidden states through every stage of the ring and get them back."""
+    """Rank 0: run packed hidden states through every stage of the ring and get back each
+    sequence's last position."""
     lengths = [hidden.shape[1]] if lengths is None else lengths
-    hidden = stage.run_layers(hidden, seq_ids, lengths)
+    hidden = stage.run_layers(hidden, seq_ids, lengths, last_only=True)
     if transport.size > 1:
         transport.send_message(1, Kind.FORWARD, seq_ids, lengths, hidden)
         hidden = transport.recv_message(transport.size - 1).hidden
@@ -95,7 +98,7 @@ def serve(stage: Stage, transport: Transport) -> None:
     while True:
         message = transport.recv_message(prev)
         if message.kind == Kind.FORWARD:
-            hidden = stage.run_layers(message.hidden, message.seq_ids, message.lengths)
+            hidden = stage.run_layers(message.hidden, message.seq_ids, message.lengths, last_only=True)
             transport.send_message(nxt, Kind.FORWARD, message.seq_ids, message.lengths, hidden)
             continue
         if message.kind == Kind.RELEASE:

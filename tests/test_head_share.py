@@ -58,27 +58,19 @@ def test_shared_head_picks_the_same_tokens_as_the_whole_head(tiny_models, kind, 
         assert held == rows_held / vocab * head_nbytes_in_memory(checkpoint, config, dense=True)
 
     mx.random.seed(0)
-    lengths = [3, 1, 1, 2] * 6  # packed tokens of 24 sequences; the last position of each counts
-    hidden = mx.random.normal((1, sum(lengths), config.hidden_size)) * 3
+    hidden = mx.random.normal((1, 24, config.hidden_size)) * 3  # the last positions of 24 sequences
     for columns in (rows_held, rows_held // 3, 16):
-        returned = returned_rows(last.model, hidden, lengths, columns, group_rows=64)
+        returned = returned_rows(last.model, hidden, columns, group_rows=64)
         rows, share = split_returned(returned, config.hidden_size)
-        assert share.shape == (len(lengths), 2)
+        assert mx.array_equal(rows, hidden[0]).item() and share.shape == (24, 2)
         expected = mx.argmax(first.model.logits(rows), axis=-1)
         got = combined_argmax(first.model.logits(rows, vocab_end=vocab - columns), share, vocab - columns)
         assert got.tolist() == expected.tolist()
         from_share = np.array(got) >= vocab - columns
         if columns == rows_held:
-            assert 0 < from_share.sum() < len(lengths)  # both ranks' parts won for some rows
-
-
-def test_returned_rows_without_a_share_are_the_last_positions(tiny_models):
-    folder = tiny_models["llama"]
-    config = ModelConfig.from_folder(folder)
-    last = Stage.load(config, Checkpoint(folder), (2, 4), has_ends=False, dtype=mx.float32)
-    hidden = mx.arange(6 * config.hidden_size, dtype=mx.float32).reshape(1, 6, config.hidden_size)
-    rows, share = split_returned(returned_rows(last.model, hidden, [2, 1, 3], 0, 64), config.hidden_size)
-    assert share is None and mx.array_equal(rows, hidden[0, mx.array([1, 2, 5])]).item()
+            assert 0 < from_share.sum() < 24  # both ranks' parts won for some rows
+    rows, share = split_returned(returned_rows(last.model, hidden, 0, 64), config.hidden_size)
+    assert share is None and rows.shape == (24, config.hidden_size)  # no share: the hidden states alone
 
 
 def test_the_split_moves_towards_the_rank_that_waits():

@@ -151,22 +151,30 @@ def test_packed_sequences_equal_separate_runs(tiny_models, tmp_path, family):
     a, b, c = PROMPT, PROMPT[3:8], [7, 8, 9]
     next_id = iter(range(1000))
 
-    def run(seq_tokens: dict[int, list[int]]) -> dict[int, np.ndarray]:
+    def run(seq_tokens: dict[int, list[int]], last_only: bool) -> dict[int, np.ndarray]:
         ids = list(seq_tokens)
         lengths = [len(t) for t in seq_tokens.values()]
         hidden = model.embed(mx.array([[t for toks in seq_tokens.values() for t in toks]]))
-        hidden = stage.run_layers(hidden, ids, lengths)
-        ends = np.cumsum(lengths) - 1
+        hidden = stage.run_layers(hidden, ids, lengths, last_only=last_only)
+        ends = range(len(ids)) if last_only else np.cumsum(lengths) - 1  # last_only: one row per sequence
         return {s: np.array(model.logits(hidden[:, e]))[0] for s, e in zip(ids, ends)}
 
-    def alone(prompt: list[int], steps: list[int]) -> list[np.ndarray]:
+    def alone(prompt: list[int], steps: list[int], last_only: bool) -> list[np.ndarray]:
         seq = next(next_id) + 100
-        out = [run({seq: prompt})[seq]]
-        return out + [run({seq: [t]})[seq] for t in steps]
+        out = [run({seq: prompt}, last_only)[seq]]
+        return out + [run({seq: [t]}, last_only)[seq] for t in steps]
 
-    expected = {0: alone(a, [5, 9]), 1: alone(b, [5, 9]), 2: alone(c, [5, 9])}
-    packed = [run({0: a, 1: b, 2: c}), run({2: [5], 0: [5], 1: [5]}), run({1: [9], 2: [9], 0: [9]})]
     tolerance = 0.0 if expect_batch_invariant_products() else 1e-5
-    for step, got in enumerate(packed):
-        for seq in range(3):
-            assert np.abs(got[seq] - expected[seq][step]).max() <= tolerance, (family, step, seq)
+    results = {}
+    for last_only in (False, True):  # True: the final layer computes each sequence's last position only
+        expected = {0: alone(a, [5, 9], last_only), 1: alone(b, [5, 9], last_only), 2: alone(c, [5, 9], last_only)}
+        x, y, z = (10 * last_only + i for i in range(3))  # packed sequences' ids, fresh for each pass
+        packed = [run({x: a, y: b, z: c}, last_only), run({z: [5], x: [5], y: [5]}, last_only),
+                  run({y: [9], z: [9], x: [9]}, last_only)]
+        for step, got in enumerate(packed):
+            for seq, sid in enumerate((x, y, z)):
+                assert np.abs(got[sid] - expected[seq][step]).max() <= tolerance, (family, last_only, step, seq)
+        results[last_only] = expected
+    for seq in range(3):  # the last position's logits, computed alone or with the whole prompt's: float rounding
+        for full, last in zip(results[False][seq], results[True][seq]):
+            assert np.abs(full - last).max() <= 1e-4 * max(1.0, np.abs(full).max()), (family, seq)

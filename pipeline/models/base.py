@@ -161,37 +161,54 @@ class Attention(nn.Module):
         self.rope = RoPE(self.head_dim, config.rope_theta, config.rope_scaling,
                          max_position_embeddings=config.max_position_embeddings)
 
-    def __call__(self, x: mx.array, caches: list[KVCache], lengths: list[int]) -> mx.array:
+    def __call__(self, x: mx.array, caches: list[KVCache], lengths: list[int], last_only: bool = False) -> mx.array:
         """x: [1, sum(lengths), hidden], the new tokens of several sequences packed end to end;
         sequence i owns the next lengths[i] tokens and caches[i]. Projections run on all tokens
         at once; attention runs per sequence against its own cache, so each sequence keeps its
-        own positions and batching never changes a sequence's result."""
+        own positions and batching never changes a sequence's result. last_only: the output of
+        each sequence's last token only, [1, len(lengths), hidden] (every token's keys and values
+        are cached all the same)."""
         _, T, _ = x.shape
-        q = self.q_proj(x).reshape(T, self.n_heads, self.head_dim)
         k = self.k_proj(x).reshape(T, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(T, self.n_kv_heads, self.head_dim)
+        offsets = positions(lengths, caches)
+        if last_only:
+            last = last_indices(lengths)
+            q = self.q_proj(x[:, last]).reshape(len(lengths), self.n_heads, self.head_dim)
+        else:
+            q = self.q_proj(x).reshape(T, self.n_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        # q and k of every token rotated in one RoPE call, each token at its own position (on CPU a
-        # call costs ~40 us whatever its size; a token's rotation is the same either way).
-        qk = self.rope(mx.concatenate([q, k], axis=1)[:, :, None], offset=positions(lengths, caches))
-        qk = qk[:, :, 0].transpose(1, 0, 2)  # -> [heads + kv heads, T, head_dim]
+        if last_only:  # queries at the last positions, keys at all
+            q = self.rope(q[:, :, None], offset=offsets[last])[:, :, 0].transpose(1, 0, 2)
+            k = self.rope(k[:, :, None], offset=offsets)[:, :, 0].transpose(1, 0, 2)
+        else:
+            # q and k of every token rotated in one RoPE call, each token at its own position (on CPU
+            # a call costs ~40 us whatever its size; a token's rotation is the same either way).
+            qk = self.rope(mx.concatenate([q, k], axis=1)[:, :, None], offset=offsets)
+            qk = qk[:, :, 0].transpose(1, 0, 2)  # -> [heads + kv heads, T, head_dim]
+            q, k = qk[:self.n_heads], qk[self.n_heads:]
         v = v.transpose(1, 0, 2)
         outputs = []
-        for (begin, end), cache in zip(segments(lengths), caches):
-            qs, ks, vs = qk[None, :self.n_heads, begin:end], qk[None, self.n_heads:, begin:end], v[None, :, begin:end]
-            ks, vs = cache.update_and_fetch(ks, vs)
+        for i, ((begin, end), cache) in enumerate(zip(segments(lengths), caches)):
+            ks, vs = cache.update_and_fetch(k[None, :, begin:end], v[None, :, begin:end])
+            qs = q[None, :, i:i + 1] if last_only else q[None, :, begin:end]
             out = mx.fast.scaled_dot_product_attention(qs, ks, vs, scale=self.scale,
-                                                       mask=causal_mask(end - begin))
+                                                       mask=causal_mask(qs.shape[2]))
             outputs.append(out[0])  # [heads, t, head_dim]: back to token-major once, for all
         out = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=1)
-        return self.o_proj(out.transpose(1, 0, 2).reshape(1, T, -1))
+        return self.o_proj(out.transpose(1, 0, 2).reshape(1, out.shape[1], -1))
 
 
 def positions(lengths: list[int], caches: list) -> mx.array:
     """Each packed token's position in its own sequence (its cache's length before this step,
     plus its place among the sequence's new tokens): RoPE offsets, one per token."""
     return mx.array([cache.offset + i for n, cache in zip(lengths, caches) for i in range(n)], dtype=mx.int32)
+
+
+def last_indices(lengths: list[int]) -> mx.array:
+    """Index of each sequence's last token among the packed tokens."""
+    return mx.array([end - 1 for _, end in segments(lengths)])
 
 
 def segments(lengths: list[int]) -> list[tuple[int, int]]:
@@ -236,8 +253,10 @@ class PreNormBlock(nn.Module):
     def make_cache(self):
         return self.self_attn.make_cache() if hasattr(self.self_attn, "make_cache") else KVCache()
 
-    def __call__(self, x: mx.array, caches: list, lengths: list[int]) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), caches, lengths)
+    def __call__(self, x: mx.array, caches: list, lengths: list[int], last_only: bool = False) -> mx.array:
+        """last_only: the output at each sequence's last token only (see `Attention`)."""
+        attention = self.self_attn(self.input_layernorm(x), caches, lengths, last_only=last_only)
+        h = (x[:, last_indices(lengths)] if last_only else x) + attention
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -272,11 +291,20 @@ class TransformerSlice(nn.Module):
     def embed(self, tokens: mx.array) -> mx.array:
         return self.embed_tokens(tokens)
 
-    def forward_layers(self, h: mx.array, caches: list[list], lengths: list[int]) -> mx.array:
+    def forward_layers(self, h: mx.array, caches: list[list], lengths: list[int], last_only: bool = False) -> mx.array:
         """h: [1, sum(lengths), hidden], tokens of len(caches) sequences packed end to end;
-        caches[i] is sequence i's list of per-layer caches (see `Attention`)."""
+        caches[i] is sequence i's list of per-layer caches (see `Attention`). last_only: if this
+        slice holds the model's final layer, return each sequence's last position only
+        ([1, len(lengths), hidden]): all sampling reads, and the final layer then skips the
+        queries, attention output and MLP of a prompt's other tokens (their keys and values are
+        still cached), ~1/num_layers of prefill."""
+        final = last_only and self.end == self.config.num_hidden_layers
         for j, layer in enumerate(self.layers):
-            h = layer(h, [seq_caches[j] for seq_caches in caches], lengths)
+            layer_caches = [seq_caches[j] for seq_caches in caches]
+            if final and j == len(self.layers) - 1:
+                h = layer(h, layer_caches, lengths, last_only=True)
+            else:
+                h = layer(h, layer_caches, lengths)
         return h
 
     def logits(self, h: mx.array, vocab_end: int | None = None) -> mx.array:

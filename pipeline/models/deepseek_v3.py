@@ -23,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..config import ModelConfig
-from .base import MLP, KVCache, PreNormBlock, RoPE, causal_mask, positions, segments, yarn_mscale
+from .base import MLP, KVCache, PreNormBlock, RoPE, causal_mask, last_indices, positions, segments, yarn_mscale
 from .experts import SwitchGLU
 
 
@@ -80,36 +80,39 @@ class MultiHeadLatentAttention(nn.Module):
         # "keys" hold the normalised latents c_kv, "values" the rotated shared keys k_rope.
         return KVCache()
 
-    def __call__(self, x: mx.array, caches: list[KVCache], lengths: list[int]) -> mx.array:
+    def __call__(self, x: mx.array, caches: list[KVCache], lengths: list[int], last_only: bool = False) -> mx.array:
+        """As base.Attention: packed sequences, each against its own cache; last_only: the
+        output of each sequence's last token only (every token's latent is cached all the same)."""
         _, T, _ = x.shape
+        offsets = positions(lengths, caches)
+        xq, q_offsets = (x[:, last_indices(lengths)], offsets[last_indices(lengths)]) if last_only else (x, offsets)
         if self.q_lora_rank:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(xq)))
         else:
-            q = self.q_proj(x)
-        q = q.reshape(T, self.n_heads, -1).transpose(1, 0, 2)  # [heads, T, q_head_dim]
+            q = self.q_proj(xq)
+        q = q.reshape(xq.shape[1], self.n_heads, -1).transpose(1, 0, 2)  # [heads, queries, q_head_dim]
         q_nope, q_rope = q[..., : self.qk_nope_head_dim], q[..., self.qk_nope_head_dim:]
-        q_latent = q_nope @ self.w_uk.swapaxes(-1, -2)  # [heads, T, latent]: W_uk absorbed into the query
+        q_latent = q_nope @ self.w_uk.swapaxes(-1, -2)  # [heads, queries, latent]: W_uk absorbed into the query
 
         compressed = self.kv_a_proj_with_mqa(x)[0]  # [T, latent + rope]
         latent = self.kv_a_layernorm(compressed[:, : self.kv_lora_rank])
         k_rope = compressed[:, self.kv_lora_rank:]
 
         # Every token's rotary parts rotated in one call each, at its own position.
-        offsets = positions(lengths, caches)
-        q_rope = self.rope(q_rope.transpose(1, 0, 2)[:, :, None], offset=offsets)[:, :, 0].transpose(1, 0, 2)
+        q_rope = self.rope(q_rope.transpose(1, 0, 2)[:, :, None], offset=q_offsets)[:, :, 0].transpose(1, 0, 2)
         k_rope = self.rope(k_rope[:, None, None], offset=offsets)[:, 0, 0]
         outputs = []
-        for (begin, end), cache in zip(segments(lengths), caches):
-            qr = q_rope[None, :, begin:end]
+        for i, ((begin, end), cache) in enumerate(zip(segments(lengths), caches)):
+            qb, qe = (i, i + 1) if last_only else (begin, end)
             cached_latent, cached_rope = cache.update_and_fetch(latent[None, None, begin:end], k_rope[None, None, begin:end])
-            queries = mx.concatenate([q_latent[None, :, begin:end], qr], axis=-1)
+            queries = mx.concatenate([q_latent[None, :, qb:qe], q_rope[None, :, qb:qe]], axis=-1)
             keys = mx.concatenate([cached_latent, cached_rope], axis=-1)  # one "head" shared by all
             out = mx.fast.scaled_dot_product_attention(queries, keys, cached_latent, scale=self.scale,
-                                                       mask=causal_mask(end - begin))
+                                                       mask=causal_mask(qe - qb))
             outputs.append(out[0])  # [heads, t, latent]
         out = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=1)
-        out = out @ self.w_uv.swapaxes(-1, -2)  # [heads, T, v]: W_uv absorbed into the output
-        return self.o_proj(out.transpose(1, 0, 2).reshape(1, T, -1))
+        out = out @ self.w_uv.swapaxes(-1, -2)  # [heads, queries, v]: W_uv absorbed into the output
+        return self.o_proj(out.transpose(1, 0, 2).reshape(1, out.shape[1], -1))
 
 
 class MoEGate(nn.Module):
