@@ -99,7 +99,22 @@ def batch_throughput(p: dict) -> list[str]:
                    + " |")
     same = all(p["texts_identical_over_runs"].values())
     out += ["", f"- Texts {'identical' if same else 'NOT identical'} over every rank count and round."]
+    out += [f"- {line}" for line in round_ratios(p.get("runs_detail", []))]
     return out
+
+
+def round_ratios(runs: list[dict]) -> list[str]:
+    """Each round's N-rank tok/s over the same round's 1-rank run (the machine's speed drifts
+    between rounds, so the median ratio above is not the only view)."""
+    base = {(r.get("mode"), r["round"]): r["tok_s"] for r in runs if r["ranks"] == 1}
+    lines = []
+    for ranks in sorted({r["ranks"] for r in runs} - {1}):
+        ratios = [r["tok_s"] / base[r.get("mode"), r["round"]] for r in runs
+                  if r["ranks"] == ranks and (r.get("mode"), r["round"]) in base]
+        if ratios:
+            lines.append(f"{ranks} ranks, round by round: {min(ratios):.2f}x-{max(ratios):.2f}x "
+                         f"(mean {sum(ratios) / len(ratios):.2f}x over {len(ratios)} rounds)")
+    return lines
 
 
 def mlx_pipeline_batch(p: dict) -> list[str]:
