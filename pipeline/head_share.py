@@ -12,7 +12,8 @@ sequence's last position and returns only their maximum and its index, beside th
 states; rank 0 computes the other entries and takes the larger maximum, its own on a tie (the
 first index, as one argmax over the whole vocabulary does). A logit is the same fixed sequence of
 float operations on either rank (the BLAS shim's kernel does not depend on the column range, and
-both ranks run it), so greedy tokens are exactly those of an unshared head. Rows that sample
+both ranks run it; with --packed-matmuls, whose results are only within rounding anyway, it is on
+too), so greedy tokens are exactly those of an unshared head. Rows that sample
 (temperature, penalties) need every logit: micro-batches holding any are not shared.
 
 The split follows the ring: after each micro-batch rank 0 compares how long it waited for it with
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
-
 
 GAIN = 0.3  # fraction of the measured imbalance corrected per micro-batch: smooths the wait jitter
 STEP = 16  # columns move in multiples of this
@@ -57,19 +57,16 @@ def head_columns(head: nn.Module, x: mx.array, begin: int, end: int) -> mx.array
     return x @ weight.T
 
 
-def returned_rows(model, last: mx.array, columns: int, group_rows: int) -> mx.array:
+def returned_rows(model, last: mx.array, columns: int, groups: list[tuple[int, int]]) -> mx.array:
     """Last rank: what goes back to rank 0 for a micro-batch: `last`, each sequence's last hidden
     state [1, n, hidden], and with `columns` > 0 the max and argmax of its logits over the last
-    `columns` vocabulary entries (see the module docstring). Rows share products `group_rows` at a
-    time, as everywhere."""
-    from .scheduler import row_groups
-
+    `columns` vocabulary entries (see the module docstring). groups: the [begin, end) row ranges
+    that share a product (scheduler.row_groups), as everywhere."""
     if not columns:
         return last
     rows = model.norm(last[0])
     held = model.head_share.weight.shape[0]
-    logits = [head_columns(model.head_share, rows[b:e], held - columns, held)
-              for b, e in row_groups([1] * rows.shape[0], group_rows)]
+    logits = [head_columns(model.head_share, rows[b:e], held - columns, held) for b, e in groups]
     logits = logits[0] if len(logits) == 1 else mx.concatenate(logits, axis=0)
     best = mx.stack([logits.max(axis=-1).astype(mx.float32),
                      mx.argmax(logits, axis=-1).astype(mx.float32)], axis=-1)  # exact up to 2**24 entries

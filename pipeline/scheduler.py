@@ -390,7 +390,8 @@ def follow(stage: Stage, transport: Transport, timeline: Timeline, group_rows: i
             with timeline.span(COMPUTE, f"layers ({len(message.seq_ids)} seqs, {sum(message.lengths)} tokens)"):
                 hidden = forward_stage(stage, message.hidden, message.seq_ids, message.lengths, group_rows)
                 if nxt == 0:  # back to rank 0: the last positions, with the head's share if asked
-                    hidden = returned_rows(stage.model, hidden, message.head_share, group_rows)
+                    groups = row_groups([1] * hidden.shape[1], group_rows)
+                    hidden = returned_rows(stage.model, hidden, message.head_share, groups)
                     mx.eval(hidden)
             if nxt == 0:
                 send(Kind.FORWARD, message.seq_ids, message.lengths, hidden, idle_us=round(waited * 1e6))
