@@ -105,7 +105,9 @@ def plan_weights_in_memory(mode: str, checkpoint: Checkpoint, config: ModelConfi
 
     def shares(counts: list[int], dense: bool) -> list[int]:
         per_layer, ends = layer_nbytes_in_memory(checkpoint, config, layers, dense, itemsize)
-        head = round(last_rank_head * head_nbytes_in_memory(checkpoint, config, dense, itemsize))
+        head = 0
+        if last_rank_head:
+            head = round(last_rank_head * head_nbytes_in_memory(checkpoint, config, dense, itemsize))
         bounds = [sum(counts[:r]) for r in range(ranks + 1)]
         return [sum(per_layer[bounds[r]:bounds[r + 1]]) + (ends if r == 0 else 0) + (head if r == ranks - 1 else 0)
                 for r in range(ranks)]

@@ -59,7 +59,7 @@ def bind(host_comm) -> list[int] | None:
     host's CPUs, as `share` says. Returns the CPUs bound to, or None."""
     allowed = cpus_allowed()
     host_allowed = host_comm.allgather(allowed)
-    if os.environ.get(BIND_ENV, "").strip().lower() in ("0", "off", "no", "none"):
+    if _left_alone():
         return None
     cpus = share(allowed, host_allowed, host_comm.Get_rank())
     if cpus is None or not hasattr(os, "sched_setaffinity"):
@@ -75,7 +75,7 @@ def bind(host_comm) -> list[int] | None:
 def schedule_as_batch() -> bool:
     """Make every thread of this process SCHED_BATCH if it may run on one CPU only (see the module
     docstring; threads started later inherit it). Returns whether it did."""
-    if os.environ.get(BIND_ENV, "").strip().lower() in ("0", "off", "no", "none"):
+    if _left_alone():
         return False
     if len(cpus_allowed()) != 1 or not hasattr(os, "SCHED_BATCH"):
         return False
@@ -85,6 +85,11 @@ def schedule_as_batch() -> bool:
     except OSError:
         return False
     return True
+
+
+def _left_alone() -> bool:
+    """PIPELINE_BIND=0 (or off/no/none): neither binding nor scheduling is touched."""
+    return os.environ.get(BIND_ENV, "").strip().lower() in ("0", "off", "no", "none")
 
 
 def _threads() -> list[int]:

@@ -157,10 +157,14 @@ def local_name(name: str, start: int) -> str:
     return name.removeprefix("model.")
 
 
+def _head_prefix(config) -> str:
+    """Checkpoint prefix of the LM head's tensors: the embedding's, when tied."""
+    return "model.embed_tokens." if config.tie_word_embeddings else "lm_head."
+
+
 def head_tensor_names(checkpoint: Checkpoint, config) -> list[str]:
-    """The checkpoint tensors of the LM head (the embedding's, when tied) and of the final norm."""
-    head = "model.embed_tokens." if config.tie_word_embeddings else "lm_head."
-    return sorted(name for name in checkpoint.tensors if name.startswith((head, "model.norm.")))
+    """The checkpoint tensors of the LM head."""
+    return sorted(name for name in checkpoint.tensors if name.startswith(_head_prefix(config)))
 
 
 def _keep_head_rows(weights: dict[str, mx.array], rows: int, prefix: str) -> None:
@@ -193,7 +197,8 @@ def load_slice(model: nn.Module, checkpoint: Checkpoint, dtype: mx.Dtype,
 
     names = owned_tensor_names(checkpoint, model.start, model.end, model.has_ends)
     if model.head_rows:  # the last rank's share of the LM head (head_share.py), and the final norm
-        names = sorted(set(names) | set(head_tensor_names(checkpoint, model.config)))
+        norm = [name for name in checkpoint.tensors if name.startswith("model.norm.")]
+        names = sorted(set(names) | set(head_tensor_names(checkpoint, model.config)) | set(norm))
     bar = tqdm(total=len(names), desc="loading", unit="tensor", disable=not progress, delay=2.0)
 
     def read(name: str) -> mx.array:
@@ -210,7 +215,7 @@ def load_slice(model: nn.Module, checkpoint: Checkpoint, dtype: mx.Dtype,
         mx.set_cache_limit(cache_limit)
     bar.close()
     if model.head_rows:
-        _keep_head_rows(weights, model.head_rows, "embed_tokens." if model.config.tie_word_embeddings else "lm_head.")
+        _keep_head_rows(weights, model.head_rows, _head_prefix(model.config).removeprefix("model."))
     _quantize_like(model, weights)
     try:
         model.load_weights(list(weights.items()), strict=True)
@@ -281,9 +286,9 @@ def layer_nbytes_in_memory(checkpoint: Checkpoint, config, num_layers: int, dens
 
 
 def head_nbytes_in_memory(checkpoint: Checkpoint, config, dense: bool, itemsize: int = 4) -> int:
-    """Bytes of the LM head once loaded (see `layer_nbytes_in_memory`), the final norm excluded."""
+    """Bytes of the LM head once loaded (see `layer_nbytes_in_memory`)."""
     return sum(_nbytes_in_memory(checkpoint, config, name, dense, itemsize)
-               for name in head_tensor_names(checkpoint, config) if not name.startswith("model.norm."))
+               for name in head_tensor_names(checkpoint, config))
 
 
 def _nbytes_in_memory(checkpoint: Checkpoint, config, name: str, dense: bool, itemsize: int) -> int:

@@ -85,7 +85,11 @@ class MultiHeadLatentAttention(nn.Module):
         output of each sequence's last token only (every token's latent is cached all the same)."""
         _, T, _ = x.shape
         offsets = positions(lengths, caches)
-        xq, q_offsets = (x[:, last_indices(lengths)], offsets[last_indices(lengths)]) if last_only else (x, offsets)
+        if last_only:  # queries at each sequence's last token only
+            last = last_indices(lengths)
+            xq, q_offsets = x[:, last], offsets[last]
+        else:
+            xq, q_offsets = x, offsets
         if self.q_lora_rank:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(xq)))
         else:
