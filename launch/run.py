@@ -9,7 +9,9 @@ Everything after the launcher's own options is a `python -m pipeline` command li
 launcher:
 
 - reads the hostfile in either dialect (`host slots=N` or `host:N`), rejects syntax errors,
-  duplicate hosts and too few slots with one line, and hands the MPI the dialect it reads;
+  duplicate hosts and too few slots with one line, and hands the MPI its hosts inline (Open MPI
+  --host, MPICH -hosts, both `host:N`), so the command line stands alone: --dry-run prints one that
+  runs when pasted, and no temporary file is left behind;
 - detects Open MPI or MPICH (Hydra) from `mpirun`/`mpiexec --version` (or --mpi, or
   $PIPELINE_MPIEXEC naming the launcher binary);
 - adds Open MPI's --allow-run-as-root only when run as root, and --oversubscribe only for
@@ -33,7 +35,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,7 +42,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from pipeline.errors import UserError  # noqa: E402
-from pipeline.hostfile import check_slots, format_hostfile, read_hostfile  # noqa: E402
+from pipeline.hostfile import Host, check_slots, read_hostfile  # noqa: E402
 
 FORWARD_PREFIXES = ("PIPELINE_", "MLX_", "JACCL_", "HF_", "MPI4PY_", "TRANSFORMERS_")
 FORWARD_NAMES = ("PYTHONPATH", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "VECLIB_MAXIMUM_THREADS")
@@ -167,16 +168,21 @@ def _pipeline_installed() -> bool:
     return spec is not None and spec.origin is not None and not spec.origin.startswith(str(REPO) + os.sep)
 
 
-def build_command(flavor: str, launcher: str, version: str, ranks: int, hostfile: Path | None,
+def inline_hosts(hosts: list[Host]) -> str:
+    """The hosts and their slots as both MPIs take them on the command line: `a:1,b:2`."""
+    return ",".join(f"{h.name}:{h.slots}" for h in hosts)
+
+
+def build_command(flavor: str, launcher: str, version: str, ranks: int, hosts: list[Host] | None,
                   iface: str | None, env: dict[str, str], python: str, command: list[str],
                   is_root: bool, cores: int) -> list[str]:
     cmd = [launcher, "-n", str(ranks)]
     if flavor == "openmpi":
-        if hostfile:
-            cmd += ["--hostfile", str(hostfile)]
+        if hosts:
+            cmd += ["--host", inline_hosts(hosts)]
         if is_root:
             cmd += ["--allow-run-as-root"]
-        if hostfile is None and ranks > cores and "SLURM_JOB_ID" not in os.environ:
+        if hosts is None and ranks > cores and "SLURM_JOB_ID" not in os.environ:
             cmd += ["--oversubscribe"]
         if iface:
             oob = ["--prtemca", "oob_tcp_if_include", iface] if openmpi_major(version) >= 5 else \
@@ -185,8 +191,8 @@ def build_command(flavor: str, launcher: str, version: str, ranks: int, hostfile
         for name in sorted(env):
             cmd += ["-x", f"{name}={env[name]}"]
     else:
-        if hostfile:
-            cmd += ["-f", str(hostfile)]
+        if hosts:
+            cmd += ["-hosts", inline_hosts(hosts)]
         if iface:
             cmd += ["-iface", iface]
         for name in sorted(env):
@@ -228,20 +234,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    with tempfile.TemporaryDirectory(prefix="pipeline-launch-") as tmp:
-        hostfile = None
-        if hosts is not None:
-            hostfile = Path(tmp) / f"hosts.{flavor}"
-            hostfile.write_text(format_hostfile(hosts, flavor))
-        cmd = build_command(flavor, launcher, version, ranks, hostfile, args.iface, env, args.python,
-                            command, is_root=os.geteuid() == 0, cores=physical_cores())
-        if args.dry_run:
-            print(f"# {version}")
-            if hostfile:
-                print(f"# {hostfile.name}: " + " | ".join(format_hostfile(hosts, flavor).splitlines()))
-            print(shlex.join(cmd))
-            return 0
-        return run(cmd, env)
+    cmd = build_command(flavor, launcher, version, ranks, hosts, args.iface, env, args.python,
+                        command, is_root=os.geteuid() == 0, cores=physical_cores())
+    if args.dry_run:
+        print(f"# {version}")
+        print(shlex.join(cmd))
+        return 0
+    return run(cmd, env)
 
 
 if __name__ == "__main__":

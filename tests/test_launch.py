@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -68,9 +69,10 @@ def test_fewer_slots_than_ranks():
 def test_commands_for_each_mpi():
     env = {"PYTHONPATH": "/src", "PIPELINE_IFACE": "bridge0"}
     build = launch_run.build_command
-    ompi = build("openmpi", "/usr/bin/mpirun", "mpirun (Open MPI) 4.1.4", 4, REPO / "h", "bridge0", env,
-                 "/usr/bin/python3", ["generate", "--prompt", "hi"], is_root=True, cores=16)
-    assert ompi[:5] == ["/usr/bin/mpirun", "-n", "4", "--hostfile", str(REPO / "h")]
+    hosts = parse_hostfile("studio-1 slots=1\nstudio-2:3\n")
+    ompi = build("openmpi", "/usr/bin/mpirun", "mpirun (Open MPI) 4.1.4", 4, hosts, "bridge0", env,
+                 "/usr/bin/python3", ["generate", "--prompt", "hi"], is_root=True, cores=1)
+    assert ompi[:5] == ["/usr/bin/mpirun", "-n", "4", "--host", "studio-1:1,studio-2:3"]
     assert "--allow-run-as-root" in ompi and "--oversubscribe" not in ompi
     joined = " ".join(ompi)
     assert "--mca btl_tcp_if_include bridge0 --mca oob_tcp_if_include bridge0" in joined
@@ -81,24 +83,45 @@ def test_commands_for_each_mpi():
     assert "--prtemca oob_tcp_if_include bridge0" in ompi5
     assert "--allow-run-as-root" not in ompi5 and "--oversubscribe" in ompi5  # 2 ranks, 1 core, no hostfile
 
-    mpich = build("mpich", "/usr/bin/mpiexec", "MPICH (Hydra) 5.0.2", 4, REPO / "h", "bridge0", env,
+    mpich = build("mpich", "/usr/bin/mpiexec", "MPICH (Hydra) 5.0.2", 4, hosts, "bridge0", env,
                   "/usr/bin/python3", ["generate", "--prompt", "hi"], is_root=True, cores=1)
-    assert mpich[:5] == ["/usr/bin/mpiexec", "-n", "4", "-f", str(REPO / "h")]
+    assert mpich[:5] == ["/usr/bin/mpiexec", "-n", "4", "-hosts", "studio-1:1,studio-2:3"]
     assert "-iface bridge0" in " ".join(mpich) and "-genv PYTHONPATH /src" in " ".join(mpich)
     assert not {"--allow-run-as-root", "--oversubscribe"} & set(mpich)
     assert mpich[-6:] == ["/usr/bin/python3", "-m", "pipeline", "generate", "--prompt", "hi"]
 
 
-def test_dry_run_converts_the_hostfile_for_the_installed_mpi(tmp_path):
+def test_dry_run_carries_the_hosts_of_either_dialect_inline(tmp_path):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("studio-1 slots=1\nstudio-2:1\n")
     result = launch("--mpi", "mpich", "--hostfile", str(hostfile), "--iface", "bridge0", "--env", "FOO=bar",
                     "--dry-run", "generate", "--prompt", "hi")
     assert result.returncode == 0, result.stderr
-    assert "hosts.mpich: studio-1:1 | studio-2:1" in result.stdout
     command = result.stdout.splitlines()[-1]
-    assert " -n 2 -f " in command and "-iface bridge0" in command and "-genv FOO bar" in command
-    assert command.endswith("-m pipeline generate --prompt hi")
+    assert " -n 2 -hosts studio-1:1,studio-2:1 " in command and "-iface bridge0" in command, command
+    assert "-genv FOO bar" in command and command.endswith("-m pipeline generate --prompt hi"), command
+
+
+@pytest.mark.parametrize("mpi", ["mpich", pytest.param("openmpi", marks=pytest.mark.skipif(
+    not HAVE_OPENMPI, reason="Open MPI is not installed (apt-get install openmpi-bin)"))])
+def test_dry_run_prints_a_command_that_runs_when_pasted(tiny_models, tmp_path, mpi):
+    """What --dry-run prints, pasted into a shell after the launcher has exited (and its hostfile
+    deleted), runs the job and prints what plain mpiexec prints."""
+    args = ["generate", "--model", str(tiny_models["llama"]), "--prompt", "The capital of France",
+            "--max-tokens", "8", "--no-chat-template"]
+    expected = mpiexec(2, *args)
+    assert expected.returncode == 0, expected.stderr
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost slots=2\n")
+    printed = launch("--mpi", mpi, "--hostfile", str(hostfile), "--dry-run", *args)
+    assert printed.returncode == 0, printed.stderr
+    hostfile.unlink()
+    before = set(os.listdir(tempfile.gettempdir()))
+    pasted = subprocess.run(["bash", "-c", printed.stdout], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                            env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert pasted.returncode == 0, (printed.stdout, pasted.stderr)
+    assert pasted.stdout == expected.stdout
+    assert not {name for name in set(os.listdir(tempfile.gettempdir())) - before if name.startswith("pipeline-")}
 
 
 @pytest.mark.parametrize("text, fragment", [
