@@ -14,6 +14,9 @@ have set per rank we derive from MPI, the control plane:
   writes); MLX_RANK is the MPI rank and, unless set,
   MLX_JACCL_COORDINATOR is rank 0's address with a free port, broadcast over MPI.
 
+The files written here (a ring hostfile, a JACCL device file) are read by `mx.distributed.init`
+only, so they are removed, and their variables unset, as soon as it returns.
+
 MLX's own `mpi` backend is not offered: it calls MPI_Init itself, which fails (Open MPI: "attempted
 to initialize MPI more than once") in a process where mpi4py already has.
 """
@@ -38,30 +41,53 @@ def resolve_backend(requested: str) -> str:
     return "ring"
 
 
-def _write_jaccl_devices(rank: int) -> None:
+def _write_file_for_init(variable: str, prefix: str, text: str, written: dict[str, str]) -> None:
+    """A temporary file holding `text`, named in the environment variable MLX reads it from;
+    noted in `written` so that it goes once init has read it."""
+    fd, path = tempfile.mkstemp(prefix=prefix, suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.environ[variable] = path
+    written[variable] = path
+
+
+def _write_jaccl_devices(rank: int, written: dict[str, str]) -> None:
     """PIPELINE_JACCL_DEVICES (the device list itself, as launch/run.py --mlx-hostfile passes it)
     -> a file for MLX_IBV_DEVICES, which JACCL wants as a path on every host."""
     devices = os.environ.get("PIPELINE_JACCL_DEVICES")
     if not devices or os.environ.get("MLX_IBV_DEVICES") or os.environ.get("JACCL_IBV_DEVICES"):
         return
-    fd, path = tempfile.mkstemp(prefix=f"pipeline-jaccl-{rank}-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        f.write(devices)
-    os.environ["MLX_IBV_DEVICES"] = path
+    _write_file_for_init("MLX_IBV_DEVICES", f"pipeline-jaccl-{rank}-", devices, written)
+
+
+def _remove_files_for_init(written: dict[str, str]) -> None:
+    for variable, path in written.items():
+        os.environ.pop(variable, None)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 def init_group(comm, requested: str):
     """Every rank: the mx.distributed group whose rank i is MPI rank i (None for one rank)."""
-    import mlx.core as mx
-
     if comm.Get_size() == 1:
         return None
     backend = comm.bcast(resolve_backend(requested), root=0)
     rank = comm.Get_rank()
+    written: dict[str, str] = {}  # variable -> the temporary file it names, removed after init
+    try:
+        return _init_group(comm, backend, rank, written)
+    finally:
+        _remove_files_for_init(written)
+
+
+def _init_group(comm, backend: str, rank: int, written: dict[str, str]):
+    import mlx.core as mx
 
     def check_here():
         if backend == "jaccl":
-            _write_jaccl_devices(rank)
+            _write_jaccl_devices(rank, written)
         if not mx.distributed.is_available(backend):
             raise UserError(f"--transport mlx: MLX's {backend} backend is not available on "
                             f"{socket.gethostname()} (mlx {mx.__version__})")
@@ -81,10 +107,8 @@ def init_group(comm, requested: str):
         address = mpi.checkpoint(comm, lambda: _my_address(comm))
         endpoints = comm.allgather(f"{address}:{_free_port(address)}")
         if need_ring_hosts:
-            fd, path = tempfile.mkstemp(prefix=f"pipeline-mlx-ring-{rank}-", suffix=".json")
-            with os.fdopen(fd, "w") as f:
-                json.dump([[endpoint] for endpoint in endpoints], f)
-            os.environ["MLX_HOSTFILE"] = path
+            _write_file_for_init("MLX_HOSTFILE", f"pipeline-mlx-ring-{rank}-",
+                                 json.dumps([[endpoint] for endpoint in endpoints]), written)
         if need_coordinator:
             os.environ["MLX_JACCL_COORDINATOR"] = endpoints[0]
 

@@ -33,3 +33,25 @@ def test_unavailable_backend_is_one_line():
     # No RDMA devices on this machine: JACCL is unavailable, and every rank says so at once.
     result = mpiexec(2, "ping", "--transport", "mlx", "--mlx-backend", "jaccl", timeout=60)
     assert_fails_cleanly(result, "jaccl")
+
+
+@pytest.mark.parametrize("backend", ["ring", "jaccl"])
+def test_no_temporary_files_are_left(tiny_models, tmp_path, backend):
+    """The ring hostfile and the JACCL device file each rank writes for MLX's init are gone at
+    the end, whether the job ran (ring here) or stopped with an error (no RDMA devices here)."""
+    import json
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {"TMPDIR": str(tmp)}
+    if backend == "jaccl":
+        env["PIPELINE_JACCL_DEVICES"] = json.dumps([[None, "rdma_en3"], ["rdma_en3", None]])
+    args = ["generate", "--model", str(tiny_models["llama"]), "--prompt", PROMPT, "--max-tokens", "4",
+            "--no-chat-template", "--transport", "mlx", "--mlx-backend", backend]
+    result = mpiexec(2, *args, env=env, timeout=60)
+    if backend == "ring":
+        assert result.returncode == 0, result.stderr
+        assert result.stdout == mpiexec(2, *args[:-4]).stdout
+    else:
+        assert_fails_cleanly(result, "jaccl")
+    assert not list(tmp.glob("pipeline-*"))  # (MLX keeps its compiled kernels in $TMPDIR/mlx)
