@@ -23,6 +23,12 @@ C compiler is there and loaded ahead of the BLAS, takes `cblas_sgemm` first and
   GEMM that packs the weight matrix: half the speed);
 - sends other 1-row (and 1-column) products to `cblas_sgemv`, all others on to the BLAS.
 `PIPELINE_BLAS_SHIM=0` leaves it out (batch jobs then multiply each sequence's rows on their own).
+The shim is code this process runs, so it is built and loaded only where no other user can change
+it: a cache folder (or a folder above it) or a library file that another user owns or may write to
+is refused, and the run carries on without the shim.
+
+What is missing (OpenBLAS, a C compiler) or refused is `problem()`: one line with the fix, which
+`report_problems()` prints once per job on rank 0.
 
 `in_use()` says which library MLX's `cblas_sgemm` actually resolves to, by reading libmlx.so's
 own GOT slot for it; that is what the stats line reports.
@@ -44,7 +50,6 @@ from pathlib import Path
 
 ENV = "PIPELINE_BLAS"
 OPT_OUT = ("bundled", "off", "0", "none", "no")
-INSTALL_HINT = "apt-get install libopenblas0-pthread"
 THREAD_ENV = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS")
 
 
@@ -58,6 +63,7 @@ class BlasState:
     note: str = ""  # why nothing was loaded, or a caveat
     threads_from: str = ""  # "ranks per host", "OPENBLAS_NUM_THREADS", ...
     bound: str = ""  # how many CPUs each rank bound itself to (cores.py), e.g. "1 CPU/rank"
+    problem: str = ""  # what is missing or refused that the user did not choose, and the fix (one line)
 
 
 _state: BlasState | None = None
@@ -114,9 +120,22 @@ def load() -> BlasState:
         return _state
     if choice:
         _state.note = f"{ENV}={choice} could not be loaded" + (f" ({_state.note})" if _state.note else "")
-    elif not _state.note:
-        _state.note = f"no OpenBLAS found: {INSTALL_HINT}"
+        _state.problem = f"{_state.note}: MLX runs its bundled reference BLAS; unset {ENV}, or name a CBLAS library"
+    else:
+        why = f"OpenBLAS could not be loaded ({_state.note})" if _state.note else "no OpenBLAS found"
+        _state.note = why
+        _state.problem = (f"{why}: MLX runs its bundled reference BLAS, prompts 10-20x slower; "
+                          + install_hint("libopenblas0-pthread", "OpenBLAS"))
     return _state
+
+
+def install_hint(debian_package: str, what: str) -> str:
+    """How to install something: the apt-get line where apt exists, else what to install."""
+    import shutil
+
+    if shutil.which("apt-get"):
+        return f"{'' if os.geteuid() == 0 else 'sudo '}apt-get install {debian_package}"
+    return f"install {what} with your system's package manager"
 
 
 SHIM_ENV = "PIPELINE_BLAS_SHIM"
@@ -155,47 +174,140 @@ def c_compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
-def build_shim(path: Path, extra_flags: tuple[str, ...] = ()) -> bool:
-    """Compile the shim once per machine (about a second); False if there is no working compiler.
+class ShimNotBuilt(Exception):
+    """Why the shim could not be compiled (no compiler, a compiler error, an unwritable folder)."""
+
+
+def build_shim(path: Path, extra_flags: tuple[str, ...] = ()) -> None:
+    """Compile the shim into `path` (about a second), or raise ShimNotBuilt saying why not.
     extra_flags: e.g. ("-mno-avx512f",) builds the variant a CPU without AVX-512 gets (tests)."""
     import subprocess
     import tempfile
 
     compiler = c_compiler()
     if not compiler:
-        return False
+        raise ShimNotBuilt("no C compiler")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
             out = Path(tmp) / "shim.so"
+            errors = ""
             for flags in SHIM_FLAGS:
                 result = subprocess.run([compiler, *flags, *extra_flags, "-ffp-contract=off", "-shared", "-fPIC",
                                          "-o", str(out), str(SHIM_SOURCE), "-ldl"], capture_output=True, timeout=120)
                 if result.returncode == 0:
+                    out.chmod(0o755)  # whatever the umask: a library others may write to would be refused
                     os.replace(out, path)  # atomic: ranks building at once each publish a whole file
-                    return True
-        return False
-    except (OSError, subprocess.SubprocessError):
-        return False
+                    return
+                errors = errors or result.stderr.decode(errors="replace") or f"exit status {result.returncode}"
+    except (OSError, subprocess.SubprocessError) as e:
+        raise ShimNotBuilt(f"cannot build it in {path.parent}: {e}") from None
+    first = next((line.strip() for line in errors.splitlines() if "error" in line), "") or errors.strip()[:200]
+    raise ShimNotBuilt(f"{Path(compiler).name} could not compile it: {first}")
+
+
+def _writable_by_others(st: os.stat_result) -> str:
+    """Why another user could change a file or folder with this stat ("" if none can): it belongs
+    to someone other than us or root, or its group or everyone may write to it."""
+    import stat
+
+    if st.st_uid not in (os.geteuid(), 0):
+        return f"it belongs to user id {st.st_uid}"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        who = "every user" if st.st_mode & stat.S_IWOTH else "its group"
+        return f"{who} may write to it (mode {stat.S_IMODE(st.st_mode):o})"
+    return ""
+
+
+def _unsafe_folder(folder: Path) -> str:
+    """Why code in `folder` could be replaced by another user ("" if it cannot): the folder itself
+    or a folder above it is theirs or writable by them. Above it, a sticky folder that others may
+    write to (/tmp) is fine: they cannot rename or remove what is ours in it."""
+    import stat
+
+    folder = Path(os.path.realpath(folder))
+    for place in (folder, *folder.parents):
+        try:
+            st = os.stat(place)
+        except FileNotFoundError:
+            continue  # removed meanwhile: what is above it still counts
+        why = _writable_by_others(st)
+        if why and not (place != folder and st.st_mode & stat.S_ISVTX and st.st_uid in (os.geteuid(), 0)):
+            return f"{place}: {why}"
+    return ""
+
+
+def _make_private_folder(folder: Path) -> None:
+    """Create `folder` and any missing folders above it, none writable by group or others (a user
+    private group's umask 002 would leave them group-writable and so refused)."""
+    missing = []
+    place = folder
+    while not place.exists() and place != place.parent:
+        missing.append(place)
+        place = place.parent
+    for place in reversed(missing):
+        try:
+            place.mkdir(mode=0o755)
+        except FileExistsError:
+            continue  # another rank made it first; its mode is checked like any other
+        place.chmod(0o755)  # mkdir's mode is cut by the umask, never widened; chmod sets it exactly
+
+
+def _shim_problem(why: str, fix: str) -> str:
+    return (f"no BLAS shim ({why}): batch jobs multiply each sequence on its own and one-row products may "
+            f"run slower; {fix}")
 
 
 def _load_shim(blas: ctypes.CDLL) -> None:
-    """Put the shim in front of `blas` in the global scope (see blas_shim.c)."""
+    """Put the shim in front of `blas` in the global scope (see blas_shim.c), where it is safe to."""
     if os.environ.get(SHIM_ENV, "").strip().lower() in ("0", "off", "no", "none"):
         return
     try:
         blas.cblas_sgemv  # noqa: B018
-        path = _shim_path()
-        if not path.is_file() and not build_shim(path):
-            _state.note = "no C compiler for the BLAS shim"
+    except AttributeError:
+        return  # a CBLAS without GEMV: nothing for the shim to send 1-row products to
+    wanted = _shim_path()
+    try:
+        _make_private_folder(wanted.parent)
+    except OSError as e:
+        _state.problem = _shim_problem(f"cannot create {wanted.parent}: {e.strerror}",
+                                       "set PIPELINE_CACHE to a folder of yours")
+        return
+    # Checked, built and loaded through the real path: a link above it cannot point elsewhere later.
+    path = Path(os.path.realpath(wanted.parent)) / wanted.name
+    unsafe = _unsafe_folder(path.parent)
+    if unsafe:
+        _state.problem = _shim_problem(f"refused {unsafe}",
+                                       "chmod go-w that folder, or set PIPELINE_CACHE to a folder of yours")
+        return
+    if not path.is_file() and not path.is_symlink():
+        try:
+            build_shim(path)
+        except ShimNotBuilt as e:
+            why = str(e)
+            fix = install_hint("gcc", "a C compiler") if why == "no C compiler" else \
+                "check that the C compiler builds a shared library, or " + install_hint("gcc", "a C compiler")
+            _state.problem = _shim_problem(why, fix)
             return
+    try:
+        st = os.lstat(path)
+    except OSError as e:
+        _state.problem = _shim_problem(f"{path}: {e.strerror}", "delete it; it is rebuilt on the next run")
+        return
+    import stat
+
+    why = "it is not a regular file" if not stat.S_ISREG(st.st_mode) else _writable_by_others(st)
+    if why:
+        _state.problem = _shim_problem(f"refused {path}: {why}", "delete it; it is rebuilt on the next run")
+        return
+    try:
         shim = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
         shim.pipeline_shim_init.argtypes = [ctypes.c_void_p]
         if shim.pipeline_shim_init(blas._handle):
             _state.shim = os.path.realpath(path)
             _state.invariant_rows = int(shim.pipeline_invariant_max_rows())
-    except (OSError, AttributeError):
-        return
+    except (OSError, AttributeError) as e:
+        _state.problem = _shim_problem(f"{path} does not load: {e}", "delete it; it is rebuilt on the next run")
 
 
 def invariant_rows() -> int:
@@ -318,6 +430,30 @@ def describe() -> str:
         used = Path(path).name
     note = state.note or (f"{state.name} loaded too late" if state.path else "")
     return used + (f" [{note}]" if note else "")
+
+
+def problem() -> str:
+    """What this process misses for full speed that the user did not opt out of (no OpenBLAS, no
+    shim), with the fix, in one line; "" when nothing is missing."""
+    return load().problem
+
+
+def report_problems(comm) -> None:
+    """Collective: rank 0 prints each rank's problem() once, as `warning: ...` on stderr, naming
+    the hosts when the job spans several."""
+    import socket
+
+    found = comm.gather((socket.gethostname(), problem()), root=0)
+    if comm.Get_rank() != 0:
+        return
+    hosts_with = {}
+    for host, line in found:
+        if line:
+            hosts_with.setdefault(line, []).append(host)
+    several = len({host for host, _ in found}) > 1
+    for line, hosts in hosts_with.items():
+        where = f"on {', '.join(dict.fromkeys(hosts))}: " if several else ""
+        print(f"warning: {where}{line}", file=sys.stderr, flush=True)
 
 
 # ---- reading libmlx.so's GOT --------------------------------------------------------------

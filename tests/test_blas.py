@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 
@@ -307,7 +308,8 @@ def test_shim_kernel_rounds_the_same_with_or_without_avx512(tmp_path):
     if "avx512f" not in open("/proc/cpuinfo").read():
         pytest.skip("this CPU has no AVX-512: both builds would be the same code")
     native, portable = tmp_path / "native.so", tmp_path / "portable.so"
-    assert blas.build_shim(native) and blas.build_shim(portable, ("-mno-avx512f",))
+    blas.build_shim(native)
+    blas.build_shim(portable, ("-mno-avx512f",))
     ours, theirs = _shim_sgemm(native), _shim_sgemm(portable)
     rng = np.random.default_rng(3)
     differ = []
@@ -320,3 +322,144 @@ def test_shim_kernel_rounds_the_same_with_or_without_avx512(tmp_path):
                 if not np.array_equal(ours(x, w, c, beta).view(np.uint32), theirs(x, w, c, beta).view(np.uint32)):
                     differ.append((n, k, m, beta))
     assert not differ, differ
+
+
+LOADED = """
+import json
+from pipeline import blas
+import mlx.core as mx
+print(json.dumps({"shim": blas.load().shim, "rows": blas.invariant_rows(), "problem": blas.problem(),
+                  "describe": blas.describe()}))
+"""
+
+PLANTED = r"""
+#include <stdio.h>
+#include <stdlib.h>
+__attribute__((constructor)) static void planted(void) {
+    FILE *f = fopen(getenv("PLANTED_MARK"), "w");
+    if (f) fclose(f);
+}
+"""
+
+
+def _plant_library(path, mark):
+    """A library at the shim's path whose loading would leave the file `mark` behind."""
+    from pipeline import blas
+
+    source = path.parent / "planted.c"
+    source.write_text(PLANTED)
+    subprocess.run([blas.c_compiler(), "-shared", "-fPIC", "-o", str(path), str(source)], check=True)
+    source.unlink()
+
+
+@needs_openblas
+@pytest.mark.parametrize("case", ["folder writable by all", "folder writable by its group",
+                                  "folder above writable by all", "library writable by all",
+                                  "library writable by its group", "library of another user"])
+def test_shim_refused_where_other_users_can_write(tmp_path, monkeypatch, case):
+    """The shim is code every rank runs: a library another user could have written (or a folder in
+    which they could swap it) is never loaded; the run says so in one line and falls back to
+    per-sequence products. The planted library would leave a mark if it were ever loaded."""
+    from pipeline import blas
+
+    if not blas.c_compiler():
+        pytest.skip("no C compiler for the shim")
+    if case == "library of another user" and os.geteuid() != 0:
+        pytest.skip("giving a file to another user needs root")
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("PIPELINE_CACHE", str(cache))
+    shim = blas._shim_path()
+    shim.parent.mkdir(parents=True, mode=0o755)
+    cache.chmod(0o755)
+    mark = tmp_path / "planted-library-ran"
+    _plant_library(shim, mark)
+    shim.chmod(0o755)
+    target, mode = {"folder writable by all": (shim.parent, 0o757),
+                    "folder writable by its group": (shim.parent, 0o775),
+                    "folder above writable by all": (cache, 0o777),
+                    "library writable by all": (shim, 0o757),
+                    "library writable by its group": (shim, 0o775),
+                    "library of another user": (shim, None)}[case]
+    if mode is None:
+        os.chown(shim, 65534, 65534)
+    else:
+        target.chmod(mode)
+    out = run_python(LOADED, PIPELINE_CACHE=str(cache), PLANTED_MARK=str(mark))
+    assert not mark.exists(), "the planted library was loaded"
+    assert out["shim"] is None and out["rows"] == 0, out
+    shown = target if case != "library of another user" else shim
+    assert f"refused {shown}" in out["problem"] and "\n" not in out["problem"], out
+    assert ("user id 65534" if mode is None else f"mode {mode:o}") in out["problem"], out
+    assert out["describe"].startswith("OpenBLAS") and "batch-invariant" not in out["describe"], out
+
+
+@needs_openblas
+def test_shim_built_into_a_private_folder_whatever_the_umask(tmp_path):
+    """A user private group's umask (002) would leave the folders and the library group-writable,
+    and so refused next time: they are made writable by their owner only, and the shim loads."""
+    from pipeline import blas
+
+    if not blas.c_compiler():
+        pytest.skip("no C compiler for the shim")
+    cache = tmp_path / "fresh" / "cache"
+    code = "import os; os.umask(0o002)\n" + LOADED
+    for run in ("builds", "loads what it built"):
+        out = run_python(code, PIPELINE_CACHE=str(cache))
+        assert out["rows"] == 64 and out["problem"] == "", (run, out)
+    for place in (tmp_path / "fresh", cache, cache / "blas", *(cache / "blas").iterdir()):
+        assert place.stat().st_mode & 0o022 == 0, place
+
+
+def _job_env(**extra):
+    """The tests' environment with PATH cut to the Python and MPI of this venv: no C compiler."""
+    return clean_env(PATH=os.path.dirname(sys.executable), **extra)
+
+
+@needs_openblas
+def test_missing_compiler_is_one_warning_with_the_fix(tiny_models, tmp_path):
+    """No C compiler: the job runs (products per sequence), rank 0 says so once in one line with
+    the fix, and the stats line still names the BLAS the ranks use."""
+    import shutil
+
+    assert not any(shutil.which(cc, path=os.path.dirname(sys.executable)) for cc in ("cc", "gcc", "clang"))
+    apt = tmp_path / "bin"
+    apt.mkdir()
+    if shutil.which("apt-get"):  # apt-get on the PATH, as on Debian: the fix names the package
+        (apt / "apt-get").symlink_to(shutil.which("apt-get"))
+    env = _job_env(PIPELINE_CACHE=str(tmp_path / "cache"))
+    env["PATH"] += os.pathsep + str(apt)
+    result = subprocess.run([os.path.join(os.path.dirname(sys.executable), "mpiexec"), "-n", "2", sys.executable,
+                             "-m", "pipeline", "generate", "--model", str(tiny_models["llama"]), "--prompt", "hi",
+                             "--max-tokens", "2"], capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    fix = "apt-get install gcc" if shutil.which("apt-get") else "install a C compiler"
+    assert len(warnings) == 1 and "no C compiler" in warnings[0] and fix in warnings[0], result.stderr
+    (stats,) = [line for line in result.stderr.splitlines() if line.startswith("[pipeline]")]
+    assert "BLAS OpenBLAS" in stats and "batch-invariant" not in stats, stats
+
+
+def test_missing_openblas_is_one_warning_with_the_fix(tiny_models, tmp_path):
+    """No OpenBLAS (hidden here by mounting an empty folder over each place it is looked for, in a
+    mount namespace of this run's own): one warning line with the apt-get line, and the stats line
+    names the netlib BLAS MLX then calls."""
+    import shutil
+
+    from pipeline import blas
+
+    if not shutil.which("unshare") or subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode:
+        pytest.skip("hiding OpenBLAS needs a mount namespace (unshare -rm)")
+    folders = sorted({os.path.dirname(os.path.realpath(p)) for p in blas.candidates() if os.path.exists(p)})
+    if any("openblas" not in os.path.basename(folder) for folder in folders):
+        pytest.skip(f"OpenBLAS lies in a folder shared with other libraries ({folders}): it cannot be hidden alone")
+    hide = "; ".join(f"mount -t tmpfs none {shlex.quote(folder)}" for folder in folders)
+    job = shlex.join(["mpiexec", "-n", "1", sys.executable, "-m", "pipeline", "generate", "--model",
+                      str(tiny_models["llama"]), "--prompt", "hi", "--max-tokens", "2"])
+    result = subprocess.run(["unshare", "-rm", "sh", "-c", f"{hide}; exec {job}"], capture_output=True, text=True,
+                            timeout=120, cwd=REPO, env=clean_env(PIPELINE_CACHE=str(tmp_path / "cache")))
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    fix = "apt-get install libopenblas0-pthread" if shutil.which("apt-get") else "install OpenBLAS"
+    assert len(warnings) == 1 and "no OpenBLAS found" in warnings[0] and fix in warnings[0], result.stderr
+    (stats,) = [line for line in result.stderr.splitlines() if line.startswith("[pipeline]")]
+    assert "netlib" in stats, stats
