@@ -1,5 +1,5 @@
-"""Markdown tables from benchmarks/results/*.json, written into README.md between the markers
-`<!-- benchmarks:begin -->` and `<!-- benchmarks:end -->` (or printed with --print).
+"""Markdown tables from benchmarks/results/*.json, written into benchmarks/README.md between the
+markers `<!-- benchmarks:begin -->` and `<!-- benchmarks:end -->` (or printed with --print).
 
     python benchmarks/report.py [--print]
 """
@@ -36,13 +36,13 @@ def header(p: dict) -> str:
     m = p["machine"]
     load = p.get("load_after")
     return (f"{m['cpu']}, {m['cores']} cores, {m['memory_bytes'] / 2**30:.0f} GiB; mlx {p['versions'].get('mlx')}, "
-            f"mlx-lm {p['versions'].get('mlx-lm')}; commit {p['git']['commit'][:8]}{'+dirty' if p['git']['dirty'] else ''}; "
+            f"mlx-lm {p['versions'].get('mlx-lm')}; commit {p['git']['commit'][:8]}{' plus uncommitted changes' if p['git']['dirty'] else ''}; "
             f"{p['date'][:16]}; load average at the end {load[0]:.1f}" if load else "")
 
 
 def single(p: dict) -> list[str]:
     out = [f"**2a. One rank, batch 1** (`benchmarks/bench_single.py`; median ±half the min-max spread of "
-           f"{p['runs']} interleaved runs; {header(p)}). ![2a](benchmarks/results/single.png)", "",
+           f"{p['runs']} interleaved runs; {header(p)}). ![2a](results/single.png)", "",
            "| model | contender | prefill tok/s | decode tok/s | TTFT s | peak RSS MiB | same text |",
            "| --- | --- | --- | --- | --- | --- | --- |"]
     for model, r in p["models"].items():
@@ -70,7 +70,7 @@ def contender_rows(p: dict, texts_equal: dict) -> list[str]:
 def batch(p: dict) -> list[str]:
     out = [f"**2b. Batch jobs** (`benchmarks/bench_batch.py`; default model, {p['requests']} chat requests, "
            f"{p['prompt_tokens']} prompt tokens, up to {p['max_tokens']} new each, greedy, OPENBLAS_NUM_THREADS=1; "
-           f"{p['runs']} runs; {header(p)}). ![2b](benchmarks/results/batch.png)", "",
+           f"{p['runs']} runs; {header(p)}). ![2b](results/batch.png)", "",
            "| contender | generated tok/s | seconds | texts equal to 1 rank |", "| --- | --- | --- | --- |"]
     return out + contender_rows(p, p["texts_equal_to_1_rank"])
 
@@ -78,7 +78,7 @@ def batch(p: dict) -> list[str]:
 def mlx_pipeline(p: dict) -> list[str]:
     out = [f"**2c. Two ranks, single stream, vs mlx-lm's pipeline mode** (`benchmarks/bench_mlx_pipeline.py`; "
            f"random Qwen2-0.5B 4-bit, prompt {p['prompt_tokens']}, {p['new_tokens']} new; {p['runs']} runs; "
-           f"{header(p)}). ![2c](benchmarks/results/mlx_pipeline.png)", "",
+           f"{header(p)}). ![2c](results/mlx_pipeline.png)", "",
            "| contender | prefill tok/s | decode tok/s | TTFT s | same text |", "| --- | --- | --- | --- | --- |"]
     for c, s in p["stats"].items():
         out.append(f"| {c} | {med(s['prefill_tps'])} | {med(s['decode_tps'])} | {med(s['ttft_s'])} | "
@@ -87,7 +87,7 @@ def mlx_pipeline(p: dict) -> list[str]:
 
 
 def batch_throughput(p: dict) -> list[str]:
-    out = [f"**Batch scaling, issue 4** (`benchmarks/batch_throughput.py --save`; default model, {p['requests']} "
+    out = [f"**Batch scaling** (`benchmarks/batch_throughput.py --save`; default model, {p['requests']} "
            f"requests of up to {p['max_tokens']} new tokens, greedy, OPENBLAS_NUM_THREADS=1, every run a fresh "
            f"`mpiexec` job; median ±half the spread of {p['runs']} interleaved rounds"
            + (f" ({p['note']})" if p.get("note") else "") + f"; {header(p)}).", "",
@@ -121,14 +121,14 @@ def mlx_pipeline_batch(p: dict) -> list[str]:
     out = [f"**2c, batch: two ranks vs mlx-lm's pipeline mode with `batch_generate`** "
            f"(`benchmarks/bench_mlx_pipeline_batch.py`; random Qwen2-0.5B 4-bit, {p['requests']} requests, "
            f"{p['prompt_tokens']} prompt tokens, up to {p['max_tokens']} new each, 1 BLAS thread per rank; "
-           f"{p['runs']} runs; {header(p)}). ![2c batch](benchmarks/results/mlx_pipeline_batch.png)", "",
+           f"{p['runs']} runs; {header(p)}). ![2c batch](results/mlx_pipeline_batch.png)", "",
            "| contender | generated tok/s | seconds | texts equal to pipeline's |", "| --- | --- | --- | --- |"]
     return out + contender_rows(p, p["same_text_as_pipeline"])
 
 
 def hop(p: dict) -> list[str]:
     out = [f"**2d. Per-hop overhead** (`benchmarks/bench_hop.py`; 2 ranks, one host; {p['iters']} round trips "
-           f"per run, {p['runs']} runs; {header(p)}). ![2d](benchmarks/results/hop.png)", "",
+           f"per run, {p['runs']} runs; {header(p)}). ![2d](results/hop.png)", "",
            "| hidden x tokens | bytes | raw mpi4py us/hop | pipeline transport us/hop | ratio |",
            "| --- | --- | --- | --- | --- |"]
     for label, r in p["micro"].items():
@@ -145,7 +145,7 @@ def hop(p: dict) -> list[str]:
 def memory(p: dict) -> list[str]:
     out = [f"**2e. Peak RSS per rank vs owned weight bytes** (`benchmarks/bench_memory.py`; {p['runs']} runs; "
            f"a process with only the runtime imported: {p['baseline_rss']['median'] / 2**20:.0f} MiB; {header(p)}). "
-           f"![2e](benchmarks/results/memory.png)", "",
+           f"![2e](results/memory.png)", "",
            "| model | ranks, weights | rank | owned MiB | peak RSS MiB | RSS / owned | (RSS - runtime) / owned |",
            "| --- | --- | --- | --- | --- | --- | --- |"]
     for model, r in p["models"].items():
@@ -161,7 +161,7 @@ def roofline(p: dict) -> list[str]:
     bw = p["bandwidth_gbps"]
     out = [f"**2f. Roofline** (`benchmarks/bench_roofline.py`; {p['runs']} runs; {header(p)}). Read bandwidth: "
            + ", ".join(f"{k} {med(v)} GB/s" for k, v in bw.items())
-           + ". ![2f](benchmarks/results/roofline.png)", "",
+           + ". ![2f](results/roofline.png)", "",
            "| model | weights | MiB read per token | decode tok/s | GB/s | of machine bandwidth | roofline tok/s |",
            "| --- | --- | --- | --- | --- | --- | --- |"]
     for model, r in p["models"].items():
@@ -172,7 +172,7 @@ def roofline(p: dict) -> list[str]:
 
 
 def goals(results: dict) -> list[str]:
-    out = ["**Goals** (issue 6):", "", "| goal | measured | met |", "| --- | --- | --- |"]
+    out = ["**Goals**:", "", "| goal | measured | met |", "| --- | --- | --- |"]
     for model, (r, source) in latest_single().items():
         if True:
             same = r["ratios"]["decode pipeline / mlx-lm+OpenBLAS"]
@@ -274,14 +274,14 @@ def main() -> None:
     if args.print:
         print(text)
         return
-    readme = common.REPO / "README.md"
+    readme = common.REPO / "benchmarks" / "README.md"
     content = readme.read_text()
     if BEGIN not in content or END not in content:
-        raise SystemExit(f"README.md has no {BEGIN} ... {END} section")
+        raise SystemExit(f"benchmarks/README.md has no {BEGIN} ... {END} section")
     before, rest = content.split(BEGIN, 1)
     _, after = rest.split(END, 1)
     readme.write_text(before + BEGIN + "\n" + text + END + after)
-    print("README.md updated")
+    print("benchmarks/README.md updated")
 
 
 if __name__ == "__main__":
