@@ -55,19 +55,19 @@ _CANDIDATES = {
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="launch/run.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hostfile", type=Path, help="hosts, one per line: 'HOST slots=N' or 'HOST:N'")
+    p.add_argument("--hostfile", type=Path, metavar="FILE", help="hosts, one per line: 'HOST slots=N' or 'HOST:N'")
     p.add_argument("-n", "--np", type=int, dest="ranks",
                    help="number of ranks (default: every slot of the hostfile)")
     p.add_argument("--mpi", choices=["auto", "openmpi", "mpich"], default="auto",
                    help="which MPI launches the job (default: detect)")
-    p.add_argument("--iface", help="network interface for MPI's TCP traffic, e.g. bridge0 (Thunderbolt bridge)")
-    p.add_argument("--mlx-hostfile", type=Path,
+    p.add_argument("--iface", metavar="IF", help="network interface for MPI's TCP traffic, e.g. bridge0 (Thunderbolt bridge)")
+    p.add_argument("--mlx-hostfile", type=Path, metavar="JSON",
                    help="the JSON hostfile `mlx.distributed_config --backend jaccl` wrote: its RDMA devices "
                         "go to every rank for --transport mlx (hosts in the same order as --hostfile)")
     p.add_argument("--env", action="append", default=[], metavar="NAME[=VALUE]",
                    help="also set/forward this variable on every rank (repeatable)")
-    p.add_argument("--python", default=sys.executable,
-                   help="Python on the hosts (default: this one, at the same path everywhere)")
+    p.add_argument("--python", metavar="PATH",
+                   help="Python on the hosts (default: the one running this launcher, at the same path everywhere)")
     p.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="the pipeline command and its options, e.g. generate --model DIR --prompt TEXT")
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    cmd = build_command(flavor, launcher, version, ranks, hosts, args.iface, env, args.python,
+    cmd = build_command(flavor, launcher, version, ranks, hosts, args.iface, env, args.python or sys.executable,
                         command, is_root=os.geteuid() == 0, cores=physical_cores())
     if args.dry_run:
         print(f"# {version}")

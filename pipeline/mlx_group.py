@@ -96,7 +96,7 @@ def _init_group(comm, backend: str, rank: int, written: dict[str, str]):
                             f"unset MLX_RANK, the MPI rank is used")
         if backend == "jaccl" and not (os.environ.get("MLX_IBV_DEVICES") or os.environ.get("JACCL_IBV_DEVICES")):
             raise UserError("--mlx-backend jaccl needs MLX_IBV_DEVICES: the device file written by "
-                            "`mlx.distributed_config --backend jaccl` (see launch/THUNDERBOLT.md)")
+                            "`mlx.distributed_config --backend jaccl` (see docs/thunderbolt.md)")
 
     mpi.checkpoint(comm, check_here)
     os.environ["MLX_RANK"] = str(rank)
