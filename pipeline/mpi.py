@@ -24,10 +24,33 @@ class AbortJob(Exception):
     that cannot connect): printed as one `error:` line, without a traceback, then MPI_Abort."""
 
 
+class Interrupted(AbortJob):
+    """SIGINT (Ctrl-C) reached a command that keeps its work: says what was kept and how to go on."""
+
+
+def route_interrupts(comm) -> None:
+    """SIGINT (Ctrl-C, or mpiexec passing it on) is rank 0's to handle: it decides, says what was
+    kept and ends the job (the other ranks end with it). Once is enough: a second SIGINT (the
+    terminal's and mpiexec's both arrive) must not cut that short."""
+    import signal
+
+    if comm.Get_rank() != 0:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        return
+
+    def interrupt_once(signum, frame):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt_once)
+
+
 def abort_on_unhandled_exception(comm) -> None:
     def hook(exc_type, exc, tb):
         if exc_type is KeyboardInterrupt:
-            print(f"pipeline: interrupted on rank {comm.Get_rank()}", file=sys.stderr)
+            print("pipeline: interrupted", file=sys.stderr)
+        elif issubclass(exc_type, Interrupted):
+            print(f"pipeline: {exc}", file=sys.stderr)  # says "interrupted: ..." itself
         elif issubclass(exc_type, AbortJob):
             print(f"error: {exc}", file=sys.stderr)
         else:

@@ -733,6 +733,6 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def _non_negative(value: float, flag: str) -> float:
-    if not value >= 0:
-        raise UserError(f"{flag} must be >= 0, got {value}")
+    if not (value >= 0 and math.isfinite(value)):
+        raise UserError(f"{flag} must be a finite number >= 0, got {value}")
     return value

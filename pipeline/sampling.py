@@ -6,11 +6,14 @@ A seed makes sampling reproducible: each step draws from its own key split off t
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import mlx.core as mx
 
 from .errors import UserError
+
+MAX_SEED = 2**64 - 1  # what mx.random.key takes
 
 
 @dataclass(frozen=True)
@@ -22,17 +25,30 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1: off
     seed: int | None = None
 
-    def validate(self) -> "SamplingParams":
+    def validate(self, flags: bool = False) -> "SamplingParams":
+        """Refuse values sampling cannot use, naming them as a request's fields (temperature,
+        top_p, ...) or, with flags=True, as the command line's (--temp, --top-p, ...)."""
+        def name(field: str, flag: str) -> str:
+            return flag if flags else field
+
+        for field, flag in (("temperature", "--temp"), ("top_p", "--top-p"), ("min_p", "--min-p"),
+                            ("repetition_penalty", "--repetition-penalty")):
+            value = getattr(self, field)
+            if not math.isfinite(value):
+                raise UserError(f"{name(field, flag)} must be a finite number, got {value}")
         if not self.temperature >= 0:
-            raise UserError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+            raise UserError(f"{name('temperature', '--temp')} must be >= 0 (0 is greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise UserError(f"top-p must be in (0, 1], got {self.top_p}")
+            raise UserError(f"{name('top_p', '--top-p')} must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
-            raise UserError(f"top-k must be >= 0 (0 turns it off), got {self.top_k}")
+            raise UserError(f"{name('top_k', '--top-k')} must be >= 0 (0 turns it off), got {self.top_k}")
         if not 0 <= self.min_p < 1:
-            raise UserError(f"min-p must be in [0, 1), got {self.min_p}")
+            raise UserError(f"{name('min_p', '--min-p')} must be in [0, 1), got {self.min_p}")
         if not self.repetition_penalty > 0:
-            raise UserError(f"repetition penalty must be > 0 (1 turns it off), got {self.repetition_penalty}")
+            raise UserError(f"{name('repetition_penalty', '--repetition-penalty')} must be > 0 (1 turns it off), "
+                            f"got {self.repetition_penalty}")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise UserError(f"{name('seed', '--seed')} must be an integer from 0 to 2**64-1, got {self.seed}")
         return self
 
 

@@ -13,8 +13,9 @@ the child dies of a signal the supervisor did not pass on, prints
     error: rank 2 (studio-3, pid 4242) was killed by signal 9 (SIGKILL): out of memory? ...
 
 and exits with 128 + the signal, which mpiexec sees as that rank failing. If the supervisor is
-killed (mpiexec cleaning up), the child dies with it: PR_SET_PDEATHSIG on Linux, a watcher
-thread elsewhere. PIPELINE_SUPERVISE=0 turns it off.
+killed (mpiexec cleaning up, or a `kill -9` of the wrong pid), the child says so, naming its rank,
+and exits at once: PR_SET_PDEATHSIG delivers SIGUSR1 on Linux, a watcher thread notices
+elsewhere (and backs the signal up on Linux). PIPELINE_SUPERVISE=0 turns it off.
 """
 
 from __future__ import annotations
@@ -86,24 +87,40 @@ def supervise() -> None:
     os._exit(128 + sig)
 
 
+_PARENT_DIED = signal.SIGUSR1  # what PR_SET_PDEATHSIG sends the child (SIGKILL would leave it no last word)
+
+
 def _die_with_parent() -> None:  # in the child, between fork and exec (Linux)
     import ctypes
 
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    ctypes.CDLL(None, use_errno=True).prctl(1, _PARENT_DIED)  # PR_SET_PDEATHSIG
 
 
 def watch_parent() -> None:
-    """In the supervised child on systems without PR_SET_PDEATHSIG: exit if the supervisor dies."""
-    if _CHILD not in os.environ or sys.platform.startswith("linux"):
+    """In the supervised child: if the supervisor dies, name this rank in one line and exit."""
+    if _CHILD not in os.environ:
         return
     import threading
     import time
 
     parent = int(os.environ[_CHILD])
 
-    def watch():
+    def orphaned() -> None:
+        sys.stderr.write(f"error: rank {launched_rank()} ({socket.gethostname()}, pid {os.getpid()}) lost its "
+                         f"supervisor process (pid {parent}): it was killed; ending the job\n")
+        sys.stderr.flush()
+        os._exit(1)
+
+    if sys.platform.startswith("linux"):
+        def on_signal(signum, frame):
+            if os.getppid() != parent:  # else a SIGUSR1 the supervisor passed on: not ours to act on
+                orphaned()
+
+        signal.signal(_PARENT_DIED, on_signal)
+
+    def watch():  # also while the main thread is busy in native code, where the handler cannot run
         while os.getppid() == parent:
             time.sleep(0.5)
-        os._exit(1)
+        orphaned()
 
     threading.Thread(target=watch, name="pipeline-supervisor-watch", daemon=True).start()

@@ -205,6 +205,7 @@ class Tokenizer:
         return self._chat_template is not None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        _check_unicode(text)
         ids = self._backend.encode(text, add_special_tokens)
         # tokenizer.json's post-processor decides which special tokens to add (transformers 5 does the same).
         # But when the config explicitly asks for a BOS and the post-processor did not add one, add it: a
@@ -463,6 +464,20 @@ def _int_list(value, path: Path) -> list[int]:
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
         raise UserError(f"{path}: eos_token_id should be an integer or a list of integers, got {value!r}")
     return list(values)
+
+
+def _check_unicode(text: str) -> None:
+    """Text must be valid Unicode to be tokenized: a lone surrogate (JSON's "\\ud800", or a command-line
+    argument that was not UTF-8, which Python keeps as surrogates) cannot be encoded as UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = ord(text[e.start])
+        if 0xDC80 <= bad <= 0xDCFF:  # Python's stand-in for a byte that did not decode
+            raise UserError(f"the prompt is not UTF-8: byte 0x{bad - 0xDC00:02x} at character {e.start}; "
+                            f"convert it to UTF-8 (e.g. with iconv -t UTF-8)") from None
+        raise UserError(f"the prompt is not valid text: a lone surrogate \\u{bad:04x} at character {e.start} "
+                        f"(a surrogate pair needs both halves)") from None
 
 
 def _one_line(e: Exception) -> str:

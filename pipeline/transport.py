@@ -24,6 +24,7 @@ class Kind(IntEnum):
     FORWARD = 1  # sequence layout + hidden states to run through the next stage's layers
     RELEASE = 2  # sequence ids whose caches can be freed
     STOP = 3  # the job is over: pass it on and exit
+    HEARTBEAT = 4  # rank 0 is alive but idle (a server waiting for requests): pass it on, nothing to do
 
 
 class Message(NamedTuple):
@@ -102,13 +103,18 @@ class Transport(ABC):
         self.send(buf, dest)
         return _SENT
 
+    def wait_for(self, request, peer: int, sending: bool) -> None:
+        """Block until `request` (an isend to, or a receive from, `peer`) is complete."""
+        while not request.Test():
+            time.sleep(0.0005)
+
     def isend_message(self, dest: int, kind: Kind, seq_ids: list[int] = (), lengths: list[int] = (),
                       hidden: mx.array | None = None, head_share: int = 0, idle_us: int = 0) -> "PendingSend":
         """`send_message` without waiting for the receiver, so a rank with several messages in
         flight (the batch schedule) never blocks in a send while its peer blocks sending to it.
         Same framing: each buffer `send_message` would `send` is `isend` instead (a payload a
         transport carries on another channel, as MlxTransport does, still goes blocking)."""
-        pending = PendingSend()
+        pending = PendingSend(self, dest)
         self.send = lambda buf, to: pending.add(self.isend(buf, to), buf)  # shadows the method
         try:
             self.send_message(dest, kind, seq_ids, lengths, hidden, head_share, idle_us)
@@ -171,7 +177,8 @@ class PendingSend:
     """The requests of one message sent with `isend_message`, and the buffers they read from,
     which stay alive until every request is complete."""
 
-    def __init__(self):
+    def __init__(self, transport: "Transport", dest: int):
+        self._transport, self._dest = transport, dest
         self._parts: list[tuple[object, np.ndarray]] = []
 
     def add(self, request, buf: np.ndarray) -> None:
@@ -183,12 +190,10 @@ class PendingSend:
         return not self._parts
 
     def wait(self) -> None:
-        """Block until sent, sleeping between polls as receives do (no core spinning)."""
-        sleep = 0.0
-        while not self.done():
-            if sleep:
-                time.sleep(sleep)
-            sleep = min(MpiTransport.max_sleep_s, sleep * 2 or 0.00002)
+        """Block until sent, as receives wait (polling, then sleeping; under the watchdog)."""
+        for request, _ in self._parts:
+            self._transport.wait_for(request, self._dest, sending=True)
+        self._parts = []
 
 
 class PeerSilent(AbortJob):
@@ -221,13 +226,16 @@ class MpiTransport(Transport):
         self.spin_s = self.OWN_CORE_SPIN_S if own_core else self.SHARED_CORE_SPIN_S
 
     def send(self, buf: np.ndarray, dest: int) -> None:
-        self.comm.Send(buf, dest=dest)
+        # Not a blocking Send: a large message waits for the receiver, and a hung one must trip the watchdog.
+        self.wait_for(self.comm.Isend(buf, dest=dest), dest, sending=True)
 
     def isend(self, buf: np.ndarray, dest: int):
         return self.comm.Isend(buf, dest=dest)
 
     def recv(self, buf: np.ndarray, source: int) -> None:
-        request = self.comm.Irecv(buf, source=source)
+        self.wait_for(self.comm.Irecv(buf, source=source), source, sending=False)
+
+    def wait_for(self, request, peer: int, sending: bool) -> None:
         sleep = 0.0
         start = last = time.monotonic()
         spin_until = time.perf_counter() + self.spin_s
@@ -244,15 +252,15 @@ class MpiTransport(Transport):
                     start += now - last
                 last = now
                 if now - start > self.watchdog_s:
-                    raise PeerSilent(self.silence(source))
+                    raise PeerSilent(self.silence(peer, sending))
 
-    def silence(self, source: int) -> str:
+    def silence(self, peer: int, sending: bool = False) -> str:
         def who(rank: int) -> str:
             return f"rank {rank}" + (f" ({self.hosts[rank]})" if self.hosts else "")
 
-        return (f"{who(self.rank)} got nothing from {who(source)} for {self.watchdog_s:g} s "
-                f"(--watchdog {self.watchdog_s:g}): rank {source} is hung or its link is down; "
-                f"aborting the job")
+        what = f"could not send to {who(peer)}" if sending else f"got nothing from {who(peer)}"
+        return (f"{who(self.rank)} {what} for {self.watchdog_s:g} s (--watchdog {self.watchdog_s:g}): "
+                f"rank {peer} is hung or its link is down; aborting the job")
 
 
 class MlxTransport(MpiTransport):
@@ -274,7 +282,11 @@ class MlxTransport(MpiTransport):
         self._guard = _Deadline(self) if watchdog_s else None
 
     def send_hidden(self, hidden: mx.array, dest: int) -> None:
+        if self._guard:
+            self._guard.arm(dest, sending=True)
         mx.eval(mx.distributed.send(hidden, dest, group=self.group, stream=mx.cpu))
+        if self._guard:
+            self._guard.disarm()
 
     def recv_hidden(self, shape: tuple[int, ...], dtype: mx.Dtype, source: int) -> mx.array:
         if self._guard:
@@ -294,13 +306,15 @@ class _Deadline:
 
         self.transport = transport
         self.source: int | None = None
+        self.sending = False
         self.deadline = 0.0
         self.cond = threading.Condition()
         threading.Thread(target=self._run, name="pipeline-watchdog", daemon=True).start()
 
-    def arm(self, source: int) -> None:
+    def arm(self, peer: int, sending: bool = False) -> None:
         with self.cond:
-            self.source, self.deadline = source, time.monotonic() + self.transport.watchdog_s
+            self.source, self.sending = peer, sending
+            self.deadline = time.monotonic() + self.transport.watchdog_s
             self.cond.notify()
 
     def disarm(self) -> None:
@@ -319,5 +333,5 @@ class _Deadline:
                 if left > 0:
                     self.cond.wait(left)
                     continue
-                print(f"error: {self.transport.silence(self.source)}", file=sys.stderr, flush=True)
+                print(f"error: {self.transport.silence(self.source, self.sending)}", file=sys.stderr, flush=True)
                 self.transport.comm.Abort(1)

@@ -216,8 +216,8 @@ def load_slice(model: nn.Module, checkpoint: Checkpoint, dtype: mx.Dtype,
     bar.close()
     if model.head_rows:
         _keep_head_rows(weights, model.head_rows, _head_prefix(model.config).removeprefix("model."))
-    _quantize_like(model, weights)
     try:
+        _quantize_like(model, weights)
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
         raise UserError(f"weights in {checkpoint.folder} do not match config.json: {e}") from None
@@ -244,7 +244,13 @@ def _quantize_like(model: nn.Module, weights: dict[str, mx.array]) -> None:
             continue
         in_features = module.weight.shape[-1]
         packed = weights[path + ".weight"].shape[-1]
-        settings[path] = {"group_size": in_features // scales.shape[-1], "bits": packed * 32 // in_features}
+        group_size, bits = in_features // scales.shape[-1], packed * 32 // in_features
+        if (group_size * scales.shape[-1] != in_features or bits * in_features != packed * 32
+                or group_size not in _QUANT_GROUPS or bits not in _QUANT_BITS):
+            # The module's input width comes from config.json; the packed shapes fit no MLX layout of it.
+            raise ValueError(f"{path}.weight is packed as {packed} uint32 with {scales.shape[-1]} scales per row, "
+                             f"which no MLX quantization of {in_features} inputs (from config.json) gives")
+        settings[path] = {"group_size": group_size, "bits": bits}
     if settings:
         nn.quantize(model, class_predicate=lambda path, _: settings.get(path, False))
 

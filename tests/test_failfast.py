@@ -99,3 +99,48 @@ def test_a_rank_waiting_for_activations_does_not_spin(transport):
     assert waited > 2.5
     assert cpu < 0.25 * waited, result.stdout
     print(f"{transport}: rank 1 waited {waited:.2f} s using {cpu:.2f} s of CPU ({100 * cpu / waited:.1f}%)")
+
+
+@pytest.mark.parametrize("send", ["t.isend_message(1, Kind.FORWARD, [0], [4096], hidden).wait()",  # batch
+                                  "t.send_message(1, Kind.FORWARD, [0], [4096], hidden)"])  # generate
+def test_watchdog_guards_a_send_the_peer_never_takes(send):
+    """Rank 1 hangs without receiving; rank 0's 16 MB message (past MPI's eager limit, so the send
+    waits for the receiver) must end the job under the watchdog, naming rank 1."""
+    script = (
+        "import time\n"
+        "from mpi4py import MPI\n"
+        "import mlx.core as mx\n"
+        "from pipeline import mpi\n"
+        "from pipeline.transport import Kind, MpiTransport\n"
+        "comm = MPI.COMM_WORLD\n"
+        "mpi.abort_on_unhandled_exception(comm)\n"
+        "t = MpiTransport(comm, watchdog_s=2.0)\n"
+        "if comm.rank == 1:\n"
+        "    time.sleep(60)\n"
+        "hidden = mx.zeros((1, 4096, 1024))\n"
+        f"{send}\n"
+        "print('sent', flush=True)\n"
+    )
+    start = time.monotonic()
+    result = subprocess.run(["mpiexec", "-n", "2", sys.executable, "-c", script], capture_output=True,
+                            text=True, timeout=60, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    elapsed = time.monotonic() - start
+    assert result.returncode != 0
+    assert "sent" not in result.stdout
+    assert elapsed < 20, f"took {elapsed:.1f} s"
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert errors and "rank 0 could not send to rank 1 for 2 s" in errors[0], result.stderr
+
+
+def test_a_killed_supervisor_is_named():
+    """SIGKILL of the light parent process a rank runs under (supervise.py): the rank says so."""
+    proc, pids = start_ping("mpich", 3)
+    with open(f"/proc/{pids[1]}/stat") as stat:
+        supervisor = int(stat.read().rsplit(")", 1)[1].split()[1])
+    start = time.monotonic()
+    os.kill(supervisor, signal.SIGKILL)
+    elapsed, err = finish(proc, start)
+    assert proc.returncode != 0
+    assert elapsed < 10, f"took {elapsed:.1f} s"
+    named = [line for line in err.splitlines() if line.startswith("error: rank 1 ")]
+    assert named and f"pid {pids[1]}" in named[0] and f"supervisor process (pid {supervisor})" in named[0], err
