@@ -30,7 +30,7 @@ BASELINE = ("import resource, json, pipeline, mlx.core as mx, mlx.nn, mpi4py.MPI
 def owned_bytes(folder: Path, ranks: int, mode: str) -> list[int]:
     """Bytes of weights each rank holds, split exactly as `plan_job` splits them."""
     sys.path.insert(0, str(common.REPO))
-    from pipeline.commands import plan_weights_in_memory
+    from pipeline.job import plan_weights_in_memory
     from pipeline.config import ModelConfig
     from pipeline.partition import balanced_counts
     from pipeline.weights import Checkpoint, layer_nbytes, layer_nbytes_in_memory

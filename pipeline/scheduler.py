@@ -1,11 +1,16 @@
-"""The batch schedule: continuous batching on rank 0, micro-batches flowing round the ring.
+"""The engine under batch and serve: continuous batching on rank 0, micro-batches round the ring.
+
+Front-ends hand the scheduler `Request`s (token ids, sampling, limits, and a callback) through a
+source (`ListSource` for a batch file, `QueueSource` for a server's requests arriving from another
+thread) and get back events: `Tokens` as each token is sampled, then `Finished` or, for a request
+that failed on its own, `Failed`. The scheduler knows nothing of files, HTTP or argparse.
 
 Rank 0 holds up to `max_batch` sequences in progress and keeps up to `microbatches` micro-batches
 in flight: it embeds one micro-batch's next tokens and runs its own layers, hands the hidden
 states to rank 1 and, without waiting, starts the next, so while rank 1 runs micro-batch A rank 0
 runs B (GPipe for decoding). When a micro-batch comes back from the last rank (each sequence's
 last hidden state only), rank 0 applies the final norm and head, samples each sequence's next
-token, writes the records of those that finished, and the micro-batch goes round again with their
+token, reports those that finished, and the micro-batch goes round again with their
 places given to waiting requests, whose prompts (in chunks, as `generate` takes them) ride along
 with the others' decoding. The last rank computes a share of the head for greedy micro-batches,
 sized as the ring runs so that neither end waits for the other (head_share.py).
@@ -19,6 +24,10 @@ groups of up to that many rows; a prompt chunk longer than that runs alone, in t
 `generate`'s for that request alone. `--packed-matmuls` puts all rows of a micro-batch in one product
 whatever the BLAS (e.g. on a GPU): results then within float rounding of that.
 
+Faults: an exception in one request's own code path (its sampler, its detokenizer, the
+front-end's callback) ends that request with `Failed`, and the others go on; only a fault of the
+ring itself (a rank, the transport, a shared product) ends the job.
+
 No deadlock: rank 0 never blocks in a send (`isend_message`), and only ever waits for the oldest
 micro-batch in flight, which every other rank forwards in order; followers send without waiting
 too, keeping a bounded number of sends pending.
@@ -27,21 +36,21 @@ too, keeping a bounded number of sends pending.
 from __future__ import annotations
 
 import math
+import queue
 import sys
 import time
+import traceback
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable, Iterable
 
 import mlx.core as mx
 
 from . import blas
-from .batch import Request, error_record, result_record
 from .engine import PREFILL_CHUNK
-from .errors import UserError
 from .head_share import HeadSplit, combined_argmax, returned_rows, split_returned
 from .models.base import segments
-from .sampling import Sampler
+from .sampling import Sampler, SamplingParams
 from .stage import Stage
 from .tokenizer import StreamingDetokenizer, Tokenizer
 from .trace import COMPUTE, RECV, SEND, Timeline
@@ -92,11 +101,122 @@ def forward_stage(stage: Stage, hidden: mx.array, seq_ids: list[int], lengths: l
     return out
 
 
+# -- what front-ends hand in and get back ---------------------------------------------------------------------
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float  # of the model's distribution at this position (raw logits, before any sampling setting)
+    top: list[tuple[int, float]]  # the most likely tokens and their logprobs, most likely first
+
+
+@dataclass
+class Tokens:
+    """One sampled token."""
+    token_id: int
+    text: str  # the text that became printable with it (may be "": a partial character or stop string is held)
+    logprob: TokenLogprob | None = None  # when the request asked for logprobs
+
+
+@dataclass
+class Finished:
+    """The last event of a request that ran."""
+    reason: str  # "stop" (EOS or a stop string), "length", or "cancelled"
+    text: str  # the whole completion
+    tail: str  # its end not yet passed on in a Tokens event (text held back until the finish)
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens whose caches were reused (prefix cache)
+    queued_s: float  # from submission (or the scheduler's start) to admission
+    ttft_s: float  # from admission to the first token
+    total_s: float  # from admission to the end
+
+
+@dataclass
+class Failed:
+    """The last event of a request that failed on its own; the job goes on."""
+    message: str
+
+
+Event = Tokens | Finished | Failed
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request. prompt_ids: tokenized by the front-end (chat template applied),
+    non-empty and shorter than the context. on_event runs on the scheduler's thread, in order,
+    and must not block."""
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    max_tokens: int
+    on_event: Callable[[Event], None]
+    stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None  # None: off; k: each token's logprob and its k most likely alternatives
+    tag: Any = None  # the front-end's own
+    submitted_at: float | None = None  # time.perf_counter() at submission (None: the scheduler's start)
+    cancelled: bool = False
+
+    def cancel(self) -> None:
+        """From any thread: the scheduler drops the request at its next step (Finished, "cancelled")."""
+        self.cancelled = True
+
+
+class ListSource:
+    """Requests known up front (a batch file), taken in order; taking them lazily lets the front-end
+    prepare each (tokenize it) only when there is room for it."""
+
+    def __init__(self, requests: Iterable[Request]):
+        self._requests = iter(requests)
+        self.closed = False
+
+    def get(self, timeout: float | None = 0) -> Request | None:
+        if self.closed:
+            return None
+        request = next(self._requests, None)
+        if request is None:
+            self.closed = True
+        return request
+
+
+class QueueSource:
+    """Requests arriving from other threads (a server): `put` from anywhere, `close` to end the
+    run once what is in flight is done."""
+
+    _CLOSE = object()
+
+    def __init__(self):
+        self._queue: queue.Queue = queue.Queue()
+        self.closed = False
+
+    def put(self, request: Request) -> None:
+        self._queue.put(request)
+
+    def close(self) -> None:
+        self._queue.put(self._CLOSE)
+
+    def __len__(self) -> int:
+        return self._queue.qsize()
+
+    def get(self, timeout: float | None = 0) -> Request | None:
+        """The next request, waiting up to `timeout` seconds for one (None: forever)."""
+        if self.closed:
+            return None
+        try:
+            item = self._queue.get(block=timeout != 0, timeout=timeout or None)
+        except queue.Empty:
+            return None
+        if item is self._CLOSE:
+            self.closed = True
+            return None
+        return item
+
+
+# -- the schedule ---------------------------------------------------------------------------------------------
+
 @dataclass
 class Sequence:
     seq_id: int
     request: Request
-    prompt_ids: list[int]
     max_tokens: int
     sampler: Sampler
     detokenizer: StreamingDetokenizer
@@ -105,10 +225,21 @@ class Sequence:
     next_input: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     first_token_at: float | None = None
+    sent_chars: int = 0  # text passed on in Tokens events
+    queued_s: float = 0.0
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.request.prompt_ids
 
     @property
     def history(self) -> list[int]:
         return self.prompt_ids + self.tokens
+
+    @property
+    def full_logits(self) -> bool:
+        """Its next token needs every logit (sampling or logprobs), not just the argmax."""
+        return not self.sampler.greedy or self.request.logprobs is not None
 
     def take_input(self) -> list[int]:
         """The tokens of this sequence's next forward pass: a prompt chunk, or its last token."""
@@ -134,8 +265,8 @@ class Microbatch:
 
 @dataclass
 class BatchStats:
-    done: int = 0
-    errors: int = 0
+    done: int = 0  # requests that finished (cancelled ones included)
+    errors: int = 0  # requests that failed on their own
     prompt_tokens: int = 0
     generated_tokens: int = 0
     wall_s: float = 0.0
@@ -147,20 +278,20 @@ class BatchStats:
 
 
 class Scheduler:
-    def __init__(self, stage: Stage, transport: Transport, tokenizer: Tokenizer, requests: list[Request],
-                 write: Callable[[dict], None], *, max_batch: int, microbatches: int, group_rows: int,
-                 use_chat_template: bool, timeline: Timeline, progress=None, prefill_budget: int = PREFILL_BUDGET,
-                 head_split: HeadSplit | None = None):
+    def __init__(self, stage: Stage, transport: Transport, tokenizer: Tokenizer, source, *, max_batch: int,
+                 microbatches: int, group_rows: int, timeline: Timeline, prefill_budget: int = PREFILL_BUDGET,
+                 head_split: HeadSplit | None = None, heartbeat_s: float | None = None):
+        """source: ListSource, QueueSource, or anything with their `get(timeout)` and `closed`.
+        heartbeat_s: while idle (nothing in flight, the source open), send a HEARTBEAT round the
+        ring this often, so that the other ranks' watchdogs see a live rank 0."""
         self.stage, self.transport, self.tokenizer = stage, transport, tokenizer
         self.model = stage.model
-        self.waiting = deque(requests)
-        self.write = write
+        self.source = source
         self.max_batch, self.microbatches, self.group_rows = max_batch, microbatches, group_rows
-        self.use_chat_template = use_chat_template
         self.prefill_budget = prefill_budget
         self.timeline = timeline
-        self.progress = progress
         self.head_split = head_split
+        self.heartbeat_s = heartbeat_s
         self.context = self.model.config.max_position_embeddings
         self.ready: deque[Sequence] = deque()  # in progress, not in flight
         self.in_flight: deque[Microbatch] = deque()
@@ -179,9 +310,14 @@ class Scheduler:
             with self.timeline.span(COMPUTE, "admit"):
                 self._admit()
             while len(self.in_flight) < self.microbatches and self.ready:
-                self.in_flight.append(self._launch(self._take()))
+                seqs = self._take()
+                if seqs:
+                    self.in_flight.append(self._launch(seqs))
             if not self.in_flight:
-                break
+                if self.source.closed:
+                    break
+                self._idle()
+                continue
             microbatch = self.in_flight.popleft()
             if microbatch.hidden is None:
                 self._receive(microbatch)
@@ -194,43 +330,58 @@ class Scheduler:
             self.stats.head_share = self.head_split.mean_columns() / self.model.config.vocab_size
         return self.stats
 
-    def _admit(self) -> None:
-        """Start waiting requests while there is room; a request that cannot run gets its record."""
-        while self.active < self.max_batch and self.waiting:
-            request = self.waiting.popleft()
-            try:
-                ids = self._prompt_ids(request)
-            except UserError as e:
-                self._record(error_record(request.id, request.line, str(e)), error=True)
-                continue
-            seq = Sequence(self.next_seq_id, request, ids, min(request.max_tokens, self.context - len(ids)),
-                           Sampler(request.sampling), StreamingDetokenizer(self.tokenizer, request.stop),
-                           admitted_at=time.perf_counter())
-            self.next_seq_id += 1
-            self.active += 1
-            self.stats.prompt_tokens += len(ids)
-            self.ready.append(seq)
+    def _idle(self) -> None:
+        """Nothing in progress: wait for the next request, keeping the ring's watchdogs fed."""
+        request = self.source.get(timeout=self.heartbeat_s)
+        if request is not None:
+            self._start(request)
+        elif not self.source.closed and self.transport.size > 1:
+            self.sends.append(self.transport.isend_message(1, Kind.HEARTBEAT))
+            self._reap()
 
-    def _prompt_ids(self, request: Request) -> list[int]:
-        if request.messages is not None:
-            ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(request.messages), add_special_tokens=False)
-        else:
-            ids = self.tokenizer.prompt_ids(request.prompt, system=request.system,
-                                            use_chat_template=self.use_chat_template)
-        if not ids:
-            raise UserError("the prompt is empty")
-        if len(ids) >= self.context:
-            raise UserError(f"the prompt has {len(ids)} tokens but the model's context is {self.context}: shorten it")
-        return ids
+    def _admit(self) -> None:
+        """Start requests while there is room."""
+        while self.active < self.max_batch:
+            request = self.source.get(timeout=0)
+            if request is None:
+                return
+            self._start(request)
+
+    def _start(self, request: Request) -> None:
+        now = time.perf_counter()
+        queued_s = now - (request.submitted_at or self.start)
+        if request.cancelled:
+            self.stats.done += 1
+            self._emit(request, Finished("cancelled", "", "", len(request.prompt_ids), 0, 0, queued_s, 0.0, 0.0))
+            return
+        if not 0 < len(request.prompt_ids) < self.context:  # the front-end checks; never run past the context
+            self._fail(request, f"the prompt has {len(request.prompt_ids)} tokens; it must have 1 to "
+                                f"{self.context - 1} (the model's context is {self.context})")
+            return
+        try:
+            seq = Sequence(self.next_seq_id, request, min(request.max_tokens, self.context - len(request.prompt_ids)),
+                           Sampler(request.sampling), StreamingDetokenizer(self.tokenizer, request.stop),
+                           admitted_at=now, queued_s=queued_s)
+        except Exception as e:  # noqa: BLE001 -- this request's own set-up: its failure is its alone
+            self._fail(request, _describe(e))
+            return
+        self.next_seq_id += 1
+        self.active += 1
+        self.stats.prompt_tokens += len(request.prompt_ids)
+        self.ready.append(seq)
 
     def _take(self) -> list[Sequence]:
         """The next micro-batch from the sequences ready to run, oldest first: an even share of
         the sequences in progress (so `microbatches` of them fill the ring), with prompt chunks up
         to `prefill_budget` tokens in all (at least one), so new prompts do not stall the ring."""
         share = math.ceil(self.active / self.microbatches)
-        taken, skipped, prompt_tokens = [], deque(), 0
+        taken, skipped, prompt_tokens, cancelled = [], deque(), 0, []
         while self.ready and len(taken) < share:
             seq = self.ready.popleft()
+            if seq.request.cancelled:
+                self._finish(seq, "cancelled")
+                cancelled.append(seq.seq_id)
+                continue
             if seq.prefilling:
                 chunk = min(PREFILL_CHUNK, len(seq.prompt_ids) - seq.fed)
                 if prompt_tokens and prompt_tokens + chunk > self.prefill_budget:
@@ -239,6 +390,7 @@ class Scheduler:
                 prompt_tokens += chunk
             taken.append(seq)
         self.ready.extendleft(reversed(skipped))
+        self._release(cancelled)
         return taken
 
     def _launch(self, seqs: list[Sequence]) -> Microbatch:
@@ -254,8 +406,8 @@ class Scheduler:
         if self.transport.size == 1:
             microbatch.hidden = hidden  # each sequence's last position (rank 0 holds the final layer)
         else:
-            # Sampling rows need every logit: only all-greedy micro-batches share the head.
-            if self.head_split is not None and all(seq.sampler.greedy for seq in seqs):
+            # Rows that sample or report logprobs need every logit: only argmax micro-batches share the head.
+            if self.head_split is not None and not any(seq.full_logits for seq in seqs):
                 microbatch.head_columns = self.head_split.columns
             with self.timeline.span(SEND, f"mb {number}"):
                 self.sends.append(self.transport.isend_message(1, Kind.FORWARD, seq_ids, lengths, hidden,
@@ -280,84 +432,133 @@ class Scheduler:
         self.sends = [pending for pending in self.sends if not pending.done()]
 
     def _step(self, microbatch: Microbatch) -> None:
-        """Head and sampling for each sequence whose prompt is all in; records for the finished."""
+        """Head and sampling for each sequence whose prompt is all in; events for each."""
+        finished = []
         with self.timeline.span(COMPUTE, f"mb {microbatch.number}: head + sample"):
-            index = [i for i, seq in enumerate(microbatch.seqs) if not seq.prefilling]
-            sampling = [microbatch.seqs[i] for i in index]
             for seq in microbatch.seqs:
-                if seq.prefilling:  # more prompt chunks to go: no token yet
-                    self.ready.append(seq)
-            if not sampling:
-                return
-            rows, share = split_returned(microbatch.hidden, self.model.config.hidden_size)
-            if len(index) < rows.shape[0]:  # some sequences are still reading their prompt
-                rows, share = rows[mx.array(index)], None if share is None else share[mx.array(index)]
-            own = self.model.config.vocab_size - microbatch.head_columns  # the entries rank 0 computes
-            started = time.perf_counter()
-            logits = [self.model.logits(rows[b:e], vocab_end=own if share is not None else None)
-                      for b, e in row_groups([1] * len(index), self.group_rows)]
-            logits = logits[0] if len(logits) == 1 else mx.concatenate(logits, axis=0)  # [rows, own]
-            # Every row's argmax in one op, read back at once: what greedy requests take (the same
-            # index a row's own argmax gives); a sync per row cost rank 0 ~1 ms a micro-batch.
-            if share is None:
-                greedy = mx.argmax(logits, axis=-1)
-            else:
-                greedy = combined_argmax(logits, share, own)
-                self.head_split.note_shared(microbatch.head_columns)
-            mx.eval(logits, greedy)
-            if self.head_split is not None:
-                self.head_split.observe_cost(time.perf_counter() - started, len(index), own)
-            greedy = greedy.tolist()
-            finished = []
-            now = time.perf_counter()
-            for i, seq in enumerate(sampling):
-                token = greedy[i] if seq.sampler.greedy else seq.sampler(logits[i], seq.history)
-                if seq.first_token_at is None:
-                    seq.first_token_at = now
-                reason = None
-                if token in self.tokenizer.eos_token_ids:
-                    reason = "stop"
-                else:
-                    seq.tokens.append(token)
-                    seq.detokenizer.add(token)
-                    self.stats.generated_tokens += 1
-                    if seq.detokenizer.stopped:
-                        reason = "stop"
-                    elif len(seq.tokens) >= seq.max_tokens:
-                        reason = "length"
-                if reason is None:
-                    seq.next_input = [token]
-                    self.ready.append(seq)
-                else:
-                    self._finish(seq, reason)
+                if seq.request.cancelled:
+                    self._finish(seq, "cancelled")
                     finished.append(seq.seq_id)
-        if finished:
-            self.stage.release(finished)
-            if self.transport.size > 1:
-                with self.timeline.span(SEND, "release"):
-                    self.sends.append(self.transport.isend_message(1, Kind.RELEASE, finished))
+                elif seq.prefilling:  # more prompt chunks to go: no token yet
+                    self.ready.append(seq)
+            index = [i for i, seq in enumerate(microbatch.seqs) if not seq.prefilling and not seq.request.cancelled]
+            if index:
+                finished += self._sample(microbatch, index)
+        self._release(finished)
+
+    def _release(self, seq_ids: list[int]) -> None:
+        """Free the caches of ended sequences on every rank."""
+        if not seq_ids:
+            return
+        self.stage.release(seq_ids)
+        if self.transport.size > 1:
+            with self.timeline.span(SEND, "release"):
+                self.sends.append(self.transport.isend_message(1, Kind.RELEASE, seq_ids))
+
+    def _sample(self, microbatch: Microbatch, index: list[int]) -> list[int]:
+        """The next token of the micro-batch's sequences at `index`; returns the ids of those that ended."""
+        sampling = [microbatch.seqs[i] for i in index]
+        rows, share = split_returned(microbatch.hidden, self.model.config.hidden_size)
+        if len(index) < rows.shape[0]:  # some sequences are still reading their prompt (or were cancelled)
+            rows, share = rows[mx.array(index)], None if share is None else share[mx.array(index)]
+        own = self.model.config.vocab_size - microbatch.head_columns  # the entries rank 0 computes
+        started = time.perf_counter()
+        logits = [self.model.logits(rows[b:e], vocab_end=own if share is not None else None)
+                  for b, e in row_groups([1] * len(index), self.group_rows)]
+        logits = logits[0] if len(logits) == 1 else mx.concatenate(logits, axis=0)  # [rows, own]
+        # Every row's argmax in one op, read back at once: what greedy requests take (the same
+        # index a row's own argmax gives); a sync per row cost rank 0 ~1 ms a micro-batch.
+        if share is None:
+            greedy = mx.argmax(logits, axis=-1)
+        else:
+            greedy = combined_argmax(logits, share, own)
+            self.head_split.note_shared(microbatch.head_columns)
+        mx.eval(logits, greedy)
+        if self.head_split is not None:
+            self.head_split.observe_cost(time.perf_counter() - started, len(index), own)
+        greedy = greedy.tolist()
+        ended = []
+        now = time.perf_counter()
+        for i, seq in enumerate(sampling):
+            try:
+                reason = self._advance(seq, greedy[i], logits[i], now)
+            except Exception as e:  # noqa: BLE001 -- this request's own code path: it fails alone
+                self._drop(seq)
+                self._fail(seq.request, _describe(e))
+                ended.append(seq.seq_id)
+                continue
+            if reason is None:
+                self.ready.append(seq)
+            else:
+                self._finish(seq, reason)
+                ended.append(seq.seq_id)
+        return ended
+
+    def _advance(self, seq: Sequence, argmax: int, logits: mx.array, now: float) -> str | None:
+        """Take one sampled token into `seq` and pass it on; the finish reason if it ends here."""
+        token = argmax if seq.sampler.greedy else seq.sampler(logits, seq.history)
+        if seq.first_token_at is None:
+            seq.first_token_at = now
+        if token in self.tokenizer.eos_token_ids:
+            return "stop"
+        logprob = None if seq.request.logprobs is None else token_logprob(logits, token, seq.request.logprobs)
+        seq.tokens.append(token)
+        text = seq.detokenizer.add(token)
+        seq.sent_chars += len(text)
+        self.stats.generated_tokens += 1
+        seq.request.on_event(Tokens(token, text, logprob))  # a failure here fails this request (see _sample)
+        if seq.detokenizer.stopped:
+            return "stop"
+        if len(seq.tokens) >= seq.max_tokens:
+            return "length"
+        seq.next_input = [token]
+        return None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
-        if not seq.detokenizer.stopped:
-            seq.detokenizer.finish()
+        self._drop(seq)
+        try:
+            if not seq.detokenizer.stopped:
+                seq.detokenizer.finish()
+            text = seq.detokenizer.text
+        except Exception as e:  # noqa: BLE001
+            self._fail(seq.request, _describe(e))
+            return
         now = time.perf_counter()
-        self.active -= 1
-        self._record(result_record(seq.request, seq.detokenizer.text, reason, len(seq.prompt_ids), len(seq.tokens),
-                                   queued_s=seq.admitted_at - self.start,
-                                   ttft_s=(seq.first_token_at or now) - seq.admitted_at,
-                                   total_s=now - seq.admitted_at))
+        self.stats.done += 1
+        self._emit(seq.request, Finished(
+            reason, text, text[seq.sent_chars:], len(seq.prompt_ids), len(seq.tokens), 0, seq.queued_s,
+            ttft_s=(seq.first_token_at or now) - seq.admitted_at, total_s=now - seq.admitted_at))
 
-    def _record(self, record: dict, error: bool = False) -> None:
-        self.write(record)
-        if error:
-            self.stats.errors += 1
-        else:
-            self.stats.done += 1
-        if self.progress is not None:
-            elapsed = time.perf_counter() - self.start
-            self.progress.set_postfix_str(f"{self.stats.generated_tokens / elapsed if elapsed else 0:.1f} tok/s",
-                                          refresh=False)
-            self.progress.update(1)
+    def _drop(self, seq: Sequence) -> None:
+        self.active -= 1
+
+    def _fail(self, request: Request, message: str) -> None:
+        self.stats.errors += 1
+        self._emit(request, Failed(message))
+
+    def _emit(self, request: Request, event: Finished | Failed) -> None:
+        """A request's last event. If the front-end's handler fails on it, there is no one left to
+        tell but stderr."""
+        try:
+            request.on_event(event)
+        except Exception as e:  # noqa: BLE001
+            print(f"[pipeline] a request's event handler failed: {_describe(e)}", file=sys.stderr, flush=True)
+
+
+def token_logprob(logits: mx.array, token: int, top: int) -> TokenLogprob:
+    """The chosen token's log-probability under the raw logits, and the `top` most likely tokens'."""
+    logprobs = logits.astype(mx.float32) - mx.logsumexp(logits.astype(mx.float32))
+    alternatives: list[tuple[int, float]] = []
+    if top:
+        best = mx.argsort(-logprobs)[:top]
+        alternatives = list(zip(best.tolist(), logprobs[best].tolist()))
+    return TokenLogprob(token, logprobs[token].item(), alternatives)
+
+
+def _describe(e: BaseException) -> str:
+    """One line for a request-level failure; the traceback goes to stderr for the bug report."""
+    traceback.print_exception(e, file=sys.stderr)
+    return f"internal error while generating: {type(e).__name__}: {e}"
 
 
 def stop_followers(transport: Transport, timeline: Timeline) -> None:
@@ -400,7 +601,7 @@ def follow(stage: Stage, transport: Transport, timeline: Timeline, group_rows: i
             continue
         if message.kind == Kind.RELEASE:
             stage.release(message.seq_ids)
-        if nxt != 0:  # RELEASE and STOP go round the ring once
+        if nxt != 0:  # RELEASE, HEARTBEAT and STOP go round the ring once
             send(message.kind, message.seq_ids)
         if message.kind == Kind.STOP:
             with timeline.span(SEND, "drain"):

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, make_tiny_model, mpiexec
-from pipeline.batch import ResultsFile, read_requests
+from pipeline.commands.batch_io import ResultsFile, read_requests
 from pipeline.errors import UserError
 from pipeline.sampling import SamplingParams
 from pipeline.trace import chrome_trace, split_hint, summary_lines
@@ -170,7 +170,7 @@ def test_bad_lines_become_error_records_and_the_job_goes_on(llama, tmp_path):
     assert "max_tokens must be an integer" in errors["typed", 4]
     assert "unknown field 'max_token'" in errors["unknown", 5]
     assert "line 6:" in errors["toolong", 6] and "context is 1024" in errors["toolong", 6]
-    assert "top-p" in errors["badtop", 7]
+    assert "top_p" in errors["badtop", 7]
     assert "body.n" in errors["oa", 8]
     assert "expected a JSON object" in errors[None, 9]
     # Rerunning finds every line recorded, error records included: nothing to run, nothing added.

@@ -46,7 +46,7 @@ def test_polling_waits_only_where_each_rank_has_a_core():
 AFFINITY = """
 import json, os, threading
 from mpi4py import MPI
-from pipeline.cli import _share_cores
+from pipeline.job import share_cores as _share_cores
 comm = MPI.COMM_WORLD
 _share_cores(comm)
 def placement():

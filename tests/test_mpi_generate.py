@@ -103,7 +103,7 @@ def test_bad_inputs_fail_with_one_line(tiny_models, tmp_path):
     assert_fails_cleanly(run("--model", str(good), "--split", "1,1,2"), "3 counts", "2 ranks")
     assert_fails_cleanly(run("--model", str(good), "--prompt", "word " * 600), "context is 512")
     assert_fails_cleanly(run("--model", str(good), "--top-p", "1.5"), "top-p")
-    assert_fails_cleanly(run("--model", str(good), "--temp", "-1"), "temperature")
+    assert_fails_cleanly(run("--model", str(good), "--temp", "-1"), "--temp")
     assert_fails_cleanly(run("--model", str(good), "--max-tokens", "0"), "--max-tokens")
     assert_fails_cleanly(run("--model", str(good), "--top-k", "x"), "--top-k")
 

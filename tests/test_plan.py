@@ -258,7 +258,7 @@ class FakeComm:
 
 
 def test_generate_uses_the_planners_split_and_checks_the_fit(tiny_models):
-    from pipeline.commands import plan_job
+    from pipeline.job import plan_job
 
     folder = tiny_models["llama"]
     config = ModelConfig.from_folder(folder)

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 from conftest import REPO, mpiexec
-from pipeline.preflight import RankReport, evaluate
+from pipeline.commands.preflight import RankReport, evaluate
 
 
 def mpmd(*folders) -> subprocess.CompletedProcess:

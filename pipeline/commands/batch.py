@@ -1,0 +1,252 @@
+"""`batch`: a JSONL file of requests in, JSONL results out, every rank busy (see scheduler.py);
+resumable. The files themselves are batch_io.py's."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+from pathlib import Path
+
+from .. import flags, mpi
+from ..errors import UserError
+from .batch_io import InputRequest, error_record, note, result_record
+
+
+def add_parser(commands) -> None:
+    batch = commands.add_parser(
+        "batch", help="run a JSONL file of requests with every rank busy; resumable",
+        description="Run with `mpiexec -n N python -m pipeline batch --input IN.jsonl --output OUT.jsonl`. "
+                    "Requests are decoded together in micro-batches that flow through the ranks one after "
+                    "another, so every rank works at once; a finished sequence's place goes to the next "
+                    "request. Each result is appended to --output (and fsync'd) as it finishes; rerunning "
+                    "the same command skips the ids already there.")
+    batch.add_argument("--input", type=Path, required=True,
+                       help='JSONL requests: {"id", "prompt" or "messages", optional max_tokens, temperature, '
+                            'top_p, top_k, min_p, repetition_penalty, seed, stop, system}, or OpenAI Batch '
+                            'lines {"custom_id", "body": {...}}')
+    batch.add_argument("--output", type=Path, required=True, help="JSONL results, appended (and resumed from)")
+    flags.add_model_arg(batch)
+    batch.add_argument("--max-batch", type=int, default=32,
+                       help="most sequences in progress at once, over all micro-batches (default 32)")
+    add_engine_args(batch)
+    batch.add_argument("--quiet", action="store_true", help="no progress bar")
+    batch.add_argument("--trace", type=Path, default=None, metavar="FILE",
+                       help="write a Chrome trace-event JSON of every rank's compute, receive and send spans "
+                            "(open it in https://ui.perfetto.dev)")
+    flags.add_sampling_args(batch, per_request=True)
+    batch.add_argument("--system", default=None, help="system message for requests given as a 'prompt'")
+    batch.add_argument("--no-chat-template", action="store_true", help="feed 'prompt' requests as raw text")
+    flags.add_weights_args(batch)
+    flags.add_cluster_args(batch, transports=False)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """How the scheduler spreads a batch over the ring (batch and serve)."""
+    parser.add_argument("--microbatches", type=int, default=None,
+                        help="micro-batches in flight around the ring (default: the number of ranks; twice that "
+                             "where sequences cannot share matrix products exactly)")
+    parser.add_argument("--packed-matmuls", action="store_true",
+                        help="put all rows of a micro-batch in one matrix product even where the BLAS rounds a "
+                             "row differently by row count (no BLAS shim: macOS, no C compiler, "
+                             "PIPELINE_BLAS_SHIM=0): faster there, but a greedy text can then differ from "
+                             "`generate`'s. With the shim (Linux default) products are batch-invariant and "
+                             "shared anyway")
+    parser.add_argument("--head-share", default="auto", metavar="auto|off|FRACTION",
+                        help="let the last rank compute part of the LM head for greedy requests, sized micro-batch "
+                             "by micro-batch to keep the ranks evenly busy (auto, the default), not at all (off), or "
+                             "a fixed fraction of the vocabulary up to 0.5; it holds up to half the head for this. "
+                             "Only where every rank's products are exact (the BLAS shim) or --packed-matmuls")
+
+
+def validate_engine_args(args: argparse.Namespace) -> None:
+    if args.max_batch < 1:
+        raise UserError(f"--max-batch must be >= 1, got {args.max_batch}")
+    if args.microbatches is not None and args.microbatches < 1:
+        raise UserError(f"--microbatches must be >= 1, got {args.microbatches}")
+    if args.head_share not in ("auto", "off"):
+        try:
+            fraction = flags.finite(float(args.head_share), "--head-share")
+        except (ValueError, UserError):
+            fraction = -1.0
+        if not 0 < fraction <= 0.5:
+            raise UserError(f"--head-share must be auto, off, or a fraction of the vocabulary in (0, 0.5], "
+                            f"got {args.head_share!r}")
+        args.head_share = fraction
+
+
+def validate(args: argparse.Namespace) -> None:
+    flags.validated_generation_args(args)
+    flags.validated_cluster_args(args)
+    validate_engine_args(args)
+
+
+def check_paths(args: argparse.Namespace) -> None:
+    """Rank 0: the input exists and the output is another file in an existing folder."""
+    if args.input.is_dir():
+        raise UserError(f"the input {args.input} is a folder: give the JSONL file of requests")
+    if not args.input.is_file():
+        raise UserError(f"input file {args.input} does not exist on {socket.gethostname()}")
+    if args.output.is_dir():
+        raise UserError(f"the output {args.output} is a folder: give the JSONL file for the results")
+    if args.output.exists() and args.output.resolve() == args.input.resolve():
+        raise UserError("--output is the --input file: results go to a file of their own")
+    if not args.output.resolve().parent.is_dir():
+        raise UserError(f"the folder of --output {args.output} does not exist")
+    if args.trace is not None and not args.trace.resolve().parent.is_dir():
+        raise UserError(f"the folder of --trace {args.trace} does not exist")
+
+
+def engine_requests(todo: list[InputRequest], tokenizer, use_chat_template: bool, context: int, record):
+    """The scheduler's requests, each tokenized only when the scheduler has room for it; a line
+    that cannot be tokenized gets its error record instead. record(dict, error: bool) writes one."""
+    from ..scheduler import Failed, Finished, Request
+
+    def handler(item: InputRequest):
+        def on_event(event) -> None:
+            if isinstance(event, Finished):
+                record(result_record(item, event.text, event.reason, event.prompt_tokens, event.completion_tokens,
+                                     queued_s=event.queued_s, ttft_s=event.ttft_s, total_s=event.total_s), False)
+            elif isinstance(event, Failed):
+                record(error_record(item.id, item.line, event.message), True)
+        return on_event
+
+    for item in todo:
+        try:
+            ids = prompt_ids(item, tokenizer, use_chat_template, context)
+        except UserError as e:
+            record(error_record(item.id, item.line, str(e)), True)
+            continue
+        except Exception as e:  # noqa: BLE001 -- a tokenizer bug on one line fails that line alone
+            record(error_record(item.id, item.line, f"could not tokenize: {type(e).__name__}: {e}"), True)
+            continue
+        yield Request(ids, item.sampling, item.max_tokens, handler(item), stop=item.stop, tag=item)
+
+
+def prompt_ids(item: InputRequest, tokenizer, use_chat_template: bool, context: int) -> list[int]:
+    if item.messages is not None:
+        ids = tokenizer.encode(tokenizer.apply_chat_template(item.messages), add_special_tokens=False)
+    else:
+        ids = tokenizer.prompt_ids(item.prompt, system=item.system, use_chat_template=use_chat_template)
+    if not ids:
+        raise UserError("the prompt is empty")
+    if len(ids) >= context:
+        raise UserError(f"the prompt has {len(ids)} tokens but the model's context is {context}: shorten it")
+    return ids
+
+
+def microbatch_count(args: argparse.Namespace, size: int, group_rows: int) -> int:
+    # Sequences sharing products: one micro-batch per rank, since smaller ones make smaller, less
+    # efficient products. Each on its own: twice as many, so a late one never starves a stage (a
+    # micro-batch's round trip alone takes as long as the ring needs for N of them).
+    return args.microbatches or (size if group_rows or size == 1 else 2 * size)
+
+
+def run(args: argparse.Namespace, comm) -> int:
+    from ..head_share import HeadSplit, head_share_fraction, head_share_rows
+    from ..job import head_share_label, load_stage, make_transport, matmuls_label, per_rank, plan_job, rank_figures
+    from ..scheduler import ListSource, Scheduler, exact_group_rows, follow, stop_followers
+    from ..tokenizer import Tokenizer
+    from ..trace import Timeline, split_hint, summary_lines, write_chrome_trace
+    from .batch_io import ResultsFile, read_requests
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    transport = make_transport(args, comm)
+    group_rows = exact_group_rows(args.packed_matmuls)  # this rank's own: it depends on its BLAS
+    head_fraction = head_share_fraction(args.head_share, comm.allgather(group_rows))
+    plan = mpi.checkpoint(comm, lambda: plan_job(args, comm, last_rank_head=head_fraction))
+    head_rows = head_share_rows(head_fraction, plan.config.vocab_size)
+
+    def prepare():
+        """Rank 0, before any weights are read: the input parsed (duplicate ids refused), the
+        output locked and repaired, error records for lines that cannot run, what is left."""
+        if rank != 0:
+            return None
+        check_paths(args)
+        tokenizer = Tokenizer.from_folder(plan.folder)
+        requests, bad = read_requests(args.input, args.sampling, args.max_tokens, args.system)
+        results = ResultsFile(args.output)
+        if results.repaired:
+            note(f"{args.output}: {results.repaired}")
+        skipped = sum(1 for r in requests if r.key in results.done)
+        skipped += sum(1 for b in bad if b.key in results.done)
+        errors = [b for b in bad if b.key not in results.done]
+        for b in errors:
+            results.write(b.record())
+        todo = [r for r in requests if r.key not in results.done]
+        if skipped:
+            note(f"skipping {skipped} request{'s' if skipped != 1 else ''} already in {args.output}")
+        if errors:
+            note(f"{len(errors)} input line{'s' if len(errors) != 1 else ''} cannot run: error records written")
+        return tokenizer, todo, results, len(errors)
+
+    prepared = mpi.checkpoint(comm, prepare)
+    todo_count = comm.bcast(len(prepared[1]) if rank == 0 else None, root=0)
+    if todo_count == 0:
+        if rank == 0:
+            prepared[2].close()
+            note(f"nothing to run: every request of {args.input} has a record in {args.output}")
+        return 0
+
+    stage = mpi.checkpoint(comm, lambda: load_stage(args, plan, rank, progress=rank == 0 and not args.quiet,
+                                                    head_rows=head_rows if rank == size - 1 else 0))
+    timeline = Timeline(rank, keep_spans=args.trace is not None)
+    microbatches = microbatch_count(args, size, group_rows)
+    comm.Barrier()
+    timeline.restart()
+    stats = None
+    if rank == 0:
+        from tqdm import tqdm
+
+        tokenizer, todo, results, _ = prepared
+        progress = tqdm(total=todo_count, unit="req", desc="batch", file=sys.stderr, disable=args.quiet,
+                        dynamic_ncols=True)
+        def record(entry: dict, error: bool) -> None:
+            results.write(entry)
+            progress.update(1)
+
+        written_before = results.count  # the error records of lines that cannot run
+        requests = engine_requests(todo, tokenizer, not args.no_chat_template, plan.config.max_position_embeddings,
+                                   record)
+        try:
+            head_split = None
+            if head_rows:
+                head_split = HeadSplit(head_rows, None if args.head_share == "auto" else head_rows)
+            scheduler = Scheduler(stage, transport, tokenizer, ListSource(requests), max_batch=args.max_batch,
+                                  microbatches=microbatches, group_rows=group_rows, timeline=timeline,
+                                  head_split=head_split)
+            stats = scheduler.run()
+        except KeyboardInterrupt:
+            raise mpi.Interrupted(f"interrupted: {results.count - written_before} of {todo_count} requests have "
+                                  f"their records in {args.output}; rerun the same command to resume") from None
+        finally:  # on an exception, the abort hook ends every rank: no STOP to wait on
+            progress.close()
+            results.close()
+        stop_followers(transport, timeline)
+    else:
+        follow(stage, transport, timeline, group_rows)
+    timeline.finish()
+
+    summaries = comm.gather(timeline.summary(), root=0)
+    figures = comm.gather(rank_figures(stage, matmuls_label(group_rows)), root=0)
+    if rank == 0:
+        hosts = [m[0] for m in figures]
+        print(f"[pipeline] batch: {results.count - results.errors} done, {results.errors} error records, "
+              f"{stats.generated_tokens} tokens generated in {stats.wall_s:.2f} s: {stats.tokens_per_s:.1f} tok/s "
+              f"(prompts {stats.prompt_tokens} tokens; {microbatches} micro-batches, "
+              f"max batch {args.max_batch}; matmuls {per_rank([m[4] for m in figures])}; layers per rank "
+              f"{','.join(str(end - start) for start, end in plan.ranges)}"
+              f"{head_share_label(stats.head_share, size)}); "
+              f"weights {per_rank([m[2] for m in figures])}, BLAS {per_rank([m[3] for m in figures])}, "
+              f"peak RSS " + ", ".join(f"r{r} {m[1] / 2**20:.0f} MiB" for r, m in enumerate(figures)),
+              file=sys.stderr)
+        for line in summary_lines(summaries, hosts if len(set(hosts)) > 1 else None):
+            print(line, file=sys.stderr)
+        hint = split_hint(summaries, [end - start for start, end in plan.ranges])
+        if hint and stats.wall_s > 5:  # a few seconds of decoding say something; a blip does not
+            print(hint, file=sys.stderr)
+        sys.stderr.flush()
+        if args.trace is not None:
+            write_chrome_trace(args.trace, summaries, hosts)
+            note(f"trace written to {args.trace} (open it in https://ui.perfetto.dev)")
+    return 0

@@ -1,0 +1,97 @@
+"""`generate`: one prompt through the ring, its completion streamed to stdout by rank 0."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .. import flags, mpi
+from ..errors import UserError
+
+
+def add_parser(commands) -> None:
+    gen = commands.add_parser("generate", help="generate a completion for one prompt",
+                              description="Run with `mpiexec -n N python -m pipeline generate ...`; "
+                                          "the model's layers are split across the N ranks.")
+    gen.add_argument("--prompt", required=True, help="the user message (or raw text with --no-chat-template)")
+    flags.add_model_arg(gen)
+    flags.add_sampling_args(gen)
+    gen.add_argument("--system", default=None, help="system message for the chat template")
+    gen.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
+    flags.add_weights_args(gen)
+    gen.add_argument("--host-memory", default=None, metavar="GIB,GIB,...",
+                     help="memory of each rank's host in GiB, one value per rank (e.g. 512,512,256,256): "
+                          "layers are split in proportion, as `plan` proposes, and a model that does not "
+                          "fit stops with one line before anything is loaded")
+    flags.add_cluster_args(gen)
+
+
+def validate(args: argparse.Namespace) -> None:
+    flags.validated_generation_args(args)
+    flags.validated_cluster_args(args)
+
+
+def run(args: argparse.Namespace, comm) -> int:
+    from ..engine import generate
+    from ..job import load_stage, make_transport, plan_job, rank_figures
+    from ..stage import serve, stop_ring
+    from ..tokenizer import Tokenizer
+
+    rank = comm.Get_rank()
+    transport = make_transport(args, comm)
+    plan = mpi.checkpoint(comm, lambda: plan_job(args, comm))
+
+    def prepare_prompt():
+        if rank != 0:
+            return None, None
+        tokenizer = Tokenizer.from_folder(plan.folder)
+        ids = tokenizer.prompt_ids(args.prompt, system=args.system,
+                                   use_chat_template=not args.no_chat_template)
+        if not ids:
+            raise UserError("the prompt is empty: give --prompt some text")
+        context = plan.config.max_position_embeddings
+        if len(ids) >= context:
+            raise UserError(f"the prompt has {len(ids)} tokens but the model's context is {context}: "
+                            f"shorten it")
+        if plan.host_memory:  # the planner's verdict, before any weights are read
+            plan.host_memory.check(plan.ranges, min(len(ids) + args.max_tokens, context), plan.dense)
+        return tokenizer, ids
+
+    # Tokenize before loading weights so a bad prompt fails in seconds, not after the load.
+    tokenizer, prompt_ids = mpi.checkpoint(comm, prepare_prompt)
+    stage = mpi.checkpoint(comm, lambda: load_stage(args, plan, rank, progress=rank == 0))
+
+    if rank == 0:
+        def write(text: str) -> None:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+        try:
+            result = generate(stage, transport, tokenizer, prompt_ids, args.sampling,
+                              args.max_tokens, stop=args.stop, on_text=write)
+        finally:
+            stop_ring(transport)
+        write("\n")
+    else:
+        serve(stage, transport)
+        result = None
+
+    figures = comm.gather(rank_figures(stage, stage.weight_nbytes + stage.cache_nbytes, stage.kv_bytes_per_token),
+                          root=0)
+    if rank == 0:
+        print(stats_line(result, figures), file=sys.stderr, flush=True)
+    return 0
+
+
+def stats_line(result, figures: list[tuple]) -> str:
+    """figures: per rank (host, peak RSS bytes, weights label, BLAS description, owned bytes,
+    KV bytes per token), as job.rank_figures gives them."""
+    from ..job import per_rank
+
+    # Peak RSS beside the bytes each rank owns (weights + KV cache): the overhead of the runtime.
+    peaks = ", ".join(f"r{rank} {m[1] / 2**20:.0f} MiB (owns {m[4] / 2**20:.0f})" for rank, m in enumerate(figures))
+    peaks += f", KV {sum(m[5] for m in figures) / 1024:.1f} KiB/token"
+    return (f"[pipeline] prompt {result.prompt_tokens} tokens, prefill {result.prefill_tps:.1f} tok/s, "
+            f"decode {result.decode_tps:.1f} tok/s ({len(result.tokens)} tokens, {result.finish_reason}), "
+            f"TTFT {result.prefill_s:.3f} s, peak RSS {peaks}, weights {per_rank([m[2] for m in figures])}, "
+            f"BLAS {per_rank([m[3] for m in figures])}")

@@ -1,0 +1,51 @@
+"""`plan`: will a model fit on these hosts, how to split it, how fast (config.json only, no MPI).
+The planner itself is pipeline/plan.py; this is its command line."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(commands) -> None:
+    plan = commands.add_parser(
+        "plan", help="will a model fit on these hosts, how to split it, how fast (config.json only, no MPI)",
+        description="From config.json alone (a model folder, a config.json, or a bundled config name such as "
+                    "DeepSeek-V3.1 or Kimi-K2-Thinking): each rank's layers, weight and KV cache bytes, "
+                    "headroom and whether it fits, and decode tok/s predicted by a stated roofline "
+                    "(memory bandwidth per host, link bandwidth and latency per hop).")
+    plan.add_argument("--model", required=True, help="model folder, config.json file, or bundled config name")
+    plan.add_argument("--hosts", type=int, default=None, help="hosts, one rank each (default: as many as --host-memory)")
+    plan.add_argument("--host-memory", default=None, metavar="GIB,GIB,...",
+                      help="memory per host in GiB, e.g. 512,512,256,256: shares proportional to it (the split "
+                           "generate --host-memory uses) and a fit verdict; without it, an even split")
+    plan.add_argument("--quantize", type=int, choices=[2, 3, 4, 5, 6, 8], default=None, metavar="BITS",
+                      help="plan for weights re-quantized to MLX affine BITS (as generate --quantize)")
+    plan.add_argument("--group-size", type=int, choices=[32, 64, 128], default=64, help="for --quantize (default 64)")
+    plan.add_argument("--weights-in-memory", choices=["quantized", "fp32"], default="quantized",
+                      help="MLX-quantized weights held packed (default) or dequantized to --dtype, as generate "
+                           "--weights-in-memory fp32 (or auto, where memory allows) holds them")
+    plan.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                      help="activation dtype, which unquantized weights and the KV cache are held in "
+                           "(default float32, as generate)")
+    plan.add_argument("--context", type=int, default=None,
+                      help="tokens per sequence for the KV cache (default 8192, or the model's context if shorter)")
+    plan.add_argument("--batch", type=int, default=None,
+                      help="sequences decoded together (default: one per host, which fills the pipeline)")
+    plan.add_argument("--bandwidth-gbs", default="819",
+                      help="memory bandwidth per host in GB/s, one value or one per host (default 819: M3 Ultra)")
+    plan.add_argument("--link-gbs", default="5",
+                      help="link bandwidth per hop in GB/s (default 5: Thunderbolt 5, in practice)")
+    plan.add_argument("--link-latency-us", type=float, default=100.0,
+                      help="latency per hop in microseconds (default 100: MPI over TCP on a Thunderbolt bridge; "
+                           "about 10 with RDMA)")
+    plan.add_argument("--tflops", default=None,
+                      help="compute per host in TFLOPS (one value or one per host) to cap large batches; "
+                           "default: not modelled")
+    plan.add_argument("--reserve-gb", type=float, default=0.0,
+                      help="GiB per host to keep free for the OS and activations when judging the fit (default 0)")
+
+
+def run(args: argparse.Namespace, comm=None) -> int:
+    from ..plan import run_plan
+
+    return run_plan(args)

