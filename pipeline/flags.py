@@ -70,6 +70,26 @@ def add_cluster_args(parser: argparse.ArgumentParser, transports: bool = True) -
                              "for a peer (default 300; 0 turns it off)")
 
 
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """How the scheduler (batch and serve) spreads its sequences over the ring."""
+    parser.add_argument("--max-batch", type=int, default=32,
+                        help="most sequences in progress at once, over all micro-batches (default 32)")
+    parser.add_argument("--microbatches", type=int, default=None,
+                        help="micro-batches in flight around the ring (default: the number of ranks; twice that "
+                             "where sequences cannot share matrix products exactly)")
+    parser.add_argument("--packed-matmuls", action="store_true",
+                        help="put all rows of a micro-batch in one matrix product even where the BLAS rounds a "
+                             "row differently by row count (no BLAS shim: macOS, no C compiler, "
+                             "PIPELINE_BLAS_SHIM=0): faster there, but a greedy text can then differ from "
+                             "`generate`'s. With the shim (Linux default) products are batch-invariant and "
+                             "shared anyway")
+    parser.add_argument("--head-share", default="auto", metavar="auto|off|FRACTION",
+                        help="let the last rank compute part of the LM head for greedy requests, sized micro-batch "
+                             "by micro-batch to keep the ranks evenly busy (auto, the default), not at all (off), or "
+                             "a fixed fraction of the vocabulary up to 0.5; it holds up to half the head for this. "
+                             "Only where every rank's products are exact (the BLAS shim) or --packed-matmuls")
+
+
 # -- checks ---------------------------------------------------------------------------------------------------
 
 def finite(value: float, flag: str) -> float:
@@ -103,3 +123,19 @@ def validated_cluster_args(args: argparse.Namespace) -> None:
     finite(args.watchdog, "--watchdog")
     if args.watchdog < 0:
         raise UserError(f"--watchdog must be >= 0 seconds (0 turns it off), got {args.watchdog:g}")
+
+
+def validated_engine_args(args: argparse.Namespace) -> None:
+    if args.max_batch < 1:
+        raise UserError(f"--max-batch must be >= 1, got {args.max_batch}")
+    if args.microbatches is not None and args.microbatches < 1:
+        raise UserError(f"--microbatches must be >= 1, got {args.microbatches}")
+    if args.head_share not in ("auto", "off"):
+        try:
+            fraction = finite(float(args.head_share), "--head-share")
+        except (ValueError, UserError):
+            fraction = -1.0
+        if not 0 < fraction <= 0.5:
+            raise UserError(f"--head-share must be auto, off, or a fraction of the vocabulary in (0, 0.5], "
+                            f"got {args.head_share!r}")
+        args.head_share = fraction

@@ -151,6 +151,55 @@ def rank_figures(stage: Stage, *extra) -> tuple:
     return (socket.gethostname(), peak_rss_bytes(), weights_label(stage), blas.describe(), *extra)
 
 
+@dataclass
+class RingJob:
+    """What batch and serve set up before their scheduler starts: the transport, the split, and how
+    the ring shares work (exact products, the LM head's share on the last rank, micro-batches)."""
+    transport: object
+    plan: Plan
+    group_rows: int  # rows of different sequences one product may hold on this rank (scheduler.exact_group_rows)
+    head_fraction: float  # the part of the LM head the last rank holds (head_share.py)
+    head_rows: int
+    microbatches: int
+
+
+def plan_ring_job(args: argparse.Namespace, comm) -> RingJob:
+    """Collective: the transport and the plan, before anything big is read."""
+    from . import mpi
+    from .head_share import head_share_fraction, head_share_rows
+    from .scheduler import exact_group_rows
+
+    transport = make_transport(args, comm)
+    group_rows = exact_group_rows(args.packed_matmuls)  # this rank's own: it depends on its BLAS
+    head_fraction = head_share_fraction(args.head_share, comm.allgather(group_rows))
+    plan = mpi.checkpoint(comm, lambda: plan_job(args, comm, last_rank_head=head_fraction))
+    size = comm.Get_size()
+    # Sequences sharing products: one micro-batch per rank, since smaller ones make smaller, less
+    # efficient products. Each on its own: twice as many, so a late one never starves a stage (a
+    # micro-batch's round trip alone takes as long as the ring needs for N of them).
+    microbatches = args.microbatches or (size if group_rows or size == 1 else 2 * size)
+    return RingJob(transport, plan, group_rows, head_fraction, head_share_rows(head_fraction, plan.config.vocab_size),
+                   microbatches)
+
+
+def load_ring_stage(args: argparse.Namespace, job: RingJob, comm, progress: bool) -> Stage:
+    """Collective: this rank's layers, and on the last rank its share of the LM head."""
+    from . import mpi
+
+    rank = comm.Get_rank()
+    head_rows = job.head_rows if rank == comm.Get_size() - 1 else 0
+    return mpi.checkpoint(comm, lambda: load_stage(args, job.plan, rank, progress=progress, head_rows=head_rows))
+
+
+def head_split(args: argparse.Namespace, job: RingJob):
+    """Rank 0's control of the LM head's share (None: not shared)."""
+    from .head_share import HeadSplit
+
+    if not job.head_rows:
+        return None
+    return HeadSplit(job.head_rows, None if args.head_share == "auto" else job.head_rows)
+
+
 def make_transport(args: argparse.Namespace, comm):
     """The transport of `--transport`, with the `--watchdog` on silent peers (collective)."""
     placement = comm.allgather((socket.gethostname(), cores.cpus_allowed()))

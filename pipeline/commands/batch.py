@@ -27,9 +27,7 @@ def add_parser(commands) -> None:
                             'lines {"custom_id", "body": {...}}')
     batch.add_argument("--output", type=Path, required=True, help="JSONL results, appended (and resumed from)")
     flags.add_model_arg(batch)
-    batch.add_argument("--max-batch", type=int, default=32,
-                       help="most sequences in progress at once, over all micro-batches (default 32)")
-    add_engine_args(batch)
+    flags.add_engine_args(batch)
     batch.add_argument("--quiet", action="store_true", help="no progress bar")
     batch.add_argument("--trace", type=Path, default=None, metavar="FILE",
                        help="write a Chrome trace-event JSON of every rank's compute, receive and send spans "
@@ -41,44 +39,10 @@ def add_parser(commands) -> None:
     flags.add_cluster_args(batch, transports=False)
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """How the scheduler spreads a batch over the ring (batch and serve)."""
-    parser.add_argument("--microbatches", type=int, default=None,
-                        help="micro-batches in flight around the ring (default: the number of ranks; twice that "
-                             "where sequences cannot share matrix products exactly)")
-    parser.add_argument("--packed-matmuls", action="store_true",
-                        help="put all rows of a micro-batch in one matrix product even where the BLAS rounds a "
-                             "row differently by row count (no BLAS shim: macOS, no C compiler, "
-                             "PIPELINE_BLAS_SHIM=0): faster there, but a greedy text can then differ from "
-                             "`generate`'s. With the shim (Linux default) products are batch-invariant and "
-                             "shared anyway")
-    parser.add_argument("--head-share", default="auto", metavar="auto|off|FRACTION",
-                        help="let the last rank compute part of the LM head for greedy requests, sized micro-batch "
-                             "by micro-batch to keep the ranks evenly busy (auto, the default), not at all (off), or "
-                             "a fixed fraction of the vocabulary up to 0.5; it holds up to half the head for this. "
-                             "Only where every rank's products are exact (the BLAS shim) or --packed-matmuls")
-
-
-def validate_engine_args(args: argparse.Namespace) -> None:
-    if args.max_batch < 1:
-        raise UserError(f"--max-batch must be >= 1, got {args.max_batch}")
-    if args.microbatches is not None and args.microbatches < 1:
-        raise UserError(f"--microbatches must be >= 1, got {args.microbatches}")
-    if args.head_share not in ("auto", "off"):
-        try:
-            fraction = flags.finite(float(args.head_share), "--head-share")
-        except (ValueError, UserError):
-            fraction = -1.0
-        if not 0 < fraction <= 0.5:
-            raise UserError(f"--head-share must be auto, off, or a fraction of the vocabulary in (0, 0.5], "
-                            f"got {args.head_share!r}")
-        args.head_share = fraction
-
-
 def validate(args: argparse.Namespace) -> None:
     flags.validated_generation_args(args)
     flags.validated_cluster_args(args)
-    validate_engine_args(args)
+    flags.validated_engine_args(args)
 
 
 def check_paths(args: argparse.Namespace) -> None:
@@ -135,27 +99,16 @@ def prompt_ids(item: InputRequest, tokenizer, use_chat_template: bool, context: 
     return ids
 
 
-def microbatch_count(args: argparse.Namespace, size: int, group_rows: int) -> int:
-    # Sequences sharing products: one micro-batch per rank, since smaller ones make smaller, less
-    # efficient products. Each on its own: twice as many, so a late one never starves a stage (a
-    # micro-batch's round trip alone takes as long as the ring needs for N of them).
-    return args.microbatches or (size if group_rows or size == 1 else 2 * size)
-
-
 def run(args: argparse.Namespace, comm) -> int:
-    from ..head_share import HeadSplit, head_share_fraction, head_share_rows
-    from ..job import head_share_label, load_stage, make_transport, matmuls_label, per_rank, plan_job, rank_figures
-    from ..scheduler import ListSource, Scheduler, exact_group_rows, follow, stop_followers
+    from ..job import head_share_label, head_split, load_ring_stage, matmuls_label, per_rank, plan_ring_job, rank_figures
+    from ..scheduler import ListSource, Scheduler, follow, stop_followers
     from ..tokenizer import Tokenizer
     from ..trace import Timeline, split_hint, summary_lines, write_chrome_trace
     from .batch_io import ResultsFile, read_requests
 
     rank, size = comm.Get_rank(), comm.Get_size()
-    transport = make_transport(args, comm)
-    group_rows = exact_group_rows(args.packed_matmuls)  # this rank's own: it depends on its BLAS
-    head_fraction = head_share_fraction(args.head_share, comm.allgather(group_rows))
-    plan = mpi.checkpoint(comm, lambda: plan_job(args, comm, last_rank_head=head_fraction))
-    head_rows = head_share_rows(head_fraction, plan.config.vocab_size)
+    job = plan_ring_job(args, comm)
+    transport, plan, group_rows, microbatches = job.transport, job.plan, job.group_rows, job.microbatches
 
     def prepare():
         """Rank 0, before any weights are read: the input parsed (duplicate ids refused), the
@@ -188,10 +141,8 @@ def run(args: argparse.Namespace, comm) -> int:
             note(f"nothing to run: every request of {args.input} has a record in {args.output}")
         return 0
 
-    stage = mpi.checkpoint(comm, lambda: load_stage(args, plan, rank, progress=rank == 0 and not args.quiet,
-                                                    head_rows=head_rows if rank == size - 1 else 0))
+    stage = load_ring_stage(args, job, comm, progress=rank == 0 and not args.quiet)
     timeline = Timeline(rank, keep_spans=args.trace is not None)
-    microbatches = microbatch_count(args, size, group_rows)
     comm.Barrier()
     timeline.restart()
     stats = None
@@ -209,12 +160,9 @@ def run(args: argparse.Namespace, comm) -> int:
         requests = engine_requests(todo, tokenizer, not args.no_chat_template, plan.config.max_position_embeddings,
                                    record)
         try:
-            head_split = None
-            if head_rows:
-                head_split = HeadSplit(head_rows, None if args.head_share == "auto" else head_rows)
             scheduler = Scheduler(stage, transport, tokenizer, ListSource(requests), max_batch=args.max_batch,
                                   microbatches=microbatches, group_rows=group_rows, timeline=timeline,
-                                  head_split=head_split)
+                                  head_split=head_split(args, job))
             stats = scheduler.run()
         except KeyboardInterrupt:
             raise mpi.Interrupted(f"interrupted: {results.count - written_before} of {todo_count} requests have "
