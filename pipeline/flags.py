@@ -125,6 +125,14 @@ def validated_cluster_args(args: argparse.Namespace) -> None:
         raise UserError(f"--watchdog must be >= 0 seconds (0 turns it off), got {args.watchdog:g}")
 
 
+def add_prefix_cache_arg(parser: argparse.ArgumentParser, default_gb: float) -> None:
+    parser.add_argument("--prefix-cache-gb", type=float, default=default_gb, metavar="GB",
+                        help="keep finished sequences' KV caches, up to this many GB per rank, and start a request "
+                             "that begins with the same tokens from them instead of reading its prompt again "
+                             f"(default {default_gb:g}; 0 turns it off). Logits after a hit equal a cold run's "
+                             "within float rounding")
+
+
 def validated_engine_args(args: argparse.Namespace) -> None:
     if args.max_batch < 1:
         raise UserError(f"--max-batch must be >= 1, got {args.max_batch}")
@@ -139,3 +147,6 @@ def validated_engine_args(args: argparse.Namespace) -> None:
             raise UserError(f"--head-share must be auto, off, or a fraction of the vocabulary in (0, 0.5], "
                             f"got {args.head_share!r}")
         args.head_share = fraction
+    gb = getattr(args, "prefix_cache_gb", 0.0)
+    if not (finite(gb, "--prefix-cache-gb") >= 0):
+        raise UserError(f"--prefix-cache-gb must be >= 0 (0 turns it off), got {gb:g}")

@@ -200,6 +200,20 @@ def head_split(args: argparse.Namespace, job: RingJob):
     return HeadSplit(job.head_rows, None if args.head_share == "auto" else job.head_rows)
 
 
+def prefix_cache(args: argparse.Namespace, job: RingJob):
+    """Rank 0's prefix cache for --prefix-cache-gb (None when 0): as many positions as the rank
+    with the most cached bytes per position holds in that many GB."""
+    from .plan import architecture
+    from .prefix_cache import PrefixCache
+
+    gb = getattr(args, "prefix_cache_gb", 0.0)
+    if not gb:
+        return None
+    per_layer = architecture(job.plan.config).kv_values * getattr(mx, args.dtype).size
+    per_position = max(per_layer * (end - start) for start, end in job.plan.ranges)
+    return PrefixCache(int(gb * 1e9 // per_position) if per_position else 0)
+
+
 def make_transport(args: argparse.Namespace, comm):
     """The transport of `--transport`, with the `--watchdog` on silent peers (collective)."""
     placement = comm.allgather((socket.gethostname(), cores.cpus_allowed()))

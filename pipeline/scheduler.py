@@ -50,6 +50,7 @@ from . import blas
 from .engine import PREFILL_CHUNK
 from .head_share import HeadSplit, combined_argmax, returned_rows, split_returned
 from .models.base import segments
+from .prefix_cache import PrefixCache
 from .sampling import Sampler, SamplingParams
 from .stage import Stage
 from .tokenizer import StreamingDetokenizer, Tokenizer
@@ -227,6 +228,8 @@ class Sequence:
     first_token_at: float | None = None
     sent_chars: int = 0  # text passed on in Tokens events
     queued_s: float = 0.0
+    cached: int = 0  # prompt positions reused from the prefix cache
+    decoded_fed: int = 0  # generated tokens run through the model (the last one sampled never is)
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -247,7 +250,13 @@ class Sequence:
             chunk = self.prompt_ids[self.fed:self.fed + PREFILL_CHUNK]
             self.fed += len(chunk)
             return chunk
+        self.decoded_fed += len(self.next_input)
         return self.next_input
+
+    @property
+    def computed(self) -> list[int]:
+        """The tokens whose keys and values this sequence's caches hold."""
+        return self.prompt_ids[:self.fed] + self.tokens[:self.decoded_fed]
 
     @property
     def prefilling(self) -> bool:
@@ -280,10 +289,12 @@ class BatchStats:
 class Scheduler:
     def __init__(self, stage: Stage, transport: Transport, tokenizer: Tokenizer, source, *, max_batch: int,
                  microbatches: int, group_rows: int, timeline: Timeline, prefill_budget: int = PREFILL_BUDGET,
-                 head_split: HeadSplit | None = None, heartbeat_s: float | None = None):
+                 head_split: HeadSplit | None = None, heartbeat_s: float | None = None,
+                 prefix_cache: PrefixCache | None = None):
         """source: ListSource, QueueSource, or anything with their `get(timeout)` and `closed`.
         heartbeat_s: while idle (nothing in flight, the source open), send a HEARTBEAT round the
-        ring this often, so that the other ranks' watchdogs see a live rank 0."""
+        ring this often, so that the other ranks' watchdogs see a live rank 0.
+        prefix_cache: keep finished sequences' caches and start requests from them (prefix_cache.py)."""
         self.stage, self.transport, self.tokenizer = stage, transport, tokenizer
         self.model = stage.model
         self.source = source
@@ -292,6 +303,8 @@ class Scheduler:
         self.timeline = timeline
         self.head_split = head_split
         self.heartbeat_s = heartbeat_s
+        self.prefix_cache = prefix_cache
+        self._ended: dict[int, list[int]] = {}  # finished sequences' computed tokens, for the prefix cache
         self.context = self.model.config.max_position_embeddings
         self.ready: deque[Sequence] = deque()  # in progress, not in flight
         self.in_flight: deque[Microbatch] = deque()
@@ -365,6 +378,13 @@ class Scheduler:
         except Exception as e:  # noqa: BLE001 -- this request's own set-up: its failure is its alone
             self._fail(request, _describe(e))
             return
+        if self.prefix_cache is not None:
+            kept, length = self.prefix_cache.lookup(request.prompt_ids)
+            if kept is not None:
+                self.stage.fork([seq.seq_id], [kept], [length])
+                if self.transport.size > 1:
+                    self.sends.append(self.transport.isend_message(1, Kind.FORK, [seq.seq_id, kept], [length, length]))
+                seq.fed = seq.cached = length
         self.next_seq_id += 1
         self.active += 1
         self.stats.prompt_tokens += len(request.prompt_ids)
@@ -447,13 +467,24 @@ class Scheduler:
         self._release(finished)
 
     def _release(self, seq_ids: list[int]) -> None:
-        """Free the caches of ended sequences on every rank."""
+        """Free the caches of ended sequences on every rank (or keep them in the prefix cache)."""
+        if self.prefix_cache is not None:
+            seq_ids = self._keep(seq_ids)
         if not seq_ids:
             return
         self.stage.release(seq_ids)
         if self.transport.size > 1:
             with self.timeline.span(SEND, "release"):
                 self.sends.append(self.transport.isend_message(1, Kind.RELEASE, seq_ids))
+
+    def _keep(self, seq_ids: list[int]) -> list[int]:
+        """Of the ended sequences, the ids to release now: the others stay in the prefix cache, and
+        what they push out goes instead."""
+        ended = {seq_id: self._ended.pop(seq_id) for seq_id in seq_ids if seq_id in self._ended}
+        release = [seq_id for seq_id in seq_ids if seq_id not in ended]
+        for seq_id, tokens in ended.items():
+            release += self.prefix_cache.add(seq_id, tokens)
+        return release
 
     def _sample(self, microbatch: Microbatch, index: list[int]) -> list[int]:
         """The next token of the micro-batch's sequences at `index`; returns the ids of those that ended."""
@@ -515,7 +546,10 @@ class Scheduler:
         return None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        """Report a sequence's end. Its caches are released by the caller, unless kept (`_keep`)."""
         self._drop(seq)
+        if self.prefix_cache is not None:
+            self._ended[seq.seq_id] = seq.computed
         try:
             if not seq.detokenizer.stopped:
                 seq.detokenizer.finish()
@@ -526,7 +560,7 @@ class Scheduler:
         now = time.perf_counter()
         self.stats.done += 1
         self._emit(seq.request, Finished(
-            reason, text, text[seq.sent_chars:], len(seq.prompt_ids), len(seq.tokens), 0, seq.queued_s,
+            reason, text, text[seq.sent_chars:], len(seq.prompt_ids), len(seq.tokens), seq.cached, seq.queued_s,
             ttft_s=(seq.first_token_at or now) - seq.admitted_at, total_s=now - seq.admitted_at))
 
     def _drop(self, seq: Sequence) -> None:
@@ -601,6 +635,12 @@ def follow(stage: Stage, transport: Transport, timeline: Timeline, group_rows: i
             continue
         if message.kind == Kind.RELEASE:
             stage.release(message.seq_ids)
+        if message.kind == Kind.FORK:
+            half = len(message.seq_ids) // 2
+            stage.fork(message.seq_ids[:half], message.seq_ids[half:], message.lengths[:half])
+            if nxt != 0:
+                send(Kind.FORK, message.seq_ids, message.lengths)
+            continue
         if nxt != 0:  # RELEASE, HEARTBEAT and STOP go round the ring once
             send(message.kind, message.seq_ids)
         if message.kind == Kind.STOP:

@@ -57,6 +57,11 @@ class Stage:
         for s in seq_ids:
             self.caches.pop(s, None)
 
+    def fork(self, new_ids: list[int], kept_ids: list[int], lengths: list[int]) -> None:
+        """Start each new sequence from the first `length` positions of a kept one (prefix cache)."""
+        for new, kept, length in zip(new_ids, kept_ids, lengths):
+            self.caches[new] = [cache.prefix(length) for cache in self.caches[kept]]
+
     @property
     def cache_nbytes(self) -> int:
         return sum(c.nbytes for caches in self.caches.values() for c in caches)

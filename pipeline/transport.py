@@ -25,6 +25,7 @@ class Kind(IntEnum):
     RELEASE = 2  # sequence ids whose caches can be freed
     STOP = 3  # the job is over: pass it on and exit
     HEARTBEAT = 4  # rank 0 is alive but idle (a server waiting for requests): pass it on, nothing to do
+    FORK = 5  # prefix cache: seq_ids [new..., kept...], lengths [n...]: each new sequence starts from a kept one's first n positions
 
 
 class Message(NamedTuple):
@@ -137,7 +138,7 @@ class Transport(ABC):
         kind, num_seqs = Kind(int(header[0])), int(header[1])
         seq_ids, lengths = [], []
         if num_seqs:
-            size = num_seqs * (2 if kind == Kind.FORWARD else 1)
+            size = num_seqs * (2 if kind in (Kind.FORWARD, Kind.FORK) else 1)
             if num_seqs <= _INLINE_SEQS:
                 layout = header[_HEADER_LEN:_HEADER_LEN + size]
             else:

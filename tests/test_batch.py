@@ -385,3 +385,22 @@ def test_summary_and_trace_formatting():
     assert "--split 13,17 would take about 6% more" in split_hint(measured, [11, 19])
     balanced = [{**summaries[0], "totals": {"compute": 16.6}}, {**summaries[1], "totals": {"compute": 15.6}}]
     assert split_hint(balanced, [13, 17]) is None
+
+
+def test_prefix_cache_across_ranks(llama, tmp_path):
+    """--prefix-cache-gb on 2 and 3 ranks: requests sharing a long start reuse the first one's
+    caches on every rank (FORK round the ring); texts equal those without the cache."""
+    system = " ".join(PROMPTS * 4)
+    rows = [{"id": f"r{i}", "prompt": system + " " + p, "max_tokens": 10} for i, p in enumerate(PROMPTS[:4])]
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    plain = batch(2, llama, inp, tmp_path / "plain.jsonl", "--no-chat-template", "--max-batch", "1")
+    assert plain.returncode == 0, plain.stderr
+    expected = {r["id"]: r["text"] for r in read_records(tmp_path / "plain.jsonl")}
+    for n in (2, 3):
+        out = tmp_path / f"cached{n}.jsonl"
+        result = batch(n, llama, inp, out, "--no-chat-template", "--max-batch", "1", "--prefix-cache-gb", "0.01")
+        assert result.returncode == 0, result.stderr
+        records = {r["id"]: r for r in read_records(out)}
+        assert {i: r["text"] for i, r in records.items()} == expected
+        cached = [records[f"r{i}"]["usage"]["prompt_tokens_details"]["cached_tokens"] for i in range(4)]
+        assert cached[0] == 0 and all(c > 40 for c in cached[1:]), cached

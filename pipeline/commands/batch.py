@@ -28,6 +28,7 @@ def add_parser(commands) -> None:
     batch.add_argument("--output", type=Path, required=True, help="JSONL results, appended (and resumed from)")
     flags.add_model_arg(batch)
     flags.add_engine_args(batch)
+    flags.add_prefix_cache_arg(batch, default_gb=0.0)
     batch.add_argument("--quiet", action="store_true", help="no progress bar")
     batch.add_argument("--trace", type=Path, default=None, metavar="FILE",
                        help="write a Chrome trace-event JSON of every rank's compute, receive and send spans "
@@ -70,7 +71,8 @@ def engine_requests(todo: list[InputRequest], tokenizer, use_chat_template: bool
         def on_event(event) -> None:
             if isinstance(event, Finished):
                 record(result_record(item, event.text, event.reason, event.prompt_tokens, event.completion_tokens,
-                                     queued_s=event.queued_s, ttft_s=event.ttft_s, total_s=event.total_s), False)
+                                     event.cached_tokens, queued_s=event.queued_s, ttft_s=event.ttft_s,
+                                     total_s=event.total_s), False)
             elif isinstance(event, Failed):
                 record(error_record(item.id, item.line, event.message), True)
         return on_event
@@ -100,7 +102,8 @@ def prompt_ids(item: InputRequest, tokenizer, use_chat_template: bool, context: 
 
 
 def run(args: argparse.Namespace, comm) -> int:
-    from ..job import head_share_label, head_split, load_ring_stage, matmuls_label, per_rank, plan_ring_job, rank_figures
+    from ..job import (head_share_label, head_split, load_ring_stage, matmuls_label, per_rank, plan_ring_job,
+                       prefix_cache, rank_figures)
     from ..scheduler import ListSource, Scheduler, follow, stop_followers
     from ..tokenizer import Tokenizer
     from ..trace import Timeline, split_hint, summary_lines, write_chrome_trace
@@ -162,7 +165,7 @@ def run(args: argparse.Namespace, comm) -> int:
         try:
             scheduler = Scheduler(stage, transport, tokenizer, ListSource(requests), max_batch=args.max_batch,
                                   microbatches=microbatches, group_rows=group_rows, timeline=timeline,
-                                  head_split=head_split(args, job))
+                                  head_split=head_split(args, job), prefix_cache=prefix_cache(args, job))
             stats = scheduler.run()
         except KeyboardInterrupt:
             raise mpi.Interrupted(f"interrupted: {results.count - written_before} of {todo_count} requests have "

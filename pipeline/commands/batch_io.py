@@ -373,12 +373,13 @@ def _fsync_dir(path: Path) -> None:
 
 
 def result_record(request: InputRequest, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int,
-                  queued_s: float, ttft_s: float, total_s: float) -> dict:
+                  cached_tokens: int, queued_s: float, ttft_s: float, total_s: float) -> dict:
     decode_s = total_s - ttft_s
     return {
         "id": request.id, "text": text, "finish_reason": finish_reason,
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                  "total_tokens": prompt_tokens + completion_tokens},
+                  "total_tokens": prompt_tokens + completion_tokens,
+                  "prompt_tokens_details": {"cached_tokens": cached_tokens}},
         "timing": {"queued_s": round(queued_s, 4), "time_to_first_token_s": round(ttft_s, 4),
                    "total_s": round(total_s, 4),
                    "decode_tokens_per_s": round((completion_tokens - 1) / decode_s, 2)

@@ -126,6 +126,14 @@ class KVCache:
         self.values[..., previous:self.offset, :] = values
         return self.keys[..., :self.offset, :], self.values[..., :self.offset, :]
 
+    def prefix(self, length: int) -> "KVCache":
+        """A new cache holding this one's first `length` positions (the arrays are not changed:
+        the next update of either cache makes new ones)."""
+        cache = KVCache()
+        cache.keys, cache.values = self.keys[..., :length, :], self.values[..., :length, :]
+        cache.offset = length
+        return cache
+
     @property
     def nbytes(self) -> int:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
