@@ -17,7 +17,7 @@ import sys
 from .errors import UserError
 
 # In the order `--help` lists them.
-COMMANDS = ("generate", "batch", "plan", "convert", "preflight", "ping")
+COMMANDS = ("generate", "batch", "serve", "plan", "convert", "preflight", "ping")
 LOCAL = ("plan", "convert")  # single-process commands: no MPI
 
 
