@@ -20,6 +20,14 @@ CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\
 
 VOCAB_SIZE = 384
 
+# Weights drawn with std 0.2, not transformers' 0.02: logits then spread over several units (top-1
+# probability ~0.1 where uniform is 0.0026), so a wrong scale, rotation or routing moves them far
+# more than float rounding does; near-uniform logits would hide such bugs under any tolerance.
+INIT_STD = 0.2
+# original_max_position_embeddings of the tiny models with scaled RoPE (llama3, YaRN): small, so
+# that LONG_PROMPT reaches past it, where the scaling matters most.
+ROPE_WINDOW = 32
+
 
 def openblas_installed() -> bool:
     from pipeline import blas
@@ -61,12 +69,12 @@ def make_tiny_model(kind: str, folder: Path, **overrides) -> Path:
     torch.manual_seed({"llama": 0, "qwen3": 1, "qwen2": 2, "mistral": 3}.get(kind, 4))
     common = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=128, vocab_size=VOCAB_SIZE, max_position_embeddings=512,
-                  bos_token_id=None, eos_token_id=2, pad_token_id=None)
+                  bos_token_id=None, eos_token_id=2, pad_token_id=None, initializer_range=INIT_STD)
     common.update(overrides)
     if kind == "llama":
         config = transformers.LlamaConfig(**common, rope_scaling={
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64}, tie_word_embeddings=False)
+            "original_max_position_embeddings": ROPE_WINDOW}, tie_word_embeddings=False)
         model = transformers.LlamaForCausalLM(config)
     elif kind == "qwen3":
         config = transformers.Qwen3Config(**{**common, "head_dim": 32}, tie_word_embeddings=True)
@@ -96,8 +104,9 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
     return {kind: make_tiny_model(kind, root / kind) for kind in ("llama", "qwen3", "qwen2", "mistral")}
 
 
-def load_stages(folder: Path, ranges, requantize=None) -> list:
-    """One Stage per [start, end) range, as ranks would hold the model (stage 0 has the ends)."""
+def load_stages(folder: Path, ranges, requantize=None, dtype=None) -> list:
+    """One Stage per [start, end) range, as ranks would hold the model (stage 0 has the ends);
+    floats in `dtype` (float32 unless given, as `--dtype`)."""
     import mlx.core as mx
 
     from pipeline.config import ModelConfig
@@ -106,19 +115,99 @@ def load_stages(folder: Path, ranges, requantize=None) -> list:
 
     config = ModelConfig.from_folder(folder)
     checkpoint = Checkpoint(folder)
-    return [Stage.load(config, checkpoint, r, has_ends=(i == 0), dtype=mx.float32, requantize=requantize)
+    return [Stage.load(config, checkpoint, r, has_ends=(i == 0), dtype=dtype or mx.float32, requantize=requantize)
             for i, r in enumerate(ranges)]
 
 
 def forward(stages: list, token_ids: list[int]):
-    """Logits of every position: token ids through a chain of stages, in process."""
+    """Logits of every position (as float32): token ids through a chain of stages, in process."""
     import mlx.core as mx
     import numpy as np
 
     hidden = stages[0].model.embed(mx.array([token_ids]))
     for stage in stages:
         hidden = stage.run_layers(hidden)
-    return np.array(stages[0].model.logits(hidden))[0]
+    return np.array(stages[0].model.logits(hidden).astype(mx.float32))[0]
+
+
+def long_prompt(length: int = 64, seed: int = 0) -> list[int]:
+    """`length` token ids drawn at random from 3 up (0-2 are the special tokens): a prompt that
+    reaches past ROPE_WINDOW without a tokenizer."""
+    import numpy as np
+
+    return np.random.default_rng(seed).integers(3, VOCAB_SIZE, length).tolist()
+
+
+def assert_far_from_uniform(logits) -> None:
+    """The reference logits a test compares against are peaked enough for bugs to show (guards
+    INIT_STD): with transformers' default init (std 0.02) these tiny models' logits stay within
+    |0.7|, spread 0.16, top-1 probability 0.004 at every position, and any bug's effect shrinks
+    with them; with std 0.2, logits reach |7|, spread 1.6, top-1 probability ~0.1 on average."""
+    import numpy as np
+
+    logits = np.asarray(logits, dtype=np.float64)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    assert p.max(-1).mean() > 0.05, f"top-1 probability {p.max(-1).mean():.4f}: logits nearly uniform"
+    assert logits.std(-1).mean() > 1.0, f"logits' spread {logits.std(-1).mean():.3f}: nearly uniform"
+
+
+# bfloat16 (`--dtype bfloat16`) against transformers in bfloat16 (loaded with dtype=bfloat16: a
+# model `.to(bfloat16)` also rounds its RoPE frequencies, and errs twice as much), both against the
+# fp32 truth, on a 64-token prompt (logits up to |7|; bf16 keeps 8 bits). Per position, the
+# largest logit error; its median, and the positions off by more than 1 (where bf16 rounding flips
+# a MoE router's choice between near-tied experts). Measured, ours / transformers':
+#   median  llama 0.160/0.154, qwen3 0.092/0.097, qwen3-yarn 0.112/0.104, qwen2 0.178/0.157,
+#           mistral 0.169/0.157, deepseek-yarn 0.152/0.140, qwen3-moe-dense-layer 0.101/0.096,
+#           DeepSeek FP8 (hidden 192, logits up to |12|) 0.228/0.229: ratio <= 1.13
+#   positions off by more than 1: 0/0 for the dense models, deepseek-yarn 2/1, FP8 2/2
+#   ours vs transformers directly, median: 0.69-0.96x transformers' own median error
+#   top-1 agreeing with fp32's: 0.91-0.97
+# Which tokens flip is chance, and a flipped token spreads its error to later positions through
+# attention: other MoE cases measured deepseek 4/1 flips (median 1.24x), qwen3-moe 7/2 (1.8x),
+# deepseek-no-q-lora 1/2 (0.97x); the bf16 tests use the cases above, not those.
+BF16_MEDIAN_RATIO = 1.25
+BF16_EXTRA_FLIPS = 2
+BF16_DIRECT_RATIO = 1.25
+BF16_TOP1_AGREEMENT = 0.875
+
+
+def assert_bfloat16_close(ours, theirs, truth) -> None:
+    """bf16 logits: about as far from the fp32 truth as transformers' bf16 run, and close to it
+    (bounds just above the measurements above)."""
+    import numpy as np
+
+    ours_error, their_error = np.abs(ours - truth).max(-1), np.abs(theirs - truth).max(-1)
+    assert np.median(ours_error) <= BF16_MEDIAN_RATIO * np.median(their_error), \
+        (np.median(ours_error), np.median(their_error))
+    assert (ours_error > 1).sum() <= (their_error > 1).sum() + BF16_EXTRA_FLIPS, \
+        ((ours_error > 1).sum(), (their_error > 1).sum())
+    assert np.median(np.abs(ours - theirs).max(-1)) <= BF16_DIRECT_RATIO * np.median(their_error)
+    assert (ours.argmax(-1) == truth.argmax(-1)).mean() >= BF16_TOP1_AGREEMENT
+
+
+def greedy_transformers(model, prompt_ids: list[int], new_tokens: int) -> list[int]:
+    """transformers' own greedy continuation (no end-of-sequence stop)."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=new_tokens, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def greedy_ours(stage, folder: Path, prompt_ids: list[int], max_tokens: int):
+    """Our generate path (engine.generate: prefill, then the overlapped one-rank decode loop)
+    on one in-process rank; returns the Generation."""
+    from mpi4py import MPI
+
+    from pipeline.engine import generate
+    from pipeline.sampling import SamplingParams
+    from pipeline.tokenizer import Tokenizer
+    from pipeline.transport import MpiTransport
+
+    return generate(stage, MpiTransport(MPI.COMM_SELF), Tokenizer.from_folder(folder), prompt_ids,
+                    SamplingParams(), max_tokens)
 
 
 def mpiexec(n: int, *args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
