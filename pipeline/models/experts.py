@@ -18,8 +18,23 @@ class SwitchLinear(nn.Module):
         self.weight = mx.random.uniform(-scale, scale, (num_experts, out_features, in_features))
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        if self.weight.dtype != mx.float32 and mx.default_device() == mx.cpu:
+            return self._float32_on_cpu(x, indices, sorted_indices)
         return mx.gather_mm(x, self.weight.swapaxes(-1, -2), rhs_indices=indices,
                             sorted_indices=sorted_indices)
+
+    def _float32_on_cpu(self, x: mx.array, indices: mx.array, sorted_indices: bool) -> mx.array:
+        """MLX's CPU gather_mm takes float32 only (bfloat16 raises), so with `--dtype bfloat16`
+        the experts' weights are widened for the product alone: the chosen experts' matrices
+        when tokens x k is under the number of experts (decode), else the whole stack (prefill);
+        never more than one projection's experts in float32 at a time."""
+        if indices.size < self.weight.shape[0]:
+            w = self.weight[indices].astype(mx.float32)  # [*indices.shape, out, in]
+            out = x.astype(mx.float32) @ w.swapaxes(-1, -2)
+        else:
+            out = mx.gather_mm(x.astype(mx.float32), self.weight.astype(mx.float32).swapaxes(-1, -2),
+                               rhs_indices=indices, sorted_indices=sorted_indices)
+        return out.astype(x.dtype)
 
     def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine", **_) -> "QuantizedSwitchLinear":
         return QuantizedSwitchLinear.from_dense(self, group_size, bits, mode)
