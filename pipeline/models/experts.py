@@ -26,8 +26,9 @@ class SwitchLinear(nn.Module):
     def _float32_on_cpu(self, x: mx.array, indices: mx.array, sorted_indices: bool) -> mx.array:
         """MLX's CPU gather_mm takes float32 only (bfloat16 raises), so with `--dtype bfloat16`
         the experts' weights are widened for the product alone: the chosen experts' matrices
-        when tokens x k is under the number of experts (decode), else the whole stack (prefill);
-        never more than one projection's experts in float32 at a time."""
+        when tokens x k is under the number of experts (decode), else the whole stack (prefill).
+        The widened copy is transient but not small: a prefill step holds a float32 copy of a
+        projection's whole stack (for DeepSeek V3, 256 x 2048 x 7168 x 4 bytes = 15 GB)."""
         if indices.size < self.weight.shape[0]:
             w = self.weight[indices].astype(mx.float32)  # [*indices.shape, out, in]
             out = x.astype(mx.float32) @ w.swapaxes(-1, -2)
