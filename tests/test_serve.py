@@ -313,7 +313,7 @@ class Stream:
 
 @pytest.fixture(scope="module")
 def server2(env, expected):
-    """2 ranks, an API key from the environment."""
+    """2 ranks, an API key from the environment, the prefix cache on (the default)."""
     server = Server(2, env={**env, "PIPELINE_API_KEY": KEY}, key=KEY)
     yield server
     assert server.stop() == 0, server.stderr
@@ -321,7 +321,8 @@ def server2(env, expected):
 
 @pytest.fixture(scope="module")
 def server1(env, expected):
-    server = Server(1, env=env)
+    """1 rank, no prefix cache: every answer from a cold start."""
+    server = Server(1, "--prefix-cache-gb", "0", env=env)
     yield server
     assert server.stop() == 0, server.stderr
 
@@ -361,7 +362,9 @@ def test_chat_and_completions_equal_generate(ranks, request, expected):
     for stream in (False, True):
         text, finish, usage = answers(server, question, stream)
         assert text == expected["chat", question], f"{ranks} ranks, stream={stream}"
-        assert finish == "stop" and usage.prompt_tokens > 20 and usage.prompt_tokens_details.cached_tokens == 0
+        assert finish == "stop" and usage.prompt_tokens > 20
+        # asked before: from the prefix cache (on for 2 ranks, off for 1) all but its last prompt token
+        assert 0 <= usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens
         assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
         assert completes(server, stream) == (expected["completion", COMPLETION], "length")
     models = server.client.models.list().data
@@ -378,6 +381,23 @@ def test_eight_concurrent_streams_each_equal_generate(server2, expected):
     lines = [line for line in server2.stderr.splitlines() if line.startswith("[pipeline] serve: chatcmpl-")]
     assert len(lines) >= len(QUESTIONS) and all("finish stop" in line or "finish length" in line for line in lines)
     assert server2.metric("pipeline_sequences_in_flight") == 0 and time.monotonic() - start < 120
+
+
+@needs_smollm2
+def test_a_chat_turn_reuses_its_history_with_the_answer_of_a_cold_run(server1, server2, expected):
+    """The next turn of a conversation starts from the cached previous one (cached_tokens > 0) and
+    answers as a server without a prefix cache does."""
+    first = [{"role": "user", "content": QUESTIONS[0]}]
+    answer = server2.client.chat.completions.create(model="default", messages=first, max_tokens=CHAT_TOKENS)
+    assert answer.choices[0].message.content == expected["chat", QUESTIONS[0]]
+    turn = first + [{"role": "assistant", "content": answer.choices[0].message.content},
+                    {"role": "user", "content": "And of Germany?"}]
+    warm = server2.client.chat.completions.create(model="default", messages=turn, max_tokens=CHAT_TOKENS)
+    cold = server1.client.chat.completions.create(model="default", messages=turn, max_tokens=CHAT_TOKENS)
+    assert warm.usage.prompt_tokens_details.cached_tokens > answer.usage.prompt_tokens // 2
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    assert warm.choices[0].message.content == cold.choices[0].message.content
+    assert server2.metric("pipeline_prefix_cache_hit_rate") > 0
 
 
 @needs_smollm2

@@ -27,6 +27,9 @@ from .. import flags, mpi
 from ..errors import UserError
 
 STARTUP_TIMEOUT_S = 60  # for the HTTP server to start listening on its socket
+# Chats and agents re-send their history with every turn: a server keeps finished sequences'
+# caches by default (batch, whose prompts rarely share a prefix, does not).
+PREFIX_CACHE_GB = 4.0
 GRACEFUL_HTTP_S = 5  # after the scheduler stops, for responses still being written
 
 
@@ -51,6 +54,7 @@ def add_parser(commands) -> None:
                        help="the model's id in /v1/models and responses (default: the model folder's name); "
                             "requests may also name it 'default'")
     flags.add_engine_args(serve)
+    flags.add_prefix_cache_arg(serve, default_gb=PREFIX_CACHE_GB)
     serve.add_argument("--max-queue", type=int, default=256,
                        help="most requests waiting for a place beyond --max-batch; more are answered 429 with "
                             "Retry-After (default 256)")
@@ -144,7 +148,7 @@ class HTTPThread:
 
 
 def run(args: argparse.Namespace, comm) -> int:
-    from ..job import head_split, load_ring_stage, per_rank, plan_ring_job, rank_figures
+    from ..job import head_split, load_ring_stage, per_rank, plan_ring_job, prefix_cache, rank_figures
     from ..scheduler import follow, stop_followers
     from ..tokenizer import Tokenizer
     from ..trace import Timeline, summary_lines
@@ -165,7 +169,8 @@ def run(args: argparse.Namespace, comm) -> int:
         sock, tokenizer = prepared
         server = RankZero(args, job.plan, stage, job.transport, tokenizer, timeline, sock,
                           engine=dict(max_batch=args.max_batch, microbatches=job.microbatches,
-                                      group_rows=job.group_rows, head_split=head_split(args, job)))
+                                      group_rows=job.group_rows, head_split=head_split(args, job),
+                                      prefix_cache=prefix_cache(args, job)))
         comm.Barrier()
         timeline.restart()
         stats = server.serve(size)
@@ -187,7 +192,8 @@ def run(args: argparse.Namespace, comm) -> int:
               f"generated (prompts {stats.prompt_tokens} tokens) in {stats.wall_s:.1f} s; layers per rank "
               f"{','.join(str(end - start) for start, end in job.plan.ranges)}; weights "
               f"{per_rank([f[2] for f in figures])}, BLAS {per_rank([f[3] for f in figures])}, peak RSS "
-              + ", ".join(f"r{r} {f[1] / 2**20:.0f} MiB" for r, f in enumerate(figures)), file=sys.stderr)
+              + ", ".join(f"r{r} {f[1] / 2**20:.0f} MiB" for r, f in enumerate(figures)) + server.cache_label(),
+              file=sys.stderr)
         for line in summary_lines(summaries, hosts if len(set(hosts)) > 1 else None):
             print(line, file=sys.stderr)
         sys.stderr.flush()
@@ -230,6 +236,13 @@ class RankZero:
         elif now - self.first_signal > 1.0:  # not the same signal arriving twice (mpiexec and a terminal)
             print("[pipeline] serve: second signal: cancelling what is left", file=sys.stderr, flush=True)
             self.gateway.hurry()
+
+    def cache_label(self) -> str:
+        cache = self.engine["prefix_cache"]
+        if cache is None:
+            return ""
+        return (f"; prefix cache: {cache.hits} of {cache.lookups} requests reused {cache.reused_tokens} prompt tokens "
+                f"in all")
 
     def on_http_crash(self) -> None:
         self.http_failed = True
