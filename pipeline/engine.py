@@ -10,6 +10,7 @@ from typing import Callable
 import mlx.core as mx
 
 from .sampling import Sampler, SamplingParams
+from .speculative import DraftStats, NgramDrafter, verify
 from .stage import Stage, ring_forward
 from .tokenizer import StreamingDetokenizer, Tokenizer
 from .transport import Transport
@@ -25,6 +26,7 @@ class Generation:
     prompt_tokens: int
     prefill_s: float  # time to first token
     decode_s: float  # time for the remaining tokens
+    draft: DraftStats | None = None  # speculative decoding's figures, when drafting
 
     @property
     def prefill_tps(self) -> float:
@@ -39,61 +41,105 @@ class Generation:
 
 def generate(stage: Stage, transport: Transport, tokenizer: Tokenizer, prompt_ids: list[int],
              sampling: SamplingParams, max_tokens: int, stop: list[str] = (),
-             on_text: Callable[[str], None] = lambda text: None) -> Generation:
+             on_text: Callable[[str], None] = lambda text: None, drafter: NgramDrafter | None = None) -> Generation:
+    """drafter: speculative decoding (speculative.py): each trip round the ring checks its drafts."""
     model = stage.model
     sampler = Sampler(sampling)
     detokenizer = StreamingDetokenizer(tokenizer, stop_strings=list(stop))
     history = list(prompt_ids)
     context = model.config.max_position_embeddings
     max_tokens = min(max_tokens, context - len(prompt_ids))
+    tokens: list[int] = []
+    finish_reason = "length"
+    first_token_at = None
+
+    def take(token: int) -> bool:
+        """A new token for the output; True once the generation is over."""
+        nonlocal finish_reason, first_token_at
+        if first_token_at is None:
+            first_token_at = time.perf_counter()
+        if token in tokenizer.eos_token_ids:
+            finish_reason = "stop"
+            return True
+        tokens.append(token)
+        history.append(token)
+        on_text(detokenizer.add(token))
+        if detokenizer.stopped:
+            finish_reason = "stop"
+            return True
+        return len(tokens) >= max_tokens
 
     def next_logits(token_ids: list[int]) -> mx.array:
         hidden = model.embed(mx.array([token_ids]))
         hidden = ring_forward(stage, transport, hidden)
         return model.logits(hidden[:, -1, :])[0]
 
-    # On one rank, without a repetition penalty (which needs each token in hand), the next step
-    # is built and started before this token is read, as mlx-lm does: Python building its graph
-    # overlaps the CPU computing this one. Same tokens; at the end one step is computed unused.
-    overlap = transport.size == 1 and sampling.repetition_penalty == 1.0
-
-    def following_token(token: mx.array) -> mx.array:
-        hidden = stage.run_layers(model.embed(token.reshape(1, 1)), evaluate=False, last_only=True)
-        return sampler.lazy(model.logits(hidden[:, -1, :])[0])
-
     start = time.perf_counter()
     for chunk_start in range(0, len(prompt_ids), PREFILL_CHUNK):
         logits = next_logits(prompt_ids[chunk_start:chunk_start + PREFILL_CHUNK])
-    tokens: list[int] = []
-    finish_reason = "length"
-    first_token_at = None
-    pending = sampler.lazy(logits) if overlap else None
-    while len(tokens) < max_tokens:
-        if overlap:
-            following = None
-            if len(tokens) + 1 < max_tokens:
-                following = following_token(pending)
-                mx.async_eval(following)
-            token = int(pending.item())
-            pending = following
+    draft = None
+    if max_tokens > 0:
+        if drafter is not None:
+            draft = _speculate(stage, transport, sampler, drafter, sampler(logits, history), history, take,
+                               room=lambda: min(max_tokens - len(tokens), context - len(history)))
+        elif transport.size == 1 and sampling.repetition_penalty == 1.0:
+            _overlapped(stage, sampler, logits, take, more=lambda: len(tokens) + 1 < max_tokens)
         else:
-            token = sampler(logits, history)
-        if first_token_at is None:
-            first_token_at = time.perf_counter()
-        if token in tokenizer.eos_token_ids:
-            finish_reason = "stop"
-            break
-        tokens.append(token)
-        history.append(token)
-        on_text(detokenizer.add(token))
-        if detokenizer.stopped:
-            finish_reason = "stop"
-            break
-        if len(tokens) < max_tokens and not overlap:
-            logits = next_logits([token])
+            while not take(sampler(logits, history)):
+                logits = next_logits([history[-1]])
     if not detokenizer.stopped:
         on_text(detokenizer.finish())
     end = time.perf_counter()
     first_token_at = first_token_at or end
     return Generation(detokenizer.text, tokens, finish_reason, len(prompt_ids),
-                      prefill_s=first_token_at - start, decode_s=end - first_token_at)
+                      prefill_s=first_token_at - start, decode_s=end - first_token_at, draft=draft)
+
+
+def _overlapped(stage: Stage, sampler: Sampler, logits: mx.array, take: Callable[[int], bool],
+                more: Callable[[], bool]) -> None:
+    """One rank, without a repetition penalty (which needs each token in hand): the next step is
+    built and started before this token is read, as mlx-lm does, so Python building its graph
+    overlaps the CPU computing this one. Same tokens; at the end one step is computed unused.
+    more(): whether a token after the pending one may still be wanted."""
+    model = stage.model
+    pending = sampler.lazy(logits)
+    while True:
+        following = None
+        if more():
+            hidden = stage.run_layers(model.embed(pending.reshape(1, 1)), evaluate=False, last_only=True)
+            following = sampler.lazy(model.logits(hidden[:, -1, :])[0])
+            mx.async_eval(following)
+        if take(int(pending.item())) or following is None:
+            return
+        pending = following
+
+
+def _speculate(stage: Stage, transport: Transport, sampler: Sampler, drafter: NgramDrafter, token: int,
+               history: list[int], take: Callable[[int], bool], room: Callable[[], int]) -> DraftStats:
+    """Decode with drafts: each trip runs the last token and its drafts, keeps the drafts the
+    model agrees with and its own next token, and tells every rank to drop the rest from its
+    caches with the next trip (rewind)."""
+    model = stage.model
+    stats = DraftStats()
+    rewind = 0
+    while not take(token):
+        # Room for r more tokens: r - 1 drafts at most (the model adds one), and their positions in the cache.
+        drafts = drafter.propose(history, room() - 1)
+        hidden = ring_forward(stage, transport, model.embed(mx.array([[token, *drafts]])),
+                              all_positions=bool(drafts), rewind=rewind)
+        stats.trips += 1
+        if not drafts:
+            token, rewind = sampler(model.logits(hidden[:, -1, :])[0], history), 0
+            stats.tokens += 1
+            continue
+        accepted, following = verify(sampler, model.logits(hidden[0]), drafts, history)
+        drafter.observe(len(drafts), accepted)
+        stats.drafted += len(drafts)
+        stats.accepted += accepted
+        stats.tokens += accepted + 1
+        rewind = len(drafts) - accepted
+        for draft in drafts[:accepted]:
+            if take(draft):
+                return stats
+        token = following
+    return stats

@@ -70,6 +70,21 @@ def add_cluster_args(parser: argparse.ArgumentParser, transports: bool = True) -
                              "for a peer (default 300; 0 turns it off)")
 
 
+def add_draft_args(parser: argparse.ArgumentParser) -> None:
+    """Speculative decoding (speculative.py)."""
+    from .speculative import DRAFT_CHOICES, MAX_DRAFT_TOKENS
+
+    parser.add_argument("--draft", choices=DRAFT_CHOICES, default="none",
+                        help="speculative decoding: draft tokens and check them in one trip round the ring; "
+                             "ngram: continue the latest earlier match of the last tokens (prompt lookup; best "
+                             "when the answer repeats the prompt: summaries, edits, code). Greedy output is "
+                             "the same as without (default none)")
+    parser.add_argument("--draft-tokens", type=int, default=4, metavar="K",
+                        help=f"most tokens drafted per trip, 1 to {MAX_DRAFT_TOKENS} (default 4)")
+    parser.add_argument("--ngram-max", type=int, default=3, metavar="N",
+                        help="longest suffix --draft ngram looks up (default 3)")
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """How the scheduler (batch and serve) spreads its sequences over the ring."""
     parser.add_argument("--max-batch", type=int, default=32,
@@ -150,3 +165,12 @@ def validated_engine_args(args: argparse.Namespace) -> None:
     gb = getattr(args, "prefix_cache_gb", 0.0)
     if not (finite(gb, "--prefix-cache-gb") >= 0):
         raise UserError(f"--prefix-cache-gb must be >= 0 (0 turns it off), got {gb:g}")
+
+
+def validated_draft_args(args: argparse.Namespace) -> None:
+    from .speculative import MAX_DRAFT_TOKENS
+
+    if not 1 <= args.draft_tokens <= MAX_DRAFT_TOKENS:
+        raise UserError(f"--draft-tokens must be from 1 to {MAX_DRAFT_TOKENS}, got {args.draft_tokens}")
+    if args.ngram_max < 1:
+        raise UserError(f"--ngram-max must be >= 1, got {args.ngram_max}")

@@ -85,6 +85,24 @@ class Sampler:
             return int(mx.random.categorical(logits, key=step_key).item())
         return int(mx.random.categorical(logits).item())
 
+    # -- for speculative rejection sampling (speculative.verify): draws from the same key chain
+
+    def _next_key(self) -> mx.array | None:
+        if self._key is None:
+            return None
+        self._key, step_key = mx.random.split(self._key)
+        return step_key
+
+    def probabilities(self, logits: mx.array, history: list[int]) -> mx.array:
+        """The distribution the next token is drawn from (temperature > 0)."""
+        return mx.softmax(self.processed_logits(logits, history), axis=-1)
+
+    def uniform(self) -> float:
+        return mx.random.uniform(key=self._next_key()).item()
+
+    def draw(self, probs: mx.array) -> int:
+        return int(mx.random.categorical(mx.log(probs), key=self._next_key()).item())
+
     def processed_logits(self, logits: mx.array, history: list[int]) -> mx.array:
         """The logits sampling draws from: penalised, tempered, and -inf outside top-k/top-p/min-p."""
         p = self.params

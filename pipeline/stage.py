@@ -57,6 +57,13 @@ class Stage:
         for s in seq_ids:
             self.caches.pop(s, None)
 
+    def rewind(self, seq_ids: list[int], positions: int) -> None:
+        """Drop the last `positions` positions of these sequences' caches (rejected drafts)."""
+        if positions:
+            for s in seq_ids:
+                for cache in self.caches[s]:
+                    cache.offset -= positions
+
     def fork(self, new_ids: list[int], kept_ids: list[int], lengths: list[int]) -> None:
         """Start each new sequence from the first `length` positions of a kept one (prefix cache)."""
         for new, kept, length in zip(new_ids, kept_ids, lengths):
@@ -79,13 +86,15 @@ class Stage:
 
 
 def ring_forward(stage: Stage, transport: Transport, hidden: mx.array, seq_ids: list[int] = (0,),
-                 lengths: list[int] | None = None) -> mx.array:
+                 lengths: list[int] | None = None, all_positions: bool = False, rewind: int = 0) -> mx.array:
     """Rank 0: run packed hidden states through every stage of the ring and get back each
-    sequence's last position."""
+    sequence's last position (all_positions: every position). rewind: drop that many positions
+    from the end of the sequences' caches first, on every rank (rejected speculative drafts)."""
     lengths = [hidden.shape[1]] if lengths is None else lengths
-    hidden = stage.run_layers(hidden, seq_ids, lengths, last_only=True)
+    stage.rewind(seq_ids, rewind)
+    hidden = stage.run_layers(hidden, seq_ids, lengths, last_only=not all_positions)
     if transport.size > 1:
-        transport.send_message(1, Kind.FORWARD, seq_ids, lengths, hidden)
+        transport.send_message(1, Kind.FORWARD, seq_ids, lengths, hidden, all_positions=all_positions, rewind=rewind)
         hidden = transport.recv_message(transport.size - 1).hidden
     return hidden
 
@@ -103,8 +112,11 @@ def serve(stage: Stage, transport: Transport) -> None:
     while True:
         message = transport.recv_message(prev)
         if message.kind == Kind.FORWARD:
-            hidden = stage.run_layers(message.hidden, message.seq_ids, message.lengths, last_only=True)
-            transport.send_message(nxt, Kind.FORWARD, message.seq_ids, message.lengths, hidden)
+            stage.rewind(message.seq_ids, message.rewind)
+            hidden = stage.run_layers(message.hidden, message.seq_ids, message.lengths,
+                                      last_only=not message.all_positions)
+            transport.send_message(nxt, Kind.FORWARD, message.seq_ids, message.lengths, hidden,
+                                   all_positions=message.all_positions, rewind=message.rewind)
             continue
         if message.kind == Kind.RELEASE:
             stage.release(message.seq_ids)

@@ -35,12 +35,14 @@ class Message(NamedTuple):
     hidden: mx.array | None  # FORWARD: [1, sum(lengths), hidden]
     head_share: int = 0  # FORWARD from rank 0 (batch): LM head columns the last rank computes (head_share.py)
     idle_us: int = 0  # FORWARD back to rank 0 (batch): how long the last rank waited for this one, in us
+    all_positions: bool = False  # FORWARD (speculative verification): the final layer returns every position
+    rewind: int = 0  # FORWARD: positions to drop from the end of the sequence's caches first (rejected drafts)
 
 
 # Wire dtypes: numpy has no bfloat16, so it travels as its raw uint16 bits.
 _WIRE = {mx.float32: (0, np.float32), mx.float16: (1, np.float16), mx.bfloat16: (2, np.uint16)}
 _FROM_CODE = {code: (mx_dtype, np_dtype) for mx_dtype, (code, np_dtype) in _WIRE.items()}
-_HEADER_LEN = 10  # kind, number of sequences, dtype code, ndim, up to 4 dims, head_share, idle_us
+_HEADER_LEN = 12  # kind, number of sequences, dtype code, ndim, up to 4 dims, head_share, idle_us, all_positions, rewind
 _INLINE_SEQS = 28  # layouts of up to this many sequences ride in the header: one message less per hop
 _HEADER_BYTES = (_HEADER_LEN + 2 * _INLINE_SEQS) * 8
 
@@ -73,11 +75,12 @@ class Transport(ABC):
         """Fill `buf` with the next message from `source`."""
 
     def send_message(self, dest: int, kind: Kind, seq_ids: list[int] = (), lengths: list[int] = (),
-                     hidden: mx.array | None = None, head_share: int = 0, idle_us: int = 0) -> None:
+                     hidden: mx.array | None = None, head_share: int = 0, idle_us: int = 0,
+                     all_positions: bool = False, rewind: int = 0) -> None:
         """Header, then (if any sequences) their ids and lengths, then (FORWARD) the payload."""
         header = np.zeros(_HEADER_LEN + 2 * _INLINE_SEQS, dtype=np.int64)
         header[0], header[1] = kind, len(seq_ids)
-        header[8], header[9] = head_share, idle_us
+        header[8], header[9], header[10], header[11] = head_share, idle_us, all_positions, rewind
         if hidden is not None:
             header[2], _ = _WIRE[hidden.dtype]
             header[3] = hidden.ndim
@@ -110,7 +113,8 @@ class Transport(ABC):
             time.sleep(0.0005)
 
     def isend_message(self, dest: int, kind: Kind, seq_ids: list[int] = (), lengths: list[int] = (),
-                      hidden: mx.array | None = None, head_share: int = 0, idle_us: int = 0) -> "PendingSend":
+                      hidden: mx.array | None = None, head_share: int = 0, idle_us: int = 0,
+                      all_positions: bool = False, rewind: int = 0) -> "PendingSend":
         """`send_message` without waiting for the receiver, so a rank with several messages in
         flight (the batch schedule) never blocks in a send while its peer blocks sending to it.
         Same framing: each buffer `send_message` would `send` is `isend` instead (a payload a
@@ -118,7 +122,7 @@ class Transport(ABC):
         pending = PendingSend(self, dest)
         self.send = lambda buf, to: pending.add(self.isend(buf, to), buf)  # shadows the method
         try:
-            self.send_message(dest, kind, seq_ids, lengths, hidden, head_share, idle_us)
+            self.send_message(dest, kind, seq_ids, lengths, hidden, head_share, idle_us, all_positions, rewind)
         finally:
             del self.send
         return pending
@@ -154,7 +158,8 @@ class Transport(ABC):
                 hidden = _from_wire(inbox[_HEADER_BYTES:_HEADER_BYTES + nbytes].view(np_dtype).reshape(shape), mx_dtype)
             else:
                 hidden = self.recv_hidden(shape, mx_dtype, source)
-        return Message(kind, seq_ids, lengths, hidden, int(header[8]), int(header[9]))
+        return Message(kind, seq_ids, lengths, hidden, int(header[8]), int(header[9]), bool(header[10]),
+                       int(header[11]))
 
     def send_hidden(self, hidden: mx.array, dest: int) -> None:
         """The payload of a FORWARD message (a transport may carry it on another channel)."""

@@ -16,6 +16,7 @@ def add_parser(commands) -> None:
     gen.add_argument("--prompt", required=True, help="the user message (or raw text with --no-chat-template)")
     flags.add_model_arg(gen)
     flags.add_sampling_args(gen)
+    flags.add_draft_args(gen)
     gen.add_argument("--system", default=None, help="system message for the chat template")
     gen.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     flags.add_weights_args(gen)
@@ -29,10 +30,13 @@ def add_parser(commands) -> None:
 def validate(args: argparse.Namespace) -> None:
     flags.validated_generation_args(args)
     flags.validated_cluster_args(args)
+    flags.validated_draft_args(args)
 
 
 def run(args: argparse.Namespace, comm) -> int:
+    from .. import blas
     from ..engine import generate
+    from ..speculative import make_drafter
     from ..job import load_stage, make_transport, plan_job, rank_figures
     from ..stage import serve, stop_ring
     from ..tokenizer import Tokenizer
@@ -67,8 +71,9 @@ def run(args: argparse.Namespace, comm) -> int:
             sys.stdout.flush()
 
         try:
-            result = generate(stage, transport, tokenizer, prompt_ids, args.sampling,
-                              args.max_tokens, stop=args.stop, on_text=write)
+            result = generate(stage, transport, tokenizer, prompt_ids, args.sampling, args.max_tokens,
+                              stop=args.stop, on_text=write,
+                              drafter=make_drafter(args.draft, args.draft_tokens, args.ngram_max))
         finally:
             stop_ring(transport)
         write("\n")
@@ -76,8 +81,8 @@ def run(args: argparse.Namespace, comm) -> int:
         serve(stage, transport)
         result = None
 
-    figures = comm.gather(rank_figures(stage, stage.weight_nbytes + stage.cache_nbytes, stage.kv_bytes_per_token),
-                          root=0)
+    figures = comm.gather(rank_figures(stage, stage.weight_nbytes + stage.cache_nbytes, stage.kv_bytes_per_token,
+                                       blas.invariant_rows()), root=0)
     if rank == 0:
         print(stats_line(result, figures), file=sys.stderr, flush=True)
     return 0
@@ -91,7 +96,12 @@ def stats_line(result, figures: list[tuple]) -> str:
     # Peak RSS beside the bytes each rank owns (weights + KV cache): the overhead of the runtime.
     peaks = ", ".join(f"r{rank} {m[1] / 2**20:.0f} MiB (owns {m[4] / 2**20:.0f})" for rank, m in enumerate(figures))
     peaks += f", KV {sum(m[5] for m in figures) / 1024:.1f} KiB/token"
+    draft = ""
+    if result.draft is not None:
+        # Exact where every rank's products are batch-invariant (the BLAS shim); else within float rounding.
+        exact = "exact" if all(m[6] for m in figures) else "within float rounding (no batch-invariant BLAS kernel)"
+        draft = f"; speculative: {result.draft.describe()}, {exact}"
     return (f"[pipeline] prompt {result.prompt_tokens} tokens, prefill {result.prefill_tps:.1f} tok/s, "
             f"decode {result.decode_tps:.1f} tok/s ({len(result.tokens)} tokens, {result.finish_reason}), "
             f"TTFT {result.prefill_s:.3f} s, peak RSS {peaks}, weights {per_rank([m[2] for m in figures])}, "
-            f"BLAS {per_rank([m[3] for m in figures])}")
+            f"BLAS {per_rank([m[3] for m in figures])}{draft}")

@@ -199,10 +199,12 @@ class Attention(nn.Module):
         v = v.transpose(1, 0, 2)
         outputs = []
         for i, ((begin, end), cache) in enumerate(zip(segments(lengths), caches)):
+            cached = cache.offset
             ks, vs = cache.update_and_fetch(k[None, :, begin:end], v[None, :, begin:end])
-            qs = q[None, :, i:i + 1] if last_only else q[None, :, begin:end]
-            out = mx.fast.scaled_dot_product_attention(qs, ks, vs, scale=self.scale,
-                                                       mask=causal_mask(qs.shape[2]))
+            if last_only:  # the last query alone, over every key
+                out = mx.fast.scaled_dot_product_attention(q[None, :, i:i + 1], ks, vs, scale=self.scale)
+            else:
+                out = attend(q[None, :, begin:end], ks, vs, self.scale, cached)
             outputs.append(out[0])  # [heads, t, head_dim]: back to token-major once, for all
         out = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=1)
         return self.o_proj(out.transpose(1, 0, 2).reshape(1, out.shape[1], -1))
@@ -226,6 +228,25 @@ def segments(lengths: list[int]) -> list[tuple[int, int]]:
         bounds.append((begin, begin + n))
         begin += n
     return bounds
+
+
+# A few new tokens appended to a sequence's cache (a speculative draft being verified) are attended
+# one query at a time, each over the keys up to its own position: the very computation that
+# decoding them one by one does, so verifying never changes a result. Attention over the whole
+# chunk at once with a causal mask sums over a longer, masked row, which rounds differently.
+EXACT_POSITIONS_MAX = 16
+
+
+def attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float, cached: int) -> mx.array:
+    """Attention of the t new tokens' queries [1, heads, t, d] over a sequence's keys and values
+    [1, kv heads, cached + t, d] (the cache before this step held `cached` positions)."""
+    t = queries.shape[2]
+    if t == 1 or cached == 0 or t > EXACT_POSITIONS_MAX:
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=causal_mask(t))
+    return mx.concatenate([
+        mx.fast.scaled_dot_product_attention(queries[:, :, j:j + 1], keys[:, :, :cached + j + 1],
+                                             values[:, :, :cached + j + 1], scale=scale)
+        for j in range(t)], axis=2)
 
 
 def causal_mask(num_new_tokens: int):

@@ -23,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..config import ModelConfig
-from .base import MLP, KVCache, PreNormBlock, RoPE, causal_mask, last_indices, positions, segments, yarn_mscale
+from .base import MLP, KVCache, PreNormBlock, RoPE, attend, last_indices, positions, segments, yarn_mscale
 from .experts import SwitchGLU
 
 
@@ -108,11 +108,14 @@ class MultiHeadLatentAttention(nn.Module):
         outputs = []
         for i, ((begin, end), cache) in enumerate(zip(segments(lengths), caches)):
             qb, qe = (i, i + 1) if last_only else (begin, end)
+            cached = cache.offset
             cached_latent, cached_rope = cache.update_and_fetch(latent[None, None, begin:end], k_rope[None, None, begin:end])
             queries = mx.concatenate([q_latent[None, :, qb:qe], q_rope[None, :, qb:qe]], axis=-1)
             keys = mx.concatenate([cached_latent, cached_rope], axis=-1)  # one "head" shared by all
-            out = mx.fast.scaled_dot_product_attention(queries, keys, cached_latent, scale=self.scale,
-                                                       mask=causal_mask(qe - qb))
+            if last_only:  # the last query alone, over every key
+                out = mx.fast.scaled_dot_product_attention(queries, keys, cached_latent, scale=self.scale)
+            else:
+                out = attend(queries, keys, cached_latent, self.scale, cached)
             outputs.append(out[0])  # [heads, t, latent]
         out = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=1)
         out = out @ self.w_uv.swapaxes(-1, -2)  # [heads, queries, v]: W_uv absorbed into the output

@@ -1,0 +1,128 @@
+"""Speculative decoding: guess the next few tokens cheaply, check them all in one trip round the ring.
+
+One stream visits the stages in turn, so each new token costs a full trip. Rank 0 instead sends
+its last token and K drafted ones as one chunk; every rank runs them through its layers (for a
+dense model about the same weight reads as one token), and rank 0 keeps the longest prefix of the
+drafts the model agrees with, plus the model's own next token: 1 to K+1 tokens per trip. The
+rejected positions are dropped from every rank's caches before the next chunk.
+
+Exact: the K+1 positions round as they do one at a time (products through the batch-invariant
+BLAS kernel, each query attended alone: models/base.attend), so greedy output is the same with or
+without drafts. Sampling uses speculative rejection sampling (Leviathan et al. 2023; a draft that
+is one token with certainty, q = 1, is accepted with probability p(draft), and on rejection the
+next token is drawn from p with the draft removed), so the output distribution is the model's.
+
+Drafts:
+- `NgramDrafter` (prompt lookup): the continuation of the most recent earlier occurrence of the
+  longest suffix (n = ngram_max down to 1) of prompt + output. Free to compute, and right often on
+  what people do with long prompts: summarize, edit, quote, repeat. When it keeps being wrong it
+  backs off, so an open question costs nearly nothing over plain decoding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from .sampling import Sampler
+
+DRAFT_CHOICES = ("none", "ngram")
+MAX_DRAFT_TOKENS = 15  # K + 1 verified positions stay within models.base.EXACT_POSITIONS_MAX
+
+
+@dataclass
+class DraftStats:
+    drafted: int = 0
+    accepted: int = 0
+    trips: int = 0  # decode trips round the ring
+    tokens: int = 0  # tokens those trips produced
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_trip(self) -> float:
+        return self.tokens / self.trips if self.trips else 0.0
+
+    def describe(self) -> str:
+        return (f"drafted {self.drafted}, accepted {self.accepted} ({100 * self.acceptance:.0f}%), "
+                f"{self.tokens_per_trip:.2f} tokens per trip")
+
+
+class NgramDrafter:
+    """Prompt-lookup drafts from the sequence's own tokens, with an index per n-gram length so a
+    step costs O(ngram_max), not a scan of the history."""
+
+    MISSES_BEFORE_BACKOFF = 2
+    MAX_BACKOFF = 32
+
+    def __init__(self, draft_tokens: int, ngram_max: int = 3):
+        self.k, self.ngram_max = draft_tokens, ngram_max
+        self.tokens: list[int] = []
+        self.indexed = 0  # n-grams ending before this position are in `last_seen`
+        self.last_seen = [dict() for _ in range(ngram_max + 1)]  # [n]: n-gram -> position just after it
+        self.misses = 0  # drafting rounds in a row with nothing accepted
+        self.skip = 0  # steps left without drafting
+
+    def propose(self, history: list[int], limit: int) -> list[int]:
+        """Up to min(K, limit) tokens expected after `history` (which only ever grows)."""
+        self.tokens = history
+        if self.skip:
+            self.skip -= 1
+            return []
+        # Index every n-gram that ends before the last token (the suffix itself is what we look up).
+        while self.indexed < len(history) - 1:
+            end = self.indexed + 1
+            for n in range(1, self.ngram_max + 1):
+                if end >= n:
+                    self.last_seen[n][tuple(history[end - n:end])] = end
+            self.indexed = end
+        k = min(self.k, limit)
+        if k <= 0:
+            return []
+        for n in range(min(self.ngram_max, len(history) - 1), 0, -1):
+            after = self.last_seen[n].get(tuple(history[-n:]))
+            if after is not None:
+                return history[after:after + k]
+        return []
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        if not drafted:
+            return
+        if accepted:
+            self.misses = 0
+            return
+        self.misses += 1
+        if self.misses >= self.MISSES_BEFORE_BACKOFF:
+            self.skip = min(2 ** (self.misses - self.MISSES_BEFORE_BACKOFF), self.MAX_BACKOFF)
+
+
+def make_drafter(kind: str, draft_tokens: int, ngram_max: int):
+    return NgramDrafter(draft_tokens, ngram_max) if kind == "ngram" else None
+
+
+def verify(sampler: Sampler, logits: mx.array, drafts: list[int], history: list[int]) -> tuple[int, int]:
+    """logits: [len(drafts) + 1, vocab], the model's at the last token and at each draft.
+    Returns (drafts accepted, the next token after them)."""
+    if sampler.greedy:
+        best = mx.argmax(logits, axis=-1).tolist()  # one op, one read for all positions
+        accepted = 0
+        while accepted < len(drafts) and best[accepted] == drafts[accepted]:
+            accepted += 1
+        return accepted, best[accepted]
+    if sampler.params.temperature == 0:  # greedy with a repetition penalty: it depends on each draft taken
+        for j, draft in enumerate(drafts):
+            token = sampler(logits[j], history + drafts[:j])
+            if token != draft:
+                return j, token
+        return len(drafts), sampler(logits[len(drafts)], history + drafts)
+    for j, draft in enumerate(drafts):
+        probs = sampler.probabilities(logits[j], history + drafts[:j])
+        if sampler.uniform() < probs[draft].item():
+            continue
+        # Rejected: draw from the model's distribution with the draft taken out, renormalised.
+        rest = mx.where(mx.arange(probs.shape[-1]) == draft, 0.0, probs)
+        return j, sampler.draw(rest / rest.sum())
+    return len(drafts), sampler.draw(sampler.probabilities(logits[len(drafts)], history + drafts))

@@ -1,0 +1,139 @@
+"""Speculative decoding: greedy output with drafts is the same as without, on 1, 2 and 3 ranks;
+rejected drafts leave every cache as if they had never been seen; rejection sampling keeps the
+model's distribution; prompt-lookup drafts and their back-off."""
+
+from __future__ import annotations
+
+import re
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from conftest import load_stages, mpiexec
+from pipeline.engine import generate
+from pipeline.sampling import Sampler, SamplingParams
+from pipeline.speculative import NgramDrafter, verify
+from pipeline.tokenizer import Tokenizer
+
+REPEAT = ("Repeat this sentence exactly: the quick brown fox jumps over the lazy dog near the river bank. "
+          "The quick brown fox")
+
+
+def run(stage, folder, prompt_ids, max_tokens, drafter=None, sampling=SamplingParams()):
+    from mpi4py import MPI
+
+    from pipeline.transport import MpiTransport
+
+    stage.release([0])
+    tokenizer = Tokenizer.from_folder(folder)
+    tokenizer.eos_token_ids = set()  # a random model says end-of-text early; decode the full length
+    result = generate(stage, MpiTransport(MPI.COMM_SELF), tokenizer, prompt_ids, sampling, max_tokens, drafter=drafter)
+    caches = [(np.array(c.keys[..., :c.offset, :]), np.array(c.values[..., :c.offset, :])) for c in stage.caches[0]]
+    return result, caches
+
+
+class Oracle:
+    """Drafts from a known continuation: right for the first `right` tokens of each draft, then wrong."""
+
+    def __init__(self, continuation: list[int], prompt_len: int, k: int, right: int):
+        self.continuation, self.prompt_len, self.k, self.right = continuation, prompt_len, k, right
+
+    def propose(self, history, limit):
+        done = len(history) - self.prompt_len
+        drafts = self.continuation[done:done + min(self.k, limit)]
+        return [t if i < self.right else (t + 1) % 384 for i, t in enumerate(drafts)]
+
+    def observe(self, drafted, accepted):
+        pass
+
+
+@pytest.mark.parametrize("right", [4, 2, 0])
+def test_drafts_right_or_wrong_give_the_same_tokens_and_caches(tiny_models, right):
+    """All drafts right (every trip accepts 4 + 1), half right, all wrong: the tokens are plain
+    greedy decoding's, and the caches hold exactly the positions plain decoding computed, bit for bit."""
+    folder = tiny_models["llama"]
+    (stage,) = load_stages(folder, [(0, 4)])
+    prompt = Tokenizer.from_folder(folder).prompt_ids(REPEAT, use_chat_template=False)
+    plain, plain_caches = run(stage, folder, prompt, 40)
+    assert len(plain.tokens) == 40 and len(set(plain.tokens)) >= 8
+    drafted, caches = run(stage, folder, prompt, 40, Oracle(plain.tokens, len(prompt), 4, right))
+    assert drafted.tokens == plain.tokens
+    stats = drafted.draft
+    if right == 4:
+        assert stats.accepted == stats.drafted > 0 and stats.trips <= 40 // 5 + 1
+    elif right == 2:
+        assert 0 < stats.accepted < stats.drafted
+    else:
+        assert stats.accepted == 0 and stats.drafted > 0
+    assert len(caches) == len(plain_caches)
+    for (k, v), (pk, pv) in zip(caches, plain_caches):
+        assert k.shape == pk.shape and np.array_equal(k, pk) and np.array_equal(v, pv)
+
+
+def test_ngram_drafts_accept_on_a_repeating_prompt(tiny_models):
+    folder = tiny_models["llama"]
+    (stage,) = load_stages(folder, [(0, 4)])
+    tokenizer = Tokenizer.from_folder(folder)
+    prompt = tokenizer.prompt_ids(" ".join([REPEAT] * 3), use_chat_template=False)
+    plain, _ = run(stage, folder, prompt, 48)
+    drafted, _ = run(stage, folder, prompt, 48, NgramDrafter(4, 3))
+    assert drafted.tokens == plain.tokens
+    assert drafted.draft.drafted > 0
+
+
+def test_ngram_drafter_looks_up_the_longest_suffix_and_backs_off():
+    d = NgramDrafter(draft_tokens=3, ngram_max=3)
+    history = [1, 2, 3, 4, 5, 9, 2, 3]
+    assert d.propose(history, 10) == [4, 5, 9]  # "2 3" seen before, followed by 4 5 9
+    history = [1, 2, 3, 4, 5, 9, 7, 2, 3, 4, 8, 2, 3, 4]
+    assert d.propose(history, 10) == [8, 2, 3]  # the most recent "2 3 4" wins
+    assert d.propose(history, 1) == [8]
+    assert d.propose([5, 6, 7], 10) == []  # nothing seen twice
+    d = NgramDrafter(draft_tokens=3, ngram_max=2)
+    for _ in range(NgramDrafter.MISSES_BEFORE_BACKOFF):
+        d.observe(3, 0)
+    assert d.propose([1, 2, 1], 5) == []  # backing off
+    d.skip = 0
+    assert d.propose([1, 2, 1], 5) == [2, 1]
+    d.observe(3, 1)
+    assert d.misses == 0
+
+
+def test_rejection_sampling_keeps_the_models_distribution():
+    """The first token out of a verify step is distributed as the model's p, whatever the draft
+    (chi-square over 4000 seeded draws, a wrong-looking draft and the most likely one)."""
+    logits = mx.array([2.0, 1.0, 0.5, 0.0, -1.0, 1.5])
+    p = np.array(mx.softmax(logits))
+    for draft in (4, 0):
+        counts = np.zeros(len(p))
+        for seed in range(4000):
+            sampler = Sampler(SamplingParams(temperature=1.0, seed=seed))
+            accepted, following = verify(sampler, mx.stack([logits, logits]), [draft], [])
+            counts[draft if accepted else following] += 1
+        expected = p * counts.sum()
+        chi2 = ((counts - expected) ** 2 / expected).sum()
+        assert chi2 < 20.5, (draft, counts, expected)  # 5 degrees of freedom: p = 0.001
+
+
+def test_seeded_sampling_with_drafts_is_reproducible(tiny_models):
+    folder = tiny_models["llama"]
+    (stage,) = load_stages(folder, [(0, 4)])
+    prompt = Tokenizer.from_folder(folder).prompt_ids(" ".join([REPEAT] * 2), use_chat_template=False)
+    sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=11)
+    a, _ = run(stage, folder, prompt, 32, NgramDrafter(4, 3), sampling)
+    b, _ = run(stage, folder, prompt, 32, NgramDrafter(4, 3), sampling)
+    assert a.tokens == b.tokens
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_generate_with_ngram_drafts_equals_plain_on_every_rank_count(tiny_models, ranks):
+    folder = str(tiny_models["llama"])
+    args = ("generate", "--model", folder, "--no-chat-template", "--prompt", " ".join([REPEAT] * 3),
+            "--max-tokens", "48")
+    plain = mpiexec(ranks, *args, "--draft", "none")
+    drafted = mpiexec(ranks, *args, "--draft", "ngram", "--draft-tokens", "5")
+    assert plain.returncode == 0 and drafted.returncode == 0, plain.stderr + drafted.stderr
+    assert drafted.stdout == plain.stdout
+    stats = re.search(r"speculative: drafted (\d+), accepted (\d+) .*tokens per trip, exact", drafted.stderr)
+    assert stats and int(stats.group(1)) > 0, drafted.stderr
