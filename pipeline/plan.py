@@ -507,6 +507,8 @@ class ClusterPlan:
     batch_tps: float
     one_host_tps: float  # the whole model read at one host's bandwidth
     even_split: tuple[list[int], float] | None = None  # (counts, batch tok/s) if an even split also fits
+    speculative: list[tuple[int, str, float]] | None = None  # (drafts K, how drafted, single-stream tok/s)
+    draft_acceptance: float = 0.0
 
     @property
     def fits(self) -> bool | None:
@@ -515,8 +517,11 @@ class ClusterPlan:
 
 
 def plan_cluster(config: ModelConfig, hosts: int, precision: Precision, hardware: Hardware,
-                 context: int | None = None, batch: int | None = None) -> ClusterPlan:
-    """context: tokens per sequence for the KV cache (default: 8192, or the model's context if shorter)."""
+                 context: int | None = None, batch: int | None = None, draft_tokens: list[int] = (),
+                 draft_acceptance: float = 0.0) -> ClusterPlan:
+    """context: tokens per sequence for the KV cache (default: 8192, or the model's context if shorter).
+    draft_tokens, draft_acceptance: also predict single-stream speculative decoding with K drafts
+    for each K (prompt lookup, drafting free; and the model's MTP module where it has one)."""
     arch = architecture(config)
     mb = model_bytes(arch, precision)
     context = min(8192, config.max_position_embeddings) if context is None else context
@@ -537,6 +542,12 @@ def plan_cluster(config: ModelConfig, hosts: int, precision: Precision, hardware
     plan = ClusterPlan(arch, precision, hardware, count_params(arch), mb, ranks, context, batch,
                        [1e3 * times.stage(r, 1) for r in range(hosts)], times.single_stream(),
                        times.batch(batch), one_host.single_stream())
+    if draft_tokens:
+        plan.draft_acceptance = draft_acceptance
+        plan.speculative = [(k, "ngram", times.speculative(k, draft_acceptance)) for k in draft_tokens]
+        if arch.unused:  # an MTP module: drafting costs its reads
+            plan.speculative += [(k, "mtp", times.speculative(k, draft_acceptance, times.mtp_seconds(k)))
+                                 for k in draft_tokens]
     if hardware.memory_gib and len(set(hardware.memory_gib)) > 1:
         even = layer_counts(mb, hosts)
         even_ranks = _rank_plans(arch, mb, precision, hardware, even, context, batch)
@@ -566,12 +577,14 @@ class _Timing:
         n = len(ranges)
         self.bandwidth = hardware.bandwidth_gbs if len(hardware.bandwidth_gbs) == n else hardware.bandwidth_gbs[:1] * n
 
-    def stage(self, r: int, m: int) -> float:
-        """Seconds for rank r to run one decode step of m tokens (one per sequence)."""
+    def stage(self, r: int, m: int, sequences: int | None = None) -> float:
+        """Seconds for rank r to run one decode step of m tokens of `sequences` sequences (default:
+        one token each; a speculative chunk is m tokens of one sequence, which reads its cache once)."""
         start, end = self.ranges[r]
+        sequences = m if sequences is None else sequences
         read = 0.0
         for i in range(start, end):
-            read += self.mb.fixed_read[i] + m * self.kv_per_layer_seq
+            read += self.mb.fixed_read[i] + sequences * self.kv_per_layer_seq
             e = self.mb.experts[i]
             if e:
                 k = min(self.arch.top_k, e)
@@ -595,6 +608,24 @@ class _Timing:
 
     def single_stream(self) -> float:
         return 1 / (sum(self.stage(r, 1) for r in range(len(self.ranges))) + self.hops * self.hop(1))
+
+    def speculative(self, drafts: int, acceptance: float, draft_seconds: float = 0.0) -> float:
+        """Single-stream tok/s when each trip checks `drafts` drafted tokens, each accepted with
+        probability `acceptance` once the ones before it were: (1 - a^(K+1)) / (1 - a) tokens per
+        trip, the trip reading the experts its K+1 positions choose; draft_seconds: the drafting
+        itself (the MTP module, on rank 0), per trip."""
+        a, k = acceptance, drafts
+        tokens = k + 1 if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
+        trip = sum(self.stage(r, k + 1, sequences=1) for r in range(len(self.ranges))) + self.hops * self.hop(k + 1)
+        return tokens / (trip + draft_seconds)
+
+    def mtp_seconds(self, drafts: int) -> float:
+        """Rank 0 running the MTP module (one more decoder layer shaped like the last, plus the
+        head) once per drafted token."""
+        last = len(self.mb.layers) - 1
+        e = self.mb.experts[last]
+        read = self.mb.fixed_read[last] + self.mb.head_read + (min(self.arch.top_k, e) * self.mb.expert_bytes[last] if e else 0)
+        return drafts * read / (self.bandwidth[0] * 1e9)
 
     def batch(self, b: int) -> float:
         n = len(self.ranges)
@@ -686,6 +717,11 @@ def format_plan(plan: ClusterPlan, title: str) -> str:
             f"{hw.link_gbs:g} GB/s" if hops else "")
     lines.append(f"decode roofline: single stream {plan.single_tps:.1f} tok/s (stage times in turn{link}); "
                  f"batch {plan.batch}: {plan.batch_tps:.1f} tok/s (stages overlap; slowest stage bounds it)")
+    for k, how, tps in plan.speculative or ():
+        drafting = "MTP module on rank 0" if how == "mtp" else "prompt lookup, drafting free"
+        lines.append(f"  speculative, {k} draft{'s' if k > 1 else ''} ({drafting}), acceptance "
+                     f"{100 * plan.draft_acceptance:.0f}%: single stream {tps:.1f} tok/s "
+                     f"({tps / plan.single_tps:.2f}x; the {k + 1} verified positions read more experts)")
     lines.append(f"  for scale: one host holding the whole model at {max(hw.bandwidth_gbs):g} GB/s would reach "
                  f"{plan.one_host_tps:.1f} tok/s single stream; a pipeline's single stream cannot beat that")
     if plan.even_split:
@@ -721,7 +757,14 @@ def run_plan(args: argparse.Namespace) -> int:
     )
     precision = Precision(checkpoint_format(config), args.dtype, args.quantize, args.group_size,
                           dense=getattr(args, "weights_in_memory", "quantized") == "fp32")
-    plan = plan_cluster(config, hosts, precision, hardware, args.context, args.batch)
+    acceptance = getattr(args, "draft_acceptance", None)
+    if acceptance is not None and not 0 <= acceptance <= 1:
+        raise UserError(f"--draft-acceptance must be in [0, 1], got {acceptance}")
+    drafts = getattr(args, "draft_tokens", None) or ([1, 2] if acceptance is not None else [])
+    if any(not 1 <= k <= 15 for k in drafts):
+        raise UserError(f"--draft-tokens must be from 1 to 15, got {drafts}")
+    plan = plan_cluster(config, hosts, precision, hardware, args.context, args.batch, drafts,
+                        0.0 if acceptance is None else acceptance)
     title = Path(str(args.model)).name.removesuffix(".json") or str(args.model)
     print(format_plan(plan, title), flush=True)
     if plan.fits is False:

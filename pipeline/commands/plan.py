@@ -41,6 +41,11 @@ def add_parser(commands) -> None:
     plan.add_argument("--tflops", default=None,
                       help="compute per host in TFLOPS (one value or one per host) to cap large batches; "
                            "default: not modelled")
+    plan.add_argument("--draft-acceptance", type=float, default=None, metavar="A",
+                      help="also predict single-stream speculative decoding (generate --draft) with this chance that "
+                           "each drafted token is accepted, e.g. 0.85")
+    plan.add_argument("--draft-tokens", type=int, action="append", default=None, metavar="K",
+                      help="drafted tokens per trip for that prediction; repeat for several (default: 1 and 2)")
     plan.add_argument("--reserve-gb", type=float, default=0.0,
                       help="GiB per host to keep free for the OS and activations when judging the fit (default 0)")
 
