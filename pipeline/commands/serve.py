@@ -241,8 +241,7 @@ class RankZero:
         cache = self.engine["prefix_cache"]
         if cache is None:
             return ""
-        return (f"; prefix cache: {cache.hits} of {cache.lookups} requests reused {cache.reused_tokens} prompt tokens "
-                f"in all")
+        return f"; prefix cache: {cache.hits} of {cache.lookups} requests hit, {cache.reused_tokens} prompt tokens reused"
 
     def on_http_crash(self) -> None:
         self.http_failed = True
