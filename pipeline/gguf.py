@@ -70,7 +70,9 @@ TOKEN_TYPE_USER_DEFINED = 4
 # Pre-tokenizer split regexes by `tokenizer.ggml.pre`, the same table transformers uses when it
 # loads a GGUF tokenizer (transformers/integrations/gguf/gguf_tokenizer_mapping.py), so that our
 # tokenizer.json encodes exactly as `AutoTokenizer.from_pretrained(..., gguf_file=...)` does.
-# Names not listed here (e.g. "default", "gpt2", "smollm") use GPT-2's own ByteLevel regex.
+# A tuple is a sequence of splits, applied in turn as llama.cpp's regex lists are (llama-vocab.cpp).
+# GPT2_REGEX_NAMES use GPT-2's own ByteLevel regex; any other name is refused, since a wrong split
+# silently changes how prompts tokenize.
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -101,9 +103,25 @@ PRE_TOKENIZER_SPLITS = {
     ),
     **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"], _QWEN2_SPLIT),
     "qwen35": _QWEN35_SPLIT,
+    # DeepSeek V3/R1 (llama.cpp's LLAMA_VOCAB_PRE_TYPE_DEEPSEEK3_LLM, as in their tokenizer.json):
+    # digit groups of up to three, runs of CJK ideographs and kana, then the rest.
+    "deepseek-v3": (
+        r"\p{N}{1,3}",
+        "[一-龥぀-ゟ゠-ヿ]+",
+        r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+        r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    ),
+    # Kimi K2: Moonshot's tiktoken pattern (Han runs apart, o200k-style words; tokenizer.py's
+    # _KIMI_PAT_STR, looked up when used), which llama.cpp's custom K2 splitter implements too; its
+    # class intersections (&&) run in the tokenizers library's regex engine.
+    "kimi-k2": "kimi",
     "tekken": _TEKKEN_SPLIT,
     **dict.fromkeys(["gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"], _GPT4O_SPLIT),
 }
+
+
+GPT2_REGEX_NAMES = (None, "default", "gpt2", "gpt-2", "smollm", "mpt", "olmo", "jais", "trillion", "granite-docling",
+                    "phi-2")
 
 
 class OutputExistsError(UserError):
@@ -514,7 +532,7 @@ def build_tokenizer(meta: dict[str, Any], gguf_path: Path | str = "GGUF"):
     if not tokens:
         raise UserError(f"{gguf_path}: the GGUF has no tokenizer vocabulary (tokenizer.ggml.tokens)")
     if model == "gpt2":
-        tokenizer = _byte_level_bpe(meta)
+        tokenizer = _byte_level_bpe(meta, gguf_path)
         spelled = _byte_level_alphabet()
     elif model == "llama":
         tokenizer = _sentencepiece_bpe(meta)
@@ -575,7 +593,7 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(printable, map(chr, chars)))
 
 
-def _byte_level_bpe(meta: dict[str, Any]):
+def _byte_level_bpe(meta: dict[str, Any], gguf_path: Path | str = "GGUF"):
     """GPT-2 style byte-level BPE (tokenizer.ggml.model == "gpt2")."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
@@ -590,12 +608,20 @@ def _byte_level_bpe(meta: dict[str, Any]):
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, unk_token=None,
                                      continuing_subword_prefix="", end_of_word_suffix="",
                                      fuse_unk=False, byte_fallback=False))
-    split = PRE_TOKENIZER_SPLITS.get(meta.get("tokenizer.ggml.pre"))
+    pre = meta.get("tokenizer.ggml.pre")
+    split = PRE_TOKENIZER_SPLITS.get(pre)
+    if split is None and pre not in GPT2_REGEX_NAMES:
+        known = sorted(set(PRE_TOKENIZER_SPLITS) | {n for n in GPT2_REGEX_NAMES if n})
+        raise UserError(f"{gguf_path}: the GGUF's pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not implemented, so "
+                        f"its prompts would tokenize wrongly; implemented: {', '.join(known)}")
     if split is None:
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     else:
+        if pre == "kimi-k2":
+            from .tokenizer import _KIMI_PAT_STR as split
+        splits = (split,) if isinstance(split, str) else split
         tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            *(pre_tokenizers.Split(Regex(s), behavior="isolated") for s in splits),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ])
     tokenizer.decoder = decoders.ByteLevel()
@@ -669,3 +695,41 @@ def build_generation_config(meta: dict[str, Any]) -> dict[str, Any]:
     if _token_id(meta, "padding_token_id") is not None:
         config["pad_token_id"] = _token_id(meta, "padding_token_id")
     return config
+
+
+# ----------------------------------------------------------------------------------------------
+# The tokenizer of a GGUF read in place (no tokenizer files on disk)
+
+
+class InMemoryTokenizerBackend:
+    """tokenizer.py's backend interface (encode, decode, token_to_id, vocab_size) over a
+    `tokenizers.Tokenizer` built from GGUF metadata."""
+
+    def __init__(self, tokenizer):
+        self._tok = tokenizer
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+
+def tokenizer_settings(gguf_path: Path) -> tuple[InMemoryTokenizerBackend, dict[str, Any]]:
+    """(backend, keyword arguments of tokenizer.Tokenizer) for a GGUF file: what the tokenizer.json,
+    tokenizer_config.json, config.json and generation_config.json of its conversion would give."""
+    from .gguf_file import open_gguf
+
+    meta = open_gguf(gguf_path).metadata
+    backend = InMemoryTokenizerBackend(build_tokenizer(meta, gguf_path))
+    tokenizer_config = build_tokenizer_config(meta)
+    special = {key: tokenizer_config[key] for key in ("bos_token", "eos_token", "unk_token", "pad_token")
+               if tokenizer_config.get(key) is not None}
+    eos = build_generation_config(meta)["eos_token_id"]
+    return backend, {"name": str(gguf_path), "chat_template": meta.get("tokenizer.chat_template"),
+                     "special_tokens": special, "add_bos_token": tokenizer_config["add_bos_token"],
+                     "extra_eos_ids": tuple(eos)}

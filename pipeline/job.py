@@ -23,7 +23,7 @@ from .partition import LAYER_OVERHEAD_BYTES, balanced_counts, check_ranks, layer
 from .stage import Stage
 from .transport import MlxTransport, MpiTransport
 from .weights import (Checkpoint, available_memory_bytes, choose_dense, head_nbytes_in_memory, is_quantized,
-                      layer_nbytes, layer_nbytes_in_memory)
+                      layer_nbytes, layer_nbytes_in_memory, open_checkpoint)
 
 if TYPE_CHECKING:
     from .plan import MemoryPlan
@@ -70,9 +70,9 @@ def plan_job(args: argparse.Namespace, comm, last_rank_head: float = 0.0) -> Pla
     # Collective, so before anything that can fail on one rank only.
     memory = comm.allgather((socket.gethostname(), available_memory_bytes())) if mode == "auto" else None
     folder = resolve_model_folder(args.model, comm)
-    config = ModelConfig.from_folder(folder)
+    checkpoint = open_checkpoint(folder, getattr(args, "requantize", None))
+    config = checkpoint.model_config()
     family_for(config)
-    checkpoint = Checkpoint(folder)
     ranks, layers = comm.Get_size(), config.num_hidden_layers
     host_memory = None
     if getattr(args, "host_memory", None):

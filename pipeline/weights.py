@@ -87,6 +87,15 @@ class Checkpoint:
             raise UserError(f"no *.safetensors weights in {self.folder}")
         return {path: None for path in found}
 
+    def model_config(self):
+        """The model's architecture (config.json)."""
+        from .config import ModelConfig
+
+        return ModelConfig.from_folder(self.folder)
+
+    def loaded(self, names: list[str]) -> None:
+        """Called once a rank has loaded `names` (a GGUF reports what it re-quantized)."""
+
     def read(self, name: str) -> mx.array:
         info = self.tensors[name]
         np_dtype, mx_dtype = _DTYPES[info.dtype]
@@ -99,6 +108,19 @@ class Checkpoint:
         if info.dtype == "BF16":
             return array.view(mx.bfloat16)  # the bytes were read as uint16
         return array.astype(mx_dtype) if array.dtype != mx_dtype else array
+
+
+def open_checkpoint(model: Path, requantize: Requantize | None = None) -> Checkpoint:
+    """The checkpoint `--model` names: a Hugging Face-layout folder, or a GGUF file (the first of a
+    split set) read in place. `requantize` (--quantize, --group-size) also chooses the MLX layout
+    of GGUF tensor types that MLX cannot hold exactly."""
+    from .gguf_file import is_gguf
+
+    if is_gguf(model):
+        from .gguf_checkpoint import GGUFCheckpoint
+
+        return GGUFCheckpoint(model, requantize and requantize.bits, requantize.group_size if requantize else 64)
+    return Checkpoint(model)
 
 
 def _read_header(path: Path) -> dict[str, TensorInfo]:
@@ -214,6 +236,7 @@ def load_slice(model: nn.Module, checkpoint: Checkpoint, dtype: mx.Dtype,
     finally:
         mx.set_cache_limit(cache_limit)
     bar.close()
+    checkpoint.loaded(names)
     if model.head_rows:
         _keep_head_rows(weights, model.head_rows, _head_prefix(model.config).removeprefix("model."))
     try:
@@ -251,6 +274,8 @@ def _quantize_like(model: nn.Module, weights: dict[str, mx.array]) -> None:
             raise ValueError(f"{path}.weight is packed as {packed} uint32 with {scales.shape[-1]} scales per row, "
                              f"which no MLX quantization of {in_features} inputs (from config.json) gives")
         settings[path] = {"group_size": group_size, "bits": bits}
+        if path + ".biases" not in weights and scales.dtype == mx.uint8:
+            settings[path]["mode"] = "mxfp4"  # e8m0 scales, no biases (a GGUF's MXFP4 tensors)
     if settings:
         nn.quantize(model, class_predicate=lambda path, _: settings.get(path, False))
 

@@ -1,0 +1,426 @@
+"""A GGUF file (or split set) as a `Checkpoint`: the tensors a model folder would hold, under the same
+Hugging Face names, read from the GGUF in place, each rank only its own.
+
+The index is built from the header alone (gguf_file.py): llama.cpp's tensor names map to the names
+our modules load (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`), and a
+quantized tensor appears as the three arrays MLX quantization holds (`.weight` packed, `.scales`,
+`.biases`), in the layout quants.py maps it to: exactly where MLX can carry its values, re-quantized
+otherwise. Reading one of the three decodes the GGUF tensor once, in row chunks, from its byte range.
+
+What llama.cpp's converter changed from the Hugging Face checkpoint is undone here:
+- Llama-architecture q/k rows are permuted for llama.cpp's rope (LlamaModel.permute): unpermuted.
+- DeepSeek/Kimi MLA's kv_b_proj is stored split and the key half transposed (attn_k_b [heads,
+  latent, nope], attn_v_b [heads, v, latent]; files converted before that keep attn_kv_b): rebuilt
+  as one float kv_b_proj, which the model splits again into its absorbed halves at load.
+- Experts are stacked per projection (ffn_gate_exps [experts, out, in]): exactly the
+  `switch_mlp` tensors our MoE layers hold.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import quants
+from .errors import UserError
+from .gguf_file import GGUFModel, GGUFTensor, open_gguf
+from .weights import Checkpoint
+
+# llama.cpp's per-layer tensor names -> the module path inside `model.layers.{i}`.
+LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.switch_mlp.gate_proj",
+    "ffn_up_exps": "mlp.switch_mlp.up_proj",
+    "ffn_down_exps": "mlp.switch_mlp.down_proj",
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",
+}
+GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER = re.compile(r"^blk\.(\d+)\.(.+)\.(weight|bias)$")
+# Matrices whose modules hold plain float weights (DeepSeek's router is a parameter, not a Linear).
+_FLOAT_ONLY = ("ffn_gate_inp",)
+
+# GGUF architecture -> our model_type
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
+                 "deepseek2": "deepseek_v3"}
+GATING_SIGMOID = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID (1 is softmax)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One array of the index: what a model folder would hold under this name, and how to get it
+    from the GGUF."""
+    dtype: str  # safetensors-style: "U32", "U8", "F32", "F16", "BF16"
+    shape: tuple[int, ...]
+    source: tuple[GGUFTensor, ...]  # the GGUF tensor(s) it comes from
+    how: str  # "float", "dequantized", "exact", "requantized", "mla_kv_b"
+    part: str = "weight"  # of an MLX-quantized triple: "weight", "scales", "biases"
+    layout: quants.Layout | None = None
+    unpermute_heads: int = 0  # Llama q/k: undo llama.cpp's row permutation over this many heads
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * {"U32": 4, "U8": 1, "F32": 4, "F16": 2, "BF16": 2, "F64": 8}.get(self.dtype, 4)
+
+
+def hf_name(gguf_name: str) -> tuple[int | None, str] | None:
+    """(layer, Hugging Face name) of a llama.cpp tensor name, or None if we hold no such tensor."""
+    base, _, suffix = gguf_name.rpartition(".")
+    if base in GLOBAL_NAMES and suffix in ("weight", "bias"):
+        return None, f"{GLOBAL_NAMES[base]}.{suffix}"
+    m = _LAYER.match(gguf_name)
+    if not m:
+        return None
+    layer, kind, suffix = int(m.group(1)), m.group(2), m.group(3)
+    if kind == "exp_probs_b":  # DeepSeek V3's router correction bias
+        return layer, f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
+    if kind in LAYER_NAMES:
+        return layer, f"model.layers.{layer}.{LAYER_NAMES[kind]}.{suffix}"
+    return None
+
+
+class GGUFCheckpoint(Checkpoint):
+    """A GGUF model as a Checkpoint (see the module docstring). `requantize_bits`/`group_size`: the
+    MLX layout for types that cannot map exactly (--quantize / --group-size; None: 8 bits for
+    6-bit sources, 4 for the rest)."""
+
+    def __init__(self, path: Path | str, requantize_bits: int | None = None, group_size: int = 64,
+                 model: GGUFModel | None = None):
+        self.gguf = model or open_gguf(path)
+        self.folder = self.gguf.path  # what error messages name
+        self.files = {part: None for part in self.gguf.parts}
+        self.requantize_bits, self.group_size = requantize_bits, group_size
+        self.config_dict = build_config(self.gguf)
+        self.tensors: dict[str, Entry] = {}
+        self._pending: dict[str, Any] = {}  # the other arrays of a triple already decoded
+        self._requantized: list[tuple[str, str, int, int, float, float]] = []  # what loaded() reports
+        self._index()
+
+    # -- the index ---------------------------------------------------------------------------------------------
+
+    def _index(self) -> None:
+        g, config = self.gguf, self.config_dict
+        layers = config["num_hidden_layers"]
+        unpermute = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]} \
+            if g.architecture == "llama" else {}
+        split_mla: dict[int, dict[str, GGUFTensor]] = {}
+        for tensor in g.tensors.values():
+            m = _LAYER.match(tensor.name)
+            if m and int(m.group(1)) >= layers:
+                continue  # e.g. a multi-token-prediction layer past the last one we run
+            if m and m.group(2) in ("attn_k_b", "attn_v_b"):
+                split_mla.setdefault(int(m.group(1)), {})[m.group(2)] = tensor
+                continue
+            named = hf_name(tensor.name)
+            if named is None:
+                raise UserError(f"{g.path}: tensor {tensor.name} is not one pipeline knows for the {g.architecture} "
+                                "architecture; this GGUF layout is not supported")
+            kind = m.group(2) if m else tensor.name.rpartition(".")[0]
+            self._add(named[1], tensor, unpermute.get(kind, 0), float_only=kind in _FLOAT_ONLY)
+        for layer, pair in sorted(split_mla.items()):
+            if set(pair) != {"attn_k_b", "attn_v_b"}:
+                raise UserError(f"{g.path}: layer {layer} has {', '.join(pair)} without its other half "
+                                "(attn_k_b and attn_v_b come together): the file is incomplete")
+            k_b, v_b = pair["attn_k_b"], pair["attn_v_b"]  # [heads, latent, nope], [heads, v, latent]
+            heads, latent, nope = k_b.shape
+            v_dim = v_b.shape[1]
+            self.tensors[f"model.layers.{layer}.self_attn.kv_b_proj.weight"] = Entry(
+                "F32", (heads * (nope + v_dim), latent), (k_b, v_b), "mla_kv_b")
+
+    def _add(self, name: str, tensor: GGUFTensor, unpermute_heads: int, float_only: bool) -> None:
+        t = tensor.ggml_type
+        if t not in quants.SUPPORTED and t not in quants.INTEGERS:
+            raise UserError(f"{self.gguf.path}: tensor {tensor.name} has GGML type {t}, which pipeline cannot read "
+                            f"(supported: {', '.join(quants.SUPPORTED)})")
+        lay = quants.layout(t, tensor.cols, self.requantize_bits, self.group_size)
+        if lay.kind == "float" or float_only or len(tensor.shape) < 2 or not name.endswith(".weight"):
+            if lay.kind == "float":
+                dtype = {"F64": "F32"}.get(t, t if t in quants.FLOATS else "F32")
+                self.tensors[name] = Entry(dtype, tensor.shape, (tensor,), "float", unpermute_heads=unpermute_heads)
+            else:
+                self.tensors[name] = Entry("F32", tensor.shape, (tensor,), "dequantized", unpermute_heads=unpermute_heads)
+            return
+        if tensor.cols % lay.group_size:
+            raise UserError(f"{self.gguf.path}: tensor {tensor.name} has rows of {tensor.cols} values, which MLX "
+                            f"cannot quantize in groups of {lay.group_size}")
+        module = name.removesuffix(".weight")
+        for part, (shape, dtype) in quants.packed_shapes(tensor.shape[:-1], tensor.cols, lay).items():
+            self.tensors[f"{module}.{part}"] = Entry(dtype, shape, (tensor,), lay.kind, part, lay, unpermute_heads)
+
+    # -- reading -----------------------------------------------------------------------------------------------
+
+    def model_config(self):
+        from .config import ModelConfig
+
+        return ModelConfig.from_dict(self.config_dict)
+
+    def read(self, name: str):
+        import mlx.core as mx
+
+        if name in self._pending:
+            return self._pending.pop(name)
+        entry = self.tensors[name]
+        if entry.how in ("exact", "requantized"):
+            module = name.rsplit(".", 1)[0]
+            arrays = self._read_quantized(entry)
+            for part, array in arrays.items():
+                if part != entry.part and f"{module}.{part}" in self.tensors:
+                    self._pending[f"{module}.{part}"] = array
+            return arrays[entry.part]
+        if entry.how == "mla_kv_b":
+            k_b, v_b = (self._read_float(t) for t in entry.source)
+            heads, latent, nope = k_b.shape
+            kv_b = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1)  # [heads, nope + v, latent]
+            return mx.array(np.ascontiguousarray(kv_b.reshape(-1, latent)))
+        tensor = entry.source[0]
+        if entry.how == "dequantized":
+            array = self._read_float(tensor)
+        else:
+            array = np.frombuffer(self._read_bytes(tensor, 0, tensor.rows), dtype=(quants.FLOATS | quants.INTEGERS)
+                                  [tensor.ggml_type]).reshape(tensor.shape)
+            if tensor.ggml_type == "F64":
+                array = array.astype(np.float32)
+        if entry.unpermute_heads:
+            array = unpermute_rows(array, entry.unpermute_heads)
+        result = mx.array(array)
+        return result.view(mx.bfloat16) if tensor.ggml_type == "BF16" else result
+
+    def _read_bytes(self, tensor: GGUFTensor, row: int, rows: int) -> np.ndarray:
+        """Rows [row, row + rows) of `tensor` as raw bytes, uint8 [rows, bytes per row]."""
+        row_bytes = tensor.nbytes // tensor.rows
+        buffer = np.empty((rows, row_bytes), np.uint8)
+        with open(tensor.file, "rb") as f:
+            f.seek(tensor.begin + row * row_bytes)
+            got = f.readinto(memoryview(buffer).cast("B"))
+        if got != buffer.nbytes:
+            raise UserError(f"{tensor.file} is truncated or corrupt (tensor {tensor.name}): download it again")
+        return buffer
+
+    def _chunks(self, tensor: GGUFTensor):
+        step = max(1, quants.CHUNK_VALUES // tensor.cols)
+        for row in range(0, tensor.rows, step):
+            yield row, self._read_bytes(tensor, row, min(step, tensor.rows - row))
+
+    def _read_float(self, tensor: GGUFTensor) -> np.ndarray:
+        """A whole tensor as float32 in its numpy shape (any type: floats, or the gguf package's dequantizer)."""
+        t = tensor.ggml_type
+        if t in quants.FLOATS:
+            raw = self._read_bytes(tensor, 0, tensor.rows)
+            if t == "BF16":
+                out = (raw.view("<u2").astype(np.uint32) << np.uint32(16)).view(np.float32)
+            else:
+                out = raw.view(quants.FLOATS[t]).astype(np.float32)
+            return out.reshape(tensor.shape)
+        out = np.empty((tensor.rows, tensor.cols), np.float32)
+        for row, raw in self._chunks(tensor):
+            out[row:row + len(raw)] = quants.dequantize(raw, t)
+        return out.reshape(tensor.shape)
+
+    def _read_quantized(self, entry: Entry) -> dict:
+        """The MLX triple (or mxfp4 pair) of a quantized GGUF tensor, decoded chunk by chunk."""
+        import mlx.core as mx
+
+        tensor, lay = entry.source[0], entry.layout
+        parts: dict[str, list] = {"weight": [], "scales": [], "biases": []}
+        worst = largest = 0.0
+        for _, raw in self._chunks(tensor):
+            if entry.how == "exact":
+                w, s, b = quants.decode_exact(raw, tensor.ggml_type)
+                w, s, b = mx.array(w), mx.array(s), None if b is None else mx.array(b)
+            else:
+                w, s, b, error, top = quants.requantize(raw, tensor.ggml_type, lay.bits, lay.group_size)
+                worst, largest = max(worst, error), max(largest, top)
+            for part, array in (("weight", w), ("scales", s), ("biases", b)):
+                if array is not None:
+                    parts[part].append(array)
+        lead = tensor.shape[:-1]
+        arrays = {}
+        for part, chunks in parts.items():
+            if not chunks:
+                continue
+            array = chunks[0] if len(chunks) == 1 else mx.concatenate(chunks)
+            if entry.unpermute_heads:
+                array = unpermute_rows(array, entry.unpermute_heads)
+            arrays[part] = array.reshape(*lead, array.shape[-1])
+        mx.eval(list(arrays.values()))
+        if entry.how == "requantized":
+            self._requantized.append((tensor.name, tensor.ggml_type, lay.bits, lay.group_size, worst, largest))
+        return arrays
+
+    def loaded(self, names: list[str]) -> None:
+        """After a rank's load: one line on stderr naming the tensors re-quantized and the error."""
+        self._pending.clear()
+        if not self._requantized:
+            return
+        by_kind: dict[tuple[str, int, int], list[str]] = {}
+        for gguf_name, ggml_type, bits, group, _, _ in self._requantized:
+            by_kind.setdefault((ggml_type, bits, group), []).append(gguf_name.removesuffix(".weight"))
+        worst = max(self._requantized, key=lambda r: r[4] / (r[5] or 1))
+        kinds = "; ".join(f"{t} -> {b}-bit group {g}: {summarize_names(names)}" for (t, b, g), names in by_kind.items())
+        print(f"note: re-quantized {len(self._requantized)} GGUF tensor{'s' * (len(self._requantized) > 1)} MLX cannot "
+              f"hold exactly ({kinds}); largest error {worst[4]:.3g} ({100 * worst[4] / (worst[5] or 1):.2f}% of that "
+              f"tensor's largest |weight|, {worst[0]}); --quantize sets the bits", file=sys.stderr, flush=True)
+        self._requantized.clear()
+
+    @property
+    def requantized_report(self) -> list[tuple[str, str, int, int, float, float]]:
+        """(GGUF name, type, bits, group, max |error|, max |weight|) of tensors re-quantized so far."""
+        return list(self._requantized)
+
+
+def summarize_names(names: list[str]) -> str:
+    """['blk.0.ffn_down', 'blk.1.ffn_down', 'output'] -> 'blk.0-1.ffn_down, output'."""
+    groups: dict[str, list[int]] = {}
+    for name in names:
+        m = re.match(r"^blk\.(\d+)\.(.+)$", name)
+        key, layer = (m.group(2), int(m.group(1))) if m else (name, -1)
+        groups.setdefault(key, []).append(layer)
+    parts = []
+    for key, layers in groups.items():
+        real = sorted(l for l in layers if l >= 0)
+        if not real:
+            parts.append(key)
+        elif len(real) == 1:
+            parts.append(f"blk.{real[0]}.{key}")
+        elif real == list(range(real[0], real[-1] + 1)):
+            parts.append(f"blk.{real[0]}-{real[-1]}.{key}")
+        else:
+            parts.append(f"blk.{{{','.join(map(str, real))}}}.{key}")
+    return ", ".join(parts)
+
+
+def unpermute_rows(a, n_heads: int):
+    """Undo llama.cpp's q/k row permutation (convert_hf_to_gguf.py LlamaModel.permute:
+    `w.reshape(n_heads, 2, head_dim // 2, ...).swapaxes(1, 2)`). Only rows move, so this works the
+    same on float weights, packed rows, scales, biases and bias vectors (numpy or mx arrays)."""
+    rows = a.shape[0]
+    return a.reshape(n_heads, rows // n_heads // 2, 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+
+
+# ---- config.json from the metadata -----------------------------------------------------------------------------
+
+def build_config(g: GGUFModel) -> dict[str, Any]:
+    """The Hugging Face config.json this GGUF's metadata and tensor shapes describe."""
+    from .gguf import _float32, _rope_scaling
+
+    meta, arch, path = g.metadata, g.architecture, g.path
+    if arch not in ARCHITECTURES:
+        raise UserError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
+
+    def need(key: str):
+        if f"{arch}.{key}" not in meta:
+            raise UserError(f"{path}: GGUF metadata lacks {arch}.{key}; the file is incomplete or not a {arch} model")
+        return meta[f"{arch}.{key}"]
+
+    def get(key: str, default=None):
+        return meta.get(f"{arch}.{key}", default)
+
+    if "rope_freqs.weight" in g.tensors:
+        raise UserError(f"{path}: llama3-style rope scaling (a rope_freqs.weight tensor) is not supported; "
+                        "use the original Hugging Face model folder instead")
+    embedding = g.tensors.get("token_embd.weight")
+    if embedding is None:
+        raise UserError(f"{path}: no token_embd.weight tensor; the file is incomplete")
+    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    layers = int(need("block_count"))
+    model_type = ARCHITECTURES[arch]
+    name = f"{meta.get('general.name', '')} {meta.get('general.basename', '')}".lower()
+    if arch == "llama" and "mistral" in name:
+        model_type = "mistral"
+    config: dict[str, Any] = {
+        "model_type": model_type,
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "head_dim": int(get("attention.key_length", hidden // heads)),
+        "intermediate_size": int(get("feed_forward_length", 0) or 0),
+        "hidden_act": "silu",
+        "rms_norm_eps": _float32(need("attention.layer_norm_rms_epsilon")),
+        "rope_theta": _float32(get("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(need("context_length")),
+        "vocab_size": int(embedding.shape[0]),
+        "tie_word_embeddings": "output.weight" not in g.tensors,
+        "attention_bias": "blk.0.attn_q.bias" in g.tensors,
+        "torch_dtype": "float32",
+    }
+    if model_type == "mistral":
+        config["sliding_window"] = None
+    for key, meta_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                          ("pad_token_id", "padding_token_id")):
+        if f"tokenizer.ggml.{meta_key}" in meta:
+            config[key] = int(meta[f"tokenizer.ggml.{meta_key}"])
+    rope_scaling = _rope_scaling(meta, arch, path)
+    if arch == "qwen3moe":
+        config.update(num_experts=int(need("expert_count")), num_experts_per_tok=int(need("expert_used_count")),
+                      moe_intermediate_size=int(need("expert_feed_forward_length")),
+                      # llama.cpp's qwen3moe graph always renormalises the chosen experts' weights
+                      norm_topk_prob=True, decoder_sparse_step=1,
+                      mlp_only_layers=[i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in g.tensors])
+    if arch == "deepseek2":
+        rope = int(need("rope.dimension_count"))
+        # Files converted since llama.cpp split kv_b (MLA as MQA) keep the per-head sizes in *_mla keys;
+        # older ones in key_length / value_length.
+        key_length = int(get("attention.key_length_mla") or need("attention.key_length"))
+        v_dim = int(get("attention.value_length_mla") or need("attention.value_length"))
+        q_lora = int(get("attention.q_lora_rank", 0) or 0)
+        pre = meta.get("tokenizer.ggml.pre")
+        config.update(
+            model_type="kimi_k2" if pre == "kimi-k2" else "deepseek_v3",
+            num_key_value_heads=heads, head_dim=key_length,
+            q_lora_rank=q_lora or None, kv_lora_rank=int(need("attention.kv_lora_rank")),
+            qk_rope_head_dim=rope, qk_nope_head_dim=key_length - rope, v_head_dim=v_dim,
+            n_routed_experts=int(get("expert_count", 0) or 0) or None,
+            num_experts_per_tok=int(get("expert_used_count", 0) or 0),
+            moe_intermediate_size=int(get("expert_feed_forward_length", 0) or 0),
+            n_shared_experts=int(get("expert_shared_count", 0) or 0),
+            first_k_dense_replace=int(get("leading_dense_block_count", 0) or 0), moe_layer_freq=1,
+            routed_scaling_factor=_float32(get("expert_weights_scale", 1.0)),
+            # As llama.cpp reads these: no expert_weights_norm key means no renormalisation, and no
+            # gating function key means softmax (DeepSeek V2's files predate the key).
+            norm_topk_prob=bool(get("expert_weights_norm", False)),
+            scoring_func="sigmoid" if int(get("expert_gating_func", 1) or 1) == GATING_SIGMOID else "softmax",
+            n_group=int(get("expert_group_count", 1) or 1), topk_group=int(get("expert_group_used_count", 1) or 1),
+            rope_interleave=True, attention_bias=False)
+        if rope_scaling and rope_scaling["rope_type"] == "yarn":
+            # convert_hf_to_gguf writes yarn_log_multiplier = 0.1 * mscale_all_dim; DeepSeek V3 and
+            # Kimi K2 set mscale = mscale_all_dim, which llama.cpp's graph assumes too.
+            log_mul = get("rope.scaling.yarn_log_multiplier")
+            if log_mul:
+                rope_scaling["mscale_all_dim"] = rope_scaling["mscale"] = _float32(float(log_mul) / 0.1)
+            for key in ("beta_fast", "beta_slow"):
+                if get(f"rope.scaling.yarn_{key}") is not None:
+                    rope_scaling[key] = _float32(get(f"rope.scaling.yarn_{key}"))
+    if rope_scaling is not None:
+        config["rope_scaling"] = rope_scaling
+    return config
+
+
+def open_checkpoint(path: Path | str, requantize_bits: int | None = None, group_size: int = 64) -> GGUFCheckpoint:
+    return GGUFCheckpoint(path, requantize_bits, group_size)

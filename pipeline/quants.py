@@ -1,0 +1,189 @@
+"""GGML tensor types -> what MLX holds, row block by row block, from the raw bytes of a GGUF file.
+
+Exact types. Wherever a GGML block is "scale x q + offset" over 32 consecutive values, MLX's affine
+quantization (group size 32) represents it bit for bit: the codes are repacked, the scales and
+offsets become MLX scales and biases, held in float32 (every value below is exact in float32):
+
+    Q4_0  w = d (q - 8)            q 0..15   -> 4 bits, scale d, bias -8 d
+    Q4_1  w = d q + m              q 0..15   -> 4 bits, scale d, bias m
+    Q5_0  w = d (q - 16)           q 0..31   -> 5 bits, scale d, bias -16 d
+    Q5_1  w = d q + m              q 0..31   -> 5 bits, scale d, bias m
+    Q8_0  w = d q                  q -128..127, stored as q + 128 -> 8 bits, scale d, bias -128 d
+    Q4_K  w = (d sc_j) q - (dmin m_j)  per 32-value sub-block j of a 256-value super-block,
+                                   sc_j, m_j 6-bit, q 0..15  -> 4 bits, scale d sc_j, bias -dmin m_j
+    Q5_K  the same with q 0..31    -> 5 bits
+    MXFP4 w = 2^(e - 127) e2m1(q)  per 32 values -> MLX's mxfp4 mode (uint8 scales e, no biases)
+
+(d, m, dmin are fp16: an 11-bit significand times a 6-bit sub-block scale has at most 17 bits,
+so d sc_j is exact in float32 but generally not in fp16; and MLX's s q + b then rounds exactly
+once, as gguf's own dequantizer does.)
+
+Re-quantized types. Q6_K, Q3_K and Q2_K scale 16-value sub-blocks, which no MLX group size
+(32, 64, 128) carries, and the i-quants look values up in codebooks: they are dequantized by the
+`gguf` package's own dequantizers and re-quantized by MLX, a row chunk at a time, so memory stays
+near the quantized size. The largest error against the dequantized source is measured on the fly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+# GGML type -> (bits, group size, MLX mode) of the MLX layout that holds it exactly.
+EXACT = {
+    "Q4_0": (4, 32, "affine"), "Q4_1": (4, 32, "affine"), "Q5_0": (5, 32, "affine"), "Q5_1": (5, 32, "affine"),
+    "Q8_0": (8, 32, "affine"), "Q4_K": (4, 32, "affine"), "Q5_K": (5, 32, "affine"), "MXFP4": (4, 32, "mxfp4"),
+}
+# Types the gguf package dequantizes, and the bits they are re-quantized to unless --quantize says.
+REQUANTIZED = {
+    "Q6_K": 8, "Q2_K": 4, "Q3_K": 4, "IQ1_S": 4, "IQ1_M": 4, "IQ2_XXS": 4, "IQ2_XS": 4, "IQ2_S": 4,
+    "IQ3_XXS": 4, "IQ3_S": 4, "IQ4_NL": 4, "IQ4_XS": 4, "TQ1_0": 4, "TQ2_0": 4, "NVFP4": 4,
+}
+# Float types, read as they are (numpy dtype to read the bytes as; BF16 as raw uint16).
+FLOATS = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
+INTEGERS = {"I8": np.int8, "I16": np.int16, "I32": np.int32, "I64": np.int64}
+SUPPORTED = (*FLOATS, *EXACT, *REQUANTIZED)
+
+# About this many float32 values are decoded at once: bounds the memory a tensor costs beyond
+# its quantized size while it loads (a DeepSeek expert stack is 3.7e9 values).
+CHUNK_VALUES = 1 << 24
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a GGUF tensor is held once loaded: floats as stored, or MLX-quantized."""
+    kind: str  # "float", "exact", "requantized"
+    bits: int = 0
+    group_size: int = 0
+    mode: str = "affine"
+
+    @property
+    def quantized(self) -> bool:
+        return self.kind != "float"
+
+
+def layout(ggml_type: str, cols: int, requantize_bits: int | None, group_size: int) -> Layout | None:
+    """The layout of a `ggml_type` matrix with rows of `cols` values (None: not supported).
+    `requantize_bits`/`group_size`: --quantize and --group-size, for the types that cannot map
+    exactly (exact types ignore them)."""
+    if ggml_type in FLOATS or ggml_type in INTEGERS:
+        return Layout("float")
+    if ggml_type in EXACT:
+        bits, group, mode = EXACT[ggml_type]
+        return Layout("exact", bits, group, mode)
+    if ggml_type in REQUANTIZED:
+        group = group_size if cols % group_size == 0 else 32
+        return Layout("requantized", requantize_bits or REQUANTIZED[ggml_type], group)
+    return None
+
+
+def packed_shapes(rows: tuple[int, ...], cols: int, lay: Layout) -> dict[str, tuple[tuple[int, ...], str]]:
+    """suffix -> (shape, safetensors-style dtype) of the arrays an MLX-quantized tensor becomes."""
+    shapes = {"weight": ((*rows, cols * lay.bits // 32), "U32")}
+    if lay.mode == "mxfp4":
+        shapes["scales"] = ((*rows, cols // lay.group_size), "U8")
+    else:
+        shapes["scales"] = ((*rows, cols // lay.group_size), "F32")
+        shapes["biases"] = ((*rows, cols // lay.group_size), "F32")
+    return shapes
+
+
+# ---- exact repacking ---------------------------------------------------------------------------------------
+
+def pack_bits(q: np.ndarray, bits: int) -> np.ndarray:
+    """Codes [rows, cols] (each < 2**bits) -> MLX's packed uint32 [rows, cols*bits/32]: a row is a
+    little-endian bit stream, value j at bits [bits*j, bits*(j+1))."""
+    rows, cols = q.shape
+    if bits == 8:
+        packed = q.astype(np.uint8)
+    elif bits == 4:
+        q = q.astype(np.uint8)
+        packed = q[:, 0::2] | (q[:, 1::2] << np.uint8(4))
+    else:
+        stream = (q[..., None].astype(np.uint8) >> np.arange(bits, dtype=np.uint8)) & np.uint8(1)
+        packed = np.packbits(stream.reshape(rows, cols * bits), axis=-1, bitorder="little")
+    return np.ascontiguousarray(packed).view("<u4").reshape(rows, cols * bits // 32)
+
+
+def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The fp16 at byte `at` of every block, as float32 [rows, blocks]."""
+    return np.ascontiguousarray(blocks[..., at:at + 2]).view("<f2")[..., 0].astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """GGML's 32-value nibble block: byte i holds value i (low nibble) and value i + 16 (high)."""
+    return np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=-1)
+
+
+def _high_bits(qh: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1: 4 bytes, bit j (little-endian) is the fifth bit of value j."""
+    return np.unpackbits(qh, axis=-1, bitorder="little")
+
+
+def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K: the eight 6-bit (scale, min) pairs packed in 12 bytes (ggml's get_scale_min_k4):
+    pairs 0-3 in the low 6 bits of bytes 0-3 / 4-7; pairs 4-7 take their low 4 bits from the
+    nibbles of bytes 8-11 and their top 2 bits from the top of bytes 0-3 / 4-7."""
+    lo, mid, hi = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
+    sc = np.concatenate([lo & np.uint8(63), (hi & np.uint8(15)) | ((lo >> np.uint8(6)) << np.uint8(4))], axis=-1)
+    mn = np.concatenate([mid & np.uint8(63), (hi >> np.uint8(4)) | ((mid >> np.uint8(6)) << np.uint8(4))], axis=-1)
+    return sc, mn
+
+
+def decode_exact(raw: np.ndarray, ggml_type: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """GGML rows (uint8 [rows, bytes per row]) -> MLX (packed uint32 weight, scales, biases or None),
+    the arrays `mx.quantize` would give for the same values (see the module docstring)."""
+    rows = raw.shape[0]
+    if ggml_type in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4"):
+        size = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "MXFP4": 17}[ggml_type]
+        blocks = raw.reshape(rows, -1, size)
+        if ggml_type == "MXFP4":
+            return pack_bits(_nibbles(blocks[..., 1:]).reshape(rows, -1), 4), np.ascontiguousarray(blocks[..., 0]), None
+        d = _f16(blocks, 0)
+        if ggml_type == "Q8_0":
+            q = blocks[..., 2:] ^ np.uint8(0x80)  # int8 q -> q + 128: flip the top bit
+            return pack_bits(q.reshape(rows, -1), 8), d, d * np.float32(-128)
+        if ggml_type == "Q4_0":
+            return pack_bits(_nibbles(blocks[..., 2:]).reshape(rows, -1), 4), d, d * np.float32(-8)
+        if ggml_type == "Q4_1":
+            return pack_bits(_nibbles(blocks[..., 4:]).reshape(rows, -1), 4), d, _f16(blocks, 2)
+        start = 2 if ggml_type == "Q5_0" else 4
+        q = _nibbles(blocks[..., start + 4:]) | (_high_bits(blocks[..., start:start + 4]) << np.uint8(4))
+        bias = d * np.float32(-16) if ggml_type == "Q5_0" else _f16(blocks, 2)
+        return pack_bits(q.reshape(rows, -1), 5), d, bias
+    if ggml_type in ("Q4_K", "Q5_K"):
+        blocks = raw.reshape(rows, -1, 144 if ggml_type == "Q4_K" else 176)
+        d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+        sc, mn = _k_scales(blocks[..., 4:16])
+        qs = blocks[..., -128:].reshape(rows, -1, 4, 32)  # four 64-value chunks of 32 bytes
+        # chunk c holds sub-block 2c in its low nibbles and sub-block 2c+1 in its high nibbles
+        q = np.stack([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=-2)  # [rows, blocks, 4, 2, 32]
+        if ggml_type == "Q5_K":
+            qh = blocks[..., 16:48]  # bit j of byte l: the fifth bit of value l of sub-block j
+            high = (qh[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & np.uint8(1)  # [rows, blocks, 8, 32]
+            q = q | (high.reshape(q.shape) << np.uint8(4))
+        scales = (d[..., None] * sc.astype(np.float32)).reshape(rows, -1)
+        biases = -(dmin[..., None] * mn.astype(np.float32)).reshape(rows, -1)
+        return pack_bits(q.reshape(rows, -1), 4 if ggml_type == "Q4_K" else 5), scales, biases
+    raise ValueError(f"{ggml_type} does not map exactly onto MLX")
+
+
+def dequantize(raw: np.ndarray, ggml_type: str) -> np.ndarray:
+    """GGML rows -> float32 [rows, cols], by the gguf package's own dequantizers."""
+    import gguf
+
+    return gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[ggml_type]).astype(np.float32, copy=False)
+
+
+def requantize(raw: np.ndarray, ggml_type: str, bits: int, group_size: int):
+    """GGML rows -> MLX affine (weight, scales, biases) as mx arrays, the largest |error| of the
+    re-quantized values against the dequantized source, and the largest |value| of the source."""
+    import mlx.core as mx
+
+    w = mx.array(dequantize(raw, ggml_type))
+    q, s, b = mx.quantize(w, group_size=group_size, bits=bits)
+    error = mx.abs(mx.dequantize(q, s, b, group_size=group_size, bits=bits) - w).max()
+    largest = mx.abs(w).max()
+    mx.eval(q, s, b, error, largest)
+    return q, s, b, float(error.item()), float(largest.item())
