@@ -424,3 +424,86 @@ def build_config(g: GGUFModel) -> dict[str, Any]:
 
 def open_checkpoint(path: Path | str, requantize_bits: int | None = None, group_size: int = 64) -> GGUFCheckpoint:
     return GGUFCheckpoint(path, requantize_bits, group_size)
+
+
+# ---- the planner's view: bytes and MLX layouts from the tensor table alone ---------------------------------------
+
+def _plan_format_base():
+    from .plan import CheckpointFormat
+
+    return CheckpointFormat
+
+
+@dataclass(frozen=True)
+class _ModuleInfo:
+    types: tuple[str, ...]  # GGML types of the GGUF tensors behind it
+    disk: int  # their bytes in the file(s)
+    native: tuple[int, int] | None  # (bits, group) it is held in, MLX-quantized; None: float
+    how: str
+
+
+class GGUFFormat(_plan_format_base()):
+    """plan.CheckpointFormat for a GGUF: per module (the planner's names, experts as
+    `mlp.experts.0.*` standing for the stack), the bytes in the file and the MLX layout it loads as."""
+
+    @classmethod
+    def of(cls, path: Path, config, quantize: int | None, group_size: int) -> "GGUFFormat":
+        checkpoint = GGUFCheckpoint(path, quantize, group_size)
+        modules: dict[str, _ModuleInfo] = {}
+        for name, entry in checkpoint.tensors.items():
+            module, _, part = name.rpartition(".")
+            if part not in ("weight", "bias") and not name.endswith("e_score_correction_bias"):
+                continue  # scales/biases of a quantized triple: counted with its weight
+            if name.endswith("e_score_correction_bias"):
+                module = name
+            plan_module = module.replace(".mlp.switch_mlp.", ".mlp.experts.0.")
+            lay = entry.layout
+            native = (lay.bits, lay.group_size) if lay is not None and part == "weight" else None
+            modules[plan_module + ("" if module == name else f".{part}")] = _ModuleInfo(
+                tuple(t.ggml_type for t in entry.source), sum(t.nbytes for t in entry.source), native, entry.how)
+        fmt = cls("gguf", 4, config)
+        object.__setattr__(fmt, "modules", modules)
+        object.__setattr__(fmt, "path", path)
+        object.__setattr__(fmt, "disk_total", checkpoint.gguf.nbytes_on_disk())
+        return fmt
+
+    def _info(self, p) -> _ModuleInfo | None:
+        return self.modules.get(p.name) or self.modules.get(p.module + "." + p.name.rpartition(".")[2])
+
+    def native(self, p):
+        info = self._info(p)
+        return info.native if info is not None else None
+
+    def is_fp8(self, p) -> bool:
+        return False
+
+    def disk_bytes(self, p) -> int:
+        info = self._info(p)
+        return info.disk if info is not None else 0
+
+    def _shares(self, how: str | None = None) -> str:
+        by_type: dict[str, int] = {}
+        for info in self.modules.values():
+            if how is None or info.how == how:
+                for t in info.types:
+                    by_type[t] = by_type.get(t, 0) + info.disk // len(info.types)
+        total = sum(by_type.values()) or 1
+        return ", ".join(f"{t} {100 * n / total:.0f}%" for t, n in sorted(by_type.items(), key=lambda kv: -kv[1]))
+
+    def describe(self) -> str:
+        return f"GGUF ({self._shares()} of its tensor bytes; {self.disk_total / 1e9:.1f} GB in the file(s))"
+
+    def resident(self, dense: bool, dtype: str) -> str:
+        exact = sorted({t for i in self.modules.values() if i.how == "exact" for t in i.types if t != "MXFP4"})
+        mxfp4 = any("MXFP4" in i.types for i in self.modules.values() if i.how == "exact")
+        requant = sorted({(t, i.native) for i in self.modules.values() if i.how == "requantized" for t in i.types})
+        parts = []
+        if exact:
+            parts.append(f"{', '.join(exact)} exactly as MLX affine, group 32")
+        if mxfp4:
+            parts.append("MXFP4 exactly as MLX mxfp4")
+        if dense and (exact or mxfp4):
+            parts.append(f"those dequantized to {dtype} at load")
+        if requant:
+            parts.append("re-quantized: " + ", ".join(f"{t} -> {b}-bit group {g}" for t, (b, g) in requant))
+        return "; ".join(parts) or "all tensors float"

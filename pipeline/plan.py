@@ -56,8 +56,15 @@ def bundled_configs() -> dict[str, Path]:
 
 
 def load_config(spec: str | Path) -> ModelConfig:
-    """A model folder, a config.json file, or the name of a bundled config (e.g. DeepSeek-V3.1)."""
+    """A model folder, a GGUF file (its metadata), a config.json file, or the name of a bundled config
+    (e.g. DeepSeek-V3.1)."""
     path = Path(spec)
+    from .gguf_file import is_gguf
+
+    if is_gguf(path):
+        from .gguf_checkpoint import GGUFCheckpoint
+
+        return GGUFCheckpoint(path).model_config()
     if path.is_dir():
         return ModelConfig.from_folder(path)
     if not path.is_file():
@@ -318,7 +325,16 @@ class CheckpointFormat:
         return floats
 
 
-def checkpoint_format(config: ModelConfig) -> CheckpointFormat:
+def checkpoint_format(config: ModelConfig, model: str | Path | None = None, quantize: int | None = None,
+                      group_size: int = 64) -> CheckpointFormat:
+    """model: where config came from; a GGUF file's tensor table (header only) gives each tensor's
+    type, bytes and MLX layout, quantize/group_size the layout of types MLX cannot hold exactly."""
+    from .gguf_file import is_gguf
+
+    if model is not None and is_gguf(model):
+        from .gguf_checkpoint import GGUFFormat
+
+        return GGUFFormat.of(Path(model), config, quantize, group_size)
     raw = config.raw
     float_bytes = {"float32": 4, "float16": 2, "bfloat16": 2}.get(raw.get("torch_dtype") or raw.get("dtype"), 2)
     if config.quantization and "bits" in config.quantization:
@@ -366,7 +382,7 @@ class Precision:
 
     def resident_bytes(self, p: Param) -> int:
         native = self.checkpoint.native(p)
-        if native and self.dense and self.checkpoint.kind == "mlx":
+        if native and self.dense and self.checkpoint.kind in ("mlx", "gguf"):
             return p.numel * self.dtype_bytes
         if native:
             return p.copies * _affine_bytes(p.shape, *native, self.dtype_bytes)
@@ -391,6 +407,8 @@ class Precision:
                 parts.append(f"MLX affine {b}-bit, group {g} dequantized to {name} at load (--weights-in-memory fp32)")
             else:
                 parts.append(f"MLX affine {b}-bit, group {g} as stored ({b}/8 + 2x{d}/{g} = {b / 8 + 2 * d / g:.4g} B/param)")
+        if self.checkpoint.kind == "gguf":
+            parts.append(self.checkpoint.resident(self.dense, name))
         if self.quantize:
             b, g = self.quantize, self.group_size
             parts.append(f"MLX affine {b}-bit, group {g} from --quantize {b} ({b}/8 + 2x{d}/{g} = "
@@ -650,7 +668,9 @@ class MemoryPlan:
     @classmethod
     def for_job(cls, config: ModelConfig, args: argparse.Namespace, ranks: int) -> "MemoryPlan":
         memory = parse_per_host(args.host_memory, "--host-memory", ranks, unit="ranks")
-        precision = Precision(checkpoint_format(config), dtype=getattr(args, "dtype", "float32"),
+        precision = Precision(checkpoint_format(config, args.model, getattr(args, "quantize", None),
+                                                getattr(args, "group_size", None) or 64),
+                              dtype=getattr(args, "dtype", "float32"),
                               quantize=getattr(args, "quantize", None),
                               group_size=getattr(args, "group_size", None) or 64)
         arch = architecture(config)
@@ -755,7 +775,8 @@ def run_plan(args: argparse.Namespace) -> int:
         tflops=parse_per_host(args.tflops, "--tflops", hosts, allow_one=True) if args.tflops else None,
         reserve_gib=_non_negative(args.reserve_gb, "--reserve-gb"),
     )
-    precision = Precision(checkpoint_format(config), args.dtype, args.quantize, args.group_size,
+    precision = Precision(checkpoint_format(config, args.model, args.quantize, args.group_size), args.dtype,
+                          args.quantize, args.group_size,
                           dense=getattr(args, "weights_in_memory", "quantized") == "fp32")
     acceptance = getattr(args, "draft_acceptance", None)
     if acceptance is not None and not 0 <= acceptance <= 1:

@@ -13,7 +13,8 @@ def add_parser(commands) -> None:
                     "DeepSeek-V3.1 or Kimi-K2-Thinking): each rank's layers, weight and KV cache bytes, "
                     "headroom and whether it fits, and decode tok/s predicted by a stated roofline "
                     "(memory bandwidth per host, link bandwidth and latency per hop).")
-    plan.add_argument("--model", required=True, help="model folder, config.json file, or bundled config name")
+    plan.add_argument("--model", required=True,
+                      help="model folder, GGUF file (its header only), config.json file, or bundled config name")
     plan.add_argument("--hosts", type=int, default=None, help="hosts, one rank each (default: as many as --host-memory)")
     plan.add_argument("--host-memory", default=None, metavar="GIB,GIB,...",
                       help="memory per host in GiB, e.g. 512,512,256,256: shares proportional to it (the split "

@@ -113,14 +113,28 @@ def collect(args: argparse.Namespace, comm) -> RankReport:
         report.folder_error = error
         return report
     folder = Path(folder)
-    if not folder.is_dir():
+    from ..gguf_file import is_gguf, open_gguf
+
+    if is_gguf(folder):
+        # A GGUF (split set): its parts and sizes, and a hash of the first part's header (metadata and
+        # tensor table) in place of config.json's; no tensor data is read.
+        try:
+            model = open_gguf(folder)
+        except UserError as e:
+            report.folder_error = str(e)
+            return report
+        report.files = {p.name: p.stat().st_size for p in model.parts}
+        with open(model.parts[0], "rb") as f:
+            report.config_sha256 = hashlib.sha256(f.read(model.header_bytes[model.parts[0]])).hexdigest()
+    elif not folder.is_dir():
         report.folder_error = f"model folder {folder} does not exist"
         return report
-    report.files = {p.name: p.stat().st_size for p in sorted(folder.iterdir())
-                    if p.is_file() and not p.name.startswith(".")}
-    config = folder / "config.json"
-    if config.is_file():
-        report.config_sha256 = hashlib.sha256(config.read_bytes()).hexdigest()
+    else:
+        report.files = {p.name: p.stat().st_size for p in sorted(folder.iterdir())
+                        if p.is_file() and not p.name.startswith(".")}
+        config = folder / "config.json"
+        if config.is_file():
+            report.config_sha256 = hashlib.sha256(config.read_bytes()).hexdigest()
     try:
         _measure_slices(report, folder, _ITEMSIZE[args.dtype], getattr(args, "quantize", None),
                         getattr(args, "group_size", 64))
@@ -131,11 +145,11 @@ def collect(args: argparse.Namespace, comm) -> RankReport:
 
 def _measure_slices(report: RankReport, folder: Path, itemsize: int, quantize: int | None = None,
                     group_size: int = 64) -> None:
-    from ..config import ModelConfig
-    from ..weights import Checkpoint, layer_nbytes, layer_of
+    from ..formats import Requantize
+    from ..weights import layer_nbytes, layer_of, open_checkpoint
 
-    config = ModelConfig.from_folder(folder)
-    checkpoint = Checkpoint(folder)
+    checkpoint = open_checkpoint(folder, Requantize(quantize, group_size) if quantize else None)
+    config = checkpoint.model_config()
     report.num_layers = config.num_hidden_layers
     report.disk_layer_bytes, report.disk_ends_bytes = layer_nbytes(checkpoint, config.num_hidden_layers)
     per_layer = [0] * config.num_hidden_layers
