@@ -52,6 +52,7 @@ from .head_share import HeadSplit, combined_argmax, returned_rows, split_returne
 from .models.base import segments
 from .prefix_cache import PrefixCache
 from .sampling import Sampler, SamplingParams
+from .speculative import DraftSettings, DraftStats, verify
 from .stage import Stage
 from .tokenizer import StreamingDetokenizer, Tokenizer
 from .trace import COMPUTE, RECV, SEND, Timeline
@@ -87,15 +88,18 @@ def exact_group_rows(packed: bool) -> int:
     return sys.maxsize if packed else blas.invariant_rows()
 
 
-def forward_stage(stage: Stage, hidden: mx.array, seq_ids: list[int], lengths: list[int], group_rows: int) -> mx.array:
+def forward_stage(stage: Stage, hidden: mx.array, seq_ids: list[int], lengths: list[int], group_rows: int,
+                  full: list[bool] | None = None) -> mx.array:
     """This rank's layers over a micro-batch, its sequences sharing products `group_rows` at a time.
-    The rank with the model's final layer returns each sequence's last position only."""
+    The rank with the model's final layer returns each sequence's last position only (every
+    position of those marked `full`: drafts being verified)."""
+    full = full or [False] * len(lengths)
     groups = row_groups(lengths, group_rows)
     if len(groups) == 1:
-        return stage.run_layers(hidden, seq_ids, lengths, last_only=True)
+        return stage.run_layers(hidden, seq_ids, lengths, last_only=True, full=full)
     tokens = segments(lengths)  # each sequence's [begin, end) among the packed tokens
     outputs = [stage.run_layers(hidden[:, tokens[b][0]:tokens[e - 1][1]], seq_ids[b:e], lengths[b:e], evaluate=False,
-                                last_only=True)
+                                last_only=True, full=full[b:e])
                for b, e in groups]
     out = mx.concatenate(outputs, axis=1)
     mx.eval(out)
@@ -230,6 +234,8 @@ class Sequence:
     queued_s: float = 0.0
     cached: int = 0  # prompt positions reused from the prefix cache
     decoded_fed: int = 0  # generated tokens run through the model (the last one sampled never is)
+    drafter: object = None  # speculative decoding (speculative.py), if this sequence drafts
+    drafts: list[int] = field(default_factory=list)  # drafted tokens in flight behind next_input
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -241,8 +247,8 @@ class Sequence:
 
     @property
     def full_logits(self) -> bool:
-        """Its next token needs every logit (sampling or logprobs), not just the argmax."""
-        return not self.sampler.greedy or self.request.logprobs is not None
+        """Its next token needs every logit (sampling, logprobs, drafts), not just the argmax."""
+        return not self.sampler.greedy or self.request.logprobs is not None or bool(self.drafts)
 
     def take_input(self) -> list[int]:
         """The tokens of this sequence's next forward pass: a prompt chunk, or its last token."""
@@ -250,8 +256,12 @@ class Sequence:
             chunk = self.prompt_ids[self.fed:self.fed + PREFILL_CHUNK]
             self.fed += len(chunk)
             return chunk
+        # Room for r more tokens: r - 1 drafts at most (the model adds one); within the context, as
+        # max_tokens was capped to it at admission.
+        room = self.max_tokens - len(self.tokens) - 1
+        self.drafts = self.drafter.propose(self.history, room) if self.drafter is not None and room > 0 else []
         self.decoded_fed += len(self.next_input)
-        return self.next_input
+        return self.next_input + self.drafts
 
     @property
     def computed(self) -> list[int]:
@@ -270,6 +280,7 @@ class Microbatch:
     lengths: list[int]
     head_columns: int = 0  # LM head columns the last rank computes for it (head_share.py)
     hidden: mx.array | None = None  # the result once back on rank 0: each sequence's last position
+    full: list[bool] = field(default_factory=list)  # per sequence: every position back (drafts to verify)
 
 
 @dataclass
@@ -280,6 +291,7 @@ class BatchStats:
     generated_tokens: int = 0
     wall_s: float = 0.0
     head_share: float | None = None  # mean fraction of the LM head the last rank computed, if shared
+    draft: DraftStats | None = None  # speculative decoding, when sequences draft
 
     @property
     def tokens_per_s(self) -> float:
@@ -290,11 +302,12 @@ class Scheduler:
     def __init__(self, stage: Stage, transport: Transport, tokenizer: Tokenizer, source, *, max_batch: int,
                  microbatches: int, group_rows: int, timeline: Timeline, prefill_budget: int = PREFILL_BUDGET,
                  head_split: HeadSplit | None = None, heartbeat_s: float | None = None,
-                 prefix_cache: PrefixCache | None = None):
+                 prefix_cache: PrefixCache | None = None, draft: DraftSettings | None = None):
         """source: ListSource, QueueSource, or anything with their `get(timeout)` and `closed`.
         heartbeat_s: while idle (nothing in flight, the source open), send a HEARTBEAT round the
         ring this often, so that the other ranks' watchdogs see a live rank 0.
-        prefix_cache: keep finished sequences' caches and start requests from them (prefix_cache.py)."""
+        prefix_cache: keep finished sequences' caches and start requests from them (prefix_cache.py).
+        draft: each sequence drafts tokens and the ring checks them with its next token (speculative.py)."""
         self.stage, self.transport, self.tokenizer = stage, transport, tokenizer
         self.model = stage.model
         self.source = source
@@ -304,6 +317,7 @@ class Scheduler:
         self.head_split = head_split
         self.heartbeat_s = heartbeat_s
         self.prefix_cache = prefix_cache
+        self.draft = draft if draft is not None and draft.kind != "none" else None
         self._ended: dict[int, list[int]] = {}  # finished sequences' computed tokens, for the prefix cache
         self.context = self.model.config.max_position_embeddings
         self.ready: deque[Sequence] = deque()  # in progress, not in flight
@@ -312,7 +326,7 @@ class Scheduler:
         self.active = 0
         self.next_seq_id = 0
         self.next_number = 0
-        self.stats = BatchStats()
+        self.stats = BatchStats(draft=DraftStats() if self.draft else None)
         self.start = time.perf_counter()
 
     # -- the loop -------------------------------------------------------------------------------------------
@@ -374,7 +388,7 @@ class Scheduler:
         try:
             seq = Sequence(self.next_seq_id, request, min(request.max_tokens, self.context - len(request.prompt_ids)),
                            Sampler(request.sampling), StreamingDetokenizer(self.tokenizer, request.stop),
-                           admitted_at=now, queued_s=queued_s)
+                           admitted_at=now, queued_s=queued_s, drafter=self.draft and self.draft.drafter())
         except Exception as e:  # noqa: BLE001 -- this request's own set-up: its failure is its alone
             self._fail(request, _describe(e))
             return
@@ -419,10 +433,11 @@ class Scheduler:
         with self.timeline.span(COMPUTE, f"mb {number}: embed + layers ({len(seqs)} seqs)"):
             inputs = [seq.take_input() for seq in seqs]
             lengths = [len(tokens) for tokens in inputs]
+            full = [bool(seq.drafts) for seq in seqs]
             seq_ids = [seq.seq_id for seq in seqs]
             hidden = self.model.embed(mx.array([[t for tokens in inputs for t in tokens]]))
-            hidden = forward_stage(self.stage, hidden, seq_ids, lengths, self.group_rows)
-        microbatch = Microbatch(number, seqs, lengths)
+            hidden = forward_stage(self.stage, hidden, seq_ids, lengths, self.group_rows, full)
+        microbatch = Microbatch(number, seqs, lengths, full=full)
         if self.transport.size == 1:
             microbatch.hidden = hidden  # each sequence's last position (rank 0 holds the final layer)
         else:
@@ -430,8 +445,8 @@ class Scheduler:
             if self.head_split is not None and not any(seq.full_logits for seq in seqs):
                 microbatch.head_columns = self.head_split.columns
             with self.timeline.span(SEND, f"mb {number}"):
-                self.sends.append(self.transport.isend_message(1, Kind.FORWARD, seq_ids, lengths, hidden,
-                                                               head_share=microbatch.head_columns))
+                self.sends.append(self.transport.isend_message(1, Kind.FORWARD, seq_ids, wire_lengths(lengths, full),
+                                                               hidden, head_share=microbatch.head_columns))
                 self._reap()
         return microbatch
 
@@ -487,15 +502,18 @@ class Scheduler:
         return release
 
     def _sample(self, microbatch: Microbatch, index: list[int]) -> list[int]:
-        """The next token of the micro-batch's sequences at `index`; returns the ids of those that ended."""
+        """The next token(s) of the micro-batch's sequences at `index`; returns the ids of those that ended."""
         sampling = [microbatch.seqs[i] for i in index]
         rows, share = split_returned(microbatch.hidden, self.model.config.hidden_size)
-        if len(index) < rows.shape[0]:  # some sequences are still reading their prompt (or were cancelled)
-            rows, share = rows[mx.array(index)], None if share is None else share[mx.array(index)]
+        # Each sequence's rows among those returned: its last position, or every position of a draft.
+        bounds = segments([n if f else 1 for n, f in zip(microbatch.lengths, microbatch.full)])
+        picked = [r for i in index for r in range(*bounds[i])]
+        if len(picked) < rows.shape[0]:  # some sequences are still reading their prompt (or were cancelled)
+            rows, share = rows[mx.array(picked)], None if share is None else share[mx.array(picked)]
         own = self.model.config.vocab_size - microbatch.head_columns  # the entries rank 0 computes
         started = time.perf_counter()
         logits = [self.model.logits(rows[b:e], vocab_end=own if share is not None else None)
-                  for b, e in row_groups([1] * len(index), self.group_rows)]
+                  for b, e in row_groups([1] * len(picked), self.group_rows)]
         logits = logits[0] if len(logits) == 1 else mx.concatenate(logits, axis=0)  # [rows, own]
         # Every row's argmax in one op, read back at once: what greedy requests take (the same
         # index a row's own argmax gives); a sync per row cost rank 0 ~1 ms a micro-batch.
@@ -508,28 +526,64 @@ class Scheduler:
         if self.head_split is not None:
             self.head_split.observe_cost(time.perf_counter() - started, len(index), own)
         greedy = greedy.tolist()
-        ended = []
+        ended, rewinds = [], []
         now = time.perf_counter()
-        for i, seq in enumerate(sampling):
+        row = 0
+        for seq in sampling:
+            count = len(seq.drafts) + 1
             try:
-                reason = self._advance(seq, greedy[i], logits[i], now)
+                reason, rewind = self._advance(seq, greedy[row:row + count], logits[row:row + count], now)
             except Exception as e:  # noqa: BLE001 -- this request's own code path: it fails alone
                 self._drop(seq)
                 self._fail(seq.request, _describe(e))
                 ended.append(seq.seq_id)
                 continue
+            finally:
+                row += count
             if reason is None:
+                if rewind:
+                    rewinds.append((seq.seq_id, rewind))
                 self.ready.append(seq)
             else:
                 self._finish(seq, reason)
                 ended.append(seq.seq_id)
+        if rewinds:  # rejected drafts leave every rank's caches before the sequence's next step
+            ids, counts = [i for i, _ in rewinds], [n for _, n in rewinds]
+            for seq_id, n in rewinds:
+                self.stage.rewind([seq_id], n)
+            if self.transport.size > 1:
+                self.sends.append(self.transport.isend_message(1, Kind.REWIND, ids, counts))
         return ended
 
-    def _advance(self, seq: Sequence, argmax: int, logits: mx.array, now: float) -> str | None:
-        """Take one sampled token into `seq` and pass it on; the finish reason if it ends here."""
-        token = argmax if seq.sampler.greedy else seq.sampler(logits, seq.history)
+    def _advance(self, seq: Sequence, argmax: list[int], logits: mx.array, now: float) -> tuple[str | None, int]:
+        """Take the sequence's next token, or with drafts those of them the model agrees with and its
+        own next one; returns (the finish reason if it ends here, positions to rewind)."""
         if seq.first_token_at is None:
             seq.first_token_at = now
+        drafts, seq.drafts = seq.drafts, []
+        if not drafts:
+            token = argmax[0] if seq.sampler.greedy else seq.sampler(logits[0], seq.history)
+            return self._accept(seq, token, logits[0]), 0
+        if seq.sampler.greedy:  # the argmax already read back: no more ops
+            accepted = 0
+            while accepted < len(drafts) and argmax[accepted] == drafts[accepted]:
+                accepted += 1
+            following = argmax[accepted]
+        else:
+            accepted, following = verify(seq.sampler, logits, drafts, seq.history)
+        seq.drafter.observe(len(drafts), accepted)
+        stats = self.stats.draft
+        stats.drafted, stats.accepted = stats.drafted + len(drafts), stats.accepted + accepted
+        stats.trips, stats.tokens = stats.trips + 1, stats.tokens + accepted + 1
+        seq.decoded_fed += accepted  # the accepted drafts' positions stay in the caches
+        for j, token in enumerate([*drafts[:accepted], following]):
+            reason = self._accept(seq, token, logits[j])
+            if reason is not None:
+                return reason, 0
+        return None, len(drafts) - accepted
+
+    def _accept(self, seq: Sequence, token: int, logits: mx.array) -> str | None:
+        """One new token of `seq`, passed on; the finish reason if it ends here."""
         if token in self.tokenizer.eos_token_ids:
             return "stop"
         logprob = None if seq.request.logprobs is None else token_logprob(logits, token, seq.request.logprobs)
@@ -595,6 +649,15 @@ def _describe(e: BaseException) -> str:
     return f"internal error while generating: {type(e).__name__}: {e}"
 
 
+def wire_lengths(lengths: list[int], full: list[bool]) -> list[int]:
+    """A FORWARD's lengths as they travel: -n for a sequence whose every position comes back."""
+    return [-n if f else n for n, f in zip(lengths, full)]
+
+
+def from_wire(lengths: list[int]) -> tuple[list[int], list[bool]]:
+    return [abs(n) for n in lengths], [n < 0 for n in lengths]
+
+
 def stop_followers(transport: Transport, timeline: Timeline) -> None:
     """Rank 0: STOP round the ring, after everything sent before it."""
     if transport.size > 1:
@@ -622,8 +685,9 @@ def follow(stage: Stage, transport: Transport, timeline: Timeline, group_rows: i
             message = transport.recv_message(prev)
         waited = time.perf_counter() - start
         if message.kind == Kind.FORWARD:
-            with timeline.span(COMPUTE, f"layers ({len(message.seq_ids)} seqs, {sum(message.lengths)} tokens)"):
-                hidden = forward_stage(stage, message.hidden, message.seq_ids, message.lengths, group_rows)
+            lengths, full = from_wire(message.lengths)
+            with timeline.span(COMPUTE, f"layers ({len(message.seq_ids)} seqs, {sum(lengths)} tokens)"):
+                hidden = forward_stage(stage, message.hidden, message.seq_ids, lengths, group_rows, full)
                 if nxt == 0:  # back to rank 0: the last positions, with the head's share if asked
                     groups = row_groups([1] * hidden.shape[1], group_rows)
                     hidden = returned_rows(stage.model, hidden, message.head_share, groups)
@@ -635,6 +699,12 @@ def follow(stage: Stage, transport: Transport, timeline: Timeline, group_rows: i
             continue
         if message.kind == Kind.RELEASE:
             stage.release(message.seq_ids)
+        if message.kind == Kind.REWIND:
+            for seq_id, n in zip(message.seq_ids, message.lengths):
+                stage.rewind([seq_id], n)
+            if nxt != 0:
+                send(Kind.REWIND, message.seq_ids, message.lengths)
+            continue
         if message.kind == Kind.FORK:
             half = len(message.seq_ids) // 2
             stage.fork(message.seq_ids[:half], message.seq_ids[half:], message.lengths[:half])

@@ -103,6 +103,17 @@ def make_drafter(kind: str, draft_tokens: int, ngram_max: int):
     return NgramDrafter(draft_tokens, ngram_max) if kind == "ngram" else None
 
 
+@dataclass(frozen=True)
+class DraftSettings:
+    """--draft, --draft-tokens, --ngram-max: each sequence of a batch or server drafts for itself."""
+    kind: str = "none"
+    tokens: int = 4
+    ngram_max: int = 3
+
+    def drafter(self):
+        return make_drafter(self.kind, self.tokens, self.ngram_max)
+
+
 def verify(sampler: Sampler, logits: mx.array, drafts: list[int], history: list[int]) -> tuple[int, int]:
     """logits: [len(drafts) + 1, vocab], the model's at the last token and at each draft.
     Returns (drafts accepted, the next token after them)."""

@@ -39,16 +39,20 @@ class Stage:
         return cls(model, names)
 
     def run_layers(self, hidden: mx.array, seq_ids: list[int] = (0,), lengths: list[int] | None = None,
-                   evaluate: bool = True, last_only: bool = False) -> mx.array:
+                   evaluate: bool = True, last_only: bool = False, full: list[bool] | None = None) -> mx.array:
         """Run packed new tokens of the given sequences through this slice's layers.
         A sequence id seen for the first time starts with empty caches. evaluate=False returns
         the result unevaluated (for a caller that overlaps building the graph with computing).
         last_only: where this slice ends the model, each sequence's last position only (what
-        generating reads; see TransformerSlice.forward_layers)."""
+        generating reads; see TransformerSlice.forward_layers), but every position of the sequences
+        marked `full` (drafts being verified)."""
         if lengths is None:
             lengths = [hidden.shape[1]]
         caches = [self.caches.setdefault(s, self.model.make_cache()) for s in seq_ids]
-        hidden = self.model.forward_layers(hidden, caches, lengths, last_only=last_only)
+        if full is not None and any(full):
+            hidden = self.model.forward_layers(hidden, caches, lengths, last_only=last_only, full=full)
+        else:
+            hidden = self.model.forward_layers(hidden, caches, lengths, last_only=last_only)
         if evaluate:
             mx.eval(hidden)
         return hidden

@@ -25,13 +25,15 @@ class Kind(IntEnum):
     RELEASE = 2  # sequence ids whose caches can be freed
     STOP = 3  # the job is over: pass it on and exit
     HEARTBEAT = 4  # rank 0 is alive but idle (a server waiting for requests): pass it on, nothing to do
+    REWIND = 6  # speculative decoding: seq_ids [...], lengths [n...]: drop each sequence's last n cached positions
     FORK = 5  # prefix cache: seq_ids [new..., kept...], lengths [n...]: each new sequence starts from a kept one's first n positions
 
 
 class Message(NamedTuple):
     kind: Kind
     seq_ids: list[int]  # FORWARD, RELEASE: the sequences concerned
-    lengths: list[int]  # FORWARD: new tokens of each sequence, packed in this order
+    lengths: list[int]  # FORWARD: new tokens of each sequence, packed in this order (the batch schedule
+    # marks a sequence whose every position the final layer returns, a draft being verified, by -n)
     hidden: mx.array | None  # FORWARD: [1, sum(lengths), hidden]
     head_share: int = 0  # FORWARD from rank 0 (batch): LM head columns the last rank computes (head_share.py)
     idle_us: int = 0  # FORWARD back to rank 0 (batch): how long the last rank waited for this one, in us
@@ -142,7 +144,7 @@ class Transport(ABC):
         kind, num_seqs = Kind(int(header[0])), int(header[1])
         seq_ids, lengths = [], []
         if num_seqs:
-            size = num_seqs * (2 if kind in (Kind.FORWARD, Kind.FORK) else 1)
+            size = num_seqs * (2 if kind in (Kind.FORWARD, Kind.FORK, Kind.REWIND) else 1)
             if num_seqs <= _INLINE_SEQS:
                 layout = header[_HEADER_LEN:_HEADER_LEN + size]
             else:

@@ -137,3 +137,27 @@ def test_generate_with_ngram_drafts_equals_plain_on_every_rank_count(tiny_models
     assert drafted.stdout == plain.stdout
     stats = re.search(r"speculative: drafted (\d+), accepted (\d+) .*tokens per trip, exact", drafted.stderr)
     assert stats and int(stats.group(1)) > 0, drafted.stderr
+
+
+def test_batch_with_drafts_equals_batch_without(tiny_models, tmp_path):
+    """Each sequence drafts for itself inside the micro-batches (REWIND round the ring for the
+    rejected): the texts are those without drafts, on 1, 2 and 3 ranks, with the head shared or not."""
+    from test_batch import batch, read_records, write_jsonl
+
+    rows = [{"id": i, "prompt": p, "max_tokens": 40} for i, p in enumerate(
+        [" ".join([REPEAT] * 3), "The capital of France is Paris. The capital of France is",
+         "def hello(world):\n    return 42\ndef hello(world):\n", "hidden states travel"])]
+    rows.append({"id": "sampled", "prompt": " ".join([REPEAT] * 2), "max_tokens": 24, "temperature": 0.7, "seed": 3})
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    plain = batch(2, tiny_models["llama"], inp, tmp_path / "plain.jsonl", "--no-chat-template")
+    assert plain.returncode == 0, plain.stderr
+    expected = {r["id"]: r["text"] for r in read_records(tmp_path / "plain.jsonl") if r["id"] != "sampled"}
+    for n, extra in ((1, ()), (2, ()), (3, ("--head-share", "0.5"))):
+        out = tmp_path / f"drafted{n}.jsonl"
+        result = batch(n, tiny_models["llama"], inp, out, "--no-chat-template", "--draft", "ngram", *extra)
+        assert result.returncode == 0, result.stderr
+        records = {r["id"]: r for r in read_records(out)}
+        assert {i: r["text"] for i, r in records.items() if i != "sampled"} == expected, n
+        assert "text" in records["sampled"]
+        stats = re.search(r"speculative: drafted (\d+), accepted (\d+)", result.stderr)
+        assert stats and int(stats.group(2)) > 0, result.stderr

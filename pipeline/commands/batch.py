@@ -34,6 +34,7 @@ def add_parser(commands) -> None:
                        help="write a Chrome trace-event JSON of every rank's compute, receive and send spans "
                             "(open it in https://ui.perfetto.dev)")
     flags.add_sampling_args(batch, per_request=True)
+    flags.add_draft_args(batch)
     batch.add_argument("--system", default=None, help="system message for requests given as a 'prompt'")
     batch.add_argument("--no-chat-template", action="store_true", help="feed 'prompt' requests as raw text")
     flags.add_weights_args(batch)
@@ -44,6 +45,7 @@ def validate(args: argparse.Namespace) -> None:
     flags.validated_generation_args(args)
     flags.validated_cluster_args(args)
     flags.validated_engine_args(args)
+    flags.validated_draft_args(args)
 
 
 def check_paths(args: argparse.Namespace) -> None:
@@ -165,7 +167,8 @@ def run(args: argparse.Namespace, comm) -> int:
         try:
             scheduler = Scheduler(stage, transport, tokenizer, ListSource(requests), max_batch=args.max_batch,
                                   microbatches=microbatches, group_rows=group_rows, timeline=timeline,
-                                  head_split=head_split(args, job), prefix_cache=prefix_cache(args, job))
+                                  head_split=head_split(args, job), prefix_cache=prefix_cache(args, job),
+                                  draft=flags.draft_settings(args))
             stats = scheduler.run()
         except KeyboardInterrupt:
             raise mpi.Interrupted(f"interrupted: {results.count - written_before} of {todo_count} requests have "
@@ -187,7 +190,8 @@ def run(args: argparse.Namespace, comm) -> int:
               f"(prompts {stats.prompt_tokens} tokens; {microbatches} micro-batches, "
               f"max batch {args.max_batch}; matmuls {per_rank([m[4] for m in figures])}; layers per rank "
               f"{','.join(str(end - start) for start, end in plan.ranges)}"
-              f"{head_share_label(stats.head_share, size)}); "
+              f"{head_share_label(stats.head_share, size)}"
+              f"{'; speculative: ' + stats.draft.describe() if stats.draft else ''}); "
               f"weights {per_rank([m[2] for m in figures])}, BLAS {per_rank([m[3] for m in figures])}, "
               f"peak RSS " + ", ".join(f"r{r} {m[1] / 2**20:.0f} MiB" for r, m in enumerate(figures)),
               file=sys.stderr)

@@ -62,6 +62,7 @@ def add_parser(commands) -> None:
                        help="on SIGTERM or SIGINT, how long requests in progress may take to finish before "
                             "they are cancelled (default 30)")
     flags.add_sampling_args(serve, per_request=True)
+    flags.add_draft_args(serve)
     flags.add_weights_args(serve)
     flags.add_cluster_args(serve, transports=False)
 
@@ -70,6 +71,7 @@ def validate(args: argparse.Namespace) -> None:
     flags.validated_generation_args(args)
     flags.validated_cluster_args(args)
     flags.validated_engine_args(args)
+    flags.validated_draft_args(args)
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be 0 to 65535 (0: any free port), got {args.port}")
     if args.max_queue < 0:
@@ -170,7 +172,7 @@ def run(args: argparse.Namespace, comm) -> int:
         server = RankZero(args, job.plan, stage, job.transport, tokenizer, timeline, sock,
                           engine=dict(max_batch=args.max_batch, microbatches=job.microbatches,
                                       group_rows=job.group_rows, head_split=head_split(args, job),
-                                      prefix_cache=prefix_cache(args, job)))
+                                      prefix_cache=prefix_cache(args, job), draft=flags.draft_settings(args)))
         comm.Barrier()
         timeline.restart()
         stats = server.serve(size)

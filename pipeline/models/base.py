@@ -169,20 +169,22 @@ class Attention(nn.Module):
         self.rope = RoPE(self.head_dim, config.rope_theta, config.rope_scaling,
                          max_position_embeddings=config.max_position_embeddings)
 
-    def __call__(self, x: mx.array, caches: list[KVCache], lengths: list[int], last_only: bool = False) -> mx.array:
+    def __call__(self, x: mx.array, caches: list[KVCache], lengths: list[int], last_only: bool = False,
+                 full: list[bool] | None = None) -> mx.array:
         """x: [1, sum(lengths), hidden], the new tokens of several sequences packed end to end;
         sequence i owns the next lengths[i] tokens and caches[i]. Projections run on all tokens
         at once; attention runs per sequence against its own cache, so each sequence keeps its
         own positions and batching never changes a sequence's result. last_only: the output of
         each sequence's last token only, [1, len(lengths), hidden] (every token's keys and values
-        are cached all the same)."""
+        are cached all the same), but of every token of the sequences marked `full` (drafts
+        being verified: see `kept_rows`)."""
         _, T, _ = x.shape
         k = self.k_proj(x).reshape(T, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(T, self.n_kv_heads, self.head_dim)
         offsets = positions(lengths, caches)
         if last_only:
-            last = last_indices(lengths)
-            q = self.q_proj(x[:, last]).reshape(len(lengths), self.n_heads, self.head_dim)
+            last, kept = kept_rows(lengths, full)
+            q = self.q_proj(x[:, last]).reshape(kept[-1][1], self.n_heads, self.head_dim)
         else:
             q = self.q_proj(x).reshape(T, self.n_heads, self.head_dim)
         if self.qk_norm:
@@ -199,12 +201,9 @@ class Attention(nn.Module):
         v = v.transpose(1, 0, 2)
         outputs = []
         for i, ((begin, end), cache) in enumerate(zip(segments(lengths), caches)):
-            cached = cache.offset
             ks, vs = cache.update_and_fetch(k[None, :, begin:end], v[None, :, begin:end])
-            if last_only:  # the last query alone, over every key
-                out = mx.fast.scaled_dot_product_attention(q[None, :, i:i + 1], ks, vs, scale=self.scale)
-            else:
-                out = attend(q[None, :, begin:end], ks, vs, self.scale, cached)
+            qb, qe = kept[i] if last_only else (begin, end)
+            out = attend(q[None, :, qb:qe], ks, vs, self.scale, cache.offset - (qe - qb))
             outputs.append(out[0])  # [heads, t, head_dim]: back to token-major once, for all
         out = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=1)
         return self.o_proj(out.transpose(1, 0, 2).reshape(1, out.shape[1], -1))
@@ -219,6 +218,17 @@ def positions(lengths: list[int], caches: list) -> mx.array:
 def last_indices(lengths: list[int]) -> mx.array:
     """Index of each sequence's last token among the packed tokens."""
     return mx.array([end - 1 for _, end in segments(lengths)])
+
+
+def kept_rows(lengths: list[int], full: list[bool] | None = None) -> tuple[mx.array, list[tuple[int, int]]]:
+    """What a final layer run with last_only returns: the index of each kept token among the packed
+    tokens (each sequence's last, or all of a `full` one), and each sequence's [begin, end) among them."""
+    index, bounds = [], []
+    for i, (begin, end) in enumerate(segments(lengths)):
+        first = begin if full and full[i] else end - 1
+        bounds.append((len(index), len(index) + end - first))
+        index.extend(range(first, end))
+    return mx.array(index), bounds
 
 
 def segments(lengths: list[int]) -> list[tuple[int, int]]:
@@ -282,10 +292,14 @@ class PreNormBlock(nn.Module):
     def make_cache(self):
         return self.self_attn.make_cache() if hasattr(self.self_attn, "make_cache") else KVCache()
 
-    def __call__(self, x: mx.array, caches: list, lengths: list[int], last_only: bool = False) -> mx.array:
-        """last_only: the output at each sequence's last token only (see `Attention`)."""
-        attention = self.self_attn(self.input_layernorm(x), caches, lengths, last_only=last_only)
-        h = (x[:, last_indices(lengths)] if last_only else x) + attention
+    def __call__(self, x: mx.array, caches: list, lengths: list[int], last_only: bool = False,
+                 full: list[bool] | None = None) -> mx.array:
+        """last_only: the output at each sequence's last token only, all of a `full` one's (see `Attention`)."""
+        if full is not None and any(full):
+            attention = self.self_attn(self.input_layernorm(x), caches, lengths, last_only=last_only, full=full)
+        else:
+            attention = self.self_attn(self.input_layernorm(x), caches, lengths, last_only=last_only)
+        h = (x[:, kept_rows(lengths, full)[0]] if last_only else x) + attention
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -320,18 +334,20 @@ class TransformerSlice(nn.Module):
     def embed(self, tokens: mx.array) -> mx.array:
         return self.embed_tokens(tokens)
 
-    def forward_layers(self, h: mx.array, caches: list[list], lengths: list[int], last_only: bool = False) -> mx.array:
+    def forward_layers(self, h: mx.array, caches: list[list], lengths: list[int], last_only: bool = False,
+                       full: list[bool] | None = None) -> mx.array:
         """h: [1, sum(lengths), hidden], tokens of len(caches) sequences packed end to end;
         caches[i] is sequence i's list of per-layer caches (see `Attention`). last_only: if this
         slice holds the model's final layer, return each sequence's last position only
         ([1, len(lengths), hidden]): all sampling reads, and the final layer then skips the
         queries, attention output and MLP of a prompt's other tokens (their keys and values are
-        still cached), ~1/num_layers of prefill."""
+        still cached), ~1/num_layers of prefill. full: sequences that return every position even so
+        (speculative drafts being verified)."""
         final = last_only and self.end == self.config.num_hidden_layers
         for j, layer in enumerate(self.layers):
             layer_caches = [seq_caches[j] for seq_caches in caches]
             if final and j == len(self.layers) - 1:
-                h = layer(h, layer_caches, lengths, last_only=True)
+                h = layer(h, layer_caches, lengths, last_only=True, full=full)
             else:
                 h = layer(h, layer_caches, lengths)
         return h

@@ -23,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..config import ModelConfig
-from .base import MLP, KVCache, PreNormBlock, RoPE, attend, last_indices, positions, segments, yarn_mscale
+from .base import MLP, KVCache, PreNormBlock, RoPE, attend, kept_rows, positions, segments, yarn_mscale
 from .experts import SwitchGLU
 
 
@@ -80,13 +80,15 @@ class MultiHeadLatentAttention(nn.Module):
         # "keys" hold the normalised latents c_kv, "values" the rotated shared keys k_rope.
         return KVCache()
 
-    def __call__(self, x: mx.array, caches: list[KVCache], lengths: list[int], last_only: bool = False) -> mx.array:
+    def __call__(self, x: mx.array, caches: list[KVCache], lengths: list[int], last_only: bool = False,
+                 full: list[bool] | None = None) -> mx.array:
         """As base.Attention: packed sequences, each against its own cache; last_only: the
-        output of each sequence's last token only (every token's latent is cached all the same)."""
+        output of each sequence's last token only (all of a `full` one's; every token's latent
+        is cached all the same)."""
         _, T, _ = x.shape
         offsets = positions(lengths, caches)
-        if last_only:  # queries at each sequence's last token only
-            last = last_indices(lengths)
+        if last_only:  # queries at each sequence's last token only (all of a full one's)
+            last, kept = kept_rows(lengths, full)
             xq, q_offsets = x[:, last], offsets[last]
         else:
             xq, q_offsets = x, offsets
@@ -107,15 +109,11 @@ class MultiHeadLatentAttention(nn.Module):
         k_rope = self.rope(k_rope[:, None, None], offset=offsets)[:, 0, 0]
         outputs = []
         for i, ((begin, end), cache) in enumerate(zip(segments(lengths), caches)):
-            qb, qe = (i, i + 1) if last_only else (begin, end)
-            cached = cache.offset
+            qb, qe = kept[i] if last_only else (begin, end)
             cached_latent, cached_rope = cache.update_and_fetch(latent[None, None, begin:end], k_rope[None, None, begin:end])
             queries = mx.concatenate([q_latent[None, :, qb:qe], q_rope[None, :, qb:qe]], axis=-1)
             keys = mx.concatenate([cached_latent, cached_rope], axis=-1)  # one "head" shared by all
-            if last_only:  # the last query alone, over every key
-                out = mx.fast.scaled_dot_product_attention(queries, keys, cached_latent, scale=self.scale)
-            else:
-                out = attend(queries, keys, cached_latent, self.scale, cached)
+            out = attend(queries, keys, cached_latent, self.scale, cache.offset - (qe - qb))
             outputs.append(out[0])  # [heads, t, latent]
         out = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=1)
         out = out @ self.w_uv.swapaxes(-1, -2)  # [heads, queries, v]: W_uv absorbed into the output
