@@ -229,6 +229,8 @@ class Tokenizer:
             raise UserError(f"the tokenizer in {self._name} has no chat template: run without the chat template")
         import jinja2
 
+        for i, m in enumerate(messages):  # named as the request names them, before the template mixes them up
+            _check_unicode(m.get("content"), f"messages[{i}].content")
         try:
             if self._compiled_template is None:
                 self._compiled_template = _jinja_env().from_string(self._chat_template)
@@ -246,6 +248,8 @@ class Tokenizer:
             raise UserError(f"the chat template of {self._name} failed: {type(e).__name__}: {_one_line(e)}") from None
 
     def prompt_ids(self, prompt: str, system: str | None = None, use_chat_template: bool = True) -> list[int]:
+        _check_unicode(prompt)
+        _check_unicode(system, "the system message")
         if use_chat_template and self.has_chat_template:
             messages = ([{"role": "system", "content": system}] if system is not None else [])
             messages.append({"role": "user", "content": prompt})
@@ -466,17 +470,20 @@ def _int_list(value, path: Path) -> list[int]:
     return list(values)
 
 
-def _check_unicode(text: str) -> None:
+def _check_unicode(text, what: str = "the prompt") -> None:
     """Text must be valid Unicode to be tokenized: a lone surrogate (JSON's "\\ud800", or a command-line
-    argument that was not UTF-8, which Python keeps as surrogates) cannot be encoded as UTF-8."""
+    argument that was not UTF-8, which Python keeps as surrogates) cannot be encoded as UTF-8.
+    what: the text as the user knows it, for the message (positions count in it)."""
+    if not isinstance(text, str):
+        return
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         bad = ord(text[e.start])
         if 0xDC80 <= bad <= 0xDCFF:  # Python's stand-in for a byte that did not decode
-            raise UserError(f"the prompt is not UTF-8: byte 0x{bad - 0xDC00:02x} at character {e.start}; "
+            raise UserError(f"{what} is not UTF-8: byte 0x{bad - 0xDC00:02x} at character {e.start}; "
                             f"convert it to UTF-8 (e.g. with iconv -t UTF-8)") from None
-        raise UserError(f"the prompt is not valid text: a lone surrogate \\u{bad:04x} at character {e.start} "
+        raise UserError(f"{what} is not valid text: a lone surrogate \\u{bad:04x} at character {e.start} "
                         f"(a surrogate pair needs both halves)") from None
 
 
