@@ -120,6 +120,7 @@ class GGUFCheckpoint(Checkpoint):
         self.tensors: dict[str, Entry] = {}
         self._pending: dict[str, Any] = {}  # the other arrays of a triple already decoded
         self._requantized: list[tuple[str, str, int, int, float, float]] = []  # what loaded() reports
+        self.bytes_read = 0  # tensor bytes read so far (what each rank reads, for tests and benchmarks)
         self._index()
 
     # -- the index ---------------------------------------------------------------------------------------------
@@ -220,6 +221,7 @@ class GGUFCheckpoint(Checkpoint):
             got = f.readinto(memoryview(buffer).cast("B"))
         if got != buffer.nbytes:
             raise UserError(f"{tensor.file} is truncated or corrupt (tensor {tensor.name}): download it again")
+        self.bytes_read += got
         return buffer
 
     def _chunks(self, tensor: GGUFTensor):
