@@ -718,3 +718,80 @@ def test_plan_and_preflight_read_only_the_header(tmp_path):
     assert "GGUF (Q4_1" in result.stdout and "Q4_1, Q8_0 exactly as MLX affine" in result.stdout
     result = mpiexec(2, "preflight", "--model", str(path), timeout=120)
     assert result.returncode == 0 and "all 2 ranks ready" in result.stderr, result.stderr
+
+
+# ---- the DeepSeek V3 and Kimi K2 pre-tokenizers --------------------------------------------------------------------
+
+def _tokenizer_only_gguf(path: Path, tokens: list[str], types: list[int], merges: list[str], pre: str) -> Path:
+    writer = gguf.GGUFWriter(str(path), "deepseek2")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_add_bos_token(False)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    return path
+
+
+def test_deepseek_v3_pre_tokenizer_splits_as_llama_cpp(tmp_path):
+    """llama.cpp's DEEPSEEK3_LLM regex list: digits in threes, CJK/kana runs apart, then a punctuation mark
+    glued to the Latin word after it (".NET"); expected pieces written out by hand."""
+    from pipeline.gguf import _bytes_to_unicode, build_tokenizer
+
+    spelled = sorted(_bytes_to_unicode().values())
+    path = _tokenizer_only_gguf(tmp_path / "ds.gguf", spelled, [1] * len(spelled), [], "deepseek-v3")
+    tokenizer = build_tokenizer(open_gguf(path).metadata, path)
+    cases = {
+        "12345 apples": ["123", "45", "Ġapples"],
+        "日本語テキストabc": ["æĹ¥æľ¬èªŀãĥĨãĤŃãĤ¹ãĥĪ", "abc"],
+        "use.NET now!!\n\nok": ["use", ".NET", "Ġnow", "!!ĊĊ", "ok"],
+        "a .b": ["a", "Ġ.", "b"],  # the space goes with the punctuation (third alternative), not the word
+    }
+    for text, pieces in cases.items():
+        assert [p for p, _ in tokenizer.pre_tokenizer.pre_tokenize_str(text)] == pieces, text
+
+
+def _llama_cpp_bpe(ranks: dict[bytes, int], token: bytes, max_rank: int) -> list[bytes]:
+    """convert_hf_to_gguf.py QwenModel.bpe: how llama.cpp recovers the merge that made a tiktoken token."""
+    parts = [bytes([b]) for b in token]
+    while True:
+        best = None
+        for i, pair in enumerate(zip(parts[:-1], parts[1:])):
+            rank = ranks.get(pair[0] + pair[1])
+            if rank is not None and (best is None or rank < best[1]):
+                best = (i, rank)
+        if best is None or best[1] >= max_rank:
+            return parts
+        i = best[0]
+        parts = parts[:i] + [parts[i] + parts[i + 1]] + parts[i + 2:]
+
+
+def test_kimi_k2_gguf_tokenizer_matches_tiktoken(tmp_path):
+    """A Kimi K2 GGUF's vocabulary, as convert_hf_to_gguf.py writes it from tiktoken ranks (byte-level
+    spelling, merges recovered by QwenModel.bpe, pre 'kimi-k2'), encodes as tiktoken itself does with
+    Kimi's split pattern (the truth test_tokenizer_kimi.py uses)."""
+    import tiktoken
+    from test_tokenizer_kimi import KIMI_PAT_STR, RAINBOW, TRAINING_TEXT, train_ranks
+
+    from pipeline.gguf import _bytes_to_unicode
+    from pipeline.tokenizer import Tokenizer
+
+    ranks = train_ranks(TRAINING_TEXT)
+    spell = _bytes_to_unicode()
+    tokens = ["".join(spell[b] for b in token) for token, _ in sorted(ranks.items(), key=lambda kv: kv[1])]
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
+        if len(token) > 1:
+            parts = _llama_cpp_bpe(ranks, token, rank)
+            if len(parts) == 2:
+                merges.append(" ".join("".join(spell[b] for b in part) for part in parts))
+    tokens += ["<|im_end|>", "[EOS]"]
+    path = _tokenizer_only_gguf(tmp_path / "kimi.gguf", tokens, [1] * len(ranks) + [3, 3], merges, "kimi-k2")
+    ours = Tokenizer.from_folder(path)
+    reference = tiktoken.Encoding(name="reference", pat_str=KIMI_PAT_STR, mergeable_ranks=ranks, special_tokens={})
+    for text in TRAINING_TEXT[:8] + RAINBOW + ["x你 12345 I'M HERE, they'll go", "你好1234 abc"]:
+        assert ours.encode(text, add_special_tokens=False) == reference.encode_ordinary(text), text
+    assert ours.encode("hi<|im_end|>", add_special_tokens=False)[-1] == len(ranks)  # a control token is one id
