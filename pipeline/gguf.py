@@ -1,18 +1,11 @@
-"""Convert a llama.cpp GGUF file into a Hugging Face-layout model folder.
+"""A llama.cpp GGUF file's metadata as Hugging Face files, and `convert`: a GGUF (or split set) into a
+model folder.
 
-The folder holds what the loader reads: `config.json`, `model.safetensors` (or shards plus an
-index), `tokenizer.json`, `tokenizer_config.json` and `generation_config.json`.
-
-Quantized GGUF tensors are not dequantized. Q4_0, Q4_1 and Q8_0 are all "scale * q + offset" per
-block of 32 values with fp16 scale and offset, which is exactly MLX's affine quantization with
-group size 32, so each block is repacked into MLX's layout without losing a bit:
-
-    Q4_1: w = d * q + m         (q in 0..15)  -> scales = d, biases = m,     bits 4
-    Q4_0: w = d * (q - 8)       (q in 0..15)  -> scales = d, biases = -8 d,  bits 4
-    Q8_0: w = d * q             (q in -128..127, stored as q + 128)
-                                              -> scales = d, biases = -128 d, bits 8
-
-(-8 d and -128 d are exact in fp16: multiplying by a power of two only changes the exponent.)
+Running a GGUF needs no conversion (gguf_checkpoint.py reads it in place); `convert` writes what that
+reading gives (the same tensors, MLX-quantized where the GGUF's types map exactly or re-quantized where
+they do not, config.json from the metadata) as safetensors, for those who want an MLX folder. This
+module also builds the tokenizer a GGUF describes, for both: `tokenizer.json` (vocabulary, merges,
+pre-tokenizer) and `tokenizer_config.json` (special tokens, chat template).
 """
 
 from __future__ import annotations
@@ -29,35 +22,12 @@ import numpy as np
 
 from .errors import UserError
 
-GROUP_SIZE = 32  # every supported GGML block holds 32 values
 MAX_SHARD_BYTES = 2_000_000_000
 
-# GGUF architecture -> (HF model_type, HF architectures entry)
-ARCHITECTURES = {
-    "llama": ("llama", "LlamaForCausalLM"),
-    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
-}
-
-# Names llama.cpp gives the per-layer tensors -> the HF module path inside `model.layers.{i}`.
-LAYER_TENSOR_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-GLOBAL_TENSOR_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
+# our model_type -> the Hugging Face `architectures` entry of config.json
+HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                    "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                    "deepseek_v3": "DeepseekV3ForCausalLM", "kimi_k2": "DeepseekV3ForCausalLM"}
 
 # Tokens that end a chat turn. A GGUF names one eos id, often the pretraining one (or, in some
 # files, a wrong one), so generation has to stop on these too.
@@ -132,48 +102,27 @@ class OutputExistsError(UserError):
 # Entry point
 
 
-def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, progress: bool = True) -> Path:
-    """Convert `gguf_path` into an HF-layout model folder at `out_dir` and return `out_dir`.
+def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, progress: bool = True,
+                 requantize_bits: int | None = None, group_size: int = 64) -> Path:
+    """Convert `gguf_path` (a GGUF file, or any part of a split set) into an HF-layout model folder at
+    `out_dir` and return `out_dir`. `requantize_bits`/`group_size`: the MLX layout of GGUF types MLX
+    cannot hold exactly (as --quantize/--group-size when running the file).
 
     Everything is written into a temporary folder next to `out_dir` and renamed at the end, so a
     crash never leaves a half-written model. Raises OutputExistsError if `out_dir` exists and is not
     empty (also when another process finished first), UserError for any unusable input.
     """
-    gguf_path = Path(gguf_path)
-    out_dir = Path(out_dir)
-    reader = _open_gguf(gguf_path)
-    meta = _read_metadata(reader)
-    arch = meta.get("general.architecture")
-    if arch not in ARCHITECTURES:
-        raise UserError(
-            f"{gguf_path}: unsupported model architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}"
-        )
+    from .gguf_checkpoint import GGUFCheckpoint
+
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    checkpoint = GGUFCheckpoint(gguf_path, requantize_bits, group_size)  # every check on the input is here
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise OutputExistsError(f"output folder {out_dir} already exists and is not empty: remove it or pick another")
-
-    tensors = {t.name: t for t in reader.tensors}
-    if "rope_freqs.weight" in tensors:
-        # llama3-style rope scaling: GGUF keeps only the per-dimension factors, not the parameters
-        # (factor, low/high_freq_factor, original context) that an HF config needs.
-        raise UserError(
-            f"{gguf_path}: unsupported llama3-style rope scaling (rope_freqs.weight tensor); "
-            "use the original Hugging Face model folder instead"
-        )
-    for tensor in tensors.values():
-        if tensor.tensor_type.name not in _SUPPORTED_TYPES:
-            raise UserError(
-                f"{gguf_path}: tensor {tensor.name} has GGML type {tensor.tensor_type.name}, which is not "
-                f"supported (supported: {', '.join(_SUPPORTED_TYPES)}); use a Q4_0, Q4_1, Q8_0, F16, BF16 or F32 GGUF"
-            )
-        hf_module_path(tensor.name, gguf_path)  # fail on unknown names before any work is done
-
-    # Everything that can fail on bad metadata runs before the (slow) weight conversion.
-    config = build_config(meta, tensors, gguf_path)
+    meta = checkpoint.gguf.metadata
+    config = folder_config(checkpoint)
     tokenizer = build_tokenizer(meta, gguf_path)
     tokenizer_config = build_tokenizer_config(meta)
     generation_config = build_generation_config(meta)
-    # llama.cpp permutes q/k rows only for llama-family models (qwen uses NEOX-style rope).
-    unpermute_heads = (config["num_attention_heads"], config["num_key_value_heads"]) if arch == "llama" else None
 
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -181,7 +130,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, progr
     except OSError as err:
         raise UserError(f"cannot create the output folder {out_dir}: {err.strerror}") from err
     try:
-        _write_weights(tensors, tmp_dir, unpermute_heads, progress, desc=f"converting {gguf_path.name}")
+        _write_weights(checkpoint, tmp_dir, progress, desc=f"converting {gguf_path.name}")
         _write_json(tmp_dir / "config.json", config)
         tokenizer.save(str(tmp_dir / "tokenizer.json"))
         _write_json(tmp_dir / "tokenizer_config.json", tokenizer_config)
@@ -201,31 +150,70 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, progr
     return out_dir
 
 
-# ----------------------------------------------------------------------------------------------
-# Reading the file
+def folder_config(checkpoint) -> dict[str, Any]:
+    """config.json of the converted folder: the checkpoint's config, its `architectures` entry, and an
+    mlx-lm style `quantization`: the most common (bits, group) by default, modules held otherwise
+    with their own entry, float matrices `false`."""
+    config = dict(checkpoint.config_dict)
+    config["architectures"] = [HF_ARCHITECTURES[config["model_type"]]]
+    modules: dict[str, dict | bool] = {}
+    scale_dtypes, float_dtypes = set(), []
+    for name, entry in checkpoint.tensors.items():
+        module, _, part = name.rpartition(".")
+        if part == "scales":
+            lay = entry.layout
+            modules[module] = {"group_size": lay.group_size, "bits": lay.bits,
+                               **({"mode": lay.mode} if lay.mode != "affine" else {})}
+            scale_dtypes.add(entry.dtype)
+        elif part == "weight" and entry.layout is None and len(entry.shape) >= 2:
+            modules[module] = False
+            float_dtypes.append(entry.dtype)
+    settings = [m for m in modules.values() if m]
+    if settings:
+        default = max(settings, key=lambda m: (settings.count(m), m["bits"]))
+        quantization: dict[str, Any] = dict(default)
+        quantization.update({module: m for module, m in sorted(modules.items()) if m != default})
+        config["quantization"] = config["quantization_config"] = quantization
+        config["torch_dtype"] = "float16" if scale_dtypes == {"F16"} else "float32"
+    elif float_dtypes:
+        main = max(sorted(set(float_dtypes)), key=float_dtypes.count)
+        config["torch_dtype"] = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}.get(main, "float32")
+    return config
 
 
-def _open_gguf(path: Path):
-    import gguf
+def _write_weights(checkpoint, out_dir: Path, progress: bool, desc: str) -> None:
+    """Every tensor, read as a rank would read it, into `model.safetensors` (or shards plus an index)."""
+    import mlx.core as mx
+    from tqdm import tqdm
 
-    if not path.is_file():
-        raise UserError(f"GGUF file not found: {path}")
-    try:
-        with open(path, "rb") as f:
-            magic = f.read(4)
-    except OSError as err:
-        raise UserError(f"cannot read GGUF file {path}: {err.strerror}") from err
-    if magic != b"GGUF":
-        raise UserError(f"{path} is not a GGUF file (it does not start with 'GGUF')")
-    try:
-        return gguf.GGUFReader(path)
-    except Exception as err:  # truncated or corrupt files raise all kinds of errors in the reader
-        raise UserError(f"cannot read GGUF file {path}: {_one_line(err)}") from err
-
-
-def _read_metadata(reader) -> dict[str, Any]:
-    """All key/value metadata as plain Python values (str, int, float, bool, lists)."""
-    return {name: field.contents() for name, field in reader.fields.items()}
+    names = sorted(checkpoint.tensors)
+    shards: list[list[str]] = [[]]  # planned first (sizes are known up front) so files get their final names
+    shard_bytes = 0
+    for name in names:
+        size = checkpoint.tensors[name].nbytes
+        if shards[-1] and shard_bytes + size > MAX_SHARD_BYTES:
+            shards.append([])
+            shard_bytes = 0
+        shards[-1].append(name)
+        shard_bytes += size
+    files = ["model.safetensors"] if len(shards) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map: dict[str, str] = {}
+    total_size = 0
+    with tqdm(total=len(names), desc=desc, unit="tensor", file=sys.stderr, disable=not progress) as bar:
+        for file_name, shard in zip(files, shards):
+            arrays = {}
+            for name in shard:
+                arrays[name] = checkpoint.read(name)
+                weight_map[name] = file_name
+                total_size += arrays[name].nbytes
+                bar.update(1)
+            mx.save_safetensors(str(out_dir / file_name), arrays, metadata={"format": "mlx"})
+            del arrays
+    checkpoint.loaded(names)
+    if len(shards) > 1:
+        _write_json(out_dir / "model.safetensors.index.json",
+                    {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))})
 
 
 def _float32(value) -> float:
@@ -239,73 +227,6 @@ def _one_line(err: BaseException) -> str:
 
 def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
-# ----------------------------------------------------------------------------------------------
-# config.json
-
-
-def build_config(meta: dict[str, Any], tensors: dict, gguf_path: Path) -> dict[str, Any]:
-    """The HF `config.json` for this GGUF (`tensors`: name -> gguf ReaderTensor)."""
-    arch = meta["general.architecture"]
-
-    def need(key: str):
-        full = f"{arch}.{key}"
-        if full not in meta:
-            raise UserError(f"{gguf_path}: GGUF metadata lacks {full}; the file is incomplete or not a {arch} model")
-        return meta[full]
-
-    model_type, architecture = ARCHITECTURES[arch]
-    name = f"{meta.get('general.name', '')} {meta.get('general.basename', '')}".lower()
-    if arch == "llama" and "mistral" in name:
-        # Mistral GGUFs use the llama architecture; HF's MistralConfig defaults to a 4096-token
-        # sliding window that only v0.1 had, so state "none" explicitly.
-        model_type, architecture = "mistral", "MistralForCausalLM"
-
-    hidden = int(need("embedding_length"))
-    heads = int(need("attention.head_count"))
-    if "token_embd.weight" not in tensors:
-        raise UserError(f"{gguf_path}: no token_embd.weight tensor; the file is incomplete")
-    vocab_size = int(tensors["token_embd.weight"].shape[1])  # GGUF shapes are [in, out]
-
-    config: dict[str, Any] = {
-        "model_type": model_type,
-        "architectures": [architecture],
-        "hidden_size": hidden,
-        "intermediate_size": int(need("feed_forward_length")),
-        "num_hidden_layers": int(need("block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(meta.get(f"{arch}.attention.head_count_kv", heads)),
-        "head_dim": int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
-        "hidden_act": "silu",
-        "rms_norm_eps": _float32(need("attention.layer_norm_rms_epsilon")),
-        "rope_theta": _float32(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(need("context_length")),
-        "vocab_size": vocab_size,
-        "tie_word_embeddings": "output.weight" not in tensors,
-        "attention_bias": arch == "qwen2",
-    }
-    if model_type == "mistral":
-        config["sliding_window"] = None
-    for key, meta_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
-                          ("pad_token_id", "padding_token_id")):
-        if f"tokenizer.ggml.{meta_key}" in meta:
-            config[key] = int(meta[f"tokenizer.ggml.{meta_key}"])
-
-    rope_scaling = _rope_scaling(meta, arch, gguf_path)
-    if rope_scaling is not None:
-        config["rope_scaling"] = rope_scaling
-
-    quantization = build_quantization(tensors)
-    if quantization is not None:
-        config["quantization"] = quantization
-        config["quantization_config"] = quantization
-        config["torch_dtype"] = "float16"  # the scales and biases are fp16
-    else:
-        dtypes = [t.tensor_type.name for t in tensors.values() if len(t.shape) == 2]
-        main = max(set(dtypes), key=dtypes.count)
-        config["torch_dtype"] = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}[main]
-    return config
 
 
 def _rope_scaling(meta: dict[str, Any], arch: str, gguf_path: Path) -> dict[str, Any] | None:
@@ -322,180 +243,6 @@ def _rope_scaling(meta: dict[str, Any], arch: str, gguf_path: Path) -> dict[str,
             scaling["original_max_position_embeddings"] = int(original)
         return scaling
     raise UserError(f"{gguf_path}: unsupported rope scaling type {kind!r} in the GGUF metadata")
-
-
-# ----------------------------------------------------------------------------------------------
-# Tensors
-
-_QUANT_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
-_FLOAT_TYPES = ("F32", "F16", "BF16")
-_SUPPORTED_TYPES = (*_QUANT_BITS, *_FLOAT_TYPES)
-
-
-def hf_module_path(gguf_name: str, gguf_path: Path | str = "GGUF") -> str:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` (and so on)."""
-    parts = gguf_name.split(".")
-    if len(parts) == 2 and parts[0] in GLOBAL_TENSOR_NAMES and parts[1] == "weight":
-        return f"{GLOBAL_TENSOR_NAMES[parts[0]]}.{parts[1]}"
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in LAYER_TENSOR_NAMES \
-            and parts[3] in ("weight", "bias"):
-        return f"model.layers.{parts[1]}.{LAYER_TENSOR_NAMES[parts[2]]}.{parts[3]}"
-    raise UserError(f"{gguf_path}: tensor {gguf_name!r} has no known Hugging Face name; this model layout is not supported")
-
-
-def build_quantization(tensors: dict) -> dict[str, Any] | None:
-    """mlx-lm style quantization config, or None when nothing is quantized.
-
-    The most common bit width is the default; modules quantized differently get their own entry
-    and 2-D weights left in float get `false`, so nothing is quantized that is not stored so.
-    """
-    bits_by_module: dict[str, int | None] = {}
-    for tensor in tensors.values():
-        if not tensor.name.endswith(".weight") or len(tensor.shape) != 2:
-            continue  # norms and biases are never quantized
-        module = hf_module_path(tensor.name).removesuffix(".weight")
-        bits_by_module[module] = _QUANT_BITS.get(tensor.tensor_type.name)
-    counts = [b for b in bits_by_module.values() if b is not None]
-    if not counts:
-        return None
-    default_bits = max(sorted(set(counts)), key=counts.count)
-    quantization: dict[str, Any] = {"group_size": GROUP_SIZE, "bits": default_bits}
-    for module, bits in bits_by_module.items():
-        if bits is None:
-            quantization[module] = False
-        elif bits != default_bits:
-            quantization[module] = {"group_size": GROUP_SIZE, "bits": bits}
-    return quantization
-
-
-def ggml_to_mlx_affine(raw: np.ndarray, ggml_type: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Repack GGML Q4_0/Q4_1/Q8_0 rows into MLX affine quantization (group size 32).
-
-    `raw` is the GGUF data as the reader gives it: uint8 [rows, bytes_per_row]. Returns
-    (weight uint32 [rows, cols*bits/32], scales fp16 [rows, cols/32], biases fp16 [rows, cols/32]),
-    the layout `mx.quantize(w, group_size=32, bits=bits)` produces.
-    """
-    rows = raw.shape[0]
-    if ggml_type == "Q4_1":
-        blocks = raw.reshape(rows, -1, 20)  # fp16 d, fp16 m, 16 bytes of nibbles
-        scales = blocks[..., 0:2].copy().view(np.float16)[..., 0]
-        biases = blocks[..., 2:4].copy().view(np.float16)[..., 0]
-        weight = _pack_nibbles(blocks[..., 4:])
-    elif ggml_type == "Q4_0":
-        blocks = raw.reshape(rows, -1, 18)  # fp16 d, 16 bytes of nibbles
-        scales = blocks[..., 0:2].copy().view(np.float16)[..., 0]
-        biases = scales * np.float16(-8)
-        weight = _pack_nibbles(blocks[..., 2:])
-    elif ggml_type == "Q8_0":
-        blocks = raw.reshape(rows, -1, 34)  # fp16 d, 32 signed bytes
-        scales = blocks[..., 0:2].copy().view(np.float16)[..., 0]
-        biases = scales * np.float16(-128)
-        # int8 q -> unsigned q + 128, which is flipping the top bit. MLX 8-bit packs 4 values per
-        # uint32 with element j at bits 8*(j%4): the plain little-endian byte order.
-        q = blocks[..., 2:] ^ np.uint8(0x80)
-        weight = np.ascontiguousarray(q).reshape(rows, -1).view("<u4")
-    else:
-        raise ValueError(f"not a supported quantized GGML type: {ggml_type}")
-    return weight, np.ascontiguousarray(scales), np.ascontiguousarray(biases)
-
-
-def _pack_nibbles(qs: np.ndarray) -> np.ndarray:
-    """GGML 4-bit block bytes [rows, blocks, 16] -> MLX 4-bit packed uint32 [rows, blocks*4].
-
-    GGML: byte i of a block holds element i (low nibble) and element i+16 (high nibble).
-    MLX: element j of a row sits in word j//8 at bits 4*(j%8); in little-endian bytes that is
-    byte j//2, low nibble for even j, high nibble for odd j.
-    """
-    rows = qs.shape[0]
-    values = np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=-1)  # [rows, blocks, 32] in order
-    packed = values[..., 0::2] | (values[..., 1::2] << np.uint8(4))
-    return np.ascontiguousarray(packed).reshape(rows, -1).view("<u4")
-
-
-def unpermute_rows(a: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's q_proj/k_proj row permutation.
-
-    convert_hf_to_gguf.py interleaves the two rotary halves of each head for llama.cpp's rope:
-    `w.reshape(n_heads, 2, head_dim // 2, ...).swapaxes(1, 2)`. Only rows move, so this works the
-    same on float weights, packed quantized rows, scales, biases and bias vectors.
-    """
-    rows = a.shape[0]
-    return a.reshape(n_heads, rows // n_heads // 2, 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
-
-
-def _converted_arrays(tensor, unpermute_heads: tuple[int, int] | None) -> dict[str, np.ndarray]:
-    """One GGUF tensor -> its HF-named arrays (three for a quantized weight; BF16 as raw uint16).
-
-    `unpermute_heads`: (query heads, key/value heads) when q/k rows must be unpermuted.
-    """
-    name = hf_module_path(tensor.name)
-    ggml_type = tensor.tensor_type.name
-    if ggml_type in _QUANT_BITS:
-        weight, scales, biases = ggml_to_mlx_affine(tensor.data, ggml_type)
-        module = name.removesuffix(".weight")
-        arrays = {name: weight, f"{module}.scales": scales, f"{module}.biases": biases}
-    elif ggml_type == "BF16":  # the reader gives raw bytes; numpy has no bfloat16
-        arrays = {name: np.ascontiguousarray(tensor.data).view("<u2")}
-    else:
-        arrays = {name: np.asarray(tensor.data)}
-
-    if unpermute_heads is not None:
-        heads, kv_heads = unpermute_heads
-        if ".self_attn.q_proj." in name:
-            arrays = {k: unpermute_rows(v, heads) for k, v in arrays.items()}
-        elif ".self_attn.k_proj." in name:
-            arrays = {k: unpermute_rows(v, kv_heads) for k, v in arrays.items()}
-    return arrays
-
-
-def _output_nbytes(tensor) -> int:
-    if tensor.tensor_type.name in _QUANT_BITS:
-        rows = int(np.prod(tensor.shape[1:]))
-        cols = int(tensor.shape[0])
-        return rows * cols * _QUANT_BITS[tensor.tensor_type.name] // 8 + 2 * rows * (cols // GROUP_SIZE) * 2
-    return int(tensor.n_bytes)
-
-
-def _write_weights(tensors: dict, out_dir: Path, unpermute_heads: tuple[int, int] | None,
-                   progress: bool, desc: str) -> None:
-    """Convert every tensor and save `model.safetensors`, or shards plus an index if large."""
-    import mlx.core as mx
-    from tqdm import tqdm
-
-    # Plan the shards first (output sizes are known up front) so files get their final names.
-    shards: list[list] = [[]]
-    shard_bytes = 0
-    for tensor in tensors.values():
-        size = _output_nbytes(tensor)
-        if shards[-1] and shard_bytes + size > MAX_SHARD_BYTES:
-            shards.append([])
-            shard_bytes = 0
-        shards[-1].append(tensor)
-        shard_bytes += size
-
-    if len(shards) == 1:
-        file_names = ["model.safetensors"]
-    else:
-        file_names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    weight_map: dict[str, str] = {}
-    total_size = 0
-    with tqdm(total=len(tensors), desc=desc, unit="tensor", file=sys.stderr, disable=not progress) as bar:
-        for file_name, shard in zip(file_names, shards):
-            arrays = {}
-            for tensor in shard:
-                for key, value in _converted_arrays(tensor, unpermute_heads).items():
-                    if tensor.tensor_type.name == "BF16":
-                        arrays[key] = mx.array(value).view(mx.bfloat16)
-                    else:
-                        arrays[key] = mx.array(value)
-                    weight_map[key] = file_name
-                    total_size += value.nbytes
-                bar.update(1)
-            mx.save_safetensors(str(out_dir / file_name), arrays, metadata={"format": "mlx"})
-            del arrays
-    if len(shards) > 1:
-        _write_json(out_dir / "model.safetensors.index.json",
-                    {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))})
 
 
 # ----------------------------------------------------------------------------------------------

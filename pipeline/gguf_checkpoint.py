@@ -171,7 +171,7 @@ class GGUFCheckpoint(Checkpoint):
             raise UserError(f"{self.gguf.path}: tensor {tensor.name} has rows of {tensor.cols} values, which MLX "
                             f"cannot quantize in groups of {lay.group_size}")
         module = name.removesuffix(".weight")
-        for part, (shape, dtype) in quants.packed_shapes(tensor.shape[:-1], tensor.cols, lay).items():
+        for part, (shape, dtype) in quants.packed_shapes(tensor.shape[:-1], tensor.cols, lay, t).items():
             self.tensors[f"{module}.{part}"] = Entry(dtype, shape, (tensor,), lay.kind, part, lay, unpermute_heads)
 
     # -- reading -----------------------------------------------------------------------------------------------

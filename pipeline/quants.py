@@ -40,6 +40,9 @@ REQUANTIZED = {
     "Q6_K": 8, "Q2_K": 4, "Q3_K": 4, "IQ1_S": 4, "IQ1_M": 4, "IQ2_XXS": 4, "IQ2_XS": 4, "IQ2_S": 4,
     "IQ3_XXS": 4, "IQ3_S": 4, "IQ4_NL": 4, "IQ4_XS": 4, "TQ1_0": 4, "TQ2_0": 4, "NVFP4": 4,
 }
+# Types whose MLX scales and biases fp16 holds exactly (d, m, or d times a power of two), kept in fp16;
+# the K-quants' d x sc_j needs float32.
+FP16_SCALES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 # Float types, read as they are (numpy dtype to read the bytes as; BF16 as raw uint16).
 FLOATS = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
 INTEGERS = {"I8": np.int8, "I16": np.int16, "I32": np.int32, "I64": np.int64}
@@ -78,14 +81,15 @@ def layout(ggml_type: str, cols: int, requantize_bits: int | None, group_size: i
     return None
 
 
-def packed_shapes(rows: tuple[int, ...], cols: int, lay: Layout) -> dict[str, tuple[tuple[int, ...], str]]:
+def packed_shapes(rows: tuple[int, ...], cols: int, lay: Layout, ggml_type: str) -> dict[str, tuple[tuple[int, ...], str]]:
     """suffix -> (shape, safetensors-style dtype) of the arrays an MLX-quantized tensor becomes."""
     shapes = {"weight": ((*rows, cols * lay.bits // 32), "U32")}
     if lay.mode == "mxfp4":
         shapes["scales"] = ((*rows, cols // lay.group_size), "U8")
     else:
-        shapes["scales"] = ((*rows, cols // lay.group_size), "F32")
-        shapes["biases"] = ((*rows, cols // lay.group_size), "F32")
+        dtype = "F16" if ggml_type in FP16_SCALES else "F32"
+        shapes["scales"] = ((*rows, cols // lay.group_size), dtype)
+        shapes["biases"] = ((*rows, cols // lay.group_size), dtype)
     return shapes
 
 
@@ -133,7 +137,20 @@ def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def decode_exact(raw: np.ndarray, ggml_type: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """GGML rows (uint8 [rows, bytes per row]) -> MLX (packed uint32 weight, scales, biases or None),
-    the arrays `mx.quantize` would give for the same values (see the module docstring)."""
+    the arrays `mx.quantize` would give for the same values (see the module docstring); scales and
+    biases in fp16 for FP16_SCALES types, else float32."""
+    weight, scales, biases = _decode_exact(raw, ggml_type)
+    if ggml_type in FP16_SCALES:
+        # exact: fp16 values, or fp16 times 8, 16 or 128 (only the exponent changes) unless that overflows,
+        # where float32 keeps them (no real weights come near: d > 511)
+        with np.errstate(over="ignore"):
+            half_scales, half_biases = scales.astype(np.float16), biases.astype(np.float16)
+        if np.isfinite(half_biases).all():
+            return weight, half_scales, half_biases
+    return weight, scales, biases
+
+
+def _decode_exact(raw: np.ndarray, ggml_type: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     rows = raw.shape[0]
     if ggml_type in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4"):
         size = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "MXFP4": 17}[ggml_type]

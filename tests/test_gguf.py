@@ -1,4 +1,5 @@
-"""Tests for the GGUF -> HF/MLX folder conversion (pipeline/gguf.py) and the default model cache.
+"""Tests for the GGUF -> HF/MLX folder conversion (pipeline/gguf.py convert, over gguf_checkpoint.py) and the
+default model cache.
 
 The truths used here come from elsewhere: gguf-py's own (de)quantizer, MLX's own dequantize,
 llama.cpp's permutation as written in convert_hf_to_gguf.py, and transformers' GGUF loaders.
@@ -264,7 +265,7 @@ def test_large_models_are_sharded(tmp_path, monkeypatch):
     out = convert_gguf(write_gguf(tmp_path / "s.gguf", tensors), tmp_path / "model", progress=False)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
-    assert files == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    assert len(files) > 2 and files == [f"model-{i:05d}-of-{len(files):05d}.safetensors" for i in range(1, len(files) + 1)]
     merged = {}
     for name in files:
         merged.update(mx.load(str(out / name)))
@@ -284,7 +285,7 @@ def _minimal_tensors():
 
 
 def test_missing_and_invalid_inputs(tmp_path):
-    with pytest.raises(UserError, match="not found"):
+    with pytest.raises(UserError, match="does not exist"):
         convert_gguf(tmp_path / "nope.gguf", tmp_path / "out", progress=False)
     bogus = tmp_path / "bogus.gguf"
     bogus.write_bytes(b"PK\x03\x04 not a gguf")
@@ -292,16 +293,16 @@ def test_missing_and_invalid_inputs(tmp_path):
         convert_gguf(bogus, tmp_path / "out", progress=False)
     truncated = tmp_path / "truncated.gguf"
     truncated.write_bytes(write_gguf(tmp_path / "ok.gguf", _minimal_tensors()).read_bytes()[:100])
-    with pytest.raises(UserError, match="cannot read GGUF"):
+    with pytest.raises(UserError, match="truncated"):
         convert_gguf(truncated, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
 
 
 def test_unsupported_tensor_type_names_the_tensor(tmp_path):
     tensors = _minimal_tensors()
-    tensors["blk.0.ffn_up.weight"] = (np.zeros((FFN, HIDDEN // 32 * 22), np.uint8), QT.Q5_0)
-    path = write_gguf(tmp_path / "q5.gguf", tensors)
-    with pytest.raises(UserError, match=r"blk\.0\.ffn_up\.weight.*Q5_0"):
+    tensors["blk.0.ffn_up.weight"] = (np.zeros((FFN, HIDDEN // 32 * 40), np.uint8), QT.Q8_1)  # no dequantizer
+    path = write_gguf(tmp_path / "q8_1.gguf", tensors)
+    with pytest.raises(UserError, match=r"blk\.0\.ffn_up\.weight.*Q8_1"):
         convert_gguf(path, tmp_path / "out", progress=False)
     assert list(tmp_path.iterdir()) == [path]  # no temporary folder left behind
 
@@ -309,9 +310,9 @@ def test_unsupported_tensor_type_names_the_tensor(tmp_path):
 def test_llama3_rope_freqs_and_sentinel_errors(tmp_path):
     tensors = _minimal_tensors()
     tensors["rope_freqs.weight"] = (np.ones(HEAD_DIM // 2, np.float32), QT.F32)
-    with pytest.raises(UserError, match="unsupported.*rope"):
+    with pytest.raises(UserError, match="rope.*not supported"):
         convert_gguf(write_gguf(tmp_path / "r.gguf", tensors), tmp_path / "out", progress=False)
-    with pytest.raises(UserError, match="unsupported model architecture 'gpt2'"):
+    with pytest.raises(UserError, match="architecture 'gpt2' is not supported"):
         convert_gguf(write_gguf(tmp_path / "g.gguf", _minimal_tensors(), arch="gpt2"), tmp_path / "out", progress=False)
 
 

@@ -200,6 +200,8 @@ def load_tensor(path: Path, module: str, requantize_bits=None, group_size=64) ->
     weight, scales = checkpoint.read(f"{module}.weight"), checkpoint.read(f"{module}.scales")
     biases = checkpoint.read(f"{module}.biases") if f"{module}.biases" in checkpoint.tensors else None
     lay = entry.layout
+    if biases is not None:  # float32, as the loader casts them to --dtype's default
+        scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
     w = mx.dequantize(weight, scales, biases, group_size=lay.group_size, bits=lay.bits, mode=lay.mode, dtype=mx.float32)
     return np.array(w), checkpoint
 
@@ -795,3 +797,20 @@ def test_kimi_k2_gguf_tokenizer_matches_tiktoken(tmp_path):
     for text in TRAINING_TEXT[:8] + RAINBOW + ["x你 12345 I'M HERE, they'll go", "你好1234 abc"]:
         assert ours.encode(text, add_special_tokens=False) == reference.encode_ordinary(text), text
     assert ours.encode("hi<|im_end|>", add_special_tokens=False)[-1] == len(ranks)  # a control token is one id
+
+
+def test_convert_writes_what_the_file_loads_as(tmp_path, vocab):
+    """`convert` takes the same inputs (a split set, K-quants, deepseek2's split MLA) and its folder holds the
+    tensors the file loads as: the same logits from the folder as from the file."""
+    from conftest import load_stages
+
+    from pipeline.gguf import convert_gguf
+
+    model = _deepseek(tmp_path / "hf")
+    types = MOE_CASES["deepseek2-split-mla"][4]
+    written = write_model(tmp_path / "m.gguf", model, "deepseek2", _by_kind(types), parts=2, vocab=vocab)
+    folder = convert_gguf(written["files"][0], tmp_path / "converted", progress=False)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["DeepseekV3ForCausalLM"] and config["quantization"]["group_size"] == 32
+    direct, _, _ = ours(written["files"][0])
+    assert np.array_equal(forward(load_stages(folder, ((0, 4),)), LONG_PROMPT), direct)
