@@ -76,9 +76,22 @@ def is_gguf(path: Path | str) -> bool:
 
 def open_gguf(path: Path | str) -> GGUFModel:
     """Read the header of `path` and of the rest of its split set. One `UserError` line for a
-    missing or truncated part, a foreign file or an unknown tensor type."""
+    missing or truncated part, a foreign file or an unknown tensor type. The last one read is kept
+    (the tokenizer and the checkpoint of a rank both need it) while its files are unchanged."""
     path = Path(path)
     parts = split_parts(path)
+    key = tuple((str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in parts)
+    if _last[0] == key:
+        return _last[1]
+    model = _read_model(path, parts)
+    _last[:] = [key, model]
+    return model
+
+
+_last: list = [None, None]
+
+
+def _read_model(path: Path, parts: list[Path]) -> GGUFModel:
     metadata: dict[str, Any] = {}
     tensors: dict[str, GGUFTensor] = {}
     header_bytes = {}
@@ -127,17 +140,37 @@ class _Reader:
         self.buffer = b""
         self.pos = 0
 
-    def take(self, n: int) -> bytes:
+    def fill(self, n: int) -> None:
+        """Make the next `n` bytes available in the buffer."""
         while self.pos + n > len(self.buffer):
             more = self.file.read(max(_READ_STEP, self.pos + n - len(self.buffer)))
             if not more:
-                raise UserError(f"{self.path} is truncated: it ends inside its header (after {len(self.buffer)} "
-                                "bytes): download it again")
+                raise UserError(f"{self.path} is truncated: it ends inside its header: download it again")
             self.buffer = self.buffer[self.pos:] + more
             self.pos = 0
+
+    def take(self, n: int) -> bytes:
+        self.fill(n)
         data = self.buffer[self.pos:self.pos + n]
         self.pos += n
         return data
+
+    def strings(self, n: int) -> list[str]:
+        """n strings in a row (a vocabulary, its merges): the header's bulk, read in one tight loop."""
+        out = []
+        length_at = struct.Struct("<Q").unpack_from
+        for _ in range(n):
+            if self.pos + 8 > len(self.buffer):
+                self.fill(8)
+            (length,) = length_at(self.buffer, self.pos)
+            if self.pos + 8 + length > len(self.buffer):
+                if length > 1 << 30:
+                    raise UserError(f"{self.path} is corrupt (a {length}-byte string in its header): download it again")
+                self.fill(8 + length)
+            start = self.pos + 8
+            out.append(self.buffer[start:start + length].decode("utf-8", errors="replace"))
+            self.pos = start + length
+        return out
 
     def scalar(self, fmt: str):
         return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
@@ -159,6 +192,8 @@ class _Reader:
                 fmt = _SCALARS[item_kind]
                 size = struct.calcsize(fmt)
                 return list(struct.unpack(f"<{n}{fmt[1]}", self.take(n * size)))
+            if item_kind == _STRING:
+                return self.strings(n)
             return [self.value(item_kind) for _ in range(n)]
         raise UserError(f"{self.path} is corrupt (unknown metadata value type {kind}): download it again")
 
