@@ -120,6 +120,16 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=-1)
 
 
+def _repack_nibbles(qs: np.ndarray) -> np.ndarray:
+    """GGML nibble blocks [rows, blocks, 16] straight to MLX 4-bit words [rows, blocks * 4]: MLX byte j
+    holds values 2j, 2j+1, i.e. the low (j < 8) or high nibbles of GGML bytes 2j mod 16 and the next."""
+    rows = qs.shape[0]
+    low, high = qs & np.uint8(0x0F), qs >> np.uint8(4)
+    packed = np.concatenate([low[..., 0::2] | (low[..., 1::2] << np.uint8(4)),
+                             high[..., 0::2] | (high[..., 1::2] << np.uint8(4))], axis=-1)
+    return np.ascontiguousarray(packed).reshape(rows, -1).view("<u4")
+
+
 def _high_bits(qh: np.ndarray) -> np.ndarray:
     """Q5_0/Q5_1: 4 bytes, bit j (little-endian) is the fifth bit of value j."""
     return np.unpackbits(qh, axis=-1, bitorder="little")
@@ -156,15 +166,15 @@ def _decode_exact(raw: np.ndarray, ggml_type: str) -> tuple[np.ndarray, np.ndarr
         size = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "MXFP4": 17}[ggml_type]
         blocks = raw.reshape(rows, -1, size)
         if ggml_type == "MXFP4":
-            return pack_bits(_nibbles(blocks[..., 1:]).reshape(rows, -1), 4), np.ascontiguousarray(blocks[..., 0]), None
+            return _repack_nibbles(blocks[..., 1:]), np.ascontiguousarray(blocks[..., 0]), None
         d = _f16(blocks, 0)
         if ggml_type == "Q8_0":
             q = blocks[..., 2:] ^ np.uint8(0x80)  # int8 q -> q + 128: flip the top bit
             return pack_bits(q.reshape(rows, -1), 8), d, d * np.float32(-128)
         if ggml_type == "Q4_0":
-            return pack_bits(_nibbles(blocks[..., 2:]).reshape(rows, -1), 4), d, d * np.float32(-8)
+            return _repack_nibbles(blocks[..., 2:]), d, d * np.float32(-8)
         if ggml_type == "Q4_1":
-            return pack_bits(_nibbles(blocks[..., 4:]).reshape(rows, -1), 4), d, _f16(blocks, 2)
+            return _repack_nibbles(blocks[..., 4:]), d, _f16(blocks, 2)
         start = 2 if ggml_type == "Q5_0" else 4
         q = _nibbles(blocks[..., start + 4:]) | (_high_bits(blocks[..., start:start + 4]) << np.uint8(4))
         bias = d * np.float32(-16) if ggml_type == "Q5_0" else _f16(blocks, 2)
