@@ -161,6 +161,11 @@ class Tokenizer:
     @classmethod
     def from_folder(cls, folder) -> "Tokenizer":
         folder = Path(folder)
+        if folder.is_file():  # a GGUF file: vocabulary, merges and chat template from its metadata
+            from .gguf import tokenizer_settings
+
+            backend, settings = tokenizer_settings(folder)
+            return cls(backend, **settings)
         tok_json, rank_file = folder / "tokenizer.json", folder / "tiktoken.model"
         tcfg = _read_json(folder / "tokenizer_config.json")
         if tok_json.is_file():
