@@ -144,6 +144,7 @@ class Tokenizer:
         self._name = name  # the folder, for error messages
         self._chat_template = chat_template
         self._compiled_template = None
+        self._renders_tools: bool | None = None
         self._special_tokens = dict(special_tokens or {})
         self._add_bos_token = add_bos_token
         self.bos_token: str | None = self._special_tokens.get("bos_token")
@@ -229,28 +230,57 @@ class Tokenizer:
 
     # -- chat template ---------------------------------------------------------------------------------------
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template's text (the output parsers in pipeline.chat read its format from it)."""
+        return self._chat_template
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, **template_kwargs) -> str:
+        """The prompt text of `messages` (OpenAI's shape: an assistant turn's `tool_calls` with
+        `function.arguments` as a JSON string, `role: "tool"` turns with `tool_call_id`, an assistant
+        turn's `reasoning_content`), with `tools` (OpenAI's function list) and the template's own
+        switches in `template_kwargs` (`thinking`, `enable_thinking`, ...), passed as transformers does."""
         if self._chat_template is None:
             raise UserError(f"the tokenizer in {self._name} has no chat template: run without the chat template")
         import jinja2
 
         for i, m in enumerate(messages):  # named as the request names them, before the template mixes them up
             _check_unicode(m.get("content"), f"messages[{i}].content")
+        taken = sorted(set(template_kwargs) & ({"messages", "tools", "documents", "add_generation_prompt"}
+                                               | set(self._special_tokens)))
+        if taken:
+            raise UserError(f"chat template variable {taken[0]!r} is set from the request itself, not as a "
+                            f"template keyword: drop it")
         try:
             if self._compiled_template is None:
                 self._compiled_template = _jinja_env().from_string(self._chat_template)
             # Like transformers: drop None-valued keys (templates handle a missing key better than None), and
             # pass only the special tokens that are set (an unset one must stay undefined, not render "None").
-            messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+            messages = [_alias_reasoning({k: v for k, v in m.items() if v is not None}) for m in messages]
             return self._compiled_template.render(
-                messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
-                **self._special_tokens)
+                messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt,
+                **self._special_tokens, **template_kwargs)
         except jinja2.TemplateError as e:
             where = f" (template line {e.lineno})" if isinstance(e, jinja2.TemplateSyntaxError) else ""
             raise UserError(f"the chat template of {self._name} failed{where}: {_one_line(e)}") from None
         except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
             # e.g. a template adding a string to a missing field; still the template's problem, not ours
             raise UserError(f"the chat template of {self._name} failed: {type(e).__name__}: {_one_line(e)}") from None
+
+    def renders_tools(self) -> bool:
+        """Whether the chat template writes a request's `tools` into the prompt at all (DeepSeek V3's
+        and R1's first templates ignore them): a probe tool's name must appear in the rendered text."""
+        if self._renders_tools is None:
+            probe = "pipeline_probe_tool_5f3a"
+            tools = [{"type": "function", "function": {"name": probe, "description": "probe",
+                                                       "parameters": {"type": "object", "properties": {}}}}]
+            try:
+                self._renders_tools = probe in self.apply_chat_template([{"role": "user", "content": "hi"}],
+                                                                        tools=tools)
+            except UserError:  # a template that fails on tools does not render them either
+                self._renders_tools = False
+        return self._renders_tools
 
     def prompt_ids(self, prompt: str, system: str | None = None, use_chat_template: bool = True) -> list[int]:
         _check_unicode(prompt)
@@ -408,6 +438,16 @@ def _split_long_runs(text: str, limit: int):
             yield text[start:i]
             start, run = i, 1
     yield text[start:]
+
+
+# The names a message's reasoning goes by: templates read `reasoning_content` (Kimi K2 Thinking, Qwen3) or
+# `thinking` (gpt-oss); transformers fills both from whichever a message has, and so do we.
+_REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _alias_reasoning(message: dict) -> dict:
+    reasoning = next((message[k] for k in _REASONING_KEYS if message.get(k) is not None), None)
+    return message if reasoning is None else {"thinking": reasoning, **message, "reasoning_content": reasoning}
 
 
 def _jinja_env():

@@ -1,0 +1,3 @@
+"""What a chat model's output means: its thinking apart from its answer, and its tool calls as
+structured calls, parsed from the text as it streams (reasoning.py, tool_calls.py), for the
+front-ends (serve, batch) to put in their own formats (output.py joins the two)."""
