@@ -443,3 +443,39 @@ def test_output_parser_chosen_from_template_and_prompt(deepseek_v31, kimi):
     parser = ChatOutputParser.for_prompt(chatml, "<|im_start|>hi", parse_tools=False)
     assert message_of(parser.feed("<think>x</think>y") + parser.finish()).content == "<think>x</think>y"
     assert format_for_template(chatml) is None
+
+
+# -- batch records ------------------------------------------------------------------------------------------------
+
+THINKING_CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
+                   "+ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n<think>\n' }}"
+                   "{% endif %}")
+
+
+def test_batch_record_has_the_reasoning(tmp_path):
+    """A tiny random model behind a template that opens <think> in the prompt (as R1's does): its
+    record's output is all thinking (it never writes </think>). The truth is the same prompt run
+    as raw text with --no-chat-template, whose record is the plain output."""
+    from conftest import make_tiny_model, mpiexec
+
+    folder = make_tiny_model("llama", tmp_path / "llama")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": THINKING_CHATML}))
+    messages = [{"role": "user", "content": "The capital of France is"}]
+    rendered = Tokenizer.from_folder(folder).apply_chat_template(messages)
+    assert rendered.endswith("<think>\n")
+
+    def run(line: dict, *flags: str) -> dict:
+        inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+        inp.write_text(json.dumps(line) + "\n")
+        out.unlink(missing_ok=True)
+        result = mpiexec(2, "batch", "--model", str(folder), "--input", str(inp), "--output", str(out), "--quiet",
+                         *flags, env={"OPENBLAS_NUM_THREADS": "1"})
+        assert result.returncode == 0, result.stderr
+        return json.loads(out.read_text())
+
+    chat = run({"id": 1, "messages": messages, "max_tokens": 12})
+    raw = run({"id": 1, "prompt": rendered, "max_tokens": 12}, "--no-chat-template")
+    assert "reasoning" not in raw and "</think>" not in raw["text"] and raw["text"].strip()
+    assert chat["reasoning"] == raw["text"].strip() and chat["text"] == ""
+    assert list(chat)[:3] == ["id", "reasoning", "text"]

@@ -67,14 +67,22 @@ def check_paths(args: argparse.Namespace) -> None:
 def engine_requests(todo: list[InputRequest], tokenizer, use_chat_template: bool, context: int, record):
     """The scheduler's requests, each tokenized only when the scheduler has room for it; a line
     that cannot be tokenized gets its error record instead. record(dict, error: bool) writes one."""
+    from ..chat.reasoning import prompt_opens_reasoning, split_reasoning, template_thinks
     from ..scheduler import Failed, Finished, Request
 
-    def handler(item: InputRequest):
+    thinks = template_thinks(tokenizer.chat_template)
+
+    def handler(item: InputRequest, in_reasoning: bool | None):
         def on_event(event) -> None:
             if isinstance(event, Finished):
-                record(result_record(item, event.text, event.reason, event.prompt_tokens, event.completion_tokens,
-                                     event.cached_tokens, queued_s=event.queued_s, ttft_s=event.ttft_s,
-                                     total_s=event.total_s), False)
+                entry = result_record(item, event.text, event.reason, event.prompt_tokens, event.completion_tokens,
+                                      event.cached_tokens, queued_s=event.queued_s, ttft_s=event.ttft_s,
+                                      total_s=event.total_s)
+                # A thinking model's record: its thinking in "reasoning", the answer alone in "text"
+                reasoning, answer = split_reasoning(event.text, in_reasoning) if in_reasoning is not None else (None, "")
+                if reasoning is not None:
+                    entry = {"id": entry.pop("id"), "reasoning": reasoning, **entry, "text": answer}
+                record(entry, False)
             elif isinstance(event, Failed):
                 record(error_record(item.id, item.line, event.message), True)
         return on_event
@@ -88,7 +96,10 @@ def engine_requests(todo: list[InputRequest], tokenizer, use_chat_template: bool
         except Exception as e:  # noqa: BLE001 -- a tokenizer bug on one line fails that line alone
             record(error_record(item.id, item.line, f"could not tokenize: {type(e).__name__}: {e}"), True)
             continue
-        yield Request(ids, item.sampling, item.max_tokens, handler(item), stop=item.stop, tag=item)
+        chat = item.messages is not None or (use_chat_template and tokenizer.has_chat_template)
+        # Where the output starts (inside a thinking block or not) is in the rendered prompt's last tokens
+        in_reasoning = prompt_opens_reasoning(tokenizer.decode(ids[-16:])) if chat and thinks else None
+        yield Request(ids, item.sampling, item.max_tokens, handler(item, in_reasoning), stop=item.stop, tag=item)
 
 
 def prompt_ids(item: InputRequest, tokenizer, use_chat_template: bool, context: int) -> list[int]:
