@@ -40,7 +40,15 @@ class ModelConfig:
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         # Multimodal wrappers nest the language model's config.
         if "text_config" in d and "hidden_size" not in d:
-            d = {**d["text_config"], "quantization": d.get("quantization")}
+            outer = d
+            d = {"model_type": outer.get("model_type"), **outer["text_config"],
+                 "quantization": outer.get("quantization")}
+            # The wrapper's settings hold for the whole checkpoint: its quantization, and whether the
+            # LM head is the embedding (transformers ties by the wrapper's tie_word_embeddings).
+            if outer.get("quantization_config") and not d.get("quantization_config"):
+                d["quantization_config"] = outer["quantization_config"]
+            if "tie_word_embeddings" in outer:
+                d["tie_word_embeddings"] = outer["tie_word_embeddings"]
         model_type = d.get("model_type")
         if not model_type:
             raise UserError("config.json has no 'model_type'")

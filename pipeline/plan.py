@@ -44,7 +44,7 @@ GIB = 1024**3
 CONFIG_DIR = Path(__file__).with_name("configs")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
-DEEPSEEK_FAMILY = ("deepseek_v3", "kimi_k2")
+DEEPSEEK_FAMILY = ("deepseek_v3", "kimi_k2", "kimi_k25")
 KNOWN_TYPES = (*LLAMA_FAMILY, "qwen3_moe", *DEEPSEEK_FAMILY)
 
 

@@ -14,6 +14,7 @@ FAMILIES: dict[str, ModuleType] = {
     "qwen3_moe": qwen3_moe,
     "deepseek_v3": deepseek_v3,
     "kimi_k2": deepseek_v3,  # Kimi K2 checkpoints use the DeepSeek V3 architecture
+    "kimi_k25": deepseek_v3,  # Kimi K2.5's language model is K2's (its text_config names deepseek_v3)
 }
 
 
