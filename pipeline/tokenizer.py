@@ -236,7 +236,7 @@ class Tokenizer:
         return self._chat_template
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None, **template_kwargs) -> str:
+                            tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
         """The prompt text of `messages` (OpenAI's shape: an assistant turn's `tool_calls` with
         `function.arguments` as a JSON string, `role: "tool"` turns with `tool_call_id`, an assistant
         turn's `reasoning_content`), with `tools` (OpenAI's function list) and the template's own
@@ -247,6 +247,7 @@ class Tokenizer:
 
         for i, m in enumerate(messages):  # named as the request names them, before the template mixes them up
             _check_unicode(m.get("content"), f"messages[{i}].content")
+        template_kwargs = template_kwargs or {}
         taken = sorted(set(template_kwargs) & ({"messages", "tools", "documents", "add_generation_prompt"}
                                                | set(self._special_tokens)))
         if taken:

@@ -372,14 +372,14 @@ def test_deepseek_v31_template(deepseek_v31):
     assert format_for_template(deepseek_v31.chat_template) is DEEPSEEK_V31
     assert not deepseek_v31.renders_tools()  # its published template leaves tools to the system prompt
     user = [{"role": "user", "content": "Hi"}]
-    thinking = deepseek_v31.apply_chat_template(user, thinking=True)
+    thinking = deepseek_v31.apply_chat_template(user, template_kwargs={"thinking": True})
     assert thinking.endswith("<｜Assistant｜><think>") and prompt_opens_reasoning(thinking)
     plain = deepseek_v31.apply_chat_template(user)
     assert plain.endswith("<｜Assistant｜></think>") and not prompt_opens_reasoning(plain)
-    assert deepseek_v31.apply_chat_template(user, enable_thinking=True) == thinking
+    assert deepseek_v31.apply_chat_template(user, template_kwargs={"enable_thinking": True}) == thinking
     assert thinking == reference_render(deepseek_v31, user, thinking=True)
 
-    rendered = deepseek_v31.apply_chat_template(TOOL_CONVERSATION, thinking=True)
+    rendered = deepseek_v31.apply_chat_template(TOOL_CONVERSATION, template_kwargs={"thinking": True})
     assert rendered == reference_render(deepseek_v31, TOOL_CONVERSATION, thinking=True)
     turn = assistant_turn(rendered, "<｜Assistant｜></think>", "<｜end▁of▁sentence｜>")
     message = assert_streams_like_whole(turn, in_reasoning=None, tool_format=DEEPSEEK_V31)
@@ -428,13 +428,15 @@ def test_reasoning_content_goes_by_every_name(kimi):
 
 def test_template_keywords_cannot_replace_the_request(kimi):
     with pytest.raises(UserError, match="'documents'"):
-        kimi.apply_chat_template([{"role": "user", "content": "Hi"}], documents=[])
+        kimi.apply_chat_template([{"role": "user", "content": "Hi"}], template_kwargs={"documents": []})
+    with pytest.raises(UserError, match="'add_generation_prompt'"):
+        kimi.apply_chat_template([{"role": "user", "content": "Hi"}], template_kwargs={"add_generation_prompt": False})
     with pytest.raises(UserError, match="'eos_token'"):
-        kimi.apply_chat_template([{"role": "user", "content": "Hi"}], eos_token="x")
+        kimi.apply_chat_template([{"role": "user", "content": "Hi"}], template_kwargs={"eos_token": "x"})
 
 
 def test_output_parser_chosen_from_template_and_prompt(deepseek_v31, kimi):
-    prompt = deepseek_v31.apply_chat_template([{"role": "user", "content": "Hi"}], thinking=True)
+    prompt = deepseek_v31.apply_chat_template([{"role": "user", "content": "Hi"}], template_kwargs={"thinking": True})
     parser = ChatOutputParser.for_prompt(deepseek_v31.chat_template, prompt, parse_tools=True, new_id=ids())
     message = message_of(parser.feed("Hmm.</think>Hello") + parser.finish())
     assert summary(message) == ("Hmm.", "Hello", [])

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import Callable
 
+from ..chat.output import ChatMessage, ChatOutputParser
 from ..scheduler import Finished, TokenLogprob, Tokens
-from . import protocol
+from . import chat_output, protocol
 
 
 class _Adapter:
@@ -31,11 +32,20 @@ class _Adapter:
 
 
 class ChatAdapter(_Adapter):
-    """/v1/chat/completions: `chat.completion`, or `chat.completion.chunk`s with deltas."""
+    """/v1/chat/completions: `chat.completion`, or `chat.completion.chunk`s with deltas. The text
+    goes through `output` (pipeline.chat): a thinking model's reasoning comes apart from its
+    answer, and tool calls as `tool_calls`; without one, all of it is content."""
 
-    def __init__(self, *args, **kw):
+    def __init__(self, *args, output: ChatOutputParser | None = None, **kw):
         super().__init__(*args, **kw)
         self.entries: list[dict] = []  # logprobs of every token, for the plain response
+        self.output = output or ChatOutputParser(in_reasoning=None, tool_format=None)
+        self.message = ChatMessage()   # the parsed answer, for the plain response
+
+    def _deltas(self, text: str) -> list[dict]:
+        events = self.output.feed(text)
+        self.message.add(events)
+        return chat_output.deltas(events)
 
     def _chunk(self, delta: dict | None, finish_reason: str | None = None, logprobs: list[dict] | None = None,
                usage: dict | None = None) -> dict:
@@ -46,25 +56,38 @@ class ChatAdapter(_Adapter):
         return [self._chunk({"role": "assistant", "content": ""})]
 
     def tokens(self, event: Tokens) -> list[dict]:
+        deltas = self._deltas(event.text)
         if event.logprob is None:
-            return [self._chunk({"content": event.text})] if event.text else []
+            return [self._chunk(delta) for delta in deltas]
         entry = protocol.chat_token_logprob(self.token_text(event.token_id), event.logprob.logprob,
                                             self._alternatives(event.logprob))
         self.entries.append(entry)
-        # A token whose text is held back (half a character, a possible stop string) still has its logprob
-        return [self._chunk({"content": event.text}, logprobs=[entry])]
+        # A token whose text is held back (half a character, a possible stop string or marker) still has its logprob
+        first = deltas[0] if deltas else {"content": ""}
+        return [self._chunk(first, logprobs=[entry])] + [self._chunk(delta) for delta in deltas[1:]]
 
     def finished(self, event: Finished) -> list[dict]:
         self.finish = event
-        chunks = [self._chunk({"content": event.tail})] if event.tail else []
-        chunks.append(self._chunk({}, event.reason))
+        events = self.output.feed(event.tail) + self.output.finish()
+        self.message.add(events)
+        chunks = [self._chunk(delta) for delta in chat_output.deltas(events)]
+        last = self._chunk({}, self.output.finish_reason(event.reason))
+        last["timing"] = self._timing(event)  # our extension: the chat page shows its decode speed
+        chunks.append(last)
         if self.include_usage:
             chunks.append(self._chunk(None, usage=self.usage(event)))
         return chunks
 
+    def _timing(self, event: Finished) -> dict:
+        return protocol.timing(event.queued_s, event.ttft_s, event.total_s, event.completion_tokens)
+
     def response(self) -> dict:
-        return protocol.chat_completion(self.id, self.created, self.model, self.finish.text, self.finish.reason,
-                                        self.usage(self.finish), self.entries if self.logprobs else None)
+        message = self.message
+        reasoning = "" if message.reasoning is None and self.output.reasoned else message.reasoning
+        return protocol.chat_completion(self.id, self.created, self.model, message.content,
+                                        self.output.finish_reason(self.finish.reason), self.usage(self.finish),
+                                        self.entries if self.logprobs else None, reasoning=reasoning,
+                                        tool_calls=message.tool_calls, timing=self._timing(self.finish))
 
 
 class CompletionAdapter(_Adapter):

@@ -30,7 +30,7 @@ from starlette.routing import Route
 from ..sampling import SamplingParams
 from ..scheduler import Failed, Finished, Tokens
 from ..tokenizer import Tokenizer
-from . import protocol
+from . import chat_output, protocol
 from .adapters import ChatAdapter, CompletionAdapter
 from .gateway import Gateway, Submission, shutting_down
 from .metrics import CONTENT_TYPE, Metrics
@@ -195,8 +195,14 @@ class Server:
         sampling = body.sampling(self.defaults.sampling)
         logprobs = body.top_logprobs_wanted() if chat else body.logprobs
         model = self.model
+        output = None
         if chat:
-            ids = await run_in_threadpool(chat_prompt_ids, model.tokenizer, body.template_messages(), model.context)
+            tools = body.template_tools()
+            if tools is not None:
+                chat_output.check_tools(model.tokenizer)
+            ids = await run_in_threadpool(chat_prompt_ids, model.tokenizer, body.template_messages(), model.context,
+                                          tools, body.chat_template_kwargs)
+            output = chat_output.output_parser(model.tokenizer, ids, parse_tools=tools is not None)
         else:
             ids = await run_in_threadpool(completion_prompt_ids, model.tokenizer, body.prompt, model.context,
                                           model.vocab_size)
@@ -204,9 +210,12 @@ class Server:
         stop = body.stop if body.stop is not None else self.defaults.stop
         id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         submission = self.gateway.submit(ids, sampling, max_tokens, stop, logprobs, tag=id)
-        kind = ChatAdapter if chat else CompletionAdapter
-        adapter = kind(id, int(submission.submitted), model.id, self._token_text, logprobs is not None,
-                       body.include_usage)
+        if chat:
+            adapter = ChatAdapter(id, int(submission.submitted), model.id, self._token_text, logprobs is not None,
+                                  body.include_usage, output=output)
+        else:
+            adapter = CompletionAdapter(id, int(submission.submitted), model.id, self._token_text,
+                                        logprobs is not None, body.include_usage)
         return submission, adapter, bool(body.stream)
 
     def _token_text(self, token_id: int) -> str:

@@ -13,12 +13,14 @@ from ..tokenizer import Tokenizer
 from .protocol import APIError
 
 
-def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict], context: int) -> list[int]:
+def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict], context: int, tools: list[dict] | None = None,
+                    template_kwargs: dict | None = None) -> list[int]:
     if not tokenizer.has_chat_template:
         raise APIError("the model has no chat template: send the raw text to /v1/completions", param="messages")
     try:
         # The rendered text holds the special tokens the model wants (a BOS where it needs one)
-        ids = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True),
+        ids = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools,
+                                                             template_kwargs=template_kwargs),
                                add_special_tokens=False)
     except UserError as e:
         raise APIError(str(e), param="messages") from None

@@ -4,9 +4,10 @@ and error bodies, for `POST /v1/chat/completions` and `POST /v1/completions`.
 What the official `openai` client sends is accepted. Fields of the OpenAI API that this server
 does not implement are accepted where their value cannot change the output (`user`, `store`,
 `presence_penalty: 0`, `response_format: {"type": "text"}`, ...) and refused, naming the field,
-where it would (`n: 2`, `tools: [...]`, `echo: true`, ...). A field that is not in the API at all
-is refused, so a misspelt `temprature` is an error, not a silently ignored setting. Besides
-OpenAI's own fields, `top_k`, `min_p` and `repetition_penalty` are read (as vLLM and mlx-lm do).
+where it would (`n: 2`, `tool_choice: "required"`, `echo: true`, ...). A field that is not in the
+API at all is refused, so a misspelt `temprature` is an error, not a silently ignored setting.
+Besides OpenAI's own fields, `top_k`, `min_p` and `repetition_penalty` are read (as vLLM and
+mlx-lm do), and `chat_template_kwargs` (the chat template's switches, as vLLM reads them).
 
 Nothing here touches the engine: these are plain data in, plain dicts out.
 """
@@ -17,7 +18,7 @@ import json
 import math
 from typing import Any, Callable, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..errors import UserError
 from ..sampling import SamplingParams
@@ -143,15 +144,50 @@ class _Request(BaseModel):
                                code="unsupported_value")
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str
+    arguments: str  # a JSON object, as text (as OpenAI's API has it)
+
+
+class ToolCall(BaseModel):
+    """A call the model made in an earlier assistant turn (pipeline/chat parsed it then)."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | None = None
     name: str | None = None
-    # An assistant turn's other parts: only their empty values, since we neither call tools nor
-    # keep audio (a history that holds them would be a different prompt).
-    tool_calls: list | None = None
+    # An assistant turn's calls and thinking (the model's template decides what it keeps of them),
+    # and the call a tool turn answers
+    tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None
+    tool_call_id: str | None = None
+    # Only their empty values: we keep no audio (a history that holds it would be a different prompt)
     function_call: None = None
     refusal: str | None = None
     audio: None = None
@@ -173,19 +209,25 @@ class ChatMessage(BaseModel):
             texts.append(part["text"])
         return "\n".join(texts)
 
-    @field_validator("tool_calls")
-    @classmethod
-    def _no_tool_calls(cls, value):
-        if value:
-            raise ValueError("tool calls are not supported by this server")
-        return value
+    @model_validator(mode="after")
+    def _tool_turn_names_its_call(self):
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return self
 
     def for_template(self) -> dict:
         """What the chat template sees: role and content (a developer message is the system
-        message of models that predate the role), and the name where one was given."""
+        message of models that predate the role), and the name, tool calls (arguments as JSON
+        text), the call a tool turn answers and the reasoning where they were given."""
         message = {"role": "system" if self.role == "developer" else self.role, "content": self.content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = self.reasoning_content
         return message
 
 
@@ -198,8 +240,8 @@ class ChatCompletionRequest(_Request):
     UNIMPLEMENTED = {
         **_Request.UNIMPLEMENTED,
         "response_format": (lambda v: v is None or v == {"type": "text"}, "only {\"type\": \"text\"}"),
-        "tools": (_empty, "this server does not call tools"),
-        "tool_choice": (lambda v: v in (None, "none", "auto"), "this server does not call tools"),
+        "tool_choice": (lambda v: v in (None, "none", "auto"),
+                        'only "auto" and "none": the model decides whether to call a tool'),
         "functions": (_empty, "this server does not call functions"),
         "function_call": (lambda v: v in (None, "none", "auto"), "this server does not call functions"),
         "audio": (_null, "text only"),
@@ -220,8 +262,9 @@ class ChatCompletionRequest(_Request):
         "parallel_tool_calls": (_anything, ""),
     }
     response_format: Any = None
-    tools: Any = None
+    tools: list[Tool] | None = None
     tool_choice: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None  # the template's own switches: {"thinking": true}, ...
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -251,6 +294,13 @@ class ChatCompletionRequest(_Request):
 
     def template_messages(self) -> list[dict]:
         return [m.for_template() for m in self.messages]
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools for the chat template; None where there are none or tool_choice is "none"
+        (the model is then not told of them, and its output is not read for calls)."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
 
 
 class CompletionRequest(_Request):
@@ -334,13 +384,34 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def chat_completion(id: str, created: int, model: str, text: str, finish_reason: str, usage: dict,
-                    logprobs: list[dict] | None = None) -> dict:
-    return {"id": id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+def chat_completion(id: str, created: int, model: str, text: str | None, finish_reason: str, usage: dict,
+                    logprobs: list[dict] | None = None, reasoning: str | None = None,
+                    tool_calls: list[dict] | None = None, timing: dict | None = None) -> dict:
+    """The message has `reasoning_content` where the model thought (DeepSeek's and Moonshot's field)
+    and `tool_calls` where it called tools; `timing` is our extension (see `timing`)."""
+    message = {"role": "assistant", "content": text}
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    body = {"id": id, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": message,
                          "logprobs": None if logprobs is None else {"content": logprobs},
                          "finish_reason": finish_reason}],
             "usage": usage}
+    if timing is not None:
+        body["timing"] = timing
+    return body
+
+
+def timing(queued_s: float, ttft_s: float, total_s: float, completion_tokens: int) -> dict:
+    """Our extension field of a chat completion and of its stream's finish chunk (clients that do
+    not know it ignore it): the same `timing` object as a batch record, whose decode speed the
+    chat page shows. Seconds from admission; decode speed over the tokens after the first."""
+    decode_s = total_s - ttft_s
+    return {"queued_s": round(queued_s, 4), "time_to_first_token_s": round(ttft_s, 4), "total_s": round(total_s, 4),
+            "decode_tokens_per_s": round((completion_tokens - 1) / decode_s, 2)
+            if completion_tokens > 1 and decode_s > 0 else None}
 
 
 def chat_chunk(id: str, created: int, model: str, delta: dict | None, finish_reason: str | None = None,
