@@ -44,7 +44,7 @@ GIB = 1024**3
 CONFIG_DIR = Path(__file__).with_name("configs")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
-DEEPSEEK_FAMILY = ("deepseek_v3", "kimi_k2", "kimi_k25")
+DEEPSEEK_FAMILY = ("deepseek_v3", "kimi_k2", "kimi_k25", "deepseek_v32")
 KNOWN_TYPES = (*LLAMA_FAMILY, "qwen3_moe", *DEEPSEEK_FAMILY)
 
 
@@ -153,6 +153,9 @@ def architecture(config: ModelConfig) -> Architecture:
         top_k = int(r.get("num_experts_per_tok", 0))
         kv = int(r["kv_lora_rank"]) + int(r["qk_rope_head_dim"])
         note = f"MLA latent, kv_lora_rank {r['kv_lora_rank']} + rope {r['qk_rope_head_dim']}"
+        if t == "deepseek_v32":  # the lightning indexer's key of each position is cached too
+            kv += int(r["index_head_dim"])
+            note += f" + indexer key {r['index_head_dim']}"
         unused = []
         for k in range(int(r.get("num_nextn_predict_layers") or 0)):
             i = config.num_hidden_layers + k
@@ -229,6 +232,12 @@ def _deepseek_layer(c: ModelConfig, i: int) -> list[Param]:
         params += _linear(f"{a}.q_proj", heads * (nope + rope), d)
     params += (_linear(f"{a}.kv_a_proj_with_mqa", kv_lora + rope, d, bias) + _norm(f"{a}.kv_a_layernorm", kv_lora)
                + _linear(f"{a}.kv_b_proj", heads * (nope + v), kv_lora) + _linear(f"{a}.o_proj", d, heads * v, bias))
+    if c.model_type == "deepseek_v32":  # DSA's lightning indexer
+        ih, idim = int(r["index_n_heads"]), int(r["index_head_dim"])
+        x = f"{a}.indexer"
+        params += (_linear(f"{x}.wq_b", ih * idim, int(q_lora)) + _linear(f"{x}.wk", idim, d)
+                   + [Param(f"{x}.k_norm.weight", (idim,)), Param(f"{x}.k_norm.bias", (idim,))]
+                   + _linear(f"{x}.weights_proj", ih, d))
     experts = int(r.get("n_routed_experts") or 0)
     if experts and i >= int(r.get("first_k_dense_replace", 0)) and i % int(r.get("moe_layer_freq", 1)) == 0:
         inter = int(r["moe_intermediate_size"])
@@ -294,7 +303,9 @@ class CheckpointFormat:
         return False
 
     def is_fp8(self, p: Param) -> bool:
-        return self.kind == "fp8" and p.is_linear and p.module != "lm_head"
+        # DeepSeek ships a few small projections in bf16 (V3.2's indexer weights_proj)
+        return (self.kind == "fp8" and p.is_linear and p.module != "lm_head"
+                and not p.module.endswith("indexer.weights_proj"))
 
     def disk_bytes(self, p: Param) -> int:
         native = self.native(p)

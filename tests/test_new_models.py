@@ -137,3 +137,99 @@ def test_kimi_k25_published_names_and_counts():
                                                    "language_model.model.blocks.1.mlp.gate.weight",
                                                    "model.vision_tower.layers.0.attn.proj.weight"]))) == [
         "model.layers.0.mlp.gate.weight", "model.layers.1.mlp.gate.weight"]
+
+
+# ------------------------------------------------------------------------------------- DeepSeek V3.2
+
+INDEX_TOPK = 16  # LONG_PROMPT's later queries see up to 64 positions: the indexer keeps 16 of them
+# 32 indexer heads, not a handful: a position whose ReLU(q . k) is 0 in every head scores exactly 0, and
+# with 8 heads a few such ties reached the top-k boundary, where the choice between equal scores is
+# arbitrary (torch's and ours differ); with 32 heads that never happens here.
+
+
+def make_deepseek_v32(folder, seed=0):
+    torch.manual_seed(seed)
+    config = transformers.DeepseekV32Config(
+        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, intermediate_size=128,
+        moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
+        vocab_size=VOCAB_SIZE, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, first_k_dense_replace=1, n_shared_experts=1, max_position_embeddings=512, eos_token_id=2,
+        bos_token_id=None, initializer_range=INIT_STD, index_topk=INDEX_TOPK, index_n_heads=32, index_head_dim=16)
+    model = transformers.DeepseekV32ForCausalLM(config)
+    _perturb(model)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.eval().save_pretrained(folder)
+    write_tokenizer(folder)
+    return model
+
+
+@pytest.fixture(scope="module")
+def deepseek_v32(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("deepseek_v32")
+    reference = make_deepseek_v32(folder)
+    with torch.no_grad():
+        expected = reference(torch.tensor([LONG_PROMPT])).logits[0].numpy()
+    return folder, reference, expected
+
+
+V32_TOLERANCE = 2e-5  # measured 1.66e-5 (whole prompt, split in three), 1.73e-5 token by token; logits up to |7|
+
+
+def test_deepseek_v32_logits_match_transformers(deepseek_v32):
+    folder, _, expected = deepseek_v32
+    assert_far_from_uniform(expected)
+    (stage,) = load_stages(folder, [(0, 4)])
+    assert np.abs(forward([stage], LONG_PROMPT) - expected).max() <= V32_TOLERANCE
+    # The cache of each layer: MLA's latent (16) and rotary key (8), and the indexer's key (16).
+    assert stage.kv_bytes_per_token == 4 * (16 + 8 + 16) * 4
+    stage.release([0])
+    incremental = np.concatenate([forward([stage], [t]) for t in LONG_PROMPT])  # decoding: one query at a time
+    assert np.abs(incremental - expected).max() <= V32_TOLERANCE
+    split = load_stages(folder, [(0, 1), (1, 3), (3, 4)])
+    assert np.abs(forward(split, LONG_PROMPT) - expected).max() <= V32_TOLERANCE
+
+
+def test_deepseek_v32_greedy_matches_transformers(deepseek_v32):
+    folder, reference, _ = deepseek_v32
+    prompt = long_prompt(48, seed=3)
+    expected = greedy_transformers(reference, prompt, 24)
+    assert len(set(expected)) >= 12, expected
+    (stage,) = load_stages(folder, [(0, 4)])
+    assert greedy_ours(stage, folder, prompt, 24).tokens == expected
+
+
+@pytest.mark.parametrize("bug", ["every position", "the worst top-k", "one position late"])
+def test_a_wrong_top_k_is_caught(bug, deepseek_v32, monkeypatch):
+    """The comparison above can fail: each planted bug in the indexer's choice moves the logits by
+    far more than the tolerance (measured 7.5-8.7)."""
+    from pipeline.models.deepseek_v32 import LightningIndexer
+
+    folder, _, expected = deepseek_v32
+    right = LightningIndexer.selected
+    wrong = {"every position": lambda self, q, w, keys, at: None,
+             "the worst top-k": lambda self, q, w, keys, at: right(self, -q, w, keys, at),
+             "one position late": lambda self, q, w, keys, at: right(self, q, w, keys, at - 1)
+             if keys.shape[0] > self.top_k else None}[bug]
+    monkeypatch.setattr(LightningIndexer, "selected", wrong)
+    (stage,) = load_stages(folder, [(0, 4)])
+    assert np.abs(forward([stage], LONG_PROMPT) - expected).max() > 100 * V32_TOLERANCE
+
+
+def test_deepseek_v32_published_config():
+    """DeepSeek-V3.2 as published: V3's 671B plus 0.85B of indexers (62 x 14M, the MTP layer's
+    too) -- 685.4B in the download with the MTP module's copies of embedding and head (the model
+    card's 685B), 37.5B activated; FP8 with 128x128 ue8m0 scales; the indexer key makes each
+    layer's cache 512 + 64 + 128 values per token."""
+    from pipeline.plan import architecture, checkpoint_format, count_params, load_config
+
+    config = load_config("DeepSeek-V3.2")
+    arch = architecture(config)
+    counts = count_params(arch)
+    assert abs(counts.total + counts.unused_with_copies - 685e9) <= 0.002 * 685e9
+    assert abs(counts.total - 671.9e9) <= 0.001 * 671.9e9
+    assert abs(counts.active - 37.5e9) <= 0.01 * 37.5e9
+    assert arch.kv_values == 512 + 64 + 128
+    assert (checkpoint_format(config).kind, checkpoint_format(config).block) == ("fp8", (128, 128))
+    indexer = [p.name for p in arch.layers[5] if ".indexer." in p.name]
+    assert indexer == [f"model.layers.5.self_attn.indexer.{n}" for n in
+                       ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight")]

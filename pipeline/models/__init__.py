@@ -4,7 +4,7 @@ from types import ModuleType
 
 from ..config import ModelConfig
 from ..errors import UserError
-from . import deepseek_v3, llama, qwen3_moe
+from . import deepseek_v3, deepseek_v32, llama, qwen3_moe
 
 FAMILIES: dict[str, ModuleType] = {
     "llama": llama,
@@ -14,6 +14,7 @@ FAMILIES: dict[str, ModuleType] = {
     "qwen3_moe": qwen3_moe,
     "deepseek_v3": deepseek_v3,
     "kimi_k2": deepseek_v3,  # Kimi K2 checkpoints use the DeepSeek V3 architecture
+    "deepseek_v32": deepseek_v32,
     "kimi_k25": deepseek_v3,  # Kimi K2.5's language model is K2's (its text_config names deepseek_v3)
 }
 
