@@ -2,6 +2,7 @@
 
     POST /v1/chat/completions, POST /v1/completions   (streaming or not)
     GET  /v1/models, /v1/models/{id}, /health, /metrics
+    GET  /                                            the chat page (static/chat.html)
 
 A request is checked (API key, schema, model name), tokenized in a worker thread, and handed to
 the scheduler through the gateway; its events come back and an adapter writes them out. Every
@@ -12,19 +13,21 @@ at once, whether it is streaming, waiting for a whole response, or still queued.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import sys
 import time
 import traceback
 import uuid
 from dataclasses import dataclass, field
+from importlib import resources
 from typing import AsyncIterator, Callable
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request as HTTPRequest
-from starlette.responses import JSONResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from ..sampling import SamplingParams
@@ -98,7 +101,8 @@ class Server:
         self.api_key = api_key
 
     def app(self) -> Starlette:
-        routes = [Route(CHAT, self.chat_completions, methods=["POST"]),
+        routes = [Route("/", self.chat_page, methods=["GET"]),
+                  Route(CHAT, self.chat_completions, methods=["POST"]),
                   Route(COMPLETIONS, self.completions, methods=["POST"]),
                   Route("/v1/models", self.models, methods=["GET"]),
                   Route("/v1/models/{model:path}", self.model_card, methods=["GET"]),
@@ -122,6 +126,10 @@ class Server:
             self._check_model(http.path_params["model"])
             return protocol.model_card(self.model.id, self.model.created)
         return self._answer("/v1/models", http, card)
+
+    async def chat_page(self, http: HTTPRequest) -> Response:
+        """The chat page (static/chat.html): it calls this server's own API, with the key the user types."""
+        return HTMLResponse(_chat_page())
 
     async def health(self, http: HTTPRequest) -> Response:
         if self.gateway.draining:
@@ -263,6 +271,11 @@ def request_line(id: str, finished: Finished) -> str:
     return (f"{id} prompt {finished.prompt_tokens} tokens ({finished.cached_tokens} cached), completion "
             f"{finished.completion_tokens} tokens, TTFT {finished.queued_s + finished.ttft_s:.3f} s, "
             f"{speed:.1f} tok/s, finish {finished.reason}")
+
+
+@functools.cache
+def _chat_page() -> str:
+    return resources.files(__package__).joinpath("static", "chat.html").read_text(encoding="utf-8")
 
 
 def error_response(error: APIError) -> JSONResponse:
