@@ -173,6 +173,8 @@ def plan_ring_job(args: argparse.Namespace, comm) -> RingJob:
     group_rows = exact_group_rows(args.packed_matmuls)  # this rank's own: it depends on its BLAS
     head_fraction = head_share_fraction(args.head_share, comm.allgather(group_rows))
     plan = mpi.checkpoint(comm, lambda: plan_job(args, comm, last_rank_head=head_fraction))
+    if not getattr(family_for(plan.config), "HEAD_SHARE", True):  # DeepSeek V4: the head reads collapsed streams
+        head_fraction = 0.0
     size = comm.Get_size()
     # Sequences sharing products: one micro-batch per rank, since smaller ones make smaller, less
     # efficient products. Each on its own: twice as many, so a late one never starves a stage (a
@@ -207,8 +209,8 @@ def prefix_cache(args: argparse.Namespace, job: RingJob):
     from .prefix_cache import PrefixCache
 
     gb = getattr(args, "prefix_cache_gb", 0.0)
-    if not gb:
-        return None
+    if not gb or not getattr(family_for(job.plan.config), "PREFIX_CACHE", True):
+        return None  # DeepSeek V4: a compressed cache cannot be cut back to a shorter prefix
     per_layer = architecture(job.plan.config).kv_values * getattr(mx, args.dtype).size
     per_position = max(per_layer * (end - start) for start, end in job.plan.ranges)
     return PrefixCache(int(gb * 1e9 // per_position) if per_position else 0)

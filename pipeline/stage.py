@@ -32,7 +32,8 @@ class Stage:
         """dense: hold MLX-quantized weights dequantized to `dtype` (--weights-in-memory).
         head_rows: also hold the LM head's last rows (the last rank of a batch job, head_share.py)."""
         family = family_for(config)
-        model = TransformerSlice(config, family.DecoderLayer, layers[0], layers[1], has_ends, head_rows)
+        slice_class = getattr(family, "Slice", TransformerSlice)  # DeepSeek V4: its residual streams
+        model = slice_class(config, family.DecoderLayer, layers[0], layers[1], has_ends, head_rows)
         names = load_slice(model, checkpoint, dtype, requantize, progress=progress)
         if dense:
             dequantize_slice(model, dtype)

@@ -48,8 +48,14 @@ class QuantizedSwitchLinear(nn.Module):
                  bits: int = 4, mode: str = "affine"):
         super().__init__()
         self.group_size, self.bits, self.mode = group_size, bits, mode
-        self.weight, self.scales, self.biases = mx.quantize(
-            mx.zeros((num_experts, out_features, in_features)), group_size=group_size, bits=bits, mode=mode)
+        self._set(mx.quantize(mx.zeros((num_experts, out_features, in_features)), group_size=group_size, bits=bits,
+                              mode=mode))
+
+    def _set(self, quantized: tuple) -> None:
+        """weight and scales, and biases in affine mode (MLX's mxfp4/mxfp8 have none)."""
+        self.weight, self.scales = quantized[0], quantized[1]
+        if self.mode == "affine":
+            self.biases = quantized[2]
 
     @classmethod
     def from_dense(cls, dense: SwitchLinear, group_size: int, bits: int, mode: str) -> "QuantizedSwitchLinear":
@@ -57,12 +63,11 @@ class QuantizedSwitchLinear(nn.Module):
         module = cls.__new__(cls)
         nn.Module.__init__(module)
         module.group_size, module.bits, module.mode = group_size, bits, mode
-        module.weight, module.scales, module.biases = mx.quantize(
-            dense.weight, group_size=group_size, bits=bits, mode=mode)
+        module._set(mx.quantize(dense.weight, group_size=group_size, bits=bits, mode=mode))
         return module
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
-        return mx.gather_qmm(x, self.weight, self.scales, self.biases, rhs_indices=indices, transpose=True,
+        return mx.gather_qmm(x, self.weight, self.scales, self.get("biases"), rhs_indices=indices, transpose=True,
                              group_size=self.group_size, bits=self.bits, mode=self.mode,
                              sorted_indices=sorted_indices)
 
@@ -75,6 +80,9 @@ class SwitchGLU(nn.Module):
         self.gate_proj = SwitchLinear(hidden, intermediate, num_experts)
         self.up_proj = SwitchLinear(hidden, intermediate, num_experts)
         self.down_proj = SwitchLinear(intermediate, hidden, num_experts)
+
+    def activate(self, gate: mx.array, up: mx.array) -> mx.array:
+        return nn.silu(gate) * up
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         """x: [tokens, hidden]; indices: [tokens, k] chosen experts -> [tokens, k, hidden]."""
@@ -90,7 +98,7 @@ class SwitchGLU(nn.Module):
             idx = flat[order][:, None]
         else:
             idx = indices
-        h = nn.silu(self.gate_proj(x, idx, do_sort)) * self.up_proj(x, idx, do_sort)
+        h = self.activate(self.gate_proj(x, idx, do_sort), self.up_proj(x, idx, do_sort))
         out = self.down_proj(h, idx, do_sort)  # [..., 1, hidden]
         if do_sort:
             inverse = mx.argsort(order)

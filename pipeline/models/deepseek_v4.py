@@ -1,0 +1,677 @@
+"""DeepSeek V4 (`model_type` deepseek_v4: V4-Pro, V4-Flash), as transformers 5 implements it.
+
+What changes from V3 (DeepSeek-V4 technical report, section 2):
+
+Residual streams (manifold-constrained hyper-connections, mHC, 2.2). The residual is n = hc_mult
+streams H [n, d] per token, not one vector. Around each sub-block (attention, then the MoE), a
+small map read off all streams (RMSNorm(flatten H) @ fn, scaled per part, plus a bias) gives
+    pre  = sigmoid(.) + eps                 [n]     the block's input  x = sum_i pre_i H_i
+    post = 2 sigmoid(.)                     [n]     how its output y is spread back
+    comb = Sinkhorn(softmax(.) + eps)       [n, n]  doubly stochastic mixing of the streams
+and H <- post y^T + comb^T H. At the end the streams collapse the same way (hc_head's pre).
+
+Attention (2.3): one shared key = value head per token (kv = RMSNorm(W_kv x), partial RoPE on its
+last qk_rope_head_dim features), queries from a low-rank latent (per-head RMSNorm, same RoPE),
+a learned sink logit per head, and each layer sees
+  - the last sliding_window tokens' keys (every layer), and per `layer_types`
+  - compressed_sparse_attention (CSA): one compressed entry per m = 4 tokens, each a softmax-gated
+    sum over 2m tokens (the previous window's "a" half and this window's "b" half), of which a
+    lightning indexer (its own smaller compressed keys, scored sum_h w_h ReLU(q_h . k)) picks the
+    index_topk per query;
+  - heavily_compressed_attention (HCA): one entry per m' = 128 tokens, all of them attended;
+  - sliding_attention: the window alone.
+A query sees the compressed entries of windows that ended at or before it. The rotary part of the
+output is rotated back by the query's position (V = K carried the keys' rotation), and heads are
+projected out in o_groups groups through a rank-o_lora_rank map (o_a_proj), then o_b_proj.
+Sliding layers use plain RoPE (rope_theta); compressed ones YaRN on compress_rope_theta.
+
+MoE (2.1): routed experts with a clamped SwiGLU (swiglu_limit) and one shared expert; scores
+sqrt(softplus(x W^T)); the first layers (`mlp_layer_types` hash_moe) take their experts from the
+token id (tid2eid[token]), the others the top-k of score + correction bias; weights are the chosen
+scores renormalised, times routed_scaling_factor.
+
+Between ranks the hidden state is the streams, [1, tokens, hc_mult, hidden]. A hash-routed layer
+needs each token's id: while such a layer is still ahead, one more row rides on the stream axis
+with the ids written in base 256 (digits 0..255 are exact in every float dtype), so the ring's
+messages carry them unchanged; the row is dropped after the last hash-routed layer (for the
+published models, on rank 0 itself).
+
+Caches per layer and sequence (CompressedCache): the window's keys, the compressed entries (and
+the indexer's), and the few tokens of an unfinished window; never the whole sequence's keys.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..config import ModelConfig
+from ..errors import UserError
+from .base import RoPE, TransformerSlice, kept_rows, positions, segments
+from .experts import SwitchGLU
+
+SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+_RATIO_TYPES = {0: SLIDING, 4: CSA, 128: HCA}
+HEAD_SHARE = False  # the LM head reads the collapsed streams: a batch job's last rank cannot share it
+PREFIX_CACHE = False  # a compressed cache cannot be cut back to a shorter prefix (see CompressedCache)
+
+
+# ----------------------------------------------------------------------------- the config's dialects
+
+def layer_types(config: ModelConfig) -> list[str]:
+    """Attention per layer: `layer_types` (transformers) or DeepSeek's `compress_ratios` (0, 4, 128;
+    its entries past num_hidden_layers are the MTP layers')."""
+    r, n = config.raw, config.num_hidden_layers
+    if r.get("layer_types"):
+        return list(r["layer_types"])[:n]
+    if r.get("compress_ratios"):
+        return [_RATIO_TYPES.get(int(m)) or (HCA if int(m) > 4 else CSA) for m in r["compress_ratios"][:n]]
+    return [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
+
+
+def compress_rate(config: ModelConfig, kind: str) -> int:
+    r = config.raw
+    rates = r.get("compress_rates") or {}
+    if kind in rates:
+        return int(rates[kind])
+    ratios = {int(m) for m in r.get("compress_ratios") or []} - {0}
+    if kind == CSA:
+        return min(ratios) if ratios else 4
+    return max(ratios) if ratios else 128
+
+
+def mlp_layer_types(config: ModelConfig) -> list[str]:
+    r, n = config.raw, config.num_hidden_layers
+    if r.get("mlp_layer_types"):
+        return list(r["mlp_layer_types"])[:n]
+    hashed = int(r.get("num_hash_layers", 3))
+    return ["hash_moe"] * min(n, hashed) + ["moe"] * max(0, n - hashed)
+
+
+def last_hash_layer(config: ModelConfig) -> int:
+    """Index of the last hash-routed layer (-1: none)."""
+    kinds = mlp_layer_types(config)
+    return max((i for i, kind in enumerate(kinds) if kind == "hash_moe"), default=-1)
+
+
+def rope_dim(config: ModelConfig) -> int:
+    r = config.raw
+    if r.get("qk_rope_head_dim"):
+        return int(r["qk_rope_head_dim"])
+    return int(config.head_dim * float(r.get("partial_rotary_factor") or 64 / 512))
+
+
+def ropes(config: ModelConfig) -> dict[str, RoPE]:
+    """"main" (sliding layers: plain RoPE on rope_theta) and "compress" (compressed layers, their
+    compressors and indexer: rope_scaling's YaRN on compress_rope_theta, cos/sin not rescaled)."""
+    r, dims = config.raw, rope_dim(config)
+    params = r.get("rope_parameters") or {}
+    if isinstance(params.get("main"), dict) and isinstance(params.get("compress"), dict):  # transformers' dialect
+        main, compress = dict(params["main"]), dict(params["compress"])
+    else:
+        scaling = dict(r.get("rope_scaling") or {k: v for k, v in params.items() if k != "rope_theta"})
+        if "type" in scaling and "rope_type" not in scaling:
+            scaling["rope_type"] = scaling.pop("type")
+        main = {"rope_type": "default", "rope_theta": r.get("rope_theta", 10000.0)}
+        compress = {**scaling, "rope_theta": r.get("compress_rope_theta", 160000.0)}
+        if compress.get("rope_type", "default") == "yarn":
+            compress.setdefault("attention_factor", 1.0)
+    out = {}
+    for name, p in (("main", main), ("compress", compress)):
+        scaling = {k: v for k, v in p.items() if k not in ("rope_theta", "partial_rotary_factor")}
+        if scaling.get("rope_type", "default") == "default":
+            scaling = None
+        out[name] = RoPE(dims, float(p.get("rope_theta", 10000.0)), scaling, traditional=True,
+                         max_position_embeddings=config.max_position_embeddings)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+def rms(x: mx.array, eps: float) -> mx.array:
+    """RMSNorm without a weight, in float32."""
+    x32 = x.astype(mx.float32)
+    return (x32 * mx.rsqrt(mx.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+def rotate_tail(x: mx.array, rope: RoPE, offsets: mx.array, inverse: bool = False) -> mx.array:
+    """RoPE (interleaved pairs) on the last rope.dims features of x [tokens, heads, dim], token t at
+    position offsets[t]; inverse: rotated back by it."""
+    d = rope.dims
+    at = -offsets if inverse else offsets
+    tail = rope(x[..., -d:][:, :, None], offset=at)[:, :, 0]
+    return mx.concatenate([x[..., :-d], tail.astype(x.dtype)], axis=-1)
+
+
+class GroupedLinear(nn.Module):
+    """g independent maps in one weight [g * out, in] (group i: rows [i * out, (i + 1) * out)):
+    x [tokens, g, in] -> [tokens, g, out]."""
+
+    def __init__(self, in_features: int, out_features: int, groups: int):
+        super().__init__()
+        self.groups = groups
+        self.weight = mx.zeros((groups * out_features, in_features))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        w = self.weight.reshape(self.groups, -1, self.weight.shape[-1])
+        return (x.transpose(1, 0, 2) @ w.swapaxes(-1, -2)).transpose(1, 0, 2)
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine", **_) -> "QuantizedGroupedLinear":
+        q = QuantizedGroupedLinear(self.groups, group_size, bits, mode)
+        parts = mx.quantize(self.weight, group_size=group_size, bits=bits, mode=mode)
+        q.weight, q.scales = parts[0], parts[1]
+        if mode == "affine":
+            q.biases = parts[2]
+        return q
+
+
+class QuantizedGroupedLinear(nn.Module):
+    """GroupedLinear over an MLX-quantized weight (the FP8 wo_a as mxfp8, or --quantize)."""
+
+    def __init__(self, groups: int, group_size: int, bits: int, mode: str):
+        super().__init__()
+        self.groups, self.group_size, self.bits, self.mode = groups, group_size, bits, mode
+
+    def __call__(self, x: mx.array) -> mx.array:
+        g = self.groups
+
+        def by_group(a):
+            return None if a is None else a.reshape(g, -1, a.shape[-1])
+
+        out = mx.quantized_matmul(x.transpose(1, 0, 2), by_group(self.weight), by_group(self.scales),
+                                  by_group(self.get("biases")), transpose=True, group_size=self.group_size,
+                                  bits=self.bits, mode=self.mode)
+        return out.transpose(1, 0, 2)
+
+
+# --------------------------------------------------------------------------------- hyper-connections
+
+class HyperConnection(nn.Module):
+    """mHC around one sub-block: (post, comb, the block's input) from the streams h [T, n, d]."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        r = config.raw
+        n, d = int(r.get("hc_mult", 4)), config.hidden_size
+        self.n, self.iters = n, int(r.get("hc_sinkhorn_iters", 20))
+        self.eps, self.norm_eps = float(r.get("hc_eps", 1e-6)), config.rms_norm_eps
+        self.fn = mx.zeros(((2 + n) * n, n * d))
+        self.base = mx.zeros(((2 + n) * n,))
+        self.scale = mx.ones((3,))
+
+    def __call__(self, h: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        n, T = self.n, h.shape[0]
+        mix = rms(h.reshape(T, -1).astype(mx.float32), self.norm_eps) @ self.fn.astype(mx.float32).T
+        base, scale = self.base.astype(mx.float32), self.scale.astype(mx.float32)
+        pre = mx.sigmoid(mix[:, :n] * scale[0] + base[:n]) + self.eps
+        post = 2 * mx.sigmoid(mix[:, n:2 * n] * scale[1] + base[n:2 * n])
+        comb = mx.softmax(mix[:, 2 * n:].reshape(T, n, n) * scale[2] + base[2 * n:].reshape(n, n), axis=-1) + self.eps
+        # Sinkhorn-Knopp: columns, then rows and columns in turn, towards a doubly stochastic matrix.
+        comb = comb / (comb.sum(axis=-2, keepdims=True) + self.eps)
+        for _ in range(self.iters - 1):
+            comb = comb / (comb.sum(axis=-1, keepdims=True) + self.eps)
+            comb = comb / (comb.sum(axis=-2, keepdims=True) + self.eps)
+        block_input = (pre[..., None] * h).sum(axis=1).astype(h.dtype)
+        return post, comb, block_input
+
+
+def expand(h: mx.array, post: mx.array, comb: mx.array, out: mx.array) -> mx.array:
+    """H <- post y^T + comb^T H: the block output spread over the streams, the streams mixed."""
+    dtype = h.dtype
+    return post.astype(dtype)[..., None] * out[:, None, :] + comb.astype(dtype).swapaxes(-1, -2) @ h
+
+
+class HyperHead(nn.Module):
+    """The streams' final collapse, before the final norm."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        r = config.raw
+        n = int(r.get("hc_mult", 4))
+        self.eps, self.norm_eps = float(r.get("hc_eps", 1e-6)), config.rms_norm_eps
+        self.hc_fn = mx.zeros((n, n * config.hidden_size))
+        self.hc_base = mx.zeros((n,))
+        self.hc_scale = mx.ones((1,))
+
+    def __call__(self, h: mx.array) -> mx.array:
+        """h [..., n, d] -> [..., d]"""
+        flat = rms(h.reshape(*h.shape[:-2], -1).astype(mx.float32), self.norm_eps)
+        mix = flat @ self.hc_fn.astype(mx.float32).T
+        pre = mx.sigmoid(mix * self.hc_scale.astype(mx.float32) + self.hc_base.astype(mx.float32)) + self.eps
+        return (pre[..., None] * h).sum(axis=-2).astype(h.dtype)
+
+
+# ----------------------------------------------------------------------------------------- caches
+
+class Series:
+    """One compressed series of a sequence: its entries so far, the tokens of the window being
+    filled, and (overlapping windows, CSA) the last full window's "a" half."""
+
+    def __init__(self):
+        self.entries = None  # [count, dim]
+        self.pending_kv = self.pending_gate = None  # [< rate, width]
+        self.overlap_kv = self.overlap_gate = None  # [rate, dim]
+        self.count = 0
+
+    def copy(self) -> "Series":
+        other = Series()
+        other.__dict__.update(self.__dict__)  # arrays are immutable; updates make new ones
+        return other
+
+    @property
+    def nbytes(self) -> int:
+        arrays = (self.entries, self.pending_kv, self.pending_gate, self.overlap_kv, self.overlap_gate)
+        return sum(a.nbytes for a in arrays if a is not None)
+
+
+class CompressedCache:
+    """A V4 layer's cache for one sequence: the last sliding_window - 1 keys (the window a next
+    query needs), and the compressed series (CSA: main and indexer; HCA: main)."""
+
+    def __init__(self, kind: str, entry_values: float):
+        self.kind = kind
+        self.window = None  # [<= sliding_window - 1, head_dim]
+        self._offset = 0
+        self.compressor = Series() if kind != SLIDING else None
+        self.indexer = Series() if kind == CSA else None
+        self._entry_values = entry_values  # values per token of the compressed series
+
+    @property
+    def offset(self) -> int:
+        return self._offset
+
+    @offset.setter
+    def offset(self, value: int) -> None:
+        if value < self._offset:  # speculative decoding's rewind: a compressed window cannot be reopened
+            raise UserError("DeepSeek V4's compressed caches cannot drop positions: run it without drafts "
+                            "(--draft)")
+        self._offset = value
+
+    def prefix(self, length: int) -> "CompressedCache":
+        """A copy at this cache's own length (the prefix cache's reuse of a shorter prefix would need
+        the positions a compressed window has folded away)."""
+        if length != self._offset:
+            raise UserError("DeepSeek V4's compressed caches cannot be cut to a shorter prefix: run it "
+                            "without the prefix cache (--prefix-cache-gb 0)")
+        other = CompressedCache.__new__(CompressedCache)
+        other.__dict__.update(self.__dict__)
+        other.compressor = self.compressor.copy() if self.compressor else None
+        other.indexer = self.indexer.copy() if self.indexer else None
+        return other
+
+    @property
+    def nbytes(self) -> int:
+        series = sum(s.nbytes for s in (self.compressor, self.indexer) if s is not None)
+        return series + (0 if self.window is None else self.window.nbytes)
+
+    @property
+    def bytes_per_token(self) -> float:
+        """What each further token adds once the window is full: its share of a compressed entry."""
+        return 0 if self.window is None else self._entry_values * self.window.dtype.size
+
+
+# ------------------------------------------------------------------------------------- compressors
+
+class Compressor(nn.Module):
+    """Turns a sequence's tokens into compressed entries, one per `rate` tokens (report eqs. 9-12,
+    20-23): entry = RMSNorm(sum_j softmax_j(gate_j + position_bias_j) * kv_j), rotated to the
+    window's first position. overlap (CSA): each entry spans 2 * rate tokens, the previous window's
+    first `dim` features (its "a" series) and this window's last `dim` ("b")."""
+
+    def __init__(self, config: ModelConfig, rate: int, dim: int, overlap: bool):
+        super().__init__()
+        width = 2 * dim if overlap else dim
+        self.rate, self.dim, self.overlap = rate, dim, overlap
+        self.kv_proj = nn.Linear(config.hidden_size, width, bias=False)
+        self.gate_proj = nn.Linear(config.hidden_size, width, bias=False)
+        self.position_bias = mx.zeros((rate, width))
+        self.kv_norm = nn.RMSNorm(dim, eps=config.rms_norm_eps)
+
+    def update(self, series: Series, x: mx.array, rope: RoPE) -> mx.array:
+        """x: [t, hidden], a sequence's next tokens: add the entries of the windows they complete;
+        returns all entries [count, dim]."""
+        kv, gate = self.kv_proj(x), self.gate_proj(x)
+        if series.pending_kv is not None:
+            kv = mx.concatenate([series.pending_kv, kv])
+            gate = mx.concatenate([series.pending_gate, gate])
+        windows = kv.shape[0] // self.rate
+        usable = windows * self.rate
+        series.pending_kv, series.pending_gate = kv[usable:], gate[usable:]
+        if windows:
+            kv = kv[:usable].reshape(windows, self.rate, -1)
+            gate = gate[:usable].reshape(windows, self.rate, -1) + self.position_bias.astype(gate.dtype)
+            if self.overlap:
+                kv, gate = self._with_previous_halves(series, kv, gate)
+            weights = mx.softmax(gate.astype(mx.float32), axis=1).astype(kv.dtype)
+            entries = self.kv_norm((kv * weights).sum(axis=1))  # [windows, dim]
+            starts = (mx.arange(windows) + series.count) * self.rate
+            entries = rotate_tail(entries[:, None], rope, starts.astype(mx.int32))[:, 0]
+            series.entries = entries if series.entries is None else mx.concatenate([series.entries, entries])
+            series.count += windows
+        return series.entries if series.entries is not None else mx.zeros((0, self.dim), x.dtype)
+
+    def _with_previous_halves(self, series: Series, kv: mx.array, gate: mx.array) -> tuple[mx.array, mx.array]:
+        """[windows, rate, 2 dim] -> [windows, 2 rate, dim]: the previous window's a half, then this
+        window's b half (the very first window's a slots weigh nothing: gate -inf)."""
+        d, w = self.dim, kv.shape[0]
+        first_kv = series.overlap_kv if series.overlap_kv is not None else mx.zeros((self.rate, d), kv.dtype)
+        first_gate = series.overlap_gate if series.overlap_gate is not None else mx.full((self.rate, d), -mx.inf, gate.dtype)
+        previous_kv = mx.concatenate([first_kv[None], kv[:w - 1, :, :d]])
+        previous_gate = mx.concatenate([first_gate[None], gate[:w - 1, :, :d]])
+        series.overlap_kv, series.overlap_gate = kv[-1, :, :d], gate[-1, :, :d]
+        return (mx.concatenate([previous_kv, kv[..., d:]], axis=1),
+                mx.concatenate([previous_gate, gate[..., d:]], axis=1))
+
+
+class Scorer(nn.Module):
+    def __init__(self, config: ModelConfig, heads: int):
+        super().__init__()
+        self.weights_proj = nn.Linear(config.hidden_size, heads, bias=False)
+
+
+class Indexer(Compressor):
+    """CSA's lightning indexer (report eqs. 13-17): its own compressed keys (index_head_dim) and
+    queries from the query latent; score[t, s] = sum_h w[t, h] ReLU(q[t, h] . k[s]) / sqrt(dim),
+    w = weights_proj(x) / sqrt(heads)."""
+
+    def __init__(self, config: ModelConfig, rate: int):
+        r = config.raw
+        dim = int(r.get("index_head_dim", 128))
+        super().__init__(config, rate, dim, overlap=True)
+        self.heads, self.top_k = int(r.get("index_n_heads", 64)), int(r.get("index_topk", 512))
+        self.q_b_proj = nn.Linear(int(r["q_lora_rank"]), self.heads * dim, bias=False)
+        self.scorer = Scorer(config, self.heads)
+
+    def scores(self, q_latent: mx.array, x: mx.array, q_positions: mx.array, keys: mx.array, rope: RoPE) -> mx.array:
+        """[queries, entries] index scores of the querying tokens (q_latent, x: theirs)."""
+        q = self.q_b_proj(q_latent).reshape(q_latent.shape[0], self.heads, self.dim)
+        q = rotate_tail(q, rope, q_positions).astype(mx.float32)
+        relu = nn.relu(q @ keys.astype(mx.float32).T) * self.dim ** -0.5  # [t, heads, entries]
+        w = self.scorer.weights_proj(x).astype(mx.float32) * self.heads ** -0.5
+        return (w[:, None, :] @ relu)[:, 0]
+
+
+class CompressedKV(Compressor):
+    """A compressed layer's long-range keys: its compressor (the checkpoint's `attn.compressor.*`),
+    and for CSA the lightning indexer that chooses among the entries."""
+
+    def __init__(self, config: ModelConfig, kind: str):
+        super().__init__(config, compress_rate(config, kind), config.head_dim, overlap=kind == CSA)
+        self.kind = kind
+        if kind == CSA:
+            self.indexer = Indexer(config, self.rate)
+
+    def update_all(self, cache: CompressedCache, x: mx.array, rope: RoPE) -> tuple[mx.array, mx.array | None]:
+        """(the entries, the indexer's entries or None) after a sequence's next tokens x."""
+        entries = self.update(cache.compressor, x, rope)
+        return entries, self.indexer.update(cache.indexer, x, rope) if self.kind == CSA else None
+
+    def visible(self, q_positions: mx.array, count: int) -> mx.array:
+        """[queries, entries]: entry w is seen by a query at p once its window ended, w < (p + 1) // rate."""
+        return mx.arange(count)[None, :] < ((q_positions + 1) // self.rate)[:, None]
+
+
+# -------------------------------------------------------------------------------------- attention
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int):
+        super().__init__()
+        r = config.raw
+        d, hd = config.hidden_size, config.head_dim
+        self.kind = layer_types(config)[layer_index]
+        self.n_heads, self.head_dim = config.num_attention_heads, hd
+        self.window = int(r.get("sliding_window", 128))
+        self.groups, self.o_rank = int(r.get("o_groups", 8)), int(r.get("o_lora_rank", 1024))
+        self.eps = config.rms_norm_eps
+        self.scale = hd ** -0.5
+        q_lora = int(r["q_lora_rank"])
+        self.q_a_proj = nn.Linear(d, q_lora, bias=False)
+        self.q_a_norm = nn.RMSNorm(q_lora, eps=config.rms_norm_eps)
+        self.q_b_proj = nn.Linear(q_lora, self.n_heads * hd, bias=False)
+        self.kv_proj = nn.Linear(d, hd, bias=False)
+        self.kv_norm = nn.RMSNorm(hd, eps=config.rms_norm_eps)
+        self.o_a_proj = GroupedLinear(self.n_heads * hd // self.groups, self.o_rank, self.groups)
+        self.o_b_proj = nn.Linear(self.groups * self.o_rank, d, bias=False)
+        self.sinks = mx.zeros((self.n_heads,))
+        if self.kind != SLIDING:
+            self.compressor = CompressedKV(config, self.kind)
+        rope = ropes(config)
+        self._rope = rope["main"] if self.kind == SLIDING else rope["compress"]
+        self._compress_rope = rope["compress"]
+        entry = hd / self.compressor.rate if self.kind != SLIDING else 0
+        if self.kind == CSA:
+            entry += self.compressor.indexer.dim / self.compressor.rate
+        self._entry_values = entry  # cached values per token, once the window is full
+
+    def make_cache(self) -> CompressedCache:
+        return CompressedCache(self.kind, self._entry_values)
+
+    def __call__(self, x: mx.array, caches: list[CompressedCache], lengths: list[int], last_only: bool = False,
+                 full: list[bool] | None = None) -> mx.array:
+        """x: [T, hidden], the packed sequences' new tokens (the layer's normalised input) -> [t, hidden]
+        for the queries: every token, or with last_only each sequence's last (all of a `full` one's)."""
+        offsets = positions(lengths, caches)
+        if last_only:
+            last, kept = kept_rows(lengths, full)
+            xq, q_offsets = x[last], offsets[last]
+        else:
+            xq, q_offsets, kept = x, offsets, segments(lengths)
+        q_latent = self.q_a_norm(self.q_a_proj(xq))
+        q = rms(self.q_b_proj(q_latent).reshape(xq.shape[0], self.n_heads, self.head_dim), self.eps)
+        q = rotate_tail(q, self._rope, q_offsets)
+        kv = rotate_tail(self.kv_norm(self.kv_proj(x))[:, None], self._rope, offsets)[:, 0]  # K = V: [T, hd]
+        outputs = []
+        for (begin, end), (qb, qe), cache in zip(segments(lengths), kept, caches):
+            outputs.append(self._attend(cache, x[begin:end], kv[begin:end], q[qb:qe], q_latent[qb:qe], xq[qb:qe],
+                                        q_offsets[qb:qe]))
+        out = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs)  # [t, heads, hd]
+        out = rotate_tail(out, self._rope, q_offsets, inverse=True)  # V = K carried the keys' rotation
+        out = self.o_a_proj(out.reshape(out.shape[0], self.groups, -1)).reshape(out.shape[0], -1)
+        return self.o_b_proj(out)
+
+    def _attend(self, cache: CompressedCache, x: mx.array, kv: mx.array, q: mx.array, q_latent: mx.array,
+                xq: mx.array, q_pos: mx.array) -> mx.array:
+        """One sequence: its new tokens x / kv, its queries q [t, heads, hd] at q_pos."""
+        start = cache.offset
+        keys = kv if cache.window is None else mx.concatenate([cache.window, kv])
+        key_pos = mx.arange(start + kv.shape[0] - keys.shape[0], start + kv.shape[0])
+        cache.window = keys[-(self.window - 1):] if self.window > 1 else keys[:0]
+        cache.offset = start + kv.shape[0]
+        near = (key_pos[None, :] <= q_pos[:, None]) & (key_pos[None, :] > q_pos[:, None] - self.window)
+        logits = [mx.where(near[:, None, :], (q @ keys.T) * self.scale, -mx.inf)]  # [t, heads, keys]
+        values = [keys]
+        if self.kind != SLIDING:
+            entries, index_keys = self.compressor.update_all(cache, x, self._compress_rope)
+            seen = self.compressor.visible(q_pos, entries.shape[0])
+            if self.kind == CSA and entries.shape[0] > self.compressor.indexer.top_k:
+                entries, seen = self._top_k(entries, index_keys, seen, q_latent, xq, q_pos)  # per query: [t, k, hd]
+                logits.append(mx.where(seen[:, None, :], (q @ entries.swapaxes(-1, -2)) * self.scale, -mx.inf))
+            else:
+                logits.append(mx.where(seen[:, None, :], (q @ entries.T) * self.scale, -mx.inf))
+            values.append(entries)
+        sinks = mx.broadcast_to(self.sinks.astype(mx.float32)[None, :, None], (q.shape[0], self.n_heads, 1))
+        p = mx.softmax(mx.concatenate([a.astype(mx.float32) for a in logits] + [sinks], axis=-1), axis=-1)
+        out, begin = 0, 0
+        for a, v in zip(logits, values):
+            part = p[..., begin:begin + a.shape[-1]].astype(v.dtype)
+            out = out + part @ v  # [t, heads, k] @ [k, hd] or, per query, [t, k, hd]
+            begin += a.shape[-1]
+        return out
+
+    def _top_k(self, entries: mx.array, index_keys: mx.array, seen: mx.array, q_latent: mx.array, xq: mx.array,
+               q_pos: mx.array):
+        """The indexer's index_topk entries of each query among those it sees: ([t, k, hd], [t, k])."""
+        indexer = self.compressor.indexer
+        scores = indexer.scores(q_latent, xq, q_pos, index_keys, self._compress_rope)
+        scores = mx.where(seen, scores, -mx.inf)
+        best = mx.argpartition(-scores, kth=indexer.top_k - 1, axis=-1)[:, : indexer.top_k]  # [t, k]
+        return entries[best], mx.take_along_axis(seen, best, axis=-1)
+
+
+# -------------------------------------------------------------------------------------------- MoE
+
+class Router(nn.Module):
+    """Expert choice and weights. Hash-routed layers take their experts from the token id."""
+
+    def __init__(self, config: ModelConfig, hashed: bool):
+        super().__init__()
+        r = config.raw
+        experts, self.top_k = int(r["n_routed_experts"]), int(r["num_experts_per_tok"])
+        self.hashed, self.scale = hashed, float(r.get("routed_scaling_factor", 1.0))
+        self.scoring = r.get("scoring_func", "sqrtsoftplus")
+        self.weight = mx.zeros((experts, config.hidden_size))
+        if hashed:
+            self.tid2eid = mx.zeros((config.vocab_size, self.top_k), dtype=mx.int32)
+        else:
+            self.e_score_correction_bias = mx.zeros((experts,))
+
+    def __call__(self, x: mx.array, ids: mx.array | None) -> tuple[mx.array, mx.array]:
+        logits = x.astype(mx.float32) @ self.weight.astype(mx.float32).T
+        if self.scoring == "sqrtsoftplus":
+            scores = mx.sqrt(nn.softplus(logits))
+        elif self.scoring == "sigmoid":
+            scores = mx.sigmoid(logits)
+        else:
+            scores = mx.softmax(logits, axis=-1)
+        if self.hashed:
+            if ids is None:
+                raise RuntimeError("a hash-routed layer ran without the tokens' ids")
+            indices = self.tid2eid[ids].astype(mx.int32)
+        else:
+            biased = scores + self.e_score_correction_bias.astype(mx.float32)
+            indices = mx.argpartition(-biased, kth=self.top_k - 1, axis=-1)[:, : self.top_k]
+        weights = mx.take_along_axis(scores, indices, axis=-1)
+        return indices, weights / (weights.sum(axis=-1, keepdims=True) + 1e-20) * self.scale
+
+
+class ClampedSwitchGLU(SwitchGLU):
+    """Routed experts whose SwiGLU clamps its pre-activations: gate <= limit, |up| <= limit."""
+
+    def __init__(self, hidden: int, intermediate: int, experts: int, limit: float):
+        super().__init__(hidden, intermediate, experts)
+        self.limit = limit
+
+    def activate(self, gate: mx.array, up: mx.array) -> mx.array:
+        return nn.silu(mx.minimum(gate, self.limit)) * mx.clip(up, -self.limit, self.limit)
+
+
+class ClampedMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, limit: float):
+        super().__init__()
+        self.limit = limit
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        gate = mx.minimum(self.gate_proj(x), self.limit)
+        return self.down_proj(nn.silu(gate) * mx.clip(self.up_proj(x), -self.limit, self.limit))
+
+
+class MoE(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int):
+        super().__init__()
+        r = config.raw
+        inter, limit = int(r["moe_intermediate_size"]), float(r.get("swiglu_limit", 10.0))
+        self.gate = Router(config, mlp_layer_types(config)[layer_index] == "hash_moe")
+        self.switch_mlp = ClampedSwitchGLU(config.hidden_size, inter, int(r["n_routed_experts"]), limit)
+        self.shared_experts = ClampedMLP(config.hidden_size, inter * int(r.get("n_shared_experts", 1)), limit)
+
+    def __call__(self, x: mx.array, ids: mx.array | None) -> mx.array:
+        indices, weights = self.gate(x, ids)
+        routed = self.switch_mlp(x, indices)
+        return (routed * weights[..., None].astype(routed.dtype)).sum(axis=1) + self.shared_experts(x)
+
+
+# ------------------------------------------------------------------------------------- the block
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int):
+        super().__init__()
+        self.index = layer_index
+        self.self_attn = Attention(config, layer_index)
+        self.mlp = MoE(config, layer_index)
+        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.attn_hc = HyperConnection(config)
+        self.ffn_hc = HyperConnection(config)
+
+    def make_cache(self) -> CompressedCache:
+        return self.self_attn.make_cache()
+
+    def __call__(self, h: mx.array, caches: list, lengths: list[int], ids: mx.array | None,
+                 last_only: bool = False, full: list[bool] | None = None) -> tuple[mx.array, mx.array | None]:
+        """h: the streams [T, n, hidden] -> the streams after the block (with last_only, of each
+        sequence's kept positions only), and the ids of those positions."""
+        post, comb, x = self.attn_hc(h)
+        out = self.self_attn(self.input_layernorm(x), caches, lengths, last_only=last_only, full=full)
+        if last_only:
+            last, _ = kept_rows(lengths, full)
+            h, post, comb = h[last], post[last], comb[last]
+            ids = None if ids is None else ids[last]
+        h = expand(h, post, comb, out)
+        post, comb, x = self.ffn_hc(h)
+        return expand(h, post, comb, self.mlp(self.post_attention_layernorm(x), ids)), ids
+
+
+# ------------------------------------------------------------------------ the slice a rank holds
+
+ID_DIGITS = 4  # base-256 digits of a token id on the ids row: ids below 2**32
+
+
+def attach_ids(streams: mx.array, ids: mx.array) -> mx.array:
+    """[T, n, d] streams + ids [T] -> [T, n + 1, d]: the ids' base-256 digits start the extra row."""
+    digits = mx.stack([(ids // 256 ** k) % 256 for k in range(ID_DIGITS)], axis=-1).astype(streams.dtype)
+    row = mx.concatenate([digits, mx.zeros((ids.shape[0], streams.shape[-1] - ID_DIGITS), streams.dtype)], axis=-1)
+    return mx.concatenate([streams, row[:, None]], axis=1)
+
+
+def detach_ids(h: mx.array, n: int) -> tuple[mx.array, mx.array | None]:
+    if h.shape[1] == n:
+        return h, None
+    digits = mx.round(h[:, n, :ID_DIGITS].astype(mx.float32)).astype(mx.int32)
+    ids = sum(digits[:, k] * 256 ** k for k in range(ID_DIGITS))
+    return h[:, :n], ids
+
+
+class Slice(TransformerSlice):
+    """A rank's layers of a V4 model; with the ends, the embedding (spread over the streams), the
+    streams' final collapse (hc_head), the final norm and the LM head. Hidden states are
+    [1, tokens, hc_mult (+1 with the ids row), hidden]."""
+
+    def __init__(self, config: ModelConfig, make_layer, start: int, end: int, has_ends: bool, head_rows: int = 0):
+        if head_rows:
+            raise UserError("DeepSeek V4's LM head reads the collapsed residual streams: it cannot be shared "
+                            "with the last rank (--head-share off)")
+        super().__init__(config, make_layer, start, end, has_ends, head_rows)
+        self.n_streams = int(config.raw.get("hc_mult", 4))
+        self.last_hash = last_hash_layer(config)
+        if has_ends:
+            self.hc_head = HyperHead(config)
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        h = self.embed_tokens(tokens)[0]  # [T, d]
+        streams = mx.broadcast_to(h[:, None, :], (h.shape[0], self.n_streams, h.shape[1]))
+        if self.last_hash >= 0:
+            streams = attach_ids(streams, tokens[0])
+        return streams[None]
+
+    def forward_layers(self, h: mx.array, caches: list[list], lengths: list[int], last_only: bool = False,
+                       full: list[bool] | None = None) -> mx.array:
+        streams, ids = detach_ids(h[0], self.n_streams)
+        final = last_only and self.end == self.config.num_hidden_layers
+        for j, layer in enumerate(self.layers):
+            layer_caches = [seq_caches[j] for seq_caches in caches]
+            if layer.index <= self.last_hash and ids is None:
+                raise RuntimeError(f"layer {layer.index} is hash-routed but the tokens' ids did not reach it")
+            streams, ids = layer(streams, layer_caches, lengths, ids, last_only=final and j == len(self.layers) - 1,
+                                 full=full)
+            if layer.index >= self.last_hash:
+                ids = None  # no hash-routed layer ahead
+        return (streams if ids is None else attach_ids(streams, ids))[None]
+
+    def logits(self, h: mx.array, vocab_end: int | None = None) -> mx.array:
+        """h: streams [..., n, hidden] -> logits [..., vocab]."""
+        if h.shape[-2] != self.n_streams:
+            h = h[..., : self.n_streams, :]
+        return super().logits(self.hc_head(h), vocab_end)

@@ -1,0 +1,200 @@
+"""DeepSeek V4 against transformers (our oracle) on a tiny random model it builds and saves: every
+layer type (sliding window alone, compressed sparse attention with its indexer, heavily compressed
+attention) and both MoE kinds (hash-routed, top-k), prompts past the sliding window and past the
+indexer's top-k; on 1 and 3 in-process stages (the hash-routed layer 1 on the second, so the token
+ids travel there), a real 2-rank `generate`, and `batch`. Each new mechanism has a planted bug
+that the comparison catches. Then the published configs (V4-Pro, V4-Flash) and their plan."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from conftest import (INIT_STD, VOCAB_SIZE, assert_far_from_uniform, forward, greedy_ours, load_stages,
+                      long_prompt, mpiexec, write_tokenizer)
+
+LAYER_TYPES = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+               "compressed_sparse_attention", "heavily_compressed_attention"]
+MLP_TYPES = ["hash_moe", "hash_moe", "moe", "moe", "moe"]
+WINDOW, CSA_RATE, HCA_RATE, TOP_K = 8, 4, 16, 4
+PROMPT = long_prompt(80)  # 10 windows; 20 CSA entries, of which the indexer keeps 4; 5 HCA entries
+RANGES_3 = [(0, 1), (1, 3), (3, 5)]  # hash-routed layer 1 on the second stage
+# Measured on PROMPT (logits up to |7.4|): whole prompt and in 3 stages 2.59e-5, token by token 3.62e-5.
+TOLERANCE = 4e-5
+
+
+def make_deepseek_v4(folder, seed=0):
+    """Tiny V4: 5 layers, head_dim 32 (8 rotary), hc_mult 4, YaRN on the compressed layers past
+    a 32-token original context. 32 indexer heads: with a handful, positions scoring exactly 0 (ReLU
+    zero in every head) tie at the top-k boundary, where any choice is right."""
+    torch.manual_seed(seed)
+    config = transformers.DeepseekV4Config(
+        vocab_size=VOCAB_SIZE, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=5, num_attention_heads=4,
+        head_dim=32, q_lora_rank=32, num_experts_per_tok=2, n_routed_experts=8, n_shared_experts=1,
+        max_position_embeddings=512, layer_types=LAYER_TYPES, mlp_layer_types=MLP_TYPES,
+        compress_rates={"compressed_sparse_attention": CSA_RATE, "heavily_compressed_attention": HCA_RATE},
+        sliding_window=WINDOW, o_groups=2, o_lora_rank=16, index_n_heads=32, index_head_dim=16, index_topk=TOP_K,
+        partial_rotary_factor=0.25, initializer_range=INIT_STD, eos_token_id=2, bos_token_id=None,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                         "beta_fast": 32, "beta_slow": 1})
+    model = transformers.DeepseekV4ForCausalLM(config)
+    # transformers' init leaves norms at one, biases, sinks and hyper-connection bases at zero, scales
+    # at one and every token hashed to expert 0 twice: perturb them all, so each term is tested.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if any(k in name for k in ("norm", "bias", "sinks", "position_bias", ".base", ".scale", "hc_base",
+                                       "hc_scale")):
+                p.add_(torch.randn_like(p) * 0.3)
+        for name, b in model.named_buffers():
+            if "e_score_correction_bias" in name:
+                b.copy_(torch.randn_like(b) * 0.5)
+            if "tid2eid" in name:  # two different experts per token
+                b.copy_(torch.stack([torch.randperm(8)[:2] for _ in range(b.shape[0])]))
+    folder.mkdir(parents=True, exist_ok=True)
+    model.eval().save_pretrained(folder)
+    write_tokenizer(folder)
+    return model
+
+
+@pytest.fixture(scope="module")
+def v4(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("deepseek_v4")
+    reference = make_deepseek_v4(folder)
+    with torch.no_grad():
+        expected = reference(torch.tensor([PROMPT])).logits[0].numpy()
+    return folder, reference, expected
+
+
+def test_logits_match_transformers(v4):
+    folder, _, expected = v4
+    assert_far_from_uniform(expected)
+    (stage,) = load_stages(folder, [(0, 5)])
+    assert np.abs(forward([stage], PROMPT) - expected).max() <= TOLERANCE
+    stage.release([0])
+    incremental = np.concatenate([forward([stage], [t]) for t in PROMPT])  # decoding, one token at a time
+    assert np.abs(incremental - expected).max() <= TOLERANCE
+    split = load_stages(folder, RANGES_3)
+    assert np.abs(forward(split, PROMPT) - expected).max() <= TOLERANCE
+
+
+def test_caches_stay_compressed(v4):
+    """After 80 tokens each layer holds the window (7 keys) and its compressed entries, not 80 keys;
+    the hidden state between stages is the 4 streams, plus the ids row while a hash layer is ahead."""
+    folder, _, _ = v4
+    stages = load_stages(folder, RANGES_3)
+    hidden = stages[0].model.embed(mx.array([PROMPT]))
+    assert hidden.shape == (1, 80, 5, 64)  # 4 streams + the ids row (layer 1, hash-routed, is ahead)
+    hidden = stages[0].run_layers(hidden)
+    assert hidden.shape == (1, 80, 5, 64)
+    hidden = stages[1].run_layers(hidden)
+    assert hidden.shape == (1, 80, 4, 64)  # no hash-routed layer after layer 2: the ids row dropped
+    stages[2].run_layers(hidden)
+    caches = [c for s in stages for c in s.caches[0]]
+    assert [c.window.shape for c in caches] == [(WINDOW - 1, 32)] * 5
+    assert [c.compressor and c.compressor.entries.shape[0] for c in caches] == [None, 20, 5, 20, 5]
+    assert [c.indexer and c.indexer.entries.shape[0] for c in caches] == [None, 20, None, 20, None]
+    # a further token adds a quarter of a CSA entry (32 + 16 values) or a sixteenth of an HCA one (32), fp32
+    assert sum(s.kv_bytes_per_token for s in stages) == 4 * (2 * 48 / 4 + 2 * 32 / 16)
+
+
+def test_greedy_matches_transformers(v4):
+    folder, reference, _ = v4
+    prompt = long_prompt(48, seed=3)
+    with torch.no_grad():  # transformers' greedy continuation, stopping at the end-of-sequence id as we do
+        out = reference.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=2,
+                                 pad_token_id=0)
+    expected = out[0, len(prompt):].tolist()
+    expected = expected[:expected.index(2)] if 2 in expected else expected
+    assert len(set(expected)) >= 8, expected
+    (stage,) = load_stages(folder, [(0, 5)])
+    assert greedy_ours(stage, folder, prompt, 24).tokens == expected
+
+
+def _transformers_text(reference, folder, prompt: str, max_tokens: int) -> str:
+    from pipeline.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_folder(folder)
+    ids = tokenizer.prompt_ids(prompt, use_chat_template=False)
+    with torch.no_grad():
+        out = reference.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=2,
+                                 pad_token_id=0)[0, len(ids):].tolist()
+    return tokenizer.decode(out[:out.index(2)] if 2 in out else out, skip_special_tokens=True)
+
+
+TEXT = ("Pipeline parallel inference splits layers across ranks; hidden states travel between them. "
+        "The quick brown fox jumps over the lazy dog.")
+
+
+def test_two_ranks_generate_transformers_text(v4):
+    """The done-when run: `mpiexec -n 2 python -m pipeline generate --no-chat-template` on the
+    tiny V4 gives transformers' greedy text (the hash-routed layers are both on rank 0 here)."""
+    folder, reference, _ = v4
+    result = mpiexec(2, "generate", "--model", str(folder), "--no-chat-template", "--prompt", TEXT,
+                     "--max-tokens", "16", "--split", "1,4", env={"OPENBLAS_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout[:-1] == _transformers_text(reference, folder, TEXT, 16)
+
+
+def test_batch_on_three_ranks(v4, tmp_path):
+    """`batch` on 3 ranks, the hash-routed layer 1 on rank 1 (token ids in the messages), prompts of
+    different lengths packed into micro-batches: each text is transformers' greedy one."""
+    folder, reference, _ = v4
+    prompts = [TEXT, "The capital of France is Paris.", "def hello(world):\n    return 42\n" * 3]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"id": i, "prompt": p, "max_tokens": 10}) + "\n" for i, p in enumerate(prompts)))
+    result = mpiexec(3, "batch", "--model", str(folder), "--input", str(inp), "--output", str(out),
+                     "--no-chat-template", "--quiet", "--split", "1,2,2", env={"OPENBLAS_NUM_THREADS": "1"},
+                     timeout=180)
+    assert result.returncode == 0, result.stderr
+    texts = {r["id"]: r["text"] for r in map(json.loads, out.read_text().splitlines())}
+    assert texts == {i: _transformers_text(reference, folder, p, 10) for i, p in enumerate(prompts)}
+
+
+def _bugs():
+    from pipeline.models import deepseek_v4 as V
+
+    def no_overlap(right):  # each CSA entry from its own window only
+        def wrong(self, series, kv, gate):
+            kv, gate = right(self, series, kv, gate)
+            return kv, mx.concatenate([mx.full(gate[:, :self.rate].shape, -mx.inf), gate[:, self.rate:]], axis=1)
+        return wrong
+
+    def rotated_at_window_end(right):  # compressed entries rotated at their window's last position
+        def wrong(self, series, x, rope):
+            series_count = series.count
+            entries = right(self, series, x, rope)
+            new = series.count - series_count
+            if not new:
+                return entries
+            fresh = entries[-new:]
+            fresh = V.rotate_tail(fresh[:, None], rope, mx.full((new,), self.rate - 1, mx.int32))[:, 0]
+            return mx.concatenate([entries[:-new], fresh])
+        return wrong
+
+    return {
+        "hyper-connection mixing not transposed": (V, "expand", lambda right: lambda h, post, comb, out: right(
+            h, post, comb.swapaxes(-1, -2), out)),
+        "hash routing off by one token": (V.Router, "__call__", lambda right: lambda self, x, ids: right(
+            self, x, None if ids is None else (ids + 1) % VOCAB_SIZE)),
+        "the indexer's worst top-k": (V.Indexer, "scores", lambda right: lambda self, *a: -right(self, *a)),
+        "compressor without the overlapping window": (V.Compressor, "_with_previous_halves", no_overlap),
+        "compressor's entries at the wrong position": (V.Compressor, "update", rotated_at_window_end),
+    }
+
+
+@pytest.mark.parametrize("bug", ["hyper-connection mixing not transposed", "hash routing off by one token",
+                                 "the indexer's worst top-k", "compressor without the overlapping window",
+                                 "compressor's entries at the wrong position"])
+def test_a_planted_bug_is_caught(bug, v4, monkeypatch):
+    """The comparison above can fail: each wrong mechanism moves the logits by far more than the
+    tolerance (measured 6.8-9.4)."""
+    folder, _, expected = v4
+    target, name, make_wrong = _bugs()[bug]
+    monkeypatch.setattr(target, name, make_wrong(getattr(target, name)))
+    (stage,) = load_stages(folder, [(0, 5)])
+    assert np.abs(forward([stage], PROMPT) - expected).max() > 100 * TOLERANCE
