@@ -45,7 +45,7 @@ CONFIG_DIR = Path(__file__).with_name("configs")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 DEEPSEEK_FAMILY = ("deepseek_v3", "kimi_k2", "kimi_k25", "deepseek_v32")
-KNOWN_TYPES = (*LLAMA_FAMILY, "qwen3_moe", *DEEPSEEK_FAMILY)
+KNOWN_TYPES = (*LLAMA_FAMILY, "qwen3_moe", *DEEPSEEK_FAMILY, "deepseek_v4")
 
 
 # ------------------------------------------------------------------------------------- configs
@@ -123,6 +123,11 @@ class Param:
         plain parameters in DeepSeek's code and kept out everywhere."""
         return self.is_matrix and not self.is_router and not self.is_embedding
 
+    @property
+    def is_index_table(self) -> bool:
+        """DeepSeek V4's token -> experts table of a hash-routed layer: int64, never cast."""
+        return self.name.endswith("tid2eid")
+
 
 @dataclass
 class Architecture:
@@ -131,12 +136,36 @@ class Architecture:
     ends: list[Param]  # embedding, final norm, LM head: rank 0's extra share
     unused: list[Param]  # in the checkpoint, never run (DeepSeek's multi-token-prediction module)
     top_k: int  # routed experts chosen per token (0: dense)
-    kv_values: int  # cached values per token per layer
+    kv_values: float  # cached values per token per layer (DeepSeek V4: the mean over its layers)
     kv_note: str
+    # DeepSeek V4, whose caches differ by layer: per layer (values per token, values per sequence
+    # whatever its length, kind); None: kv_values per token in every layer.
+    kv_layers: list[tuple[float, int, str]] | None = None
+    hidden_values: int = 0  # values per token between ranks (V4: its residual streams); 0: hidden_size
 
     @property
     def name(self) -> str:
         return self.config.model_type
+
+    def kv_cached(self, start: int, end: int, context: int) -> float:
+        """Values one sequence of `context` tokens caches in layers [start, end)."""
+        if self.kv_layers is None:
+            return self.kv_values * context * (end - start)
+        return sum(per_token * context + fixed for per_token, fixed, _ in self.kv_layers[start:end])
+
+    def kv_read(self, layer: int, context: int) -> float:
+        """Values a decode step of one sequence reads from layer `layer`'s cache at `context` tokens:
+        all of it, but for V4's compressed sparse layers the indexer's keys and the top-k entries
+        (plus the window)."""
+        if self.kv_layers is None:
+            return self.kv_values * context
+        per_token, fixed, kind = self.kv_layers[layer]
+        if kind != "compressed_sparse_attention":
+            return per_token * context + fixed
+        r = self.config.raw
+        rate, top_k = _v4_rate(self.config, kind), int(r.get("index_topk", 512))
+        entries = context // rate
+        return fixed + entries * int(r.get("index_head_dim", 128)) + min(entries, top_k) * self.config.head_dim
 
 
 def architecture(config: ModelConfig) -> Architecture:
@@ -166,6 +195,8 @@ def architecture(config: ModelConfig) -> Architecture:
                        # The checkpoint stores its own copies of the embedding and the LM head.
                        Param(f"{p}.embed_tokens.weight", (config.vocab_size, d)),
                        Param(f"{p}.shared_head.head.weight", (config.vocab_size, d))]
+    elif t == "deepseek_v4":
+        return _deepseek_v4_architecture(config)
     else:
         raise UserError(f"the planner does not know model_type {t!r} (known: {', '.join(KNOWN_TYPES)})")
     v, d = config.vocab_size, config.hidden_size
@@ -250,6 +281,91 @@ def _deepseek_layer(c: ModelConfig, i: int) -> list[Param]:
     return params
 
 
+def _v4_rate(config: ModelConfig, kind: str) -> int:
+    from .models.deepseek_v4 import compress_rate
+
+    return compress_rate(config, kind)
+
+
+def _deepseek_v4_architecture(config: ModelConfig) -> Architecture:
+    """DeepSeek V4 (see models/deepseek_v4.py), under transformers' names: hyper-connections
+    around each sub-block, shared-KV attention with its compressor (and CSA's indexer), grouped
+    output projection, hash-routed or top-k MoE with one shared expert; the MTP module under mtp.*."""
+    from .models.deepseek_v4 import layer_types, mlp_layer_types
+
+    r, d, n = config.raw, config.hidden_size, int(config.raw.get("hc_mult", 4))
+    kinds, mlps = layer_types(config), mlp_layer_types(config)
+    window, hd = int(r.get("sliding_window", 128)), config.head_dim
+    layers, kv_layers = [], []
+    for i in range(config.num_hidden_layers):
+        layers.append(_deepseek_v4_layer(config, f"model.layers.{i}", kinds[i], mlps[i]))
+        per_token, fixed = 0.0, (window - 1) * hd
+        if kinds[i] != "sliding_attention":
+            rate, width = _v4_rate(config, kinds[i]), 2 * hd if kinds[i] == "compressed_sparse_attention" else hd
+            per_token += hd / rate
+            fixed += 2 * (rate - 1) * width  # the unfinished window's projections (kv and gate)
+            if kinds[i] == "compressed_sparse_attention":
+                di = int(r.get("index_head_dim", 128))
+                per_token += di / rate
+                fixed += 2 * (rate - 1) * 2 * di + 2 * rate * (hd + di)  # + the overlapping halves
+        kv_layers.append((per_token, fixed, kinds[i]))
+    unused: list[Param] = []
+    for k in range(int(r.get("num_nextn_predict_layers") or 0)):
+        p = f"mtp.{k}"
+        unused += (_deepseek_v4_layer(config, p, "sliding_attention", "moe")
+                   + _linear(f"{p}.e_proj", d, d) + _linear(f"{p}.h_proj", d, d)
+                   + _norm(f"{p}.enorm", d) + _norm(f"{p}.hnorm", d) + _norm(f"{p}.norm", d)
+                   + [Param(f"{p}.hc_head.hc_fn", (n, n * d)), Param(f"{p}.hc_head.hc_base", (n,)),
+                      Param(f"{p}.hc_head.hc_scale", (1,))])
+    v = config.vocab_size
+    ends = [Param("model.embed_tokens.weight", (v, d)), Param("model.norm.weight", (d,)),
+            Param("model.hc_head.hc_fn", (n, n * d)), Param("model.hc_head.hc_base", (n,)),
+            Param("model.hc_head.hc_scale", (1,))]
+    if not config.tie_word_embeddings:
+        ends.append(Param("lm_head.weight", (v, d)))
+    mean = sum(per_token for per_token, _, _ in kv_layers) / len(kv_layers)
+    note = (f"compressed per layer type ({hd}-value entries per {_v4_rate(config, 'compressed_sparse_attention')} "
+            f"tokens + indexer keys / per {_v4_rate(config, 'heavily_compressed_attention')} tokens) plus a "
+            f"{window}-token window per layer and sequence")
+    return Architecture(config, layers, ends, unused, int(r.get("num_experts_per_tok", 0)), mean, note,
+                        kv_layers, n * d)
+
+
+def _deepseek_v4_layer(c: ModelConfig, p: str, kind: str, mlp: str) -> list[Param]:
+    r, d, n = c.raw, c.hidden_size, int(c.raw.get("hc_mult", 4))
+    heads, hd, q_lora = c.num_attention_heads, c.head_dim, int(r["q_lora_rank"])
+    groups, o_rank = int(r.get("o_groups", 8)), int(r.get("o_lora_rank", 1024))
+    a = f"{p}.self_attn"
+    params = _norm(f"{p}.input_layernorm", d) + _norm(f"{p}.post_attention_layernorm", d)
+    for hc in ("attn_hc", "ffn_hc"):
+        params += [Param(f"{p}.{hc}.fn", ((2 + n) * n, n * d)), Param(f"{p}.{hc}.base", ((2 + n) * n,)),
+                   Param(f"{p}.{hc}.scale", (3,))]
+    params += (_linear(f"{a}.q_a_proj", q_lora, d) + _norm(f"{a}.q_a_norm", q_lora)
+               + _linear(f"{a}.q_b_proj", heads * hd, q_lora) + _linear(f"{a}.kv_proj", hd, d) + _norm(f"{a}.kv_norm", hd)
+               + _linear(f"{a}.o_a_proj", groups * o_rank, heads * hd // groups) + _linear(f"{a}.o_b_proj", d, groups * o_rank)
+               + [Param(f"{a}.sinks", (heads,))])
+    if kind != "sliding_attention":
+        rate, width = _v4_rate(c, kind), (2 if kind == "compressed_sparse_attention" else 1) * hd
+        x = f"{a}.compressor"
+        params += (_linear(f"{x}.kv_proj", width, d) + _linear(f"{x}.gate_proj", width, d)
+                   + [Param(f"{x}.position_bias", (rate, width))] + _norm(f"{x}.kv_norm", hd))
+        if kind == "compressed_sparse_attention":
+            di, ih = int(r.get("index_head_dim", 128)), int(r.get("index_n_heads", 64))
+            x = f"{a}.compressor.indexer"
+            params += (_linear(f"{x}.kv_proj", 2 * di, d) + _linear(f"{x}.gate_proj", 2 * di, d)
+                       + [Param(f"{x}.position_bias", (rate, 2 * di))] + _norm(f"{x}.kv_norm", di)
+                       + _linear(f"{x}.q_b_proj", ih * di, q_lora) + _linear(f"{x}.scorer.weights_proj", ih, d))
+    experts, inter = int(r["n_routed_experts"]), int(r["moe_intermediate_size"])
+    params += [Param(f"{p}.mlp.gate.weight", (experts, d))]
+    if mlp == "hash_moe":
+        params += [Param(f"{p}.mlp.gate.tid2eid", (c.vocab_size, int(r["num_experts_per_tok"])))]
+    else:
+        params += [Param(f"{p}.mlp.gate.e_score_correction_bias", (experts,))]
+    params += _mlp(f"{p}.mlp.experts.0", d, inter, experts=experts)
+    params += _mlp(f"{p}.mlp.shared_experts", d, inter * int(r.get("n_shared_experts", 1)))
+    return params
+
+
 @dataclass(frozen=True)
 class Counts:
     total: int  # parameters the model runs (layers + embedding + final norm + head)
@@ -280,6 +396,18 @@ class CheckpointFormat:
     block: tuple[int, int] = (128, 128)  # fp8 scale blocks
     group_size: int = 32  # int4
     ignore: tuple[str, ...] = ()  # int4: modules left in float
+    # DeepSeek V4's fp8: ue8m0 block scales (one byte each), routed experts in FP4 (fp4_experts), both
+    # held as they are stored, as MLX's mxfp8 and mxfp4 (formats.py)
+    mx: bool = False
+    fp4_experts: bool = False
+
+    def mx_bits(self, p: Param) -> int | None:
+        """4 or 8: a tensor held in MLX's mxfp4 / mxfp8 mode as stored (DeepSeek V4); else None."""
+        if not self.mx or not p.is_matrix:
+            return None
+        if p.experts:
+            return 4 if self.fp4_experts else 8
+        return 8 if self.is_fp8(p) else None
 
     def native(self, p: Param) -> tuple[int, int] | None:
         """(bits, group) of a tensor the checkpoint stores quantized in a form MLX runs as it is."""
@@ -303,11 +431,32 @@ class CheckpointFormat:
         return False
 
     def is_fp8(self, p: Param) -> bool:
-        # DeepSeek ships a few small projections in bf16 (V3.2's indexer weights_proj)
-        return (self.kind == "fp8" and p.is_linear and p.module != "lm_head"
-                and not p.module.endswith("indexer.weights_proj"))
+        # DeepSeek ships a few small projections in bf16: V3.2's and V4's indexer weights_proj, V4's
+        # compressors (the indexer's too); V4's routed experts are FP4
+        if self.kind != "fp8" or not p.is_linear or p.module == "lm_head" or p.module.endswith("weights_proj"):
+            return False
+        if self.mx and (p.module.endswith(("compressor.kv_proj", "compressor.gate_proj", "indexer.kv_proj",
+                                          "indexer.gate_proj")) or (p.experts and self.fp4_experts)):
+            return False
+        return True
+
+    def _stored_fp32(self, p: Param) -> bool:
+        """V4's tensors DeepSeek keeps in float32: hyper-connections, compressors' position biases,
+        attention sinks, router correction biases."""
+        return self.mx and p.name.endswith((".fn", ".base", ".scale", "hc_fn", "hc_base", "hc_scale",
+                                            "position_bias", "sinks", "e_score_correction_bias"))
 
     def disk_bytes(self, p: Param) -> int:
+        if p.is_index_table:
+            return p.numel * 8  # int64
+        bits = self.mx_bits(p)
+        if bits == 4:  # e2m1 nibbles, one ue8m0 byte per 32
+            return p.copies * (p.size // 2 + p.size // 32)
+        if bits == 8:  # e4m3 bytes, one ue8m0 byte per block
+            rows, cols = p.shape
+            return p.copies * (p.size + math.ceil(rows / self.block[0]) * math.ceil(cols / self.block[1]))
+        if self._stored_fp32(p):
+            return p.numel * 4
         native = self.native(p)
         if native and self.kind == "int4":  # int32-packed nibbles, bf16 scale per group, int64[2] shape
             rows, cols = p.shape
@@ -324,6 +473,11 @@ class CheckpointFormat:
 
     def describe(self) -> str:
         floats = {2: "bf16", 4: "fp32"}.get(self.float_bytes, f"{self.float_bytes}-byte floats")
+        if self.kind == "fp8" and self.mx:
+            b = self.block
+            experts = "routed experts FP4 e2m1 with a ue8m0 scale per 32 (0.5 + 1/32 B/param), " if self.fp4_experts else ""
+            return (f"{experts}FP8 e4m3 with a ue8m0 scale per {b[0]}x{b[1]} block (1 + 1/{b[0] * b[1]} B/param), "
+                    f"hyper-connections and biases fp32, rest {floats}")
         if self.kind == "fp8":
             b = self.block
             return f"FP8 e4m3 with one fp32 scale per {b[0]}x{b[1]} block (1 + 4/{b[0] * b[1]} B/param), rest {floats}"
@@ -355,7 +509,11 @@ def checkpoint_format(config: ModelConfig, model: str | Path | None = None, quan
     if not method:
         return CheckpointFormat("float", float_bytes, config)
     if method == "fp8":
-        return CheckpointFormat("fp8", float_bytes, config, block=tuple(q.get("weight_block_size") or (128, 128)))
+        block = tuple(q.get("weight_block_size") or (128, 128))
+        if config.model_type == "deepseek_v4":  # FP4 experts unless the config says fp8 (DeepSeek's own switch)
+            experts = raw.get("expert_dtype") or q.get("expert_dtype") or "fp4"
+            return CheckpointFormat("fp8", float_bytes, config, block=block, mx=True, fp4_experts=experts == "fp4")
+        return CheckpointFormat("fp8", float_bytes, config, block=block)
     if method == "compressed-tensors":
         groups = list((q.get("config_groups") or {}).values())
         weights = [g.get("weights") or {} for g in groups]
@@ -368,6 +526,12 @@ def checkpoint_format(config: ModelConfig, model: str | Path | None = None, quan
                                 ignore=tuple(q.get("ignore") or ()))
     raise UserError(f"unknown quantization method {method!r} in config.json (known: fp8, compressed-tensors, "
                     f"MLX 'quantization')")
+
+
+def _mx_bytes(shape: tuple[int, ...], bits: int) -> int:
+    """MLX mxfp4 / mxfp8 of one tensor: uint32-packed values and one uint8 scale per 32, no biases."""
+    rows, cols = math.prod(shape[:-1]), shape[-1]
+    return rows * math.ceil(cols * bits / 32) * 4 + rows * math.ceil(cols / 32)
 
 
 def _affine_bytes(shape: tuple[int, ...], bits: int, group: int, scale_bytes: int) -> int:
@@ -392,6 +556,11 @@ class Precision:
         return DTYPE_BYTES[self.dtype]
 
     def resident_bytes(self, p: Param) -> int:
+        if p.is_index_table:
+            return p.numel * 8  # int64, never cast
+        bits = self.checkpoint.mx_bits(p)
+        if bits:
+            return p.copies * _mx_bytes(p.shape, bits)
         native = self.checkpoint.native(p)
         if native and self.dense and self.checkpoint.kind in ("mlx", "gguf"):
             return p.numel * self.dtype_bytes
@@ -402,7 +571,8 @@ class Precision:
         return p.numel * self.dtype_bytes
 
     def requantized(self, p: Param) -> bool:
-        return bool(self.quantize) and p.is_matrix and not p.is_router and p.shape[-1] % self.group_size == 0
+        return (bool(self.quantize) and p.is_matrix and not p.is_router and p.shape[-1] % self.group_size == 0
+                and not self.checkpoint.mx_bits(p))
 
     def describe(self) -> str:
         d, name = self.dtype_bytes, self.dtype
@@ -424,7 +594,12 @@ class Precision:
             b, g = self.quantize, self.group_size
             parts.append(f"MLX affine {b}-bit, group {g} from --quantize {b} ({b}/8 + 2x{d}/{g} = "
                          f"{b / 8 + 2 * d / g:.4g} B/param) for the other matrices but routers")
-        if self.checkpoint.kind == "fp8" and not self.quantize:
+        if self.checkpoint.kind == "fp8" and self.checkpoint.mx:
+            if self.checkpoint.fp4_experts:
+                parts.append("routed experts FP4 held as stored, MLX mxfp4 (0.5 + 1/32 B/param)")
+            parts.append("FP8 held as stored, MLX mxfp8 (1 + 1/32 B/param: the 128x128 block's scale repeated "
+                         "per 32 values)")
+        elif self.checkpoint.kind == "fp8" and not self.quantize:
             parts.append(f"FP8 weights dequantized to {name} at load (MLX has no FP8 matmul)")
         parts.append(f"other tensors {name} ({d} B)")
         return "; ".join(parts)
@@ -587,12 +762,12 @@ def plan_cluster(config: ModelConfig, hosts: int, precision: Precision, hardware
 
 
 def _rank_plans(arch, mb, precision, hardware, counts, context, batch) -> list[RankPlan]:
-    kv_per_layer = arch.kv_values * precision.dtype_bytes * context * batch
     plans = []
     for r, (start, end) in enumerate(layer_ranges(counts)):
         weights = sum(mb.layers[start:end]) + (mb.ends if r == 0 else 0)
         memory = hardware.memory_gib[r] if hardware.memory_gib else None
-        plans.append(RankPlan(r, start, end, weights, kv_per_layer * (end - start), memory, hardware.reserve_gib))
+        kv = round(arch.kv_cached(start, end, context) * precision.dtype_bytes * batch)
+        plans.append(RankPlan(r, start, end, weights, kv, memory, hardware.reserve_gib))
     return plans
 
 
@@ -601,8 +776,8 @@ class _Timing:
 
     def __init__(self, arch, mb, precision, hardware, ranges, context):
         self.arch, self.mb, self.hw, self.ranges = arch, mb, hardware, ranges
-        self.kv_per_layer_seq = arch.kv_values * precision.dtype_bytes * context
-        self.hidden_bytes = arch.config.hidden_size * precision.dtype_bytes
+        self.kv_read = [arch.kv_read(i, context) * precision.dtype_bytes for i in range(len(arch.layers))]
+        self.hidden_bytes = (arch.hidden_values or arch.config.hidden_size) * precision.dtype_bytes
         n = len(ranges)
         self.bandwidth = hardware.bandwidth_gbs if len(hardware.bandwidth_gbs) == n else hardware.bandwidth_gbs[:1] * n
 
@@ -613,7 +788,7 @@ class _Timing:
         sequences = m if sequences is None else sequences
         read = 0.0
         for i in range(start, end):
-            read += self.mb.fixed_read[i] + sequences * self.kv_per_layer_seq
+            read += self.mb.fixed_read[i] + sequences * self.kv_read[i]
             e = self.mb.experts[i]
             if e:
                 k = min(self.arch.top_k, e)
@@ -675,6 +850,7 @@ class MemoryPlan:
     mb: ModelBytes  # weights as loaded
     dense_mb: ModelBytes  # with MLX-quantized weights dequantized (ranks --weights-in-memory makes dense)
     kv_bytes_per_token_layer: int
+    arch: Architecture | None = None  # for caches that differ by layer (DeepSeek V4)
 
     @classmethod
     def for_job(cls, config: ModelConfig, args: argparse.Namespace, ranks: int) -> "MemoryPlan":
@@ -686,7 +862,7 @@ class MemoryPlan:
                               group_size=getattr(args, "group_size", None) or 64)
         arch = architecture(config)
         return cls(memory, model_bytes(arch, precision), model_bytes(arch, replace(precision, dense=True)),
-                   arch.kv_values * precision.dtype_bytes)
+                   arch.kv_values * precision.dtype_bytes, arch)
 
     def counts(self) -> list[int]:
         return layer_counts(self.mb, len(self.memory_gib), self.memory_gib)
@@ -698,6 +874,8 @@ class MemoryPlan:
             mb = self.dense_mb if dense and dense[r] else self.mb
             weights = sum(mb.layers[start:end]) + (mb.ends if r == 0 else 0)
             kv = self.kv_bytes_per_token_layer * tokens * (end - start)
+            if self.arch is not None and self.arch.kv_layers is not None:
+                kv = round(self.arch.kv_cached(start, end, tokens) * self.kv_bytes_per_token_layer / self.arch.kv_values)
             if weights + kv > self.memory_gib[r] * GIB:
                 short.append(f"rank {r} needs {_gib(weights + kv)} (weights {_gib(weights)} + KV cache {_gib(kv)}) "
                              f"but has {self.memory_gib[r]:g} GiB")
@@ -729,8 +907,14 @@ def format_plan(plan: ClusterPlan, title: str) -> str:
     lines.append(f"checkpoint on disk: {disk / 1e9:.1f} GB" + (f" (+{disk_unused / 1e9:.1f} GB MTP module)" if disk_unused else "")
                  + f", {cp.describe()}")
     kv_token = arch.kv_values * p.dtype_bytes * len(arch.layers)
-    lines.append(f"KV cache: {arch.kv_note} = {arch.kv_values} values/token/layer, {kv_token / 1024:.1f} KiB per token "
-                 f"({p.dtype}); context {plan.context} x batch {plan.batch}")
+    if arch.kv_layers is None:
+        lines.append(f"KV cache: {arch.kv_note} = {arch.kv_values} values/token/layer, {kv_token / 1024:.1f} KiB per "
+                     f"token ({p.dtype}); context {plan.context} x batch {plan.batch}")
+    else:
+        window = arch.kv_cached(0, len(arch.layers), 0) * p.dtype_bytes
+        lines.append(f"KV cache: {arch.kv_note} = {arch.kv_values:.1f} values/token/layer on average, "
+                     f"{kv_token / 1024:.2f} KiB per token + {window / 2**20:.1f} MiB per sequence ({p.dtype}); "
+                     f"context {plan.context} x batch {plan.batch}")
     lines.append("")
     lines.append(f"{'rank':>4}  {'memory':>9}  {'layers':<14}  {'weights':>10}  {'KV cache':>9}  {'headroom':>10}  "
                  f"{'fits':>4}  {'bandwidth':>10}  {'ms/token':>8}")
@@ -744,7 +928,8 @@ def format_plan(plan: ClusterPlan, title: str) -> str:
                      f"{headroom:>10}  {fits:>4}  {bw:>6g} GB/s  {ms:>8.2f}")
     lines.append("")
     hops = len(plan.ranks) if len(plan.ranks) > 1 else 0
-    link = (f" + {hops} hops of {hw.link_latency_us:g} us + {arch.config.hidden_size} x {p.dtype_bytes} B at "
+    link = (f" + {hops} hops of {hw.link_latency_us:g} us + {arch.hidden_values or arch.config.hidden_size} x "
+            f"{p.dtype_bytes} B at "
             f"{hw.link_gbs:g} GB/s" if hops else "")
     lines.append(f"decode roofline: single stream {plan.single_tps:.1f} tok/s (stage times in turn{link}); "
                  f"batch {plan.batch}: {plan.batch_tps:.1f} tok/s (stages overlap; slowest stage bounds it)")

@@ -8,6 +8,8 @@ that the comparison catches. Then the published configs (V4-Pro, V4-Flash) and t
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import mlx.core as mx
 import numpy as np
@@ -15,7 +17,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import (INIT_STD, VOCAB_SIZE, assert_far_from_uniform, forward, greedy_ours, load_stages,
+from conftest import (INIT_STD, REPO, VOCAB_SIZE, assert_far_from_uniform, forward, greedy_ours, load_stages,
                       long_prompt, mpiexec, write_tokenizer)
 
 LAYER_TYPES = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
@@ -198,3 +200,53 @@ def test_a_planted_bug_is_caught(bug, v4, monkeypatch):
     monkeypatch.setattr(target, name, make_wrong(getattr(target, name)))
     (stage,) = load_stages(folder, [(0, 5)])
     assert np.abs(forward([stage], PROMPT) - expected).max() > 100 * TOLERANCE
+
+
+# ------------------------------------------------------------------------------ the published models
+
+@pytest.mark.parametrize("name, total, active, layers", [("DeepSeek-V4-Pro", 1.6e12, 49e9, 61),
+                                                         ("DeepSeek-V4-Flash", 284e9, 13e9, 43)])
+def test_published_configs_count(name, total, active, layers):
+    """V4-Pro 1.6T / 49B activated, V4-Flash 284B / 13B (the model cards), counted from config.json
+    alone: 1573.0B (1598.8B with the MTP module) / 48.9B, 284.3B / 13.3B."""
+    from pipeline.models.deepseek_v4 import layer_types, mlp_layer_types
+    from pipeline.plan import architecture, count_params, load_config
+
+    config = load_config(name)
+    counts = count_params(architecture(config))
+    assert abs(counts.total - total) <= 0.02 * total
+    assert abs(counts.active - active) <= 0.03 * active
+    kinds = layer_types(config)
+    assert len(kinds) == layers and set(kinds) <= {"sliding_attention", "compressed_sparse_attention",
+                                                   "heavily_compressed_attention"}
+    assert mlp_layer_types(config)[:4] == ["hash_moe"] * 3 + ["moe"]
+
+
+def test_pro_checkpoint_bytes_and_plan():
+    """V4-Pro's checkpoint as published: 805.32 GiB in its 64 shards (a listing of the published
+    files: FP4 experts with a ue8m0 byte per 32, FP8 with a ue8m0 byte per 128x128 block, the rest
+    bf16 and fp32) -- the planner's count of each tensor as stored gives the same, and it holds
+    them as stored (mxfp4 / mxfp8): 793 GiB, fitting 2 x 512 + 2 x 256 GiB, not the 3 TB of bf16."""
+    from pipeline.plan import (Hardware, Precision, architecture, checkpoint_format, load_config, model_bytes,
+                               plan_cluster)
+
+    config = load_config("DeepSeek-V4-Pro")
+    arch, fmt = architecture(config), checkpoint_format(config)
+    disk = sum(fmt.disk_bytes(p) for layer in arch.layers for p in layer) + sum(fmt.disk_bytes(p) for p in arch.ends)
+    disk += sum(fmt.disk_bytes(p) for p in arch.unused)
+    assert abs(disk / 2**30 - 805.32) < 0.05
+    resident = model_bytes(arch, Precision(fmt, "bfloat16"))
+    assert 790 < (sum(resident.layers) + resident.ends) / 2**30 < 800
+    plan = plan_cluster(config, 4, Precision(fmt, "bfloat16"), Hardware([512, 512, 256, 256], [819.0]))
+    assert plan.fits and [r.end - r.start for r in plan.ranks] == [20, 21, 10, 10]
+
+
+def test_plan_command_prints_each_rank_and_a_verdict():
+    """The done-when command, as a user runs it (one process, no MPI)."""
+    result = subprocess.run([sys.executable, "-m", "pipeline", "plan", "--model", "DeepSeek-V4-Pro", "--host-memory",
+                             "512,512,256,256", "--dtype", "bfloat16"], capture_output=True, text=True, cwd=REPO,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    rows = [line.split() for line in result.stdout.splitlines() if line.split()[:1] in (["0"], ["1"], ["2"], ["3"])]
+    assert [row[0] for row in rows] == ["0", "1", "2", "3"] and all("yes" in row for row in rows)
+    assert "weights in memory: 792.8 GiB" in result.stdout

@@ -21,7 +21,8 @@ from pipeline.plan import (Precision, architecture, bundled_configs, checkpoint_
                            load_config, model_bytes)
 
 NAMES = ["DeepSeek-V3", "DeepSeek-R1", "DeepSeek-V3.1", "Kimi-K2-Instruct", "Kimi-K2-Thinking", "Qwen3-235B-A22B",
-         "Kimi-K2.5", "DeepSeek-V3.2"]  # the newer ones are counted in test_new_models.py and test_deepseek_v4.py
+         # counted in test_new_models.py and test_deepseek_v4.py:
+         "Kimi-K2.5", "DeepSeek-V3.2", "DeepSeek-V4-Pro", "DeepSeek-V4-Flash"]
 
 
 def close(value: float, published: float, tolerance: float) -> bool:
