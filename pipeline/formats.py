@@ -9,6 +9,14 @@
   int32 (`weight_packed`), one scale per group of 32 (`weight_scale`), symmetric. Stored
   unsigned as q + 8, so w = s * (u - 8) = s * u - 8s: MLX affine 4-bit with scales s and
   biases -8s, and the same nibble order, so the packed words are reused as they are.
+- DeepSeek V4's mixed checkpoint, `.weight` with a ue8m0 `.scale` (a power of two 2^(b - 127) per
+  byte): routed experts in FP4 (e2m1, two per byte, the first in the low nibble; one scale per 32
+  values along a row) are exactly MLX's mxfp4 (the same e2m1 values, nibble order and scale
+  byte), so the bytes are kept as they are (as uint32 words). The rest is FP8 (e4m3) with one
+  scale per 128x128 block; MLX's mxfp8 is e4m3 with a ue8m0 scale per 32 values of a row, and
+  every such run lies inside one block, so the block's scale repeated per run makes the same
+  weights, again without touching the bytes (rows of a width that is no multiple of 32 are
+  dequantized instead).
 - `requantize` (the `--quantize` flag) turns float weights into MLX affine tensors right after
   each one is read, so a rank's memory never holds more than one float tensor at a time.
 """
@@ -79,6 +87,14 @@ def adapt_tensors(names: list[str], tensors: dict, read: Callable[[str], mx.arra
     for name in names:
         if name.endswith("_scale_inv") or name.endswith(_CT_SUFFIXES[1:]):
             continue  # consumed with the tensor they belong to
+        if name.endswith(".scale") and name[: -len(".scale")] + ".weight" in tensors:
+            continue  # DeepSeek V4's ue8m0 scales: with their weight
+        if name.endswith(".weight") and name[: -len(".weight")] + ".scale" in tensors:
+            module = name[: -len(".weight")]
+            for suffix, array in _deepseek_mx(module, read(name), read(module + ".scale"), tensors[name].dtype,
+                                              dtype, requantize):
+                yield from emit(f"{module}.{suffix}", array)
+            continue
         if name.endswith(".mlp.experts.gate_up_proj") or name.endswith(".mlp.experts.down_proj"):
             yield from _fused_experts(name, read(name), dtype)
             continue
@@ -117,6 +133,40 @@ def _fused_experts(name: str, array: mx.array, dtype: mx.Dtype) -> Iterator[tupl
         yield f"{prefix}.switch_mlp.up_proj.weight", mx.contiguous(array[:, half:])
     else:
         yield f"{prefix}.switch_mlp.down_proj.weight", array
+
+
+def _deepseek_mx(module: str, weight: mx.array, scale: mx.array, stored: str, dtype: mx.Dtype,
+                 requantize: Requantize | None) -> Iterator[tuple[str, mx.array]]:
+    """DeepSeek V4's FP4 (stored as I8) or FP8 (F8_E4M3) weight with its ue8m0 scale, as MLX's
+    mxfp4 / mxfp8 (weight as uint32 words, scales as bytes: see the module docstring)."""
+    rows, cols = weight.shape
+    if stored == "I8":  # FP4: two values a byte, a scale per 32
+        if scale.shape != (rows, cols * 2 // 32) or cols % 4:
+            raise UserError(f"{module}: FP4 weight {list(weight.shape)} with scales {list(scale.shape)} is not "
+                            "DeepSeek's layout (two values a byte, one ue8m0 scale per 32)")
+        yield "weight", mx.contiguous(weight.view(mx.uint8).view(mx.uint32))
+        yield "scales", scale
+        return
+    if stored != "F8_E4M3":
+        raise UserError(f"{module}: a weight of dtype {stored} with a ue8m0 .scale is no format known here "
+                        "(DeepSeek V4 ships FP4 as I8 and FP8 as F8_E4M3)")
+    blocks = (-(-rows // _FP8_BLOCK), -(-cols // _FP8_BLOCK))
+    if tuple(scale.shape) != blocks:
+        raise UserError(f"{module}: FP8 weight {list(weight.shape)} has scales {list(scale.shape)}, expected one "
+                        f"per {_FP8_BLOCK}x{_FP8_BLOCK} block {list(blocks)}")
+    if cols % 32 == 0:  # mxfp8: each row's runs of 32 take their block's scale
+        runs = _FP8_BLOCK // 32
+        scales = mx.repeat(mx.repeat(scale, _FP8_BLOCK, axis=0)[:rows], runs, axis=1)[:, : cols // 32]
+        yield "weight", mx.contiguous(weight.view(mx.uint32))
+        yield "scales", mx.contiguous(scales)
+        return
+    array = dequantize_fp8(weight, mx.power(2.0, scale.astype(mx.float32) - 127), dtype)
+    if requantize and _requantizable(module + ".weight", array, requantize.group_size):
+        for suffix, part in zip(("weight", "scales", "biases"),
+                                mx.quantize(array, group_size=requantize.group_size, bits=requantize.bits)):
+            yield suffix, part
+        return
+    yield "weight", array
 
 
 def dequantize_fp8(weight: mx.array, scale_inv: mx.array, dtype: mx.Dtype) -> mx.array:

@@ -365,14 +365,14 @@ def _quantize_like(model: nn.Module, weights: dict[str, mx.array]) -> None:
         in_features = module.weight.shape[-1]
         packed = weights[path + ".weight"].shape[-1]
         group_size, bits = in_features // scales.shape[-1], packed * 32 // in_features
+        # e8m0 byte scales, no biases: MLX's mxfp4 / mxfp8 (a GGUF's MXFP4, DeepSeek V4's FP4 and FP8)
+        mode = "affine" if path + ".biases" in weights else {4: "mxfp4", 8: "mxfp8"}.get(bits, "affine")
         if (group_size * scales.shape[-1] != in_features or bits * in_features != packed * 32
                 or group_size not in _QUANT_GROUPS or bits not in _QUANT_BITS):
             # The module's input width comes from config.json; the packed shapes fit no MLX layout of it.
             raise ValueError(f"{path}.weight is packed as {packed} uint32 with {scales.shape[-1]} scales per row, "
                              f"which no MLX quantization of {in_features} inputs (from config.json) gives")
-        settings[path] = {"group_size": group_size, "bits": bits}
-        if path + ".biases" not in weights and scales.dtype == mx.uint8:
-            settings[path]["mode"] = "mxfp4"  # e8m0 scales, no biases (a GGUF's MXFP4 tensors)
+        settings[path] = {"group_size": group_size, "bits": bits, "mode": mode}
     if settings:
         nn.quantize(model, class_predicate=lambda path, _: settings.get(path, False))
 

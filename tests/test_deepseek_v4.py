@@ -250,3 +250,127 @@ def test_plan_command_prints_each_rank_and_a_verdict():
     rows = [line.split() for line in result.stdout.splitlines() if line.split()[:1] in (["0"], ["1"], ["2"], ["3"])]
     assert [row[0] for row in rows] == ["0", "1", "2", "3"] and all("yes" in row for row in rows)
     assert "weights in memory: 792.8 GiB" in result.stdout
+
+
+# ------------------------------------------------------------------- the checkpoint as DeepSeek ships it
+
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
+
+
+def fp4(w: np.ndarray):
+    """DeepSeek's FP4 expert weight: e2m1 values two a byte (first in the low nibble), a ue8m0 scale
+    per 32 along the row. Returns (packed int8 [out, in/2], scales uint8 [out, in/32], the weight it stands for)."""
+    rows, cols = w.shape
+    groups = w.reshape(rows, cols // 32, 32)
+    exponent = np.ceil(np.log2(np.maximum(np.abs(groups).max(-1), 1e-30) / 6))
+    codes = np.abs(groups[..., None] / 2 ** exponent[..., None, None] - E2M1).argmin(-1).astype(np.uint8)
+    dequantized = (E2M1[codes] * 2 ** exponent[..., None]).reshape(rows, cols)
+    codes = codes.reshape(rows, cols)
+    return ((codes[:, 0::2] | (codes[:, 1::2] << 4)).view(np.int8), (exponent + 127).astype(np.uint8),
+            dequantized.astype(np.float32))
+
+
+def fp8(w: np.ndarray):
+    """DeepSeek V4's FP8 weight: e4m3 with a ue8m0 scale per 128x128 block."""
+    rows, cols = w.shape
+    scale = np.zeros((-(-rows // 128), -(-cols // 128)), dtype=np.float32)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            block = w[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128]
+            scale[i, j] = np.ceil(np.log2(max(np.abs(block).max(), 1e-30) / 448))
+    expanded = np.repeat(np.repeat(2 ** scale, 128, 0), 128, 1)[:rows, :cols]
+    q = torch.from_numpy(w / expanded).to(torch.float8_e4m3fn)
+    return q.view(torch.uint8).numpy(), (scale + 127).astype(np.uint8), (q.float().numpy() * expanded)
+
+
+def write_safetensors(path, tensors: dict) -> None:
+    """name -> (safetensors dtype, array of its bytes): written as DeepSeek's files are, dtypes
+    F8_E4M3, F8_E8M0 and I8 included (no library writes all three)."""
+    header, blobs, offset = {}, [], 0
+    for name, (dtype, array) in tensors.items():
+        data = np.ascontiguousarray(array).tobytes()
+        header[name] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + b"".join(blobs))
+
+
+FP8_MODULES = ("attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_a", "attn.wo_b", "attn.indexer.wq_b",
+               "ffn.shared_experts.w1", "ffn.shared_experts.w2", "ffn.shared_experts.w3")
+
+
+def published_name(saved: str) -> str:
+    """transformers' saved name of a V4 tensor -> DeepSeek's (the published index's)."""
+    name = saved.removeprefix("model.")
+    name = {"embed_tokens.weight": "embed.weight", "hc_head.hc_fn": "hc_head_fn", "hc_head.hc_base": "hc_head_base",
+            "hc_head.hc_scale": "hc_head_scale"}.get(name, name)
+    return name.replace(".attn.norm.", ".attn.kv_norm.")
+
+
+@pytest.fixture(scope="module")
+def published_v4(v4, tmp_path_factory):
+    """The tiny V4 as DeepSeek publishes V4: DeepSeek's names, routed experts in FP4, the attention's
+    and shared experts' projections in FP8, each with ue8m0 scales, `quantization_config` fp8; and
+    transformers' logits for exactly the weights these stand for."""
+    from safetensors.numpy import load_file, save_file
+
+    folder, _, _ = v4
+    root = tmp_path_factory.mktemp("published_v4")
+    stored, dequantized = {}, {}
+    for saved, w in load_file(str(folder / "model.safetensors")).items():
+        name = published_name(saved)
+        module = name.removesuffix(".weight")
+        if ".ffn.experts." in name and name.endswith(".weight"):
+            packed, scale, w = fp4(w)
+            stored[name], stored[module + ".scale"] = ("I8", packed), ("F8_E8M0", scale)
+        elif module.endswith(FP8_MODULES) and name.endswith(".weight"):
+            q, scale, w = fp8(w)
+            stored[name], stored[module + ".scale"] = ("F8_E4M3", q), ("F8_E8M0", scale)
+        else:
+            stored[name] = ({np.float32: "F32", np.int64: "I64"}[w.dtype.type], w)
+        dequantized[saved] = w
+    (root / "published").mkdir()
+    write_safetensors(root / "published" / "model.safetensors", stored)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                     "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}
+    (root / "published" / "config.json").write_text(json.dumps(config))
+    write_tokenizer(root / "published")
+    (root / "reference").mkdir()
+    save_file(dequantized, str(root / "reference" / "model.safetensors"), metadata={"format": "pt"})
+    (root / "reference" / "config.json").write_text((folder / "config.json").read_text())
+    reference = transformers.DeepseekV4ForCausalLM.from_pretrained(root / "reference").eval()
+    with torch.no_grad():
+        expected = reference(torch.tensor([PROMPT])).logits[0].numpy()
+    return root / "published", expected
+
+
+def test_fp4_and_fp8_held_as_stored_match_transformers(published_v4):
+    """Loaded from DeepSeek's layout, the FP4 experts are MLX mxfp4 and the FP8 projections mxfp8,
+    their bytes kept, and the logits are transformers' on the weights they stand for."""
+    folder, expected = published_v4
+    (stage,) = load_stages(folder, [(0, 5)])
+    # DeepSeek's names read under transformers' (layers.0.ffn.experts.7.w3 is expert 7's up_proj)
+    assert {"model.layers.0.mlp.experts.7.up_proj.weight", "model.layers.0.mlp.experts.7.up_proj.scale",
+            "model.embed_tokens.weight", "model.hc_head.hc_fn"} <= set(stage.loaded_tensors)
+    layer = stage.model.layers[1]
+    assert (layer.mlp.switch_mlp.gate_proj.mode, layer.mlp.switch_mlp.gate_proj.bits) == ("mxfp4", 4)
+    assert (layer.self_attn.q_b_proj.mode, layer.self_attn.o_a_proj.mode) == ("mxfp8", "mxfp8")
+    assert layer.self_attn.compressor.indexer.q_b_proj.mode == "mxfp8"
+    assert layer.self_attn.compressor.kv_proj.weight.dtype == mx.float32  # stored in float: kept so
+    assert np.abs(forward([stage], PROMPT) - expected).max() <= TOLERANCE
+    split = load_stages(folder, RANGES_3)
+    assert np.abs(forward(split, PROMPT) - expected).max() <= TOLERANCE
+
+
+def test_fp8_rows_mxfp8_cannot_hold_are_dequantized():
+    """A row width that is no multiple of 32 fits no mxfp8 run: that weight is dequantized
+    (e4m3 x 2^(scale - 127) per block) instead, as with V3's FP8."""
+    from pipeline.formats import _deepseek_mx
+
+    w = np.random.default_rng(0).normal(size=(4, 48)).astype(np.float32)
+    q, scale, expected = fp8(w)
+    (suffix, array), = _deepseek_mx("m", mx.array(q), mx.array(scale), "F8_E4M3", mx.float32, None)
+    assert suffix == "weight" and np.array_equal(np.array(array), expected)
