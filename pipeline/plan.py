@@ -341,8 +341,9 @@ def _deepseek_v4_layer(c: ModelConfig, p: str, kind: str, mlp: str) -> list[Para
         params += [Param(f"{p}.{hc}.fn", ((2 + n) * n, n * d)), Param(f"{p}.{hc}.base", ((2 + n) * n,)),
                    Param(f"{p}.{hc}.scale", (3,))]
     params += (_linear(f"{a}.q_a_proj", q_lora, d) + _norm(f"{a}.q_a_norm", q_lora)
-               + _linear(f"{a}.q_b_proj", heads * hd, q_lora) + _linear(f"{a}.kv_proj", hd, d) + _norm(f"{a}.kv_norm", hd)
-               + _linear(f"{a}.o_a_proj", groups * o_rank, heads * hd // groups) + _linear(f"{a}.o_b_proj", d, groups * o_rank)
+               + _linear(f"{a}.q_b_proj", heads * hd, q_lora) + _linear(f"{a}.kv_proj", hd, d)
+               + _norm(f"{a}.kv_norm", hd) + _linear(f"{a}.o_a_proj", groups * o_rank, heads * hd // groups)
+               + _linear(f"{a}.o_b_proj", d, groups * o_rank)
                + [Param(f"{a}.sinks", (heads,))])
     if kind != "sliding_attention":
         rate, width = _v4_rate(c, kind), (2 if kind == "compressed_sparse_attention" else 1) * hd

@@ -13,7 +13,7 @@ import torch
 import transformers
 
 from conftest import (INIT_STD, VOCAB_SIZE, assert_far_from_uniform, forward, greedy_ours, greedy_transformers,
-                      load_stages, long_prompt, write_tokenizer)
+                      load_stages, long_prompt, mpiexec, write_tokenizer)
 
 LONG_PROMPT = long_prompt(64)
 
@@ -233,3 +233,32 @@ def test_deepseek_v32_published_config():
     indexer = [p.name for p in arch.layers[5] if ".indexer." in p.name]
     assert indexer == [f"model.layers.5.self_attn.indexer.{n}" for n in
                        ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight")]
+
+
+# ------------------------------------------------------------------------------ across ranks, in batch
+
+def _greedy_text(reference, folder, prompt: str, max_tokens: int) -> str:
+    from pipeline.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_folder(folder)
+    ids = tokenizer.prompt_ids(prompt, use_chat_template=False)
+    with torch.no_grad():
+        out = reference.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=2,
+                                 pad_token_id=0)[0, len(ids):].tolist()
+    return tokenizer.decode(out[:out.index(2)] if 2 in out else out, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("family", ["kimi_k25", "deepseek_v32"])
+def test_batch_on_two_ranks_gives_transformers_text(family, kimi_k25, deepseek_v32, tmp_path):
+    """`mpiexec -n 2 ... batch`: prompts of several lengths (the longest past V3.2's top-k) packed in
+    micro-batches over two ranks; each text is transformers' greedy one."""
+    folder, reference = kimi_k25 if family == "kimi_k25" else deepseek_v32[:2]
+    prompts = ["The capital of France is Paris.", "def hello(world):\n    return 42\n" * 4,
+               "Pipeline parallel inference splits layers across ranks; hidden states travel between them."]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"id": i, "prompt": p, "max_tokens": 10}) + "\n" for i, p in enumerate(prompts)))
+    result = mpiexec(2, "batch", "--model", str(folder), "--input", str(inp), "--output", str(out),
+                     "--no-chat-template", "--quiet", env={"OPENBLAS_NUM_THREADS": "1"}, timeout=180)
+    assert result.returncode == 0, result.stderr
+    texts = {r["id"]: r["text"] for r in map(json.loads, out.read_text().splitlines())}
+    assert texts == {i: _greedy_text(reference, folder, p, 10) for i, p in enumerate(prompts)}

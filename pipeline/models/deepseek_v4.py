@@ -355,7 +355,8 @@ class Compressor(nn.Module):
         window's b half (the very first window's a slots weigh nothing: gate -inf)."""
         d, w = self.dim, kv.shape[0]
         first_kv = series.overlap_kv if series.overlap_kv is not None else mx.zeros((self.rate, d), kv.dtype)
-        first_gate = series.overlap_gate if series.overlap_gate is not None else mx.full((self.rate, d), -mx.inf, gate.dtype)
+        first_gate = (series.overlap_gate if series.overlap_gate is not None
+                      else mx.full((self.rate, d), -mx.inf, gate.dtype))
         previous_kv = mx.concatenate([first_kv[None], kv[:w - 1, :, :d]])
         previous_gate = mx.concatenate([first_gate[None], gate[:w - 1, :, :d]])
         series.overlap_kv, series.overlap_gate = kv[-1, :, :d], gate[-1, :, :d]
