@@ -51,10 +51,13 @@ class Requantize:
 
 
 def adapt_tensors(names: list[str], tensors: dict, read: Callable[[str], mx.array], dtype: mx.Dtype,
-                  requantize: Requantize | None = None) -> Iterator[tuple[str, mx.array]]:
+                  requantize: Requantize | None = None,
+                  keep_float32: Callable[[str], bool] | None = None) -> Iterator[tuple[str, mx.array]]:
     """Yield (checkpoint-style name, array) for a rank's tensors in the form our modules hold:
     floats in `dtype`, MLX-quantized triples as uint32 weight + scales/biases in `dtype`.
-    `tensors` maps every checkpoint name to its info (to find companions like scale_inv)."""
+    `tensors` maps every checkpoint name to its info (to find companions like scale_inv).
+    keep_float32: names whose floats stay float32 whatever `dtype` (DeepSeek V4's mixing weights,
+    sinks and norms, which its reference runs in float32)."""
     # Stacked expert tensors being filled: (prefix, proj, suffix) -> [array, experts still missing].
     experts: dict[tuple[str, str, str], list] = {}
     expert_counts: dict[str, int] = {}
@@ -108,7 +111,7 @@ def adapt_tensors(names: list[str], tensors: dict, read: Callable[[str], mx.arra
         if name + "_scale_inv" in tensors:
             array = dequantize_fp8(array, read(name + "_scale_inv"), dtype)
         elif mx.issubdtype(array.dtype, mx.floating):
-            array = array.astype(dtype)
+            array = array.astype(mx.float32 if keep_float32 and keep_float32(name) else dtype)
         if requantize and _requantizable(name, array, requantize.group_size):
             q, s, b = mx.quantize(array, group_size=requantize.group_size, bits=requantize.bits)
             mx.eval(q, s, b)

@@ -329,7 +329,8 @@ def load_slice(model: nn.Module, checkpoint: Checkpoint, dtype: mx.Dtype,
     cache_limit = mx.set_cache_limit(0)
     try:
         weights = {local_name(name, model.start): array
-                   for name, array in adapt_tensors(names, checkpoint.tensors, read, dtype, requantize)}
+                   for name, array in adapt_tensors(names, checkpoint.tensors, read, dtype, requantize,
+                                                    getattr(model, "keeps_float32", None))}
     finally:
         mx.set_cache_limit(cache_limit)
     bar.close()

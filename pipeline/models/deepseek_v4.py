@@ -134,6 +134,25 @@ def rms(x: mx.array, eps: float) -> mx.array:
     return (x32 * mx.rsqrt(mx.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32 with a float32 weight (loaded so: Slice.keeps_float32), the
+    result in the input's dtype, as DeepSeek V4's reference keeps its norms."""
+
+    def __init__(self, dims: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = mx.ones((dims,))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return (self.weight.astype(mx.float32) * rms(x.astype(mx.float32), self.eps)).astype(x.dtype)
+
+
+# Tensors V4 keeps in float32 whatever --dtype: the hyper-connections' mixing, sinks, compressors'
+# position biases, router correction biases, norms (transformers' _keep_in_fp32_modules_strict).
+FLOAT32 = (".fn", ".base", ".scale", "hc_fn", "hc_base", "hc_scale", "sinks", "position_bias",
+           "e_score_correction_bias", "norm.weight")
+
+
 def rotate_tail(x: mx.array, rope: RoPE, offsets: mx.array, inverse: bool = False) -> mx.array:
     """RoPE (interleaved pairs) on the last rope.dims features of x [tokens, heads, dim], token t at
     position offsets[t]; inverse: rotated back by it."""
@@ -325,7 +344,7 @@ class Compressor(nn.Module):
         self.kv_proj = nn.Linear(config.hidden_size, width, bias=False)
         self.gate_proj = nn.Linear(config.hidden_size, width, bias=False)
         self.position_bias = mx.zeros((rate, width))
-        self.kv_norm = nn.RMSNorm(dim, eps=config.rms_norm_eps)
+        self.kv_norm = RMSNorm(dim, eps=config.rms_norm_eps)
 
     def update(self, series: Series, x: mx.array, rope: RoPE) -> mx.array:
         """x: [t, hidden], a sequence's next tokens: add the entries of the windows they complete;
@@ -339,7 +358,8 @@ class Compressor(nn.Module):
         series.pending_kv, series.pending_gate = kv[usable:], gate[usable:]
         if windows:
             kv = kv[:usable].reshape(windows, self.rate, -1)
-            gate = gate[:usable].reshape(windows, self.rate, -1) + self.position_bias.astype(gate.dtype)
+            gate = (gate[:usable].reshape(windows, self.rate, -1).astype(mx.float32)
+                    + self.position_bias.astype(mx.float32))  # a float32 sum, as transformers' promotion
             if self.overlap:
                 kv, gate = self._with_previous_halves(series, kv, gate)
             weights = mx.softmax(gate.astype(mx.float32), axis=1).astype(kv.dtype)
@@ -427,10 +447,10 @@ class Attention(nn.Module):
         self.scale = hd ** -0.5
         q_lora = int(r["q_lora_rank"])
         self.q_a_proj = nn.Linear(d, q_lora, bias=False)
-        self.q_a_norm = nn.RMSNorm(q_lora, eps=config.rms_norm_eps)
+        self.q_a_norm = RMSNorm(q_lora, eps=config.rms_norm_eps)
         self.q_b_proj = nn.Linear(q_lora, self.n_heads * hd, bias=False)
         self.kv_proj = nn.Linear(d, hd, bias=False)
-        self.kv_norm = nn.RMSNorm(hd, eps=config.rms_norm_eps)
+        self.kv_norm = RMSNorm(hd, eps=config.rms_norm_eps)
         self.o_a_proj = GroupedLinear(self.n_heads * hd // self.groups, self.o_rank, self.groups)
         self.o_b_proj = nn.Linear(self.groups * self.o_rank, d, bias=False)
         self.sinks = mx.zeros((self.n_heads,))
@@ -592,8 +612,8 @@ class DecoderLayer(nn.Module):
         self.index = layer_index
         self.self_attn = Attention(config, layer_index)
         self.mlp = MoE(config, layer_index)
-        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.attn_hc = HyperConnection(config)
         self.ffn_hc = HyperConnection(config)
 
@@ -649,6 +669,11 @@ class Slice(TransformerSlice):
         self.last_hash = last_hash_layer(config)
         if has_ends:
             self.hc_head = HyperHead(config)
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def keeps_float32(self, name: str) -> bool:
+        """The loader keeps these tensors' floats in float32 (see FLOAT32)."""
+        return name.endswith(FLOAT32)
 
     def embed(self, tokens: mx.array) -> mx.array:
         h = self.embed_tokens(tokens)[0]  # [T, d]
