@@ -562,6 +562,11 @@ class Precision:
         bits = self.checkpoint.mx_bits(p)
         if bits:
             return p.copies * _mx_bytes(p.shape, bits)
+        if self.checkpoint.config.model_type == "deepseek_v4":
+            from .models.deepseek_v4 import FLOAT32
+
+            if p.name.endswith(FLOAT32):  # held in float32 whatever the dtype, as the loader does
+                return p.numel * 4
         native = self.checkpoint.native(p)
         if native and self.dense and self.checkpoint.kind in ("mlx", "gguf"):
             return p.numel * self.dtype_bytes
