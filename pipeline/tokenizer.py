@@ -195,6 +195,10 @@ class Tokenizer:
             template = jinja_file.read_text(encoding="utf-8")
         elif tcfg.get("chat_template") is not None:
             template = _pick_default_template(tcfg["chat_template"], folder / "tokenizer_config.json")
+        elif _read_json(folder / "config.json").get("model_type") in ("deepseek_v32", "deepseek_v4"):
+            from .models.deepseek_v4 import CHAT_TEMPLATE  # published as a Python script: written from its docs
+
+            template = CHAT_TEMPLATE
 
         extra_eos = []
         for name in ("config.json", "generation_config.json"):

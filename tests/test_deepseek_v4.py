@@ -398,3 +398,45 @@ def test_bfloat16_as_far_from_float32_as_transformers_bfloat16(v4):
     assert (ours_error > 1).sum() <= (their_error > 1).sum() + 4
     assert np.median(np.abs(ours - theirs).max(-1)) <= BF16_DIRECT_RATIO * np.median(their_error)
     assert (ours.argmax(-1) == truth.argmax(-1)).mean() >= 0.85
+
+
+# ------------------------------------------------------------------------------------- chat format
+
+@pytest.mark.parametrize("model_type, messages, expected", [
+    # DeepSeek-V3.2's model card (encode_messages with thinking_mode="thinking", drop_thinking=True):
+    # the earlier turn's reasoning is dropped, the generation prompt opens <think>.
+    ("deepseek_v32", [{"role": "user", "content": "hello"},
+                      {"role": "assistant", "content": "Hello! I am DeepSeek.", "reasoning_content": "thinking..."},
+                      {"role": "user", "content": "1+1=?"}],
+     "<｜begin▁of▁sentence｜><｜User｜>hello<｜Assistant｜></think>Hello! I am DeepSeek.<｜end▁of▁sentence｜>"
+     "<｜User｜>1+1=?<｜Assistant｜><think>"),
+    # DeepSeek-V4's encoding/README.md, its quick start (thinking_mode="thinking")
+    ("deepseek_v4", [{"role": "system", "content": "You are a helpful assistant."},
+                     {"role": "user", "content": "What is 2+2?"}],
+     "<｜begin▁of▁sentence｜>You are a helpful assistant.<｜User｜>What is 2+2?<｜Assistant｜><think>"),
+])
+def test_chat_format_as_published(model_type, messages, expected, tmp_path):
+    """V3.2 and V4 publish their chat format as Python scripts, not templates; ours is written from
+    their documentation and renders its published examples exactly."""
+    from pipeline.tokenizer import Tokenizer
+
+    write_tokenizer(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    tokenizer = Tokenizer.from_folder(tmp_path)
+    assert tokenizer.apply_chat_template(messages, template_kwargs={"thinking": True}) == expected
+    # chat mode closes the thinking block at once
+    assert tokenizer.apply_chat_template(messages).endswith("<｜Assistant｜></think>")
+
+
+def test_chat_format_refuses_tools(tmp_path):
+    from pipeline.errors import UserError
+    from pipeline.tokenizer import Tokenizer
+
+    write_tokenizer(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v4"}))
+    tokenizer = Tokenizer.from_folder(tmp_path)
+    with pytest.raises(UserError, match="tools are not supported"):
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=[{"type": "function"}])
+    assert not tokenizer.renders_tools()
