@@ -72,7 +72,10 @@ def plan_job(args: argparse.Namespace, comm, last_rank_head: float = 0.0) -> Pla
     folder = resolve_model_folder(args.model, comm)
     checkpoint = open_checkpoint(folder, getattr(args, "requantize", None))
     config = checkpoint.model_config()
-    family_for(config)
+    family = family_for(config)
+    if getattr(args, "draft", "none") != "none" and not getattr(family, "DRAFTS", True):
+        raise UserError(f"{config.model_type} keeps compressed caches that cannot drop a rejected draft's "
+                        f"positions: run it without --draft")
     ranks, layers = comm.Get_size(), config.num_hidden_layers
     host_memory = None
     if getattr(args, "host_memory", None):

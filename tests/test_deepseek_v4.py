@@ -142,6 +142,16 @@ def test_two_ranks_generate_transformers_text(v4):
     assert result.stdout[:-1] == _transformers_text(reference, folder, TEXT, 16)
 
 
+def test_drafts_are_refused_in_one_line(v4):
+    """V4's compressed caches cannot drop a rejected draft: --draft is one error line, before loading."""
+    from test_mpi_generate import assert_fails_cleanly
+
+    folder, _, _ = v4
+    result = mpiexec(2, "generate", "--model", str(folder), "--no-chat-template", "--prompt", TEXT,
+                     "--draft", "ngram", "--split", "1,4")
+    assert_fails_cleanly(result, "deepseek_v4", "--draft")
+
+
 def test_batch_on_three_ranks(v4, tmp_path):
     """`batch` on 3 ranks, the hash-routed layer 1 on rank 1 (token ids in the messages), prompts of
     different lengths packed into micro-batches: each text is transformers' greedy one."""

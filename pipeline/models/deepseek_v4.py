@@ -54,6 +54,7 @@ SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily
 _RATIO_TYPES = {0: SLIDING, 4: CSA, 128: HCA}
 HEAD_SHARE = False  # the LM head reads the collapsed streams: a batch job's last rank cannot share it
 PREFIX_CACHE = False  # a compressed cache cannot be cut back to a shorter prefix (see CompressedCache)
+DRAFTS = False  # nor can it drop a rejected draft's positions: no speculative decoding
 
 
 # ----------------------------------------------------------------------------- the config's dialects
