@@ -189,3 +189,11 @@ def validated_draft_args(args: argparse.Namespace) -> None:
         raise UserError(f"--draft-tokens must be from 1 to {MAX_DRAFT_TOKENS}, got {args.draft_tokens}")
     if args.ngram_max < 1:
         raise UserError(f"--ngram-max must be >= 1, got {args.ngram_max}")
+
+
+def validated_scheduler_job_args(args: argparse.Namespace) -> None:
+    """Every shared check of a command that runs the scheduler (batch, serve)."""
+    validated_generation_args(args)
+    validated_cluster_args(args)
+    validated_engine_args(args)
+    validated_draft_args(args)

@@ -42,10 +42,7 @@ def add_parser(commands) -> None:
 
 
 def validate(args: argparse.Namespace) -> None:
-    flags.validated_generation_args(args)
-    flags.validated_cluster_args(args)
-    flags.validated_engine_args(args)
-    flags.validated_draft_args(args)
+    flags.validated_scheduler_job_args(args)
 
 
 def check_paths(args: argparse.Namespace) -> None:

@@ -68,10 +68,7 @@ def add_parser(commands) -> None:
 
 
 def validate(args: argparse.Namespace) -> None:
-    flags.validated_generation_args(args)
-    flags.validated_cluster_args(args)
-    flags.validated_engine_args(args)
-    flags.validated_draft_args(args)
+    flags.validated_scheduler_job_args(args)
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be 0 to 65535 (0: any free port), got {args.port}")
     if args.max_queue < 0:
