@@ -1,13 +1,14 @@
 """Serve under load: `pipeline serve` on 2 ranks with 1, 4 and 16 concurrent streaming clients,
 ~40-token chat prompts, 64 new tokens each (greedy); beside it the same requests as a
-`pipeline batch` job, and `mlx_lm.server` in one process and in its pipeline mode on 2 ranks.
+`pipeline batch` job, and `mlx_lm.server` in one process on the same cores.
 
 Contenders, interleaved run by run (each a fresh server or job per run; load excluded):
   pipeline serve, 2 ranks            as shipped (weights auto -> fp32, OpenBLAS + the shim, 1 BLAS thread per rank)
   pipeline batch, 2 ranks            the same requests as a JSONL job, --max-batch = the clients
   mlx_lm.server, 1 process           `import pipeline` first (our BLAS set-up), fp32 weights, 2 BLAS threads
                                      (the same 2 cores), --decode-concurrency and --prompt-concurrency 16
-  mlx_lm.server --pipeline, 2 ranks  under `mlx.launch --backend ring`, OpenBLAS, fp32 weights, 1 thread each
+mlx_lm.server's --pipeline mode (under mlx.launch) is not among them: mlx-lm 0.32 refuses it for
+Llama-family models such as the default SmolLM2 ("The model does not support pipelining").
 Each client sends its requests one after another (a closed loop): clients x 2 requests per level
 (at least 4). Generated tok/s = completion tokens of all requests / time from the first request
 sent to the last token received; time to first token from sending to the first content chunk.
@@ -25,7 +26,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -112,19 +112,14 @@ def pipeline_server(model: Path, max_tokens: int, *extra: str) -> ServerProcess:
                          common.env_with_repo(**ONE_THREAD), "/health")
 
 
-def mlx_lm_server(model: Path, max_tokens: int, pipeline: bool) -> ServerProcess:
+def mlx_lm_server(model: Path, max_tokens: int) -> ServerProcess:
+    """One process on both cores: our BLAS set-up, 2 BLAS threads, fp32 weights. It answers
+    /health before its model is loaded; the warm-up request waits for the load."""
     port = free_port()
-    runner = [sys.executable, str(common.REPO / "benchmarks" / "_mlx_lm_server_run.py")]
-    server_args = ["--", "--model", str(model), "--port", str(port), "--max-tokens", str(max_tokens),
-                   "--decode-concurrency", "16", "--prompt-concurrency", "16", "--log-level", "WARNING"]
-    if pipeline:
-        cmd = [shutil.which("mlx.launch"), "--backend", "ring", "-n", "2", "--env", "OPENBLAS_NUM_THREADS=1",
-               *runner, "--blas", common.OPENBLAS, "--dense", *server_args, "--pipeline"]
-        env = common.env_with_repo()
-    else:
-        cmd = [*runner, "--pipeline-blas", "--dense", *server_args]
-        env = common.env_with_repo(OPENBLAS_NUM_THREADS="2")
-    return ServerProcess(cmd, port, "default_model", env, "/health")
+    cmd = [sys.executable, str(common.REPO / "benchmarks" / "_mlx_lm_server_run.py"), "--pipeline-blas", "--dense",
+           "--", "--model", str(model), "--port", str(port), "--max-tokens", str(max_tokens),
+           "--decode-concurrency", "16", "--prompt-concurrency", "16", "--log-level", "WARNING"]
+    return ServerProcess(cmd, port, "default_model", common.env_with_repo(OPENBLAS_NUM_THREADS="2"), "/health")
 
 
 # ---- clients -----------------------------------------------------------------------------------
@@ -255,9 +250,7 @@ def main() -> None:
     }
     if not args.no_mlx_lm:
         contenders["mlx_lm.server, 1 process"] = lambda: serve_run(
-            lambda: mlx_lm_server(model, args.max_tokens, pipeline=False), levels, args.max_tokens)
-        contenders["mlx_lm.server --pipeline, 2 ranks"] = lambda: serve_run(
-            lambda: mlx_lm_server(model, args.max_tokens, pipeline=True), levels, args.max_tokens)
+            lambda: mlx_lm_server(model, args.max_tokens), levels, args.max_tokens)
     log = lambda line: print(line[:400], flush=True)  # noqa: E731 -- the texts make long lines
     runs = common.interleave(contenders, args.runs, args.warmup, log=log)
     keys = [f"{k}_c{c}" for c in levels for k in ("tok_s", "ttft_p50", "ttft_p99")]
@@ -281,7 +274,7 @@ def main() -> None:
         }
         if not args.no_mlx_lm:
             chat_contenders["mlx_lm.server, 1 process"] = lambda: conversation_run(
-                lambda: mlx_lm_server(model, args.max_tokens, pipeline=False), args.history_tokens, args.max_tokens)
+                lambda: mlx_lm_server(model, args.max_tokens), args.history_tokens, args.max_tokens)
         chat_runs = common.interleave(chat_contenders, args.runs, args.warmup, log=log)
         conversation = {"stats": {c: common.summarize_runs(rs, ["ttft_last"]) for c, rs in chat_runs.items()},
                         "runs_detail": chat_runs}
@@ -296,7 +289,7 @@ def main() -> None:
                 r.pop(key)
     payload = common.record(
         "serve_load", "pipeline serve on 2 ranks under 1/4/16 streaming clients vs the same requests as a batch "
-        "job and mlx_lm.server (1 process, and --pipeline on 2 ranks)", runs=args.runs, warmup=args.warmup,
+        "job and mlx_lm.server (1 process on the same 2 cores)", runs=args.runs, warmup=args.warmup,
         levels=levels, max_tokens=args.max_tokens, requests={c: requests_for(c) for c in levels},
         load_after=common.load_average(), stats=stats, ratios=ratios, same_text_serve_vs_batch=same,
         conversation=conversation, runs_detail=runs)
