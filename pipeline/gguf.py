@@ -448,31 +448,15 @@ def build_generation_config(meta: dict[str, Any]) -> dict[str, Any]:
 # The tokenizer of a GGUF read in place (no tokenizer files on disk)
 
 
-class InMemoryTokenizerBackend:
-    """tokenizer.py's backend interface (encode, decode, token_to_id, vocab_size) over a
-    `tokenizers.Tokenizer` built from GGUF metadata."""
-
-    def __init__(self, tokenizer):
-        self._tok = tokenizer
-        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
-
-    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
-        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
-
-    def token_to_id(self, token: str) -> int | None:
-        return self._tok.token_to_id(token)
-
-
-def tokenizer_settings(gguf_path: Path) -> tuple[InMemoryTokenizerBackend, dict[str, Any]]:
+def tokenizer_settings(gguf_path: Path) -> tuple[Any, dict[str, Any]]:
     """(backend, keyword arguments of tokenizer.Tokenizer) for a GGUF file: what the tokenizer.json,
     tokenizer_config.json, config.json and generation_config.json of its conversion would give."""
     from .gguf_file import open_gguf
 
     meta = open_gguf(gguf_path).metadata
-    backend = InMemoryTokenizerBackend(build_tokenizer(meta, gguf_path))
+    from .tokenizer import HFTokenizersBackend
+
+    backend = HFTokenizersBackend(build_tokenizer(meta, gguf_path))
     tokenizer_config = build_tokenizer_config(meta)
     special = {key: tokenizer_config[key] for key in ("bos_token", "eos_token", "unk_token", "pad_token")
                if tokenizer_config.get(key) is not None}

@@ -22,18 +22,22 @@ _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_
 _REPLACEMENT = "\ufffd"  # what decode gives for an incomplete UTF-8 sequence
 
 
-class _HFTokenizersBackend:
-    """The `tokenizers`-library backend (tokenizer.json). A second backend (e.g. tiktoken for Kimi) needs the
-    same four members."""
+class HFTokenizersBackend:
+    """The `tokenizers`-library backend (a tokenizer.json, or one built from a GGUF's metadata). A second
+    backend (e.g. tiktoken for Kimi) needs the same four members."""
 
-    def __init__(self, path: Path):
+    def __init__(self, tokenizer):
+        self._tok = tokenizer
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)  # base vocabulary + added tokens
+
+    @classmethod
+    def from_file(cls, path: Path) -> "HFTokenizersBackend":
         import tokenizers
 
         try:
-            self._tok = tokenizers.Tokenizer.from_file(str(path))
+            return cls(tokenizers.Tokenizer.from_file(str(path)))
         except Exception as e:  # the library raises a bare Exception for malformed files
             raise UserError(f"cannot load {path}: {_one_line(e)}") from None
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)  # base vocabulary + added tokens
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
@@ -170,7 +174,7 @@ class Tokenizer:
         tok_json, rank_file = folder / "tokenizer.json", folder / "tiktoken.model"
         tcfg = _read_json(folder / "tokenizer_config.json")
         if tok_json.is_file():
-            backend = _HFTokenizersBackend(tok_json)
+            backend = HFTokenizersBackend.from_file(tok_json)
         elif rank_file.is_file():
             # Kimi K2: the folder's tokenization_kimi.py is never imported; its pattern and rules are rebuilt here
             model_type = _read_json(folder / "config.json").get("model_type")
