@@ -30,20 +30,21 @@ BASELINE = ("import resource, json, pipeline, mlx.core as mx, mlx.nn, mpi4py.MPI
 def owned_bytes(folder: Path, ranks: int, mode: str) -> list[int]:
     """Bytes of weights each rank holds, split exactly as `plan_job` splits them."""
     sys.path.insert(0, str(common.REPO))
-    from pipeline.job import plan_weights_in_memory
     from pipeline.config import ModelConfig
-    from pipeline.partition import balanced_counts
-    from pipeline.weights import Checkpoint, layer_nbytes, layer_nbytes_in_memory
+    from pipeline.job import plan_weights_in_memory
+    from pipeline.memory import rank_bytes
+    from pipeline.partition import balanced_counts, layer_ranges
+    from pipeline.plan import model_bytes_of
+    from pipeline.weights import Checkpoint, layer_nbytes
 
-    config, checkpoint = ModelConfig.from_folder(folder), Checkpoint(folder)
-    layers = config.num_hidden_layers
-    per_layer, ends = layer_nbytes(checkpoint, layers)
+    config = ModelConfig.from_folder(folder)
+    per_layer, ends = layer_nbytes(Checkpoint(folder), config.num_hidden_layers)
     counts = balanced_counts(per_layer, ranks, rank0_extra_bytes=ends)
+    held, dense = (model_bytes_of(config, folder, dense=d) for d in (False, True))
     if mode == "fp32":
-        counts, _ = plan_weights_in_memory("fp32", checkpoint, config, counts, None, fixed=False)
-    per_layer, ends = layer_nbytes_in_memory(checkpoint, config, layers, dense=mode == "fp32")
-    bounds = [sum(counts[:r]) for r in range(ranks + 1)]
-    return [sum(per_layer[bounds[r]:bounds[r + 1]]) + (ends if r == 0 else 0) for r in range(ranks)]
+        counts, _ = plan_weights_in_memory("fp32", held, dense, counts, None, fixed=False)
+    mb = dense if mode == "fp32" else held
+    return [rank_bytes(mb.layers, mb.ends, [], span, r, ranks).weights for r, span in enumerate(layer_ranges(counts))]
 
 
 def baseline() -> dict:

@@ -61,10 +61,12 @@ def python_gbps(code: str, procs: int = 1) -> float:
 def bytes_per_token(folder: Path, dense: bool, context: int) -> dict:
     sys.path.insert(0, str(common.REPO))
     from pipeline.config import ModelConfig
-    from pipeline.weights import Checkpoint, layer_nbytes_in_memory
+    from pipeline.plan import model_bytes_of
+    from pipeline.weights import Checkpoint
 
     config, checkpoint = ModelConfig.from_folder(folder), Checkpoint(folder)
-    per_layer, ends = layer_nbytes_in_memory(checkpoint, config, config.num_hidden_layers, dense=dense)
+    held = model_bytes_of(config, folder, dense=dense)
+    per_layer, ends = held.layers, held.ends
     if not config.tie_word_embeddings:  # the embedding lookup reads one row, the head all of its own
         embed = {n: i for n, i in checkpoint.tensors.items() if n.startswith("model.embed_tokens.")}
         ends -= sum(i.nbytes for i in embed.values()) * (4 if dense else 1)  # approximate

@@ -335,12 +335,9 @@ def llama_1b() -> Path:
 def param_count(folder: Path) -> int:
     sys.path.insert(0, str(REPO))
     from pipeline.config import ModelConfig
-    from pipeline.weights import Checkpoint, layer_nbytes_in_memory
+    from pipeline.plan import architecture, count_params
 
-    config = ModelConfig.from_folder(folder)
-    per_layer, ends = layer_nbytes_in_memory(Checkpoint(folder), config, config.num_hidden_layers, dense=True,
-                                             itemsize=1)
-    return sum(per_layer) + ends
+    return count_params(architecture(ModelConfig.from_folder(folder))).total
 
 
 # ---- plots -----------------------------------------------------------------------------------------

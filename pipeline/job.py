@@ -11,22 +11,19 @@ import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
 from . import blas, cores
 from .config import ModelConfig
 from .errors import UserError
+from .memory import measured, rank_bytes
 from .models import family_for
 from .partition import LAYER_OVERHEAD_BYTES, balanced_counts, check_ranks, layer_ranges, parse_split
+from .plan import MemoryPlan, ModelBytes, model_bytes_of
 from .stage import Stage
 from .transport import MlxTransport, MpiTransport
-from .weights import (Checkpoint, available_memory_bytes, choose_dense, head_nbytes_in_memory, is_quantized,
-                      layer_nbytes, layer_nbytes_in_memory, open_checkpoint)
-
-if TYPE_CHECKING:
-    from .plan import MemoryPlan
+from .weights import Checkpoint, available_memory_bytes, choose_dense, is_quantized, layer_nbytes, open_checkpoint
 
 
 @dataclass
@@ -36,7 +33,7 @@ class Plan:
     checkpoint: Checkpoint
     ranges: list[tuple[int, int]]
     dense: list[bool] | None = None  # per rank: MLX-quantized weights dequantized at load
-    host_memory: "MemoryPlan | None" = None  # generate --host-memory: the planner's split and fit check
+    host_memory: MemoryPlan | None = None  # generate --host-memory: the planner's split and fit check
 
 
 def resolve_model_folder(model: Path | None, comm) -> Path:
@@ -79,8 +76,6 @@ def plan_job(args: argparse.Namespace, comm, last_rank_head: float = 0.0) -> Pla
     ranks, layers = comm.Get_size(), config.num_hidden_layers
     host_memory = None
     if getattr(args, "host_memory", None):
-        from .plan import MemoryPlan
-
         host_memory = MemoryPlan.for_job(config, args, ranks)
     if args.split:
         counts = parse_split(args.split, layers, ranks)
@@ -92,41 +87,36 @@ def plan_job(args: argparse.Namespace, comm, last_rank_head: float = 0.0) -> Pla
         counts = balanced_counts(per_layer, ranks, rank0_extra_bytes=ends, layer_overhead_bytes=LAYER_OVERHEAD_BYTES)
     dense = [False] * ranks
     if mode != "quantized" and is_quantized(checkpoint):
-        itemsize = getattr(mx, getattr(args, "dtype", "float32")).size
-        counts, dense = plan_weights_in_memory(mode, checkpoint, config, counts, memory,
-                                               fixed=bool(args.split or host_memory), itemsize=itemsize,
-                                               last_rank_head=last_rank_head)
+        held, dense_held = (model_bytes_of(config, folder, getattr(args, "dtype", "float32"), dense=d) for d in (False, True))
+        counts, dense = plan_weights_in_memory(mode, held, dense_held, counts, memory,
+                                               fixed=bool(args.split or host_memory), last_rank_head=last_rank_head)
     return Plan(folder, config, checkpoint, layer_ranges(counts), dense, host_memory)
 
 
-def plan_weights_in_memory(mode: str, checkpoint: Checkpoint, config: ModelConfig, counts: list[int],
-                           memory: list[tuple[str, int]] | None, fixed: bool, itemsize: int = 4,
-                           last_rank_head: float = 0.0):
-    """(layer counts, dense per rank) for --weights-in-memory fp32|auto on a quantized model.
-    fp32: every rank dense, layers balanced by dense bytes. auto: the same if every host's
-    ranks fit in its free memory (see `choose_dense`), else the quantized balance with ranks
-    made dense, in rank order, while their host has room."""
-    layers, ranks = config.num_hidden_layers, len(counts)
+def plan_weights_in_memory(mode: str, held: ModelBytes, dense_held: ModelBytes, counts: list[int],
+                           memory: list[tuple[str, int]] | None, fixed: bool, last_rank_head: float = 0.0):
+    """(layer counts, dense per rank) for --weights-in-memory fp32|auto on a quantized model, from
+    its bytes held packed (`held`) and dequantized (`dense_held`; plan.model_bytes_of). fp32: every
+    rank dense, layers balanced by dense bytes. auto: the same if every host's ranks fit in its free
+    memory (see `choose_dense`), else the quantized balance with ranks made dense, in rank order,
+    while their host has room. preflight decides with this too."""
+    ranks = len(counts)
 
-    def shares(counts: list[int], dense: bool) -> list[int]:
-        per_layer, ends = layer_nbytes_in_memory(checkpoint, config, layers, dense, itemsize)
-        head = 0
-        if last_rank_head:
-            head = round(last_rank_head * head_nbytes_in_memory(checkpoint, config, dense, itemsize))
-        bounds = [sum(counts[:r]) for r in range(ranks + 1)]
-        return [sum(per_layer[bounds[r]:bounds[r + 1]]) + (ends if r == 0 else 0) + (head if r == ranks - 1 else 0)
-                for r in range(ranks)]
+    def shares(counts: list[int], mb: ModelBytes) -> list[int]:
+        no_cache = [0] * len(mb.layers)
+        return [rank_bytes(mb.layers, mb.ends, no_cache, span, r, ranks, mb.head, last_rank_head).total
+                for r, span in enumerate(layer_ranges(counts))]
 
     dense_counts = counts
     if not fixed:
-        per_layer, ends = layer_nbytes_in_memory(checkpoint, config, layers, True, itemsize)
-        dense_counts = balanced_counts(per_layer, ranks, rank0_extra_bytes=ends, layer_overhead_bytes=LAYER_OVERHEAD_BYTES)
+        dense_counts = balanced_counts(dense_held.layers, ranks, rank0_extra_bytes=dense_held.ends,
+                                       layer_overhead_bytes=LAYER_OVERHEAD_BYTES)
     if mode == "fp32":
         return dense_counts, [True] * ranks
     hosts, available = [h for h, _ in memory], [a for _, a in memory]
-    if all(choose_dense(hosts, available, [0] * ranks, shares(dense_counts, True))):
+    if all(choose_dense(hosts, available, [0] * ranks, shares(dense_counts, dense_held))):
         return dense_counts, [True] * ranks
-    return counts, choose_dense(hosts, available, shares(counts, False), shares(counts, True))
+    return counts, choose_dense(hosts, available, shares(counts, held), shares(counts, dense_held))
 
 
 def share_cores(comm) -> None:
@@ -150,8 +140,14 @@ def load_stage(args: argparse.Namespace, plan: Plan, rank: int, progress: bool, 
 
 def rank_figures(stage: Stage, *extra) -> tuple:
     """What each rank reports for the closing stats line: (host, peak RSS bytes, weights label,
-    BLAS description, *extra)."""
-    return (socket.gethostname(), peak_rss_bytes(), weights_label(stage), blas.describe(), *extra)
+    BLAS description, its bytes (memory.RankBytes, as plan and preflight count them), *extra)."""
+    return (socket.gethostname(), peak_rss_bytes(), weights_label(stage), blas.describe(), measured(stage), *extra)
+
+
+def rss_label(figures: list[tuple], kv_cache: bool = True) -> str:
+    """'r0 403 MiB (weights 297.1 MiB + KV cache 1.4 MiB), r1 ...': each rank's peak RSS beside
+    the bytes it holds; the difference is the runtime's own."""
+    return ", ".join(f"r{r} {f[1] / 2**20:.0f} MiB ({f[4].describe(kv_cache)})" for r, f in enumerate(figures))
 
 
 @dataclass

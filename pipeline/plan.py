@@ -38,6 +38,7 @@ from pathlib import Path
 
 from .config import ModelConfig
 from .errors import UserError
+from .memory import RankBytes, rank_bytes, size
 from .partition import LAYER_OVERHEAD_BYTES, balanced_counts, check_ranks, layer_ranges
 
 GIB = 1024**3
@@ -622,6 +623,7 @@ class ModelBytes:
     head_read: int  # rank 0 per token: final norm + LM head + one embedding row
     active_params: list[int]  # per layer, for compute
     head_params: int
+    head: int = 0  # the LM head's matrix as held (the tied embedding where there is no lm_head)
 
 
 def model_bytes(arch: Architecture, precision: Precision) -> ModelBytes:
@@ -638,7 +640,17 @@ def model_bytes(arch: Architecture, precision: Precision) -> ModelBytes:
     embedding = next(p for p in arch.ends if p.is_embedding)
     head = [p for p in arch.ends if not p.is_embedding] + ([embedding] if arch.config.tie_word_embeddings else [])
     head_read = sum(b(p) for p in head) + (0 if arch.config.tie_word_embeddings else b(embedding) // embedding.shape[0])
-    return ModelBytes(layers, ends, fixed, expert_bytes, experts, head_read, active, sum(p.numel for p in head))
+    matrix = next((p for p in arch.ends if p.name.startswith("lm_head.")), embedding)
+    return ModelBytes(layers, ends, fixed, expert_bytes, experts, head_read, active, sum(p.numel for p in head), b(matrix))
+
+
+def model_bytes_of(config: ModelConfig, model: str | Path, dtype: str = "float32", quantize: int | None = None,
+                   group_size: int = 64, dense: bool = False) -> ModelBytes:
+    """The bytes of the model in folder (or GGUF file) `model` as a rank holds them: floats in `dtype`,
+    `--quantize` applied, MLX-quantized weights packed or (dense) dequantized. The one count behind
+    `plan`, `preflight`, `--weights-in-memory auto` and `--host-memory` (memory.py)."""
+    precision = Precision(checkpoint_format(config, model, quantize, group_size), dtype, quantize, group_size, dense)
+    return model_bytes(architecture(config), precision)
 
 
 def layer_counts(mb: ModelBytes, ranks: int, memory_gib: list[float] | None = None) -> list[int]:
@@ -684,14 +696,21 @@ class RankPlan:
     rank: int
     start: int
     end: int
-    weight_bytes: int
-    kv_bytes: int
+    bytes: RankBytes  # weights as held + KV cache (memory.py: the same count preflight and the stats line use)
     memory_gib: float | None
     reserve_gib: float = 0.0
 
     @property
+    def weight_bytes(self) -> int:
+        return self.bytes.weights
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.bytes.kv_cache
+
+    @property
     def needed(self) -> int:
-        return self.weight_bytes + self.kv_bytes
+        return self.bytes.total
 
     @property
     def headroom(self) -> float | None:
@@ -767,14 +786,17 @@ def plan_cluster(config: ModelConfig, hosts: int, precision: Precision, hardware
     return plan
 
 
+def kv_layer_bytes(arch: Architecture, dtype_bytes: int, tokens: int, sequences: int = 1) -> list[int]:
+    """Per layer: the KV cache bytes of `sequences` sequences of `tokens` tokens."""
+    return [round(arch.kv_cached(i, i + 1, tokens) * dtype_bytes * sequences) for i in range(len(arch.layers))]
+
+
 def _rank_plans(arch, mb, precision, hardware, counts, context, batch) -> list[RankPlan]:
-    plans = []
-    for r, (start, end) in enumerate(layer_ranges(counts)):
-        weights = sum(mb.layers[start:end]) + (mb.ends if r == 0 else 0)
-        memory = hardware.memory_gib[r] if hardware.memory_gib else None
-        kv = round(arch.kv_cached(start, end, context) * precision.dtype_bytes * batch)
-        plans.append(RankPlan(r, start, end, weights, kv, memory, hardware.reserve_gib))
-    return plans
+    kv = kv_layer_bytes(arch, precision.dtype_bytes, context, batch)
+    ranges = layer_ranges(counts)
+    return [RankPlan(r, start, end, rank_bytes(mb.layers, mb.ends, kv, (start, end), r, len(ranges)),
+                     hardware.memory_gib[r] if hardware.memory_gib else None, hardware.reserve_gib)
+            for r, (start, end) in enumerate(ranges)]
 
 
 class _Timing:
@@ -855,8 +877,8 @@ class MemoryPlan:
     memory_gib: list[float]
     mb: ModelBytes  # weights as loaded
     dense_mb: ModelBytes  # with MLX-quantized weights dequantized (ranks --weights-in-memory makes dense)
-    kv_bytes_per_token_layer: int
-    arch: Architecture | None = None  # for caches that differ by layer (DeepSeek V4)
+    arch: Architecture
+    dtype_bytes: int  # of the KV cache
 
     @classmethod
     def for_job(cls, config: ModelConfig, args: argparse.Namespace, ranks: int) -> "MemoryPlan":
@@ -868,7 +890,7 @@ class MemoryPlan:
                               group_size=getattr(args, "group_size", None) or 64)
         arch = architecture(config)
         return cls(memory, model_bytes(arch, precision), model_bytes(arch, replace(precision, dense=True)),
-                   arch.kv_values * precision.dtype_bytes, arch)
+                   arch, precision.dtype_bytes)
 
     def counts(self) -> list[int]:
         return layer_counts(self.mb, len(self.memory_gib), self.memory_gib)
@@ -876,14 +898,12 @@ class MemoryPlan:
     def check(self, ranges: list[tuple[int, int]], tokens: int, dense: list[bool] | None = None) -> None:
         """UserError (one line) unless every rank's weights + KV cache for `tokens` fit its memory."""
         short = []
-        for r, (start, end) in enumerate(ranges):
+        kv = kv_layer_bytes(self.arch, self.dtype_bytes, tokens)
+        for r, span in enumerate(ranges):
             mb = self.dense_mb if dense and dense[r] else self.mb
-            weights = sum(mb.layers[start:end]) + (mb.ends if r == 0 else 0)
-            kv = self.kv_bytes_per_token_layer * tokens * (end - start)
-            if self.arch is not None and self.arch.kv_layers is not None:
-                kv = round(self.arch.kv_cached(start, end, tokens) * self.kv_bytes_per_token_layer / self.arch.kv_values)
-            if weights + kv > self.memory_gib[r] * GIB:
-                short.append(f"rank {r} needs {_gib(weights + kv)} (weights {_gib(weights)} + KV cache {_gib(kv)}) "
+            held = rank_bytes(mb.layers, mb.ends, kv, span, r, len(ranges))
+            if held.total > self.memory_gib[r] * GIB:
+                short.append(f"rank {r} needs {size(held.total)} ({held.describe()}) "
                              f"but has {self.memory_gib[r]:g} GiB")
         if short:
             raise UserError(f"the model does not fit in --host-memory: {'; '.join(short)}; add hosts or memory, "
@@ -891,10 +911,6 @@ class MemoryPlan:
 
 
 # -------------------------------------------------------------------------------- output
-
-def _gib(n: float) -> str:
-    return f"{n / GIB:.1f} GiB"
-
 
 def _b(n: float) -> str:
     return f"{n / 1e9:.1f}B"
@@ -909,7 +925,7 @@ def format_plan(plan: ClusterPlan, title: str) -> str:
     resident = sum(plan.mb.layers) + plan.mb.ends
     disk = sum(cp.disk_bytes(q) for layer in arch.layers for q in layer) + sum(cp.disk_bytes(q) for q in arch.ends)
     disk_unused = sum(cp.disk_bytes(q) for q in arch.unused)
-    lines.append(f"weights in memory: {_gib(resident)}; {p.describe()}")
+    lines.append(f"weights in memory: {size(resident)}; {p.describe()}")
     lines.append(f"checkpoint on disk: {disk / 1e9:.1f} GB" + (f" (+{disk_unused / 1e9:.1f} GB MTP module)" if disk_unused else "")
                  + f", {cp.describe()}")
     kv_token = arch.kv_values * p.dtype_bytes * len(arch.layers)
@@ -927,10 +943,10 @@ def format_plan(plan: ClusterPlan, title: str) -> str:
     bandwidth = hw.bandwidth_gbs if len(hw.bandwidth_gbs) == len(plan.ranks) else hw.bandwidth_gbs[:1] * len(plan.ranks)
     for r, ms, bw in zip(plan.ranks, plan.stage_ms, bandwidth):
         memory = f"{r.memory_gib:g} GiB" if r.memory_gib is not None else "-"
-        headroom = _gib(r.headroom) if r.headroom is not None else "-"
+        headroom = size(r.headroom) if r.headroom is not None else "-"
         fits = "-" if r.fits is None else ("yes" if r.fits else "NO")
         span = f"{r.start}-{r.end - 1} ({r.end - r.start})"
-        lines.append(f"{r.rank:>4}  {memory:>9}  {span:<14}  {_gib(r.weight_bytes):>10}  {_gib(r.kv_bytes):>9}  "
+        lines.append(f"{r.rank:>4}  {memory:>9}  {span:<14}  {size(r.weight_bytes):>10}  {size(r.kv_bytes):>9}  "
                      f"{headroom:>10}  {fits:>4}  {bw:>6g} GB/s  {ms:>8.2f}")
     lines.append("")
     hops = len(plan.ranks) if len(plan.ranks) > 1 else 0
@@ -991,7 +1007,7 @@ def run_plan(args: argparse.Namespace) -> int:
     title = Path(str(args.model)).name.removesuffix(".json") or str(args.model)
     print(format_plan(plan, title), flush=True)
     if plan.fits is False:
-        short = [f"rank {r.rank} needs {_gib(r.needed)} of {r.memory_gib:g} GiB" for r in plan.ranks if not r.fits]
+        short = [f"rank {r.rank} needs {size(r.needed)} of {r.memory_gib:g} GiB" for r in plan.ranks if not r.fits]
         raise UserError(f"the model does not fit: {'; '.join(short)}"
                         + (f" (with --reserve-gb {hardware.reserve_gib:g})" if hardware.reserve_gib else "")
                         + "; add hosts or memory, or hold the weights in fewer bytes (--dtype bfloat16, --quantize 4)")

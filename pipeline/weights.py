@@ -387,60 +387,6 @@ WEIGHTS_IN_MEMORY = ("quantized", "fp32", "auto")
 _QUANT_BITS, _QUANT_GROUPS = (2, 3, 4, 5, 6, 8), (64, 32, 128)
 
 
-def _dense_in_features(packed_cols: int, scale_cols: int, group_hint: int | None) -> int:
-    for group in ((group_hint,) if group_hint else ()) + _QUANT_GROUPS:
-        in_features = scale_cols * group
-        if packed_cols * 32 % in_features == 0 and packed_cols * 32 // in_features in _QUANT_BITS:
-            return in_features
-    return packed_cols * 32 // 4
-
-
-def layer_nbytes_in_memory(checkpoint: Checkpoint, config, num_layers: int, dense: bool,
-                           itemsize: int = 4) -> tuple[list[int], int]:
-    """Like `layer_nbytes`, but the bytes once loaded: floats in the activation dtype
-    (`itemsize` bytes), MLX-quantized weights packed as stored (dense=False) or dequantized
-    (dense=True)."""
-    per_layer = [0] * num_layers
-    ends = 0
-    for name in checkpoint.tensors:
-        layer = layer_of(name)
-        if not ((layer is not None and layer < num_layers) or (layer is None and name.startswith(_ENDS))):
-            continue
-        nbytes = _nbytes_in_memory(checkpoint, config, name, dense, itemsize)
-        if layer is not None:
-            per_layer[layer] += nbytes
-        else:
-            ends += nbytes
-    return per_layer, ends
-
-
-def head_nbytes_in_memory(checkpoint: Checkpoint, config, dense: bool, itemsize: int = 4) -> int:
-    """Bytes of the LM head once loaded (see `layer_nbytes_in_memory`)."""
-    return sum(_nbytes_in_memory(checkpoint, config, name, dense, itemsize)
-               for name in head_tensor_names(checkpoint, config))
-
-
-def _nbytes_in_memory(checkpoint: Checkpoint, config, name: str, dense: bool, itemsize: int) -> int:
-    tensors = checkpoint.tensors
-    info = tensors[name]
-    base = name.rsplit(".", 1)[0]
-    quantized = base + ".scales" in tensors
-    numel = 1
-    for d in info.shape:
-        numel *= d
-    if quantized and name.endswith((".scales", ".biases")):
-        return 0 if dense else numel * itemsize
-    if quantized and name.endswith(".weight") and dense:
-        settings = config.quantization_for(base) if config is not None else None
-        scale_cols = tensors[base + ".scales"].shape[-1]
-        numel = numel // info.shape[-1] * _dense_in_features(info.shape[-1], scale_cols,
-                                                              settings and settings["group_size"])
-        return numel * itemsize
-    if info.dtype in ("F32", "F16", "BF16", "F64"):
-        return numel * itemsize
-    return info.nbytes
-
-
 def is_quantized(checkpoint: Checkpoint) -> bool:
     return any(name.endswith(".scales") for name in checkpoint.tensors)
 

@@ -176,7 +176,8 @@ def test_dequantized_weights_compute_the_same(quantized_models, kind):
 
     from pipeline.config import ModelConfig
     from pipeline.stage import Stage
-    from pipeline.weights import Checkpoint, layer_nbytes_in_memory
+    from pipeline.plan import model_bytes_of
+    from pipeline.weights import Checkpoint
 
     folder = quantized_models[kind]
     config, checkpoint = ModelConfig.from_folder(folder), Checkpoint(folder)
@@ -193,8 +194,8 @@ def test_dequantized_weights_compute_the_same(quantized_models, kind):
         from mlx.utils import tree_flatten
 
         held = sum(a.nbytes for _, a in tree_flatten(stage.model.parameters()))
-        per_layer, ends = layer_nbytes_in_memory(checkpoint, config, 4, dense)
-        assert sum(per_layer) + ends == held
+        mb = model_bytes_of(config, folder, dense=dense)
+        assert sum(mb.layers) + mb.ends == held
     scale = np.abs(logits[False]).max()
     assert np.abs(logits[True] - logits[False]).max() <= 1e-5 * scale
     assert (logits[True].argmax(-1) == logits[False].argmax(-1)).all()

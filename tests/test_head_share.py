@@ -14,7 +14,8 @@ from pipeline.formats import Requantize
 from pipeline.head_share import (HeadSplit, combined_argmax, head_share_fraction, head_share_rows, returned_rows,
                                  split_returned)
 from pipeline.stage import Stage
-from pipeline.weights import Checkpoint, head_nbytes_in_memory
+from pipeline.plan import model_bytes_of
+from pipeline.weights import Checkpoint
 
 
 def test_combined_argmax_is_the_first_index_of_the_largest_logit():
@@ -53,9 +54,9 @@ def test_shared_head_picks_the_same_tokens_as_the_whole_head(tiny_models, kind, 
         if name in whole:
             assert mx.array_equal(last.model.head_share[name], whole[name][-rows_held:]).item(), name
     assert not hasattr(last.model, "embed_tokens") and not hasattr(last.model, "lm_head")
-    if requantize is None:  # what the memory planner counts for it (commands.plan_weights_in_memory)
+    if requantize is None:  # what the memory planner counts for it (job.plan_weights_in_memory, memory.py)
         held = sum(a.nbytes for a in last.model.head_share.parameters().values())
-        assert held == rows_held / vocab * head_nbytes_in_memory(checkpoint, config, dense=True)
+        assert held == rows_held / vocab * model_bytes_of(config, folder, dense=True).head
 
     mx.random.seed(0)
     hidden = mx.random.normal((1, 24, config.hidden_size)) * 3  # the last positions of 24 sequences

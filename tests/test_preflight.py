@@ -11,6 +11,7 @@ import sys
 
 from conftest import REPO, mpiexec
 from pipeline.commands.preflight import RankReport, evaluate
+from pipeline.plan import ModelBytes
 
 
 def mpmd(*folders) -> subprocess.CompletedProcess:
@@ -54,13 +55,19 @@ def test_a_mismatched_model_folder_on_one_rank(tiny_models, tmp_path):
     assert "preflight: 5 problems on 3 ranks" in result.stderr
 
 
+def held(layers: list[int], ends: int) -> ModelBytes:
+    n = len(layers)
+    return ModelBytes(layers, ends, fixed_read=[0] * n, expert_bytes=[0] * n, experts=[0] * n, head_read=0,
+                      active_params=[0] * n, head_params=0)
+
+
 def report(rank, available, **kw) -> RankReport:
     base = dict(rank=rank, host=f"studio-{rank + 1}", python="3.12.1",
                 packages={n: "1" for n in ("pipeline", "mlx", "mpi4py", "numpy", "tokenizers", "jinja2")},
                 mpi_library="Open MPI v5.0.6", available=available, metal_limit=None, folder="/m",
                 files={"config.json": 10, "model.safetensors": 1000}, config_sha256="ab" * 32,
-                num_layers=4, layer_bytes=[100 * 2**30] * 4, ends_bytes=20 * 2**30,
-                disk_layer_bytes=[100] * 4, disk_ends_bytes=20)
+                num_layers=4, held=held([100 * 2**30] * 4, 20 * 2**30), dense_held=held([400 * 2**30] * 4, 80 * 2**30),
+                kv_layer_bytes=[2**30] * 4, disk_layer_bytes=[100] * 4, disk_ends_bytes=20)
     base.update(kw)
     return RankReport(**base)
 
@@ -70,7 +77,8 @@ def test_memory_and_version_problems_name_the_rank():
                report(2, 512 * 2**30, python="3.11.9", packages={**report(0, 0).packages, "mlx": "2"}),
                report(3, None)]
     table, problems = evaluate(reports, split=None)
-    assert any("rank 1 (studio-2): its slice (layers 1-1) needs 110.0 GiB but only 96.0 GiB" in p for p in problems)
+    assert any("rank 1 (studio-2): its slice (layers 1-1) needs 111.1 GiB (weights 100.0 GiB fp32 + KV cache "
+               "1.0 GiB, +10%) but only 96.0 GiB" in p for p in problems), problems
     assert "rank 2 (studio-3): Python 3.11.9, rank 0 has 3.12.1" in problems
     assert "rank 2 (studio-3): mlx 2, rank 0 has 1" in problems
     assert len(problems) == 3
@@ -78,3 +86,16 @@ def test_memory_and_version_problems_name_the_rank():
     assert rows[4].split()[-1] == "OK" and "unknown" in rows[4]  # free memory unknown is no problem
     _, problems = evaluate(reports, split="1,1,1")
     assert problems[0] == "--split '1,1,1' has 3 counts but the job has 4 ranks"
+
+
+def test_weights_in_memory_auto_is_decided_as_the_job_decides_it():
+    """A quantized model under --weights-in-memory auto: dequantized on the ranks whose host has
+    room (job.plan_weights_in_memory), packed elsewhere, and the table says which."""
+    reports = [report(r, memory * 2**30, quantized=True) for r, memory in enumerate((2000, 2000, 300, 2000))]
+    table, problems = evaluate(reports, split="1,1,1,1", weights_in_memory="auto")
+    assert not problems, problems
+    rows = table.splitlines()[1:]
+    assert ["quantized" in row for row in rows] == [False, False, True, False], table
+    assert "400.0 GiB fp32" in rows[1] and "100.0 GiB quantized" in rows[2]
+    table, _ = evaluate(reports, split="1,1,1,1", weights_in_memory="quantized")
+    assert all("quantized" in row for row in table.splitlines()[1:])

@@ -113,7 +113,7 @@ def prompt_ids(item: InputRequest, tokenizer, use_chat_template: bool, context: 
 
 def run(args: argparse.Namespace, comm) -> int:
     from ..job import (head_share_label, head_split, load_ring_stage, matmuls_label, per_rank, plan_ring_job,
-                       prefix_cache, rank_figures)
+                       prefix_cache, rank_figures, rss_label)
     from ..scheduler import ListSource, Scheduler, follow, stop_followers
     from ..tokenizer import Tokenizer
     from ..trace import Timeline, split_hint, summary_lines, write_chrome_trace
@@ -196,12 +196,12 @@ def run(args: argparse.Namespace, comm) -> int:
         print(f"[pipeline] batch: {results.count - results.errors} done, {results.errors} error records, "
               f"{stats.generated_tokens} tokens generated in {stats.wall_s:.2f} s: {stats.tokens_per_s:.1f} tok/s "
               f"(prompts {stats.prompt_tokens} tokens; {microbatches} micro-batches, "
-              f"max batch {args.max_batch}; matmuls {per_rank([m[4] for m in figures])}; layers per rank "
+              f"max batch {args.max_batch}; matmuls {per_rank([m[5] for m in figures])}; layers per rank "
               f"{','.join(str(end - start) for start, end in plan.ranges)}"
               f"{head_share_label(stats.head_share, size)}"
               f"{'; speculative: ' + stats.draft.describe() if stats.draft else ''}); "
               f"weights {per_rank([m[2] for m in figures])}, BLAS {per_rank([m[3] for m in figures])}, "
-              f"peak RSS " + ", ".join(f"r{r} {m[1] / 2**20:.0f} MiB" for r, m in enumerate(figures)),
+              f"peak RSS {rss_label(figures, kv_cache=False)}",
               file=sys.stderr)
         for line in summary_lines(summaries, hosts if len(set(hosts)) > 1 else None):
             print(line, file=sys.stderr)

@@ -81,21 +81,18 @@ def run(args: argparse.Namespace, comm) -> int:
         serve(stage, transport)
         result = None
 
-    figures = comm.gather(rank_figures(stage, stage.weight_nbytes + stage.cache_nbytes, stage.kv_bytes_per_token,
-                                       blas.invariant_rows()), root=0)
+    figures = comm.gather(rank_figures(stage, stage.kv_bytes_per_token, blas.invariant_rows()), root=0)
     if rank == 0:
         print(stats_line(result, figures), file=sys.stderr, flush=True)
     return 0
 
 
 def stats_line(result, figures: list[tuple]) -> str:
-    """figures: per rank (host, peak RSS bytes, weights label, BLAS description, owned bytes,
-    KV bytes per token), as job.rank_figures gives them."""
-    from ..job import per_rank
+    """figures: per rank (host, peak RSS bytes, weights label, BLAS description, bytes held,
+    KV bytes per token, batch-invariant rows), as job.rank_figures gives them."""
+    from ..job import per_rank, rss_label
 
-    # Peak RSS beside the bytes each rank owns (weights + KV cache): the overhead of the runtime.
-    peaks = ", ".join(f"r{rank} {m[1] / 2**20:.0f} MiB (owns {m[4] / 2**20:.0f})" for rank, m in enumerate(figures))
-    peaks += f", KV {sum(m[5] for m in figures) / 1024:.1f} KiB/token"
+    peaks = rss_label(figures) + f", KV {sum(m[5] for m in figures) / 1024:.1f} KiB/token"
     draft = ""
     if result.draft is not None:
         # Exact where every rank's products are batch-invariant (the BLAS shim); else within float rounding.

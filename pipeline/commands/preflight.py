@@ -11,8 +11,11 @@ Run it under mpiexec exactly like the job (same hostfile, same number of ranks, 
 - a file is missing, extra, or of another size than on the reference rank; config.json differs
   (sha256);
 - the rank's free memory is below what its slice of the layers needs: its weights as they will
-  be held (floats in --dtype, packed quantized weights as stored, --quantize applied as the loader
-  applies it) plus 10% for caches and activations. Slices are split as `generate` splits them (balanced by bytes, or --split).
+  be held (floats in --dtype, --quantize applied as the loader applies it, MLX-quantized weights
+  packed or dequantized as --weights-in-memory decides, auto included, from every host's free
+  memory) plus the KV cache of --context tokens, and 10% on top for activations. The count is the
+  planner's (memory.py), the one `plan` and the stats line print. Slices are split as `generate`
+  splits them (balanced by bytes, or --split).
 """
 
 from __future__ import annotations
@@ -26,10 +29,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UserError
+from ..flags import add_weights_args
+from ..memory import DTYPE_LABEL, rank_bytes, size
+from ..plan import ModelBytes
 
 PACKAGES = ("pipeline", "mlx", "mpi4py", "numpy", "tokenizers", "jinja2")
 HEADROOM = 1.10  # caches and activations on top of the weights
-_FLOAT_DTYPES = {"F32", "F16", "BF16", "F64", "F8_E4M3"}
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -47,8 +52,11 @@ class RankReport:
     files: dict[str, int] = field(default_factory=dict)  # name -> size in bytes
     config_sha256: str | None = None
     num_layers: int = 0
-    layer_bytes: list[int] = field(default_factory=list)  # in memory, per layer
-    ends_bytes: int = 0  # embedding + final norm + head, in memory
+    held: ModelBytes | None = None  # the model's bytes in memory, MLX-quantized weights packed
+    dense_held: ModelBytes | None = None  # the same with them dequantized (--weights-in-memory)
+    quantized: bool = False  # the checkpoint has MLX-quantized weights
+    dtype: str = "float32"  # --dtype: unquantized (and dequantized) weights are held in it
+    kv_layer_bytes: list[int] = field(default_factory=list)  # per layer, for --context tokens
     disk_layer_bytes: list[int] = field(default_factory=list)
     disk_ends_bytes: int = 0
 
@@ -61,12 +69,10 @@ def add_parser(commands) -> None:
                                           "what its slice of the model needs. Rank 0 prints one table; the "
                                           "exit status is 1 if anything is wrong, naming each problem.")
     pre.add_argument("--model", type=Path, default=None, help="model folder (default: the default model)")
-    pre.add_argument("--split", default=None, help="layers per rank, as for generate")
-    pre.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
-                     help="activation dtype of the job (unquantized weights are held in it)")
-    pre.add_argument("--quantize", type=int, default=None, metavar="BITS",
-                     help="the job's --quantize: weights re-quantized to BITS while loading")
-    pre.add_argument("--group-size", type=int, choices=[32, 64, 128], default=64)
+    add_weights_args(pre)
+    pre.add_argument("--context", type=int, default=None, metavar="TOKENS",
+                     help="tokens the job keeps in its KV cache, all sequences together (default: the "
+                          "model's context, at most 8192)")
 
 
 def run(args: argparse.Namespace, comm) -> int:
@@ -74,7 +80,7 @@ def run(args: argparse.Namespace, comm) -> int:
     reports = comm.gather(report, root=0)
     problems: list[str] = []
     if comm.Get_rank() == 0:
-        table, problems = evaluate(reports, args.split)
+        table, problems = evaluate(reports, args.split, args.weights_in_memory)
         print(table, flush=True)
         for problem in problems:
             print(f"problem: {problem}", file=sys.stderr)
@@ -136,48 +142,33 @@ def collect(args: argparse.Namespace, comm) -> RankReport:
         if config.is_file():
             report.config_sha256 = hashlib.sha256(config.read_bytes()).hexdigest()
     try:
-        _measure_slices(report, folder, _ITEMSIZE[args.dtype], getattr(args, "quantize", None),
-                        getattr(args, "group_size", 64))
+        _measure_slices(report, folder, args)
     except UserError as e:
         report.folder_error = str(e)
     return report
 
 
-def _measure_slices(report: RankReport, folder: Path, itemsize: int, quantize: int | None = None,
-                    group_size: int = 64) -> None:
+def _measure_slices(report: RankReport, folder: Path, args: argparse.Namespace) -> None:
     from ..formats import Requantize
-    from ..weights import layer_nbytes, layer_of, open_checkpoint
+    from ..plan import architecture, kv_layer_bytes, model_bytes_of
+    from ..weights import is_quantized, layer_nbytes, open_checkpoint
 
-    checkpoint = open_checkpoint(folder, Requantize(quantize, group_size) if quantize else None)
+    checkpoint = open_checkpoint(folder, Requantize(args.quantize, args.group_size) if args.quantize else None)
     config = checkpoint.model_config()
     report.num_layers = config.num_hidden_layers
     report.disk_layer_bytes, report.disk_ends_bytes = layer_nbytes(checkpoint, config.num_hidden_layers)
-    per_layer = [0] * config.num_hidden_layers
-    ends = 0
-    for name, info in checkpoint.tensors.items():
-        numel = 1
-        for d in info.shape:
-            numel *= d
-        held = numel * itemsize if info.dtype in _FLOAT_DTYPES else info.nbytes
-        if quantize and info.dtype in _FLOAT_DTYPES and _requantized(name, info.shape, group_size):
-            rows, cols = numel // info.shape[-1], info.shape[-1]
-            held = rows * -(-cols * quantize // 32) * 4 + rows * -(-cols // group_size) * 2 * itemsize
-        layer = layer_of(name)
-        if layer is not None and layer < config.num_hidden_layers:
-            per_layer[layer] += held
-        elif layer is None and name.startswith(("model.embed_tokens.", "model.norm.", "lm_head.")):
-            ends += held
-    report.layer_bytes, report.ends_bytes = per_layer, ends
+    report.held, report.dense_held = (model_bytes_of(config, folder, args.dtype, args.quantize, args.group_size, d)
+                                      for d in (False, True))
+    report.quantized, report.dtype = is_quantized(checkpoint), args.dtype
+    context = args.context or min(8192, config.max_position_embeddings)
+    if context < 1:
+        raise UserError(f"--context must be >= 1, got {context}")
+    report.kv_layer_bytes = kv_layer_bytes(architecture(config), _ITEMSIZE[args.dtype], context)
 
 
-def _requantized(name: str, shape: tuple[int, ...], group_size: int) -> bool:
-    """As the loader's --quantize: matrices of linear layers and embeddings, not norms or routers."""
-    return (name.endswith(".weight") and len(shape) >= 2 and shape[-1] % group_size == 0
-            and not name.endswith("mlp.gate.weight"))
-
-
-def evaluate(reports: list[RankReport], split: str | None) -> tuple[str, list[str]]:
+def evaluate(reports: list[RankReport], split: str | None, weights_in_memory: str = "quantized") -> tuple[str, list[str]]:
     """Rank 0: the table, and one line per problem."""
+    from ..job import plan_weights_in_memory
     from ..partition import LAYER_OVERHEAD_BYTES, balanced_counts, check_ranks, layer_ranges, parse_split
 
     problems: list[str] = []
@@ -212,6 +203,7 @@ def evaluate(reports: list[RankReport], split: str | None) -> tuple[str, list[st
                                 f"(sha256 {str(r.config_sha256)[:12]} vs {str(ref.config_sha256)[:12]})")
 
     ranges: list[tuple[int, int]] | None = None
+    dense = [False] * len(reports)
     if ref is not None:
         try:
             if split:
@@ -220,36 +212,45 @@ def evaluate(reports: list[RankReport], split: str | None) -> tuple[str, list[st
                 check_ranks(ref.num_layers, len(reports))
                 counts = balanced_counts(ref.disk_layer_bytes, len(reports), rank0_extra_bytes=ref.disk_ends_bytes,
                                          layer_overhead_bytes=LAYER_OVERHEAD_BYTES)
+            if weights_in_memory != "quantized" and ref.quantized:  # as the job decides it (job.plan_job)
+                memory = [(r.host, r.available if r.available is not None else 0) for r in reports]
+                counts, dense = plan_weights_in_memory(weights_in_memory, ref.held, ref.dense_held, counts, memory,
+                                                       fixed=bool(split))
             ranges = layer_ranges(counts)
         except UserError as e:
             problems.append(str(e))
 
     rows = []
     for r in reports:
-        need = None
+        held = need = None
         if ranges is not None:
             start, end = ranges[r.rank]
-            need = int((sum(ref.layer_bytes[start:end]) + (ref.ends_bytes if r.rank == 0 else 0)) * HEADROOM)
+            mb = ref.dense_held if dense[r.rank] else ref.held
+            held = rank_bytes(mb.layers, mb.ends, ref.kv_layer_bytes, ranges[r.rank], r.rank, len(reports),
+                              held_as="quantized" if ref.quantized and not dense[r.rank] else DTYPE_LABEL[ref.dtype])
+            need = int(held.total * HEADROOM)
             if r.available is not None and need > r.available:
-                problems.append(f"{who[r.rank]}: its slice (layers {start}-{end - 1}) needs {gib(need)} "
-                                f"but only {gib(r.available)} of memory is free: add a host, or move layers "
-                                f"off it with --split")
+                problems.append(f"{who[r.rank]}: its slice (layers {start}-{end - 1}) needs {size(need)} "
+                                f"({held.describe()}, +10%) but only {size(r.available)} of memory is free: add a "
+                                f"host, or move layers off it with --split")
             if r.metal_limit is not None and need > r.metal_limit:
-                problems.append(f"{who[r.rank]}: its slice needs {gib(need)} but the GPU may wire only "
-                                f"{gib(r.metal_limit)}: raise it with `sudo sysctl iogpu.wired_limit_mb=N` "
+                problems.append(f"{who[r.rank]}: its slice needs {size(need)} but the GPU may wire only "
+                                f"{size(r.metal_limit)}: raise it with `sudo sysctl iogpu.wired_limit_mb=N` "
                                 f"(see docs/thunderbolt.md)")
         mine = [p for p in problems if p.startswith(who[r.rank] + ":")]
         rows.append([
             r.rank, r.host, r.python, r.packages["mlx"], r.packages["mpi4py"], r.mpi_library,
-            "missing" if r.folder_error else f"{len(r.files)} files, {gib(sum(r.files.values()))}",
+            "missing" if r.folder_error else f"{len(r.files)} files, {size(sum(r.files.values()))}",
             (r.config_sha256 or "-")[:12],
             f"{ranges[r.rank][0]}-{ranges[r.rank][1] - 1}" if ranges else "-",
-            gib(need) if need is not None else "-",
-            gib(r.available) if r.available is not None else "unknown",
+            f"{size(held.weights)} {held.held_as}" if held else "-",
+            size(held.kv_cache) if held else "-",
+            size(need) if need is not None else "-",
+            size(r.available) if r.available is not None else "unknown",
             "OK" if not mine else f"{len(mine)} problem{'s' if len(mine) > 1 else ''}",
         ])
     header = ["rank", "host", "python", "mlx", "mpi4py", "MPI", "model", "config sha256", "layers",
-              "needs", "free", "status"]
+              "weights", "KV cache", "needs", "free", "status"]
     problems.sort(key=lambda p: int(p.split()[1]) if p.startswith("rank ") else -1)
     return _table(header, rows), problems
 
@@ -306,10 +307,6 @@ def metal_working_set() -> int | None:
         return int(info["max_recommended_working_set_size"])
     except Exception:
         return None
-
-
-def gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 / 10 else f"{n / 2**20:.1f} MiB"
 
 
 def _table(header: list[str], rows: list[list]) -> str:

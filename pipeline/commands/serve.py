@@ -147,7 +147,7 @@ class HTTPThread:
 
 
 def run(args: argparse.Namespace, comm) -> int:
-    from ..job import head_split, load_ring_stage, per_rank, plan_ring_job, prefix_cache, rank_figures
+    from ..job import head_split, load_ring_stage, per_rank, plan_ring_job, prefix_cache, rank_figures, rss_label
     from ..scheduler import follow, stop_followers
     from ..tokenizer import Tokenizer
     from ..trace import Timeline, summary_lines
@@ -191,7 +191,7 @@ def run(args: argparse.Namespace, comm) -> int:
               f"generated (prompts {stats.prompt_tokens} tokens) in {stats.wall_s:.1f} s; layers per rank "
               f"{','.join(str(end - start) for start, end in job.plan.ranges)}; weights "
               f"{per_rank([f[2] for f in figures])}, BLAS {per_rank([f[3] for f in figures])}, peak RSS "
-              + ", ".join(f"r{r} {f[1] / 2**20:.0f} MiB" for r, f in enumerate(figures)) + server.cache_label(),
+              f"{rss_label(figures, kv_cache=False)}{server.cache_label()}",
               file=sys.stderr)
         for line in summary_lines(summaries, hosts if len(set(hosts)) > 1 else None):
             print(line, file=sys.stderr)
