@@ -8,12 +8,14 @@ wall time beside it), the ratio to 1 rank, each rank's idle share and the pipeli
 the job's own summary, and whether every rank count produced the same texts.
 
     python benchmarks/batch_throughput.py [--ranks 1,2] [--requests 32] [--max-tokens 64] [--runs 1]
-        [--packed] [--microbatches M[,M...]] [--split S] [--trace-dir DIR] [--json FILE] [--save]
+        [--no-warmup] [--packed] [--microbatches M[,M...]] [--split S] [--trace-dir DIR] [--json FILE] [--save]
 
 --save writes benchmarks/results/batch_throughput.json (machine, versions, commit; README table
 via report.py).
 
 --packed also runs `--packed-matmuls` and counts the texts that differ from the exact runs.
+A warm-up round runs every configuration once first and is kept out of the figures; the measured
+rounds alternate the order of the configurations (1 then 2 ranks, then 2 then 1, ...).
 Measure on an idle machine: the load average before each run is printed.
 """
 
@@ -78,7 +80,10 @@ def main() -> int:
     parser.add_argument("--ranks", default="1,2", help="rank counts to compare, the first is the baseline (default 1,2)")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--runs", type=int, default=1, help="rounds, each running every rank count once (default 1)")
+    parser.add_argument("--runs", type=int, default=1, help="rounds, each running every rank count once, in "
+                                                                "alternating order (default 1)")
+    parser.add_argument("--no-warmup", dest="warmup", action="store_false",
+                        help="skip the warm-up round that runs every configuration once before the measured rounds")
     parser.add_argument("--microbatches", default=None,
                         help="--microbatches for the multi-rank runs; a comma list runs each (default: the command's)")
     parser.add_argument("--packed", action="store_true", help="also run with --packed-matmuls")
@@ -97,9 +102,11 @@ def main() -> int:
         inp = Path(tmp) / "requests.jsonl"
         inp.write_text("".join(json.dumps(r) + "\n" for r in requests(args.requests, args.max_tokens)))
         runs = []
-        for round_ in range(args.runs):
+        # Round -1 is a warm-up (page cache, the BLAS shim's build, CPU clocks), kept out of the figures;
+        # odd rounds run the configurations in reverse, so neither rank count always runs first.
+        for round_ in range(-1 if args.warmup else 0, args.runs):
             for mode, flags in modes.items():
-                for ranks, micro in configs:
+                for ranks, micro in (configs if round_ % 2 == 0 else configs[::-1]):
                     extra = [*flags, *(["--model", str(args.model)] if args.model else []),
                              *(["--microbatches", str(micro)] if micro else []),
                              *(["--split", args.split] if args.split and ranks > 1 else [])]
@@ -108,8 +115,9 @@ def main() -> int:
                         extra += ["--trace", str(args.trace_dir / f"batch-{mode}-{ranks}ranks-m{micro or ranks}-{round_}.json")]
                     r = run(ranks, inp, Path(tmp) / f"out-{mode}-{ranks}.jsonl", *extra)
                     r["mode"], r["round"], r["microbatches"] = mode, round_, micro or ranks
-                    runs.append(r)
-                    print(f"round {round_} {mode:6s} {ranks} rank(s), {micro or ranks} micro-batches: {r['tokens']} tokens, "
+                    if round_ >= 0:
+                        runs.append(r)
+                    print(f"{'warm-up' if round_ < 0 else f'round {round_}'} {mode:6s} {ranks} rank(s), {micro or ranks} micro-batches: {r['tokens']} tokens, "
                           f"{r['tok_s']:.1f} tok/s "
                           f"(schedule {r['schedule_s']:.1f} s, job {r['job_wall_s']:.1f} s), bubble "
                           f"{r['bubble_percent']:.1f}%, idle per rank {r['idle_percent']}, load before "
@@ -147,7 +155,7 @@ def main() -> int:
         args.json.write_text(json.dumps(payload, indent=1))
     if args.save:
         path = common.write_json("batch_throughput", common.record(
-            "batch_throughput", "issue 4: pipeline batch on 1 vs 2 one-core ranks, default model",
+            "batch_throughput", "pipeline batch on 1 vs 2 one-core ranks, default model",
             runs=args.runs, load_after=common.load_average(), **payload))
         print(f"wrote {path}")
     return 0
