@@ -1,6 +1,7 @@
 """2b. Batch jobs: `pipeline batch` on 1 and 2 ranks against mlx-lm's `batch_generate`, same
-prompts (the same chat-templated token ids), greedy, same max tokens, one BLAS thread per
-process (OPENBLAS_NUM_THREADS=1: on 2 cores, 2 ranks have a core each).
+prompts (the same chat-templated token ids), greedy, same max tokens, one BLAS thread per rank
+(OPENBLAS_NUM_THREADS=1: on 2 cores, 2 ranks have a core each) and mlx-lm's one process with as
+many BLAS threads as there are cores: each side has the whole machine (1 rank: one core).
 
 Contenders, interleaved run by run:
   pipeline batch, 1 rank            weights auto (fp32 here), OpenBLAS + the batch-invariant shim
@@ -16,6 +17,7 @@ Throughput = generated tokens / time from the first prompt in to the last token 
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -31,6 +33,7 @@ TOPICS = ["a lighthouse keeper", "a lost robot", "the first snow of winter", "a 
 SUMMARY = re.compile(r"\[pipeline\] batch: (\d+) done, (\d+) error records, (\d+) tokens generated in ([\d.]+) s: "
                      r"([\d.]+) tok/s")
 ONE_THREAD = {"OPENBLAS_NUM_THREADS": "1"}
+ALL_CORES = {"OPENBLAS_NUM_THREADS": str(len(os.sched_getaffinity(0)))}  # mlx-lm: the cores our ranks use together
 
 
 def prompts(count: int) -> list[str]:
@@ -73,7 +76,7 @@ def run_mlx_lm_batch(model: Path, ids_file: Path, max_tokens: int, **flags) -> d
         cmd += ["--blas", common.OPENBLAS]
     if flags.get("dense"):
         cmd.append("--dense")
-    env = common.env_with_repo(**ONE_THREAD, **({} if flags.get("pipeline_blas") else {"PIPELINE_BLAS": "bundled"}))
+    env = common.env_with_repo(**ALL_CORES, **({} if flags.get("pipeline_blas") else {"PIPELINE_BLAS": "bundled"}))
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=common.REPO, env=env, timeout=3600)
     if proc.returncode != 0:
@@ -125,7 +128,8 @@ def main() -> None:
     payload = common.record("batch", "2b: pipeline batch on 1 and 2 one-core ranks vs mlx-lm batch_generate",
                             runs=args.runs, warmup=args.warmup, requests=args.requests, max_tokens=args.max_tokens,
                             prompt_tokens=sum(map(len, ids)), load_after=common.load_average(), stats=stats,
-                            ratios=ratios, texts_equal_to_1_rank=same, runs_detail=runs)
+                            ratios=ratios, texts_equal_to_1_rank=same, runs_detail=runs,
+                            mlx_lm_threads=int(ALL_CORES["OPENBLAS_NUM_THREADS"]))
     path = common.write_json("batch", payload)
     fig, axes = common.figure(1, width=7)
     common.bars(axes[0], f"2b batch: {args.requests} requests x {args.max_tokens} tokens, 1 BLAS thread per process",

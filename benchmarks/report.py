@@ -57,7 +57,17 @@ def single(p: dict) -> list[str]:
 
 
 def ratios(values: dict) -> str:
-    return "; ".join(f"{k} **{v:.2f}x**" for k, v in values.items())
+    """'a / b **1.52x**; ...', each ratio where a peer (mlx-lm, llama.cpp) is faster marked as such."""
+    return "; ".join(f"{k} **{v:.2f}x**{peer_wins(k, v)}" for k, v in values.items())
+
+
+def peer_wins(key: str, value: float) -> str:
+    """' (mlx-lm wins)' for 'pipeline ... / mlx-lm ...' below 1 or 'mlx-lm ... / pipeline ...' above 1."""
+    a, _, b = key.partition(" / ")
+    peer = next((name for name in ("mlx-lm", "llama.cpp") if (name in a) != (name in b)), None)
+    if peer is None:
+        return ""
+    return f" ({peer} wins)" if (value < 1) == (peer in b) and value != 1 else ""
 
 
 def contender_rows(p: dict, texts_equal: dict) -> list[str]:
@@ -69,7 +79,8 @@ def contender_rows(p: dict, texts_equal: dict) -> list[str]:
 
 def batch(p: dict) -> list[str]:
     out = [f"**2b. Batch jobs** (`benchmarks/bench_batch.py`; default model, {p['requests']} chat requests, "
-           f"{p['prompt_tokens']} prompt tokens, up to {p['max_tokens']} new each, greedy, OPENBLAS_NUM_THREADS=1; "
+           f"{p['prompt_tokens']} prompt tokens, up to {p['max_tokens']} new each, greedy, one BLAS thread per rank"
+           + (f", mlx-lm one process with {p['mlx_lm_threads']} BLAS threads" if p.get("mlx_lm_threads") else "") + "; "
            f"{p['runs']} runs; {header(p)}). ![2b](results/batch.png)", "",
            "| contender | generated tok/s | seconds | texts equal to 1 rank |", "| --- | --- | --- | --- |"]
     return out + contender_rows(p, p["texts_equal_to_1_rank"])
