@@ -4,9 +4,9 @@ When a rank dies of a signal (SIGKILL from the out-of-memory killer, a segfault,
 mpiexec tears the job down within a second, but MPICH's notice names only a PID, and sometimes
 the PID of a rank it killed while cleaning up rather than the one that died first.
 
-So every rank of `mpiexec ... python -m pipeline` runs under a small supervisor: the process
-that mpiexec started stays a light parent (it has imported nothing but this module), runs the
-real rank as its child (a fresh interpreter with the same arguments, environment and file
+So every rank of `mpiexec ... python -m pipeline` (or of the `pipeline` console script) runs
+under a small supervisor: the process that mpiexec started stays a light parent (it has imported
+nothing but this module), runs the real rank as its child (a fresh interpreter with the same arguments, environment and file
 descriptors, so MPI's PMI connection is inherited), passes on the signals it receives, and if
 the child dies of a signal the supervisor did not pass on, prints
 
@@ -37,11 +37,23 @@ def launched_rank() -> str | None:
     return None
 
 
-def wanted() -> bool:
-    """True in the process mpiexec started for `python -m pipeline ...` (not yet supervised)."""
+def _command() -> list[str] | None:
+    """The arguments that run this command again in a fresh interpreter: `-m pipeline ...` as given,
+    or for the installed console script (`mpiexec -n N pipeline generate ...`) the same as a module.
+    None in any other program that imports the package."""
     argv = getattr(sys, "orig_argv", [])
-    run_as_module = any(a == "-m" and b == "pipeline" for a, b in zip(argv, argv[1:]))
-    return (run_as_module and launched_rank() is not None and _CHILD not in os.environ
+    for i, (a, b) in enumerate(zip(argv, argv[1:])):
+        if a == "-m" and b == "pipeline":
+            return argv[i:]
+    if sys.argv and os.path.basename(sys.argv[0]) == "pipeline" and os.path.isfile(sys.argv[0]):
+        return ["-m", "pipeline", *sys.argv[1:]]
+    return None
+
+
+def wanted() -> bool:
+    """True in the process mpiexec started for `python -m pipeline ...` or the `pipeline` console
+    script (not yet supervised)."""
+    return (_command() is not None and launched_rank() is not None and _CHILD not in os.environ
             and os.environ.get("PIPELINE_SUPERVISE", "1") != "0")
 
 
@@ -49,7 +61,7 @@ def supervise() -> None:
     """Run this rank as a child process and exit with its status (never returns)."""
     import subprocess
 
-    argv = sys.orig_argv[sys.orig_argv.index("-m"):]
+    argv = _command()
     env = {**os.environ, _CHILD: str(os.getpid())}
     preexec = _die_with_parent if sys.platform.startswith("linux") else None
     child = subprocess.Popen([sys.executable, *argv], env=env, close_fds=False, preexec_fn=preexec)

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -20,10 +21,12 @@ MPIS = ["mpich", pytest.param("openmpi", marks=pytest.mark.skipif(
     not HAVE_OPENMPI, reason="Open MPI is not installed (apt-get install openmpi-bin; .ci/run installs it)"))]
 
 
-def start_ping(mpi: str, ranks: int, *args: str, pause: float = 0.2) -> tuple[subprocess.Popen, dict[int, int]]:
-    """A long `ping` job through launch/run.py; returns it once every rank has reported its pid."""
-    proc = subprocess.Popen([sys.executable, str(REPO / "launch" / "run.py"), "--mpi", mpi, "-n", str(ranks),
-                             "ping", "--rounds", "1000000", "--pause", str(pause), *args],
+def start_ping(mpi: str, ranks: int, *args: str, pause: float = 0.2,
+               launcher: list[str] | None = None) -> tuple[subprocess.Popen, dict[int, int]]:
+    """A long `ping` job through launch/run.py (or `launcher`, e.g. mpiexec and the console script);
+    returns it once every rank has reported its pid."""
+    launcher = launcher or [sys.executable, str(REPO / "launch" / "run.py"), "--mpi", mpi, "-n", str(ranks)]
+    proc = subprocess.Popen([*launcher, "ping", "--rounds", "1000000", "--pause", str(pause), *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
                             env={**os.environ, "PYTHONPATH": str(REPO)})
     pids: dict[int, int] = {}
@@ -62,6 +65,20 @@ def test_a_killed_rank_ends_the_job_and_is_named(mpi):
     named = [line for line in err.splitlines() if line.startswith("error: rank 1 ")]
     assert named and f"pid {pids[1]}" in named[0] and "signal 9 (SIGKILL)" in named[0], err
     print(f"{mpi}: job ended {elapsed:.2f} s after SIGKILL of rank 1")
+
+
+CONSOLE_SCRIPT = Path(sys.executable).parent / "pipeline"
+
+
+@pytest.mark.skipif(not CONSOLE_SCRIPT.is_file(), reason="the pipeline console script is not installed (pip install -e .)")
+def test_the_console_script_names_a_killed_rank_too():
+    """`mpiexec -n N pipeline ...` runs each rank under the supervisor, as `python -m pipeline` does."""
+    proc, pids = start_ping("mpich", 2, launcher=["mpiexec", "-n", "2", str(CONSOLE_SCRIPT)])
+    start = time.monotonic()
+    os.kill(pids[1], signal.SIGKILL)
+    elapsed, err = finish(proc, start)
+    named = [line for line in err.splitlines() if line.startswith("error: rank 1 ")]
+    assert named and f"pid {pids[1]}" in named[0] and "signal 9 (SIGKILL)" in named[0], err
 
 
 @pytest.mark.parametrize("mpi", MPIS)
