@@ -69,9 +69,13 @@ def generate(stage: Stage, transport: Transport, tokenizer: Tokenizer, prompt_id
             return True
         return len(tokens) >= max_tokens
 
+    wants_hidden = getattr(drafter, "wants_hidden", False)  # the MTP drafter reads every prompt position
+
     def next_logits(token_ids: list[int]) -> mx.array:
         hidden = model.embed(mx.array([token_ids]))
-        hidden = ring_forward(stage, transport, hidden)
+        hidden = ring_forward(stage, transport, hidden, all_positions=wants_hidden)
+        if wants_hidden:
+            drafter.returned(model.norm(hidden[0]))
         return model.logits(hidden[:, -1, :])[0]
 
     start = time.perf_counter()
@@ -127,6 +131,8 @@ def _speculate(stage: Stage, transport: Transport, sampler: Sampler, drafter: Ng
         drafts = drafter.propose(history, room() - 1)
         hidden = ring_forward(stage, transport, model.embed(mx.array([[token, *drafts]])),
                               all_positions=bool(drafts), rewind=rewind)
+        if getattr(drafter, "wants_hidden", False):  # the states of the positions run (of the drafts: kept as far as accepted)
+            drafter.returned(model.norm(hidden[0]))
         stats.trips += 1
         if not drafts:
             token, rewind = sampler(model.logits(hidden[:, -1, :])[0], history), 0

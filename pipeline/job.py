@@ -73,6 +73,10 @@ def plan_job(args: argparse.Namespace, comm, last_rank_head: float = 0.0) -> Pla
     if getattr(args, "draft", "none") != "none" and not getattr(family, "DRAFTS", True):
         raise UserError(f"{config.model_type} keeps compressed caches that cannot drop a rejected draft's "
                         f"positions: run it without --draft")
+    if getattr(args, "draft", "none") == "mtp":
+        from .models.mtp import check_mtp
+
+        check_mtp(checkpoint, config, folder)
     ranks, layers = comm.Get_size(), config.num_hidden_layers
     host_memory = None
     if getattr(args, "host_memory", None):
@@ -132,10 +136,17 @@ def share_cores(comm) -> None:
 
 
 def load_stage(args: argparse.Namespace, plan: Plan, rank: int, progress: bool, head_rows: int = 0) -> Stage:
-    """This rank's layers of the planned split, held as the weight flags say."""
-    return Stage.load(plan.config, plan.checkpoint, plan.ranges[rank], has_ends=rank == 0,
-                      dtype=getattr(mx, args.dtype), requantize=args.requantize, progress=progress,
-                      dense=bool(plan.dense and plan.dense[rank]), head_rows=head_rows)
+    """This rank's layers of the planned split, held as the weight flags say; on rank 0 with
+    --draft mtp, DeepSeek's MTP module too (it reads rank 0's embedding, head and final states)."""
+    dense = bool(plan.dense and plan.dense[rank])
+    stage = Stage.load(plan.config, plan.checkpoint, plan.ranges[rank], has_ends=rank == 0,
+                       dtype=getattr(mx, args.dtype), requantize=args.requantize, progress=progress,
+                       dense=dense, head_rows=head_rows)
+    if rank == 0 and getattr(args, "draft", "none") == "mtp":
+        from .models.mtp import load_mtp
+
+        stage.mtp = load_mtp(plan.config, plan.checkpoint, getattr(mx, args.dtype), args.requantize, dense, progress)
+    return stage
 
 
 def rank_figures(stage: Stage, *extra) -> tuple:

@@ -246,6 +246,11 @@ class Sequence:
         return self.prompt_ids + self.tokens
 
     @property
+    def wants_hidden(self) -> bool:
+        """Its drafter reads the final hidden states (the MTP module): every position of its prompt comes back."""
+        return getattr(self.drafter, "wants_hidden", False)
+
+    @property
     def full_logits(self) -> bool:
         """Its next token needs every logit (sampling, logprobs, drafts), not just the argmax."""
         return not self.sampler.greedy or self.request.logprobs is not None or bool(self.drafts)
@@ -388,7 +393,7 @@ class Scheduler:
         try:
             seq = Sequence(self.next_seq_id, request, min(request.max_tokens, self.context - len(request.prompt_ids)),
                            Sampler(request.sampling), StreamingDetokenizer(self.tokenizer, request.stop),
-                           admitted_at=now, queued_s=queued_s, drafter=self.draft and self.draft.drafter())
+                           admitted_at=now, queued_s=queued_s, drafter=self.draft and self.draft.drafter(self.stage))
         except Exception as e:  # noqa: BLE001 -- this request's own set-up: its failure is its alone
             self._fail(request, _describe(e))
             return
@@ -399,6 +404,8 @@ class Scheduler:
                 if self.transport.size > 1:
                     self.sends.append(self.transport.isend_message(1, Kind.FORK, [seq.seq_id, kept], [length, length]))
                 seq.fed = seq.cached = length
+                if seq.wants_hidden:
+                    seq.drafter.starts_at(length)
         self.next_seq_id += 1
         self.active += 1
         self.stats.prompt_tokens += len(request.prompt_ids)
@@ -431,9 +438,10 @@ class Scheduler:
         number = self.next_number
         self.next_number += 1
         with self.timeline.span(COMPUTE, f"mb {number}: embed + layers ({len(seqs)} seqs)"):
+            prompt = [seq.prefilling and seq.wants_hidden for seq in seqs]  # every prompt state back for the MTP
             inputs = [seq.take_input() for seq in seqs]
             lengths = [len(tokens) for tokens in inputs]
-            full = [bool(seq.drafts) for seq in seqs]
+            full = [bool(seq.drafts) or p for seq, p in zip(seqs, prompt)]
             seq_ids = [seq.seq_id for seq in seqs]
             hidden = self.model.embed(mx.array([[t for tokens in inputs for t in tokens]]))
             hidden = forward_stage(self.stage, hidden, seq_ids, lengths, self.group_rows, full)
@@ -470,6 +478,8 @@ class Scheduler:
         """Head and sampling for each sequence whose prompt is all in; events for each."""
         finished = []
         with self.timeline.span(COMPUTE, f"mb {microbatch.number}: head + sample"):
+            if any(seq.wants_hidden for seq in microbatch.seqs):
+                self._hand_hidden(microbatch)
             for seq in microbatch.seqs:
                 if seq.request.cancelled:
                     self._finish(seq, "cancelled")
@@ -480,6 +490,15 @@ class Scheduler:
             if index:
                 finished += self._sample(microbatch, index)
         self._release(finished)
+
+    def _hand_hidden(self, microbatch: Microbatch) -> None:
+        """Each MTP-drafting sequence's final hidden states of the positions it ran (normed, as the
+        head reads them), to its drafter, which keeps those the verification confirms."""
+        rows, _ = split_returned(microbatch.hidden, self.model.config.hidden_size)
+        bounds = segments([n if f else 1 for n, f in zip(microbatch.lengths, microbatch.full)])
+        for seq, (begin, end) in zip(microbatch.seqs, bounds):
+            if seq.wants_hidden:
+                seq.drafter.returned(self.model.norm(rows[begin:end]))
 
     def _release(self, seq_ids: list[int]) -> None:
         """Free the caches of ended sequences on every rank (or keep them in the prefix cache)."""
@@ -507,7 +526,8 @@ class Scheduler:
         rows, share = split_returned(microbatch.hidden, self.model.config.hidden_size)
         # Each sequence's rows among those returned: its last position, or every position of a draft.
         bounds = segments([n if f else 1 for n, f in zip(microbatch.lengths, microbatch.full)])
-        picked = [r for i in index for r in range(*bounds[i])]
+        # (A prompt's every position comes back for an MTP drafter; its token reads the last.)
+        picked = [r for i in index for r in range(bounds[i][1] - len(microbatch.seqs[i].drafts) - 1, bounds[i][1])]
         if len(picked) < rows.shape[0]:  # some sequences are still reading their prompt (or were cancelled)
             rows, share = rows[mx.array(picked)], None if share is None else share[mx.array(picked)]
         own = self.model.config.vocab_size - microbatch.head_columns  # the entries rank 0 computes

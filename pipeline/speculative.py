@@ -17,6 +17,14 @@ Drafts:
   longest suffix (n = ngram_max down to 1) of prompt + output. Free to compute, and right often on
   what people do with long prompts: summarize, edit, quote, repeat. When it keeps being wrong it
   backs off, so an open question costs nearly nothing over plain decoding.
+- `MtpDrafter`: DeepSeek's multi-token-prediction module (models/mtp.py) on rank 0, fed the main
+  model's final hidden state of every position the ring confirms (the prompt's too), drafts the
+  next-but-one token, and K > 1 by repeating its step on its own output.
+
+A drafter's interface: `propose(history, limit)`, `observe(drafted, accepted)` after each trip
+that carried drafts, and for those that read hidden states (`wants_hidden`) `returned(rows)`: the
+normed final hidden states of the positions a trip ran, in order, handed on before `observe`; and
+`starts_at(position)` when a sequence's first positions come from the prefix cache.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import mlx.core as mx
 
 from .sampling import Sampler
 
-DRAFT_CHOICES = ("none", "ngram")
+DRAFT_CHOICES = ("none", "ngram", "mtp")
 MAX_DRAFT_TOKENS = 15  # K + 1 verified positions stay within models.base.EXACT_POSITIONS_MAX
 
 
@@ -57,6 +65,7 @@ class NgramDrafter:
 
     MISSES_BEFORE_BACKOFF = 2
     MAX_BACKOFF = 32
+    wants_hidden = False
 
     def __init__(self, draft_tokens: int, ngram_max: int = 3):
         self.k, self.ngram_max = draft_tokens, ngram_max
@@ -99,8 +108,82 @@ class NgramDrafter:
             self.skip = min(2 ** (self.misses - self.MISSES_BEFORE_BACKOFF), self.MAX_BACKOFF)
 
 
-def make_drafter(kind: str, draft_tokens: int, ngram_max: int):
-    return NgramDrafter(draft_tokens, ngram_max) if kind == "ngram" else None
+class MtpDrafter:
+    """One sequence's drafts from DeepSeek's MTP module (models/mtp.py), greedy (so a draft is one
+    token with certainty, as `verify` assumes).
+
+    The module's cache must hold, for every position j the main model has confirmed, the entry of
+    (h_j, t_{j+1}): the prompt's positions (their states come back from a prefill that returns
+    every position) and each trip's last token plus the drafts accepted. Drafting K tokens adds
+    K - 1 entries made from the module's own states and drafts; they are dropped (rewound) before
+    the next round, which enters the main model's states for those positions instead."""
+
+    wants_hidden = True
+
+    def __init__(self, mtp, model, draft_tokens: int):
+        """mtp: the MTPModule; model: rank 0's slice (its embedding, and its head for the drafts)."""
+        self.mtp, self.model, self.k = mtp, model, draft_tokens
+        self.cache = mtp.make_cache()
+        self.first = 0  # the position of the first state handed on (after a prefix-cache hit, not 0)
+        self.confirmed: list[mx.array] = []  # states of positions after those in the cache, in order
+        self.unconfirmed: mx.array | None = None  # a trip's states while its drafts await verification
+        self.in_flight = 0  # drafts proposed and not yet observed
+        self.speculative = 0  # cache entries made from the module's own states (to rewind)
+
+    def starts_at(self, position: int) -> None:
+        self.first = position
+
+    def returned(self, rows: mx.array) -> None:
+        if self.in_flight:
+            self.unconfirmed = rows
+        else:
+            self.confirmed.append(rows)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        if self.unconfirmed is not None:  # the trip's last token and the accepted drafts: confirmed
+            self.confirmed.append(self.unconfirmed[:accepted + 1])
+            self.unconfirmed = None
+        self.in_flight = 0
+
+    def propose(self, history: list[int], limit: int) -> list[int]:
+        if self.speculative:
+            self.cache.offset -= self.speculative
+            self.speculative = 0
+        self.in_flight = 0
+        k = min(self.k, limit)
+        if k <= 0 or not self.confirmed:
+            return []
+        states = self.confirmed[0] if len(self.confirmed) == 1 else mx.concatenate(self.confirmed, axis=0)
+        self.confirmed = []
+        start = self.first + self.cache.offset  # the position of states[0]
+        following = history[start + 1:start + 1 + states.shape[0]]  # t_{j+1} of each
+        if len(following) != states.shape[0]:
+            raise RuntimeError(f"MTP drafter: states for positions {start}..{start + states.shape[0] - 1} "
+                               f"but {len(history)} tokens")
+        state = self.mtp(self.model.embed(mx.array([following])), states[None], self.cache)[:, -1:]
+        drafts: list[int] = []
+        while True:
+            drafts.append(mx.argmax(self._logits(state[0, 0])).item())
+            if len(drafts) == k:
+                break
+            state = self.mtp(self.model.embed(mx.array([drafts[-1:]])), state, self.cache)
+            self.speculative += 1
+        self.in_flight = len(drafts)
+        return drafts
+
+    def _logits(self, state: mx.array) -> mx.array:
+        """The main model's LM head on a state the module's shared_head.norm made."""
+        model = self.model
+        return model.embed_tokens.as_linear(state) if model.config.tie_word_embeddings else model.lm_head(state)
+
+
+def make_drafter(kind: str, draft_tokens: int, ngram_max: int, mtp=None, model=None):
+    """mtp, model: the MTP module and rank 0's slice, for kind "mtp" (job.load_stage loads it)."""
+    if kind == "ngram":
+        return NgramDrafter(draft_tokens, ngram_max)
+    if kind == "mtp":
+        return MtpDrafter(mtp, model, draft_tokens)
+    return None
 
 
 @dataclass(frozen=True)
@@ -110,8 +193,10 @@ class DraftSettings:
     tokens: int = 4
     ngram_max: int = 3
 
-    def drafter(self):
-        return make_drafter(self.kind, self.tokens, self.ngram_max)
+    def drafter(self, stage=None):
+        """A new sequence's drafter; stage: rank 0's (its MTP module, slice) for kind "mtp"."""
+        return make_drafter(self.kind, self.tokens, self.ngram_max, getattr(stage, "mtp", None),
+                            getattr(stage, "model", None))
 
 
 def verify(sampler: Sampler, logits: mx.array, drafts: list[int], history: list[int]) -> tuple[int, int]:

@@ -24,6 +24,7 @@ class Stage:
     model: TransformerSlice
     loaded_tensors: list[str]  # checkpoint names this rank read from disk
     caches: dict[int, list] = field(default_factory=dict)  # sequence id -> per-layer caches
+    mtp: object = None  # rank 0 with --draft mtp: DeepSeek's MTP module (models/mtp.py)
 
     @classmethod
     def load(cls, config: ModelConfig, checkpoint: Checkpoint, layers: tuple[int, int],
@@ -97,7 +98,7 @@ def ring_forward(stage: Stage, transport: Transport, hidden: mx.array, seq_ids: 
     from the end of the sequences' caches first, on every rank (rejected speculative drafts)."""
     lengths = [hidden.shape[1]] if lengths is None else lengths
     stage.rewind(seq_ids, rewind)
-    hidden = stage.run_layers(hidden, seq_ids, lengths, last_only=not all_positions)
+    hidden = stage.run_layers(hidden, seq_ids, lengths, last_only=True, full=[all_positions] * len(lengths))
     if transport.size > 1:
         transport.send_message(1, Kind.FORWARD, seq_ids, lengths, hidden, all_positions=all_positions, rewind=rewind)
         hidden = transport.recv_message(transport.size - 1).hidden
@@ -118,8 +119,10 @@ def serve(stage: Stage, transport: Transport) -> None:
         message = transport.recv_message(prev)
         if message.kind == Kind.FORWARD:
             stage.rewind(message.seq_ids, message.rewind)
-            hidden = stage.run_layers(message.hidden, message.seq_ids, message.lengths,
-                                      last_only=not message.all_positions)
+            # all_positions: every position of the final layer, each sequence's last computed as
+            # without (base.TransformerSlice.forward_layers), so the next token is the same either way
+            hidden = stage.run_layers(message.hidden, message.seq_ids, message.lengths, last_only=True,
+                                      full=[message.all_positions] * len(message.lengths))
             transport.send_message(nxt, Kind.FORWARD, message.seq_ids, message.lengths, hidden,
                                    all_positions=message.all_positions, rewind=message.rewind)
             continue

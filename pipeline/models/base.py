@@ -303,6 +303,32 @@ class PreNormBlock(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+def final_layer(layer: nn.Module, h: mx.array, caches: list, lengths: list[int], full: list[bool] | None) -> mx.array:
+    """The model's last layer, returning each sequence's last position, and every position of
+    those marked `full`, the last of them rounded exactly as without `full`. A chunk of drafts
+    (up to EXACT_POSITIONS_MAX tokens after a cache) is: each query is attended alone. A longer
+    chunk, or a sequence's first (a prompt whose every state the MTP drafter reads), is attended in
+    one masked call, whose last row rounds differently from a query alone (and with over 64 rows
+    so do the products): those positions come from a second pass over copies of the caches,
+    thrown away, while the real pass computes the last positions as usual."""
+    if not full or not any(full):
+        return layer(h, caches, lengths, last_only=True)
+    alone = [f and (cache.offset == 0 or n > EXACT_POSITIONS_MAX) for f, n, cache in zip(full, lengths, caches)]
+    if not any(alone):
+        return layer(h, caches, lengths, last_only=True, full=full)
+    copies = [cache.prefix(cache.offset) if cache.offset else layer.make_cache() for cache in caches]
+    every = layer(h, copies, lengths)  # [1, sum(lengths), hidden]
+    kept = [f and not a for f, a in zip(full, alone)]
+    out = layer(h, caches, lengths, last_only=True, full=kept)
+    _, bounds = kept_rows(lengths, kept)
+    parts = []
+    for (begin, end), (b, e), a in zip(segments(lengths), bounds, alone):
+        if a:
+            parts.append(every[:, begin:end - 1])
+        parts.append(out[:, b:e])
+    return mx.concatenate(parts, axis=1)
+
+
 class TransformerSlice(nn.Module):
     """The layers [start, end) of a decoder-only transformer, plus, on the first/last stage,
     the token embedding and the final norm + LM head, and with `head_rows` > 0 (the last rank of a
@@ -347,7 +373,7 @@ class TransformerSlice(nn.Module):
         for j, layer in enumerate(self.layers):
             layer_caches = [seq_caches[j] for seq_caches in caches]
             if final and j == len(self.layers) - 1:
-                h = layer(h, layer_caches, lengths, last_only=True, full=full)
+                h = final_layer(layer, h, layer_caches, lengths, full)
             else:
                 h = layer(h, layer_caches, lengths)
         return h

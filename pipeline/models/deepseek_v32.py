@@ -24,6 +24,8 @@ from ..config import ModelConfig
 from .base import MLP, KVCache, PreNormBlock, RoPE, attend, kept_rows, positions, segments
 from .deepseek_v3 import DeepseekMoE, MultiHeadLatentAttention, is_moe_layer
 
+MTP = True  # DeepSeek's multi-token-prediction module runs as a drafter (models/mtp.py)
+
 
 class LightningIndexer(nn.Module):
     def __init__(self, config: ModelConfig):
@@ -123,7 +125,7 @@ def is_sparse_layer(config: ModelConfig, layer_index: int) -> bool:
     """MoE or dense MLP: transformers writes the choice per layer (mlp_layer_types), DeepSeek's config
     as V3's first_k_dense_replace."""
     kinds = config.raw.get("mlp_layer_types")
-    return kinds[layer_index] == "sparse" if kinds else is_moe_layer(config, layer_index)
+    return kinds[layer_index] == "sparse" if kinds and layer_index < len(kinds) else is_moe_layer(config, layer_index)
 
 
 def DecoderLayer(config: ModelConfig, layer_index: int) -> PreNormBlock:
