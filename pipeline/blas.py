@@ -411,7 +411,13 @@ def is_optimized() -> bool:
 
 
 def describe() -> str:
-    """One phrase for the stats line, e.g. 'OpenBLAS 0.3.21 (1 thread: 2 ranks/host)'."""
+    """One phrase for the stats line, e.g. 'OpenBLAS 0.3.21 (1 thread: 2 ranks/host)', and which
+    kernels ran the quantized products where there were any (qmm.py)."""
+    quantized = sys.modules["pipeline.qmm"].describe() if "pipeline.qmm" in sys.modules else ""
+    return _describe_library() + (f"; quantized products: {quantized}" if quantized else "")
+
+
+def _describe_library() -> str:
     state = load()
     if sys.platform == "darwin":
         return "Accelerate"

@@ -27,6 +27,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import qmm
+
 GAIN = 0.3  # fraction of the measured imbalance corrected per micro-batch: smooths the wait jitter
 STEP = 16  # columns move in multiples of this
 
@@ -51,9 +53,9 @@ def head_columns(head: nn.Module, x: mx.array, begin: int, end: int) -> mx.array
     weight = head.weight[begin:end]
     if "scales" in head:  # QuantizedLinear / QuantizedEmbedding
         biases = head.get("biases")
-        return mx.quantized_matmul(x, weight, head.scales[begin:end], None if biases is None else biases[begin:end],
-                                   transpose=True, group_size=head.group_size, bits=head.bits,
-                                   mode=getattr(head, "mode", "affine"))
+        return qmm.quantized_matmul(x, weight, head.scales[begin:end], None if biases is None else biases[begin:end],
+                                    transpose=True, group_size=head.group_size, bits=head.bits,
+                                    mode=getattr(head, "mode", "affine"))
     return x @ weight.T
 
 

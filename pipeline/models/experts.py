@@ -7,6 +7,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from .. import qmm
+
 
 class SwitchLinear(nn.Module):
     """`num_experts` linear maps stacked as weight [experts, out, in]."""
@@ -67,9 +69,10 @@ class QuantizedSwitchLinear(nn.Module):
         return module
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
-        return mx.gather_qmm(x, self.weight, self.scales, self.get("biases"), rhs_indices=indices, transpose=True,
-                             group_size=self.group_size, bits=self.bits, mode=self.mode,
-                             sorted_indices=sorted_indices)
+        # pipeline's kernels (qmm.py) group the rows per expert themselves; MLX's where they do not apply
+        return qmm.gather_qmm(x, self.weight, self.scales, self.get("biases"), rhs_indices=indices, transpose=True,
+                              group_size=self.group_size, bits=self.bits, mode=self.mode,
+                              sorted_indices=sorted_indices)
 
 
 class SwitchGLU(nn.Module):

@@ -1,0 +1,303 @@
+"""Quantized matrix products on CPU at memory speed: pipeline's own kernels (qmm_kernels.cpp) as an
+MLX operation, with MLX's kernels as the fallback.
+
+MLX's CPU `quantized_matmul` reads a quantized weight matrix at a few percent of memory bandwidth
+and costs about a whole matvec per row, so quantized models decoded 2x slower than with their
+weights dequantized to fp32. qmm_kernels.cpp defines a custom MLX Primitive (the route of MLX's
+"Custom Extensions" docs) whose `eval_cpu` runs our kernels: products stay lazy nodes of the graph
+like any MLX op, evaluated on MLX's CPU stream. A load-ahead shim (as blas.py does for
+`cblas_sgemm`) could not do this: libmlx.so does not export its quantized kernels, so there is no
+symbol to take over. What the kernels compute, and why each row rounds the same whatever else
+shares the call (batch jobs equal `generate`), is in qmm_kernels.cpp's opening comment.
+
+Building. The extension takes and returns `mx.array`, so it is a nanobind module like `mlx.core`
+itself, built against the same nanobind ABI and domain ("mlx"): nanobind's type registry is then
+shared, and an `mx.array` passes in and out as the very C++ object. `pip install .` builds nothing:
+at first use the system C++ compiler compiles qmm_kernels.cpp with nanobind's sources (the
+`nanobind` package, a dependency) against MLX's headers and libmlx.so (about 20 s), once per
+machine, CPU (-march=native), MLX, nanobind and Python version, into $PIPELINE_CACHE/qmm/, with the
+same refusals as the BLAS shim: a folder or file another user may write to is never loaded.
+The module refuses to start under an MLX other than the one it was built for (one line).
+
+Without a compiler, with the build or a check failing, or with `PIPELINE_QMM=0`, every product goes
+to MLX's `quantized_matmul` / `gather_qmm` as before, and the stats line says so (`describe()`).
+Products the kernels do not cover go there too: activations other than float32, MLX's mxfp4/mxfp8
+modes (no biases), gathers with lhs indices, or a default device other than the CPU.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from . import blas
+
+ENV = "PIPELINE_QMM"
+SOURCE = Path(__file__).with_name("qmm_kernels.cpp")
+MODULE = "pipeline_qmm"
+NB_DOMAIN = "mlx"  # mlx.core's nanobind domain: types are shared only within one domain
+BITS = (2, 3, 4, 5, 6, 8)
+GROUP_SIZES = (32, 64, 128)
+SCALE_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+# -ffp-contract=off: the compiler must not fuse some multiply-adds and not others (see the .cpp).
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++20", "-fvisibility=hidden", "-shared",
+         "-fPIC")
+
+
+@dataclass
+class QmmState:
+    module: object = None  # the loaded extension, or None: MLX's kernels
+    path: str = ""
+    why_not: str = ""  # why MLX's kernels run (opted out, no compiler, refused, ...)
+    threads: int = 0
+    used: dict = field(default_factory=lambda: {"pipeline": 0, "mlx": 0})  # products built, by kernel
+
+
+_state: QmmState | None = None
+
+
+class NotBuilt(Exception):
+    """Why the extension could not be built or loaded, in a phrase."""
+
+
+def cxx_compiler() -> str | None:
+    import shutil
+
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+
+
+def _nanobind():
+    try:
+        import nanobind
+    except ImportError:
+        raise NotBuilt("the nanobind package is missing: pip install nanobind") from None
+    return nanobind
+
+
+def _mlx_dir() -> Path:
+    return Path(mx.__file__).resolve().parent  # site-packages/mlx (mx.__file__ is its core.*.so)
+
+
+def extension_path(extra_flags: tuple[str, ...] = ()) -> Path:
+    """Where this machine's build lives: keyed by the source, CPU, MLX, nanobind, Python and flags."""
+    from .default_model import cache_root
+
+    key = b"\0".join([SOURCE.read_bytes(), blas._cpu_signature().encode(), mx.__version__.encode(),
+                      _nanobind().__version__.encode(), sys.version.encode(), " ".join(FLAGS + extra_flags).encode()])
+    digest = hashlib.sha256(key).hexdigest()[:12]
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    return cache_root() / "qmm" / f"{MODULE}-mlx{mx.__version__}-{os.uname().machine}-{digest}{suffix}"
+
+
+def build(path: Path, extra_flags: tuple[str, ...] = ()) -> None:
+    """Compile the extension into `path` (about 20 s), or raise NotBuilt saying why not.
+    extra_flags: e.g. ("-mno-avx512f",) builds the variant a CPU without AVX-512 gets (tests)."""
+    nanobind = _nanobind()
+    compiler = cxx_compiler()
+    if not compiler:
+        raise NotBuilt("no C++ compiler")
+    nb_dir = Path(nanobind.__file__).parent
+    mlx_dir = _mlx_dir()
+    command = [compiler, *FLAGS, *extra_flags, f"-DNB_DOMAIN={NB_DOMAIN}",
+               f"-I{nanobind.include_dir()}", f"-I{nb_dir / 'ext' / 'robin_map' / 'include'}",
+               f"-I{sysconfig.get_paths()['include']}", f"-I{mlx_dir / 'include'}",
+               str(SOURCE), str(Path(nanobind.source_dir()) / "nb_combined.cpp"),
+               f"-L{mlx_dir / 'lib'}", "-lmlx", f"-Wl,-rpath,{mlx_dir / 'lib'}"]
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            out = Path(tmp) / path.name
+            result = subprocess.run([*command, "-o", str(out)], capture_output=True, timeout=600)
+            if result.returncode != 0:
+                errors = result.stderr.decode(errors="replace")
+                first = next((line.strip() for line in errors.splitlines() if "error" in line), "") or errors[:200]
+                raise NotBuilt(f"{Path(compiler).name} could not compile {SOURCE.name}: {first}")
+            out.chmod(0o755)  # whatever the umask: a library others may write to would be refused
+            os.replace(out, path)  # atomic: ranks building at once each publish a whole file
+    except (OSError, subprocess.SubprocessError) as e:
+        raise NotBuilt(f"cannot build it in {path.parent}: {e}") from None
+
+
+def _import(path: Path):
+    import importlib.machinery
+    import importlib.util
+
+    loader = importlib.machinery.ExtensionFileLoader(MODULE, str(path))
+    spec = importlib.util.spec_from_file_location(MODULE, str(path), loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def load_extension(path: Path, build_if_missing: bool = True):
+    """Build (if needed), check and import the extension at `path`; NotBuilt says why not."""
+    import fcntl
+    import stat
+
+    try:
+        blas._make_private_folder(path.parent)
+    except OSError as e:
+        raise NotBuilt(f"cannot create {path.parent}: {e.strerror}") from None
+    path = Path(os.path.realpath(path.parent)) / path.name  # checked and loaded through the real path
+    unsafe = blas._unsafe_folder(path.parent)
+    if unsafe:
+        raise NotBuilt(f"refused {unsafe}")
+    if build_if_missing and not path.exists():
+        with open(path.parent / ".build-lock", "a") as lock:  # ranks of one host build it once
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not path.exists():
+                build(path)
+    try:
+        st = os.lstat(path)
+    except OSError as e:
+        raise NotBuilt(f"{path}: {e.strerror}") from None
+    why = "it is not a regular file" if not stat.S_ISREG(st.st_mode) else blas._writable_by_others(st)
+    if why:
+        raise NotBuilt(f"refused {path}: {why}")
+    try:
+        module = _import(path)
+    except ImportError as e:  # e.g. "pipeline_qmm was built for MLX 0.32.4, this is MLX 0.33.0"
+        raise NotBuilt(str(e).splitlines()[0] if str(e) else f"{path} does not load") from None
+    try:
+        module.probe(mx.zeros((1,)))
+    except TypeError:
+        raise NotBuilt(f"nanobind {_nanobind().__version__} does not share mlx {mx.__version__}'s ABI: "
+                       "install the nanobind version mlx was built with") from None
+    return module
+
+
+def load() -> QmmState:
+    """The kernels of this process: built and loaded once, or the reason they are not."""
+    global _state
+    if _state is not None:
+        return _state
+    _state = QmmState()
+    if os.environ.get(ENV, "").strip().lower() in ("0", "off", "no", "none"):
+        _state.why_not = f"{ENV}={os.environ[ENV]}"
+        return _state
+    if sys.platform == "darwin":
+        _state.why_not = "macOS: MLX's Metal kernels"
+        return _state
+    try:
+        path = extension_path()
+        _state.module = load_extension(path)
+        _state.path = str(path)
+    except NotBuilt as e:
+        _state.why_not = str(e)
+    return _state
+
+
+def available() -> bool:
+    return load().module is not None
+
+
+def _kernels(x: mx.array) -> object:
+    """The extension if it takes this product's activations, else None."""
+    state = load()
+    if state.module is None or x.dtype != mx.float32 or mx.default_device() != mx.cpu:
+        return None
+    threads = blas.num_threads() or 1
+    if threads != state.threads:
+        state.module.set_threads(threads)
+        state.threads = threads
+    return state.module
+
+
+def covers(w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int, bits: int, mode: str,
+           transpose: bool = True) -> bool:
+    """Whether the kernels compute this layout (MLX affine; the rest goes to MLX)."""
+    return (mode == "affine" and transpose and biases is not None and bits in BITS and group_size in GROUP_SIZES
+            and w.dtype == mx.uint32 and scales.dtype in SCALE_DTYPES and biases.dtype == scales.dtype)
+
+
+def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None = None,
+                     transpose: bool = True, group_size: int = 64, bits: int = 4, mode: str = "affine") -> mx.array:
+    """`mx.quantized_matmul`, through pipeline's kernels where they cover the product."""
+    state = load()
+    kernels = _kernels(x)
+    if kernels is not None and w.ndim == 2 and covers(w, scales, biases, group_size, bits, mode, transpose):
+        state.used["pipeline"] += 1
+        k = x.shape[-1]
+        out = kernels.quantized_matmul(x.reshape(-1, k), w, scales, biases, group_size, bits)
+        return out.reshape(*x.shape[:-1], w.shape[0])
+    state.used["mlx"] += 1
+    return mx.quantized_matmul(x, w, scales, biases, transpose=transpose, group_size=group_size, bits=bits,
+                               mode=mode)
+
+
+def gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None = None,
+               lhs_indices: mx.array | None = None, rhs_indices: mx.array | None = None, transpose: bool = True,
+               group_size: int = 64, bits: int = 4, mode: str = "affine", sorted_indices: bool = False) -> mx.array:
+    """`mx.gather_qmm` with rhs indices (each row of x times the experts it chose), through
+    pipeline's kernels where they cover the product: rows grouped per expert in the kernel."""
+    state = load()
+    kernels = _kernels(x)
+    if (kernels is not None and lhs_indices is None and rhs_indices is not None and w.ndim == 3
+            and covers(w, scales, biases, group_size, bits, mode, transpose)):
+        state.used["pipeline"] += 1
+        rows, k = x.shape[-2:]
+        batch = tuple(mx.broadcast_shapes(x.shape[:-2], rhs_indices.shape))
+        flat_x = mx.broadcast_to(x, (*batch, rows, k)).reshape(-1, k)
+        experts = mx.broadcast_to(rhs_indices[..., None], (*batch, rows)).reshape(-1).astype(mx.uint32)
+        out = kernels.gather_qmm(flat_x, w, scales, biases, experts, group_size, bits)
+        return out.reshape(*batch, rows, w.shape[1])
+    state.used["mlx"] += 1
+    return mx.gather_qmm(x, w, scales, biases, lhs_indices=lhs_indices, rhs_indices=rhs_indices,
+                         transpose=transpose, group_size=group_size, bits=bits, mode=mode,
+                         sorted_indices=sorted_indices)
+
+
+# ---- the model's quantized layers --------------------------------------------------------------
+
+class QuantizedLinear(nn.QuantizedLinear):
+    """nn.QuantizedLinear whose product goes through `quantized_matmul` above."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        out = quantized_matmul(x, self["weight"], self["scales"], self.get("biases"), transpose=True,
+                               group_size=self.group_size, bits=self.bits, mode=getattr(self, "mode", "affine"))
+        return out + self["bias"] if "bias" in self else out
+
+
+class QuantizedEmbedding(nn.QuantizedEmbedding):
+    """nn.QuantizedEmbedding whose use as the LM head (tied embeddings) goes through `quantized_matmul`."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return quantized_matmul(x, self["weight"], self["scales"], self.get("biases"), transpose=True,
+                                group_size=self.group_size, bits=self.bits, mode=getattr(self, "mode", "affine"))
+
+
+_OURS = {nn.QuantizedLinear: QuantizedLinear, nn.QuantizedEmbedding: QuantizedEmbedding}
+
+
+def use_in(model: nn.Module) -> int:
+    """Route `model`'s MLX quantized layers through pipeline's kernels: each module's class becomes
+    the subclass above, in place (same parameters, same tree; isinstance checks still hold). Returns
+    how many. Experts (models/experts.py) call `gather_qmm` themselves."""
+    count = 0
+    for module in model.modules():
+        ours = _OURS.get(type(module))
+        if ours is not None:
+            module.__class__ = ours
+            count += 1
+    return count
+
+
+def describe() -> str:
+    """The stats line's phrase for quantized products ("" if this process ran none)."""
+    state = _state
+    if state is None or not any(state.used.values()):
+        return ""
+    if state.used["pipeline"]:
+        threads = state.threads or 1
+        ours = f"pipeline's {state.module.isa()} kernels ({threads} thread{'s' if threads != 1 else ''})"
+        return ours + (", some MLX's" if state.used["mlx"] else "")
+    return "MLX's" + (f" ({state.why_not})" if state.why_not else "")

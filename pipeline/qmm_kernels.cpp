@@ -1,0 +1,550 @@
+/* pipeline's quantized matrix products on CPU, as an MLX operation (a custom Primitive).
+ *
+ * The layout is MLX's affine quantization (mx.quantize): each weight row is a little-endian bit stream
+ * of `bits`-bit integers q packed in uint32 words, and each group of `group_size` consecutive inputs
+ * has a scale s and a bias b (float32, float16 or bfloat16): w = s * q + b. The product is
+ * out[m][n] = sum_k x[m][k] * w[n][k] (`x @ w.T`), x float32.
+ *
+ * Batch invariance. Every output element is one fixed sequence of float operations on its row of x
+ * and its weight row, whatever the number of rows in the call, the row's place among them, the
+ * threads, or the other rows' experts:
+ *   - inputs are taken in chunks of 32 (a group is 1, 2 or 4 chunks); a chunk's q values are widened
+ *     to float (exact) and dequantized as w = fma(s, q, b) (one rounding), in two 16-lane vectors;
+ *   - 16 lane accumulators take acc = fma(w, x, acc) chunk after chunk, in order over k;
+ *   - the lanes are summed in one fixed tree (lane i + lane i+8, then +4, +2, +1).
+ * Within a chunk of 4-bit weights the lanes hold the even inputs then the odd ones (the low and
+ * high nibbles of 16 bytes), and x is permuted the same way once per call; any bit width keeps the
+ * same lane order whatever the row count. A machine with AVX-512 runs a 16-lane vector as one
+ * register, one with AVX2 as two: the same roundings, so both give the same bits.
+ *
+ * Speed. Weights are read once per block of columns and rows: a 4-column panel of 512 inputs is
+ * dequantized into a buffer that stays in L1, then every row of the block multiplies it (register
+ * tiles of 4 rows x 4 columns), so one row reads the weights at near memory speed and many rows
+ * are bound by FMAs. Columns are spread over the threads (OpenMP); no split changes any element's
+ * arithmetic. The gathered product (mixture-of-experts) groups rows by expert and runs each group
+ * the same way.
+ *
+ * Built once per machine, CPU (-march=native), MLX and nanobind version by pipeline/qmm.py, which
+ * also holds the fallback to MLX's own kernels.
+ */
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "mlx/allocator.h"
+#include "mlx/array.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/primitives.h"
+#include "mlx/stream.h"
+#include "mlx/types/half_types.h"
+#include "mlx/version.h"
+
+namespace mx = mlx::core;
+namespace nb = nanobind;
+
+#define STR2(x) #x
+#define STR(x) STR2(x)
+static const char *BUILT_FOR_MLX = STR(MLX_VERSION_MAJOR) "." STR(MLX_VERSION_MINOR) "." STR(MLX_VERSION_PATCH);
+
+static int g_threads = 1;  // the BLAS threads of this rank (pipeline.blas.num_threads())
+
+/* ---- vectors -------------------------------------------------------------------------------------- */
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+
+static inline v16 load16(const float *p) {
+    v16 v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store16(float *p, v16 v) { std::memcpy(p, &v, sizeof v); }
+
+/* acc + a*b lane by lane, one rounding where the CPU has FMA (built with -ffp-contract=off, so the
+   compiler fuses nothing on its own). */
+static inline v16 fma16(v16 a, v16 b, v16 acc) {
+#if defined(__AVX512F__)
+    return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)acc);
+#elif defined(__FMA__)
+    v8 a2[2], b2[2], c2[2];
+    std::memcpy(a2, &a, 64);
+    std::memcpy(b2, &b, 64);
+    std::memcpy(c2, &acc, 64);
+    c2[0] = (v8)_mm256_fmadd_ps((__m256)a2[0], (__m256)b2[0], (__m256)c2[0]);
+    c2[1] = (v8)_mm256_fmadd_ps((__m256)a2[1], (__m256)b2[1], (__m256)c2[1]);
+    v16 out;
+    std::memcpy(&out, c2, 64);
+    return out;
+#else
+    return acc + a * b;
+#endif
+}
+
+static inline v16 splat(float s) {
+#if defined(__AVX512F__)
+    return (v16)_mm512_set1_ps(s);
+#else
+    return v16{s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s};
+#endif
+}
+
+/* 16 bytes widened to 16 int32 lanes (vpmovzxbd; the generic vector code would go byte by byte). */
+static inline i32x16 widen_bytes(const uint8_t *p) {
+#if defined(__AVX512F__)
+    return (i32x16)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p)));
+#elif defined(__AVX2__)
+    __m256i halves[2] = {_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(p))),
+                         _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(p + 8)))};
+    i32x16 v;
+    std::memcpy(&v, halves, 64);
+    return v;
+#else
+    i32x16 v;
+    for (int i = 0; i < 16; i++) v[i] = p[i];
+    return v;
+#endif
+}
+
+/* The one summation tree of the 16 lanes. */
+static inline float lanes_sum(v16 acc) {
+    float t[16];
+    std::memcpy(t, &acc, sizeof t);
+    float a[8], b[4];
+    for (int i = 0; i < 8; i++) a[i] = t[i] + t[i + 8];
+    for (int i = 0; i < 4; i++) b[i] = a[i] + a[i + 4];
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+/* ---- the layout ------------------------------------------------------------------------------------ */
+
+enum ScaleType { SCALE_F32 = 0, SCALE_F16 = 1, SCALE_BF16 = 2 };
+
+static inline float scale_at(const void *p, int type, int64_t i) {
+    switch (type) {
+        case SCALE_F16: return static_cast<float>(static_cast<const mx::float16_t *>(p)[i]);
+        case SCALE_BF16: {
+            uint32_t bits = uint32_t(static_cast<const uint16_t *>(p)[i]) << 16;
+            float f;
+            std::memcpy(&f, &bits, 4);
+            return f;
+        }
+        default: return static_cast<const float *>(p)[i];
+    }
+}
+
+/* One matrix (or one expert's): row n's packed bytes start at w + n * row_bytes. */
+struct QMatrix {
+    const uint8_t *w;
+    const void *scales, *biases;
+    int scale_type;
+    int64_t n, k, row_bytes, groups;  // groups per row = k / group_size
+    int bits, group_size;
+};
+
+/* One group's scale and bias, splat, and for 4 bits on AVX-512 its 16 dequantized values. */
+struct Group {
+    v16 s, b;
+#if defined(__AVX512F__)
+    v16 table;  // table[q] = fma(s, q, b): a lookup gives the very value the arithmetic would
+#endif
+};
+
+static inline Group group_at(const QMatrix &m, int64_t g) {
+    Group out;
+    out.s = splat(scale_at(m.scales, m.scale_type, g));
+    out.b = splat(scale_at(m.biases, m.scale_type, g));
+#if defined(__AVX512F__)
+    if (m.bits == 4) out.table = fma16(out.s, v16{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, out.b);
+#endif
+    return out;
+}
+
+/* The 32 dequantized weights of one chunk (4 * bits bytes) as two vectors, w = fma(s, q, b), in the
+   chunk's lane order: 4 bits: the low nibbles of its 16 bytes (inputs 0, 2, ..., 30), then the high
+   ones (1, 3, ..., 31); other widths: inputs in order. */
+template <int bits>
+static inline void dequantize_chunk(const uint8_t *p, const Group &g, v16 &w0, v16 &w1) {
+    v16 q0, q1;
+    if constexpr (bits == 4) {
+        const i32x16 v = widen_bytes(p);
+#if defined(__AVX512F__)
+        // vpermps reads the low 4 bits of each index: the nibble picks its value from the table
+        w0 = (v16)_mm512_permutexvar_ps((__m512i)v, (__m512)g.table);
+        w1 = (v16)_mm512_permutexvar_ps((__m512i)(v >> 4), (__m512)g.table);
+        return;
+#else
+        q0 = __builtin_convertvector(v & 15, v16);
+        q1 = __builtin_convertvector(v >> 4, v16);
+#endif
+    } else if constexpr (bits == 8) {
+        q0 = __builtin_convertvector(widen_bytes(p), v16);
+        q1 = __builtin_convertvector(widen_bytes(p + 16), v16);
+    } else {
+        uint8_t buf[40] = {0};  // a chunk is 4 * bits <= 32 bytes; the pad lets every read take 2 bytes
+        std::memcpy(buf, p, 4 * bits);
+        int32_t q[32];
+        const unsigned mask = (1u << bits) - 1;
+        for (int i = 0; i < 32; i++) {
+            int bit = i * bits;
+            unsigned two = buf[bit >> 3] | (unsigned(buf[(bit >> 3) + 1]) << 8);
+            q[i] = int32_t((two >> (bit & 7)) & mask);
+        }
+        i32x16 a, b;
+        std::memcpy(&a, q, 64);
+        std::memcpy(&b, q + 16, 64);
+        q0 = __builtin_convertvector(a, v16);
+        q1 = __builtin_convertvector(b, v16);
+    }
+    w0 = fma16(g.s, q0, g.b);
+    w1 = fma16(g.s, q1, g.b);
+}
+
+/* x's inputs in the lane order of dequantize_chunk (a copy only for 4 bits). */
+static void permute_row(const float *x, float *out, int64_t k, int bits) {
+    if (bits != 4) {
+        std::memcpy(out, x, k * sizeof(float));
+        return;
+    }
+    for (int64_t c = 0; c < k; c += 32)
+        for (int j = 0; j < 16; j++) {
+            out[c + j] = x[c + 2 * j];
+            out[c + 16 + j] = x[c + 2 * j + 1];
+        }
+}
+
+/* ---- the kernel ------------------------------------------------------------------------------------- */
+
+constexpr int COLS = 4;     // columns per panel (weight rows dequantized together)
+constexpr int PANEL = 512;  // inputs per panel: a multiple of every group size; 4 x 512 floats = 8 KB
+constexpr int ROW_BLOCK = 64;
+
+/* Dequantize columns [col, col + COLS) x inputs [k0, k0 + len) into buf[c * PANEL + i] (zeros past
+   the last column). */
+template <int bits>
+static void dequantize_panel(const QMatrix &m, int64_t col, int64_t k0, int64_t len, float *buf) {
+    const int64_t chunk_bytes = 4 * bits;
+    for (int c = 0; c < COLS; c++) {
+        float *out = buf + c * PANEL;
+        if (col + c >= m.n) {
+            std::memset(out, 0, len * sizeof(float));
+            continue;
+        }
+        const int64_t n = col + c;
+        const uint8_t *row = m.w + n * m.row_bytes;
+        for (int64_t k = k0; k < k0 + len; k += m.group_size) {
+            const Group g = group_at(m, n * m.groups + k / m.group_size);
+            for (int64_t c32 = k; c32 < k + m.group_size; c32 += 32) {
+                v16 w0, w1;
+                dequantize_chunk<bits>(row + (c32 / 32) * chunk_bytes, g, w0, w1);
+                store16(out + (c32 - k0), w0);
+                store16(out + (c32 - k0) + 16, w1);
+            }
+        }
+    }
+}
+
+/* One row (decode): the same arithmetic as dequantize_panel + panel_tile<1>, the weights dequantized in
+   registers and never stored. */
+template <int bits>
+static void column_block_one_row(const QMatrix &m, int64_t col, const float *x, float *out) {
+    const int64_t chunk_bytes = 4 * bits;
+    if (col + COLS > m.n) {  // the last, partial block: a column at a time
+        for (int64_t n = col; n < m.n; n++) {
+            v16 acc{};
+            for (int64_t k = 0; k < m.k; k += m.group_size) {
+                const Group g = group_at(m, n * m.groups + k / m.group_size);
+                for (int64_t c32 = k; c32 < k + m.group_size; c32 += 32) {
+                    v16 w0, w1;
+                    dequantize_chunk<bits>(m.w + n * m.row_bytes + (c32 / 32) * chunk_bytes, g, w0, w1);
+                    acc = fma16(w0, load16(x + c32), acc);
+                    acc = fma16(w1, load16(x + c32 + 16), acc);
+                }
+            }
+            out[n] = lanes_sum(acc);
+        }
+        return;
+    }
+    // four columns side by side: four independent chains of FMAs
+    v16 acc[COLS] = {};
+    for (int64_t k = 0; k < m.k; k += m.group_size) {
+        Group g[COLS];
+        for (int c = 0; c < COLS; c++) g[c] = group_at(m, (col + c) * m.groups + k / m.group_size);
+        for (int64_t c32 = k; c32 < k + m.group_size; c32 += 32) {
+            const v16 x0 = load16(x + c32), x1 = load16(x + c32 + 16);
+            for (int c = 0; c < COLS; c++) {
+                v16 w0, w1;
+                dequantize_chunk<bits>(m.w + (col + c) * m.row_bytes + (c32 / 32) * chunk_bytes, g[c], w0, w1);
+                acc[c] = fma16(w0, x0, acc[c]);
+                acc[c] = fma16(w1, x1, acc[c]);
+            }
+        }
+    }
+    for (int c = 0; c < COLS; c++) out[col + c] = lanes_sum(acc[c]);
+}
+
+/* acc[r][c] = fma(panel column c, row r, acc[r][c]), 16 inputs at a time, in order. */
+template <int R>
+static inline void panel_tile(const float *const *rows, int64_t k0, int64_t len, const float *buf, v16 *acc) {
+    v16 a[R][COLS];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < COLS; c++) a[r][c] = acc[r * COLS + c];
+    for (int64_t i = 0; i < len; i += 16) {
+        v16 w[COLS];
+        for (int c = 0; c < COLS; c++) w[c] = load16(buf + c * PANEL + i);
+        for (int r = 0; r < R; r++) {
+            const v16 x = load16(rows[r] + k0 + i);
+            for (int c = 0; c < COLS; c++) a[r][c] = fma16(w[c], x, a[r][c]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < COLS; c++) acc[r * COLS + c] = a[r][c];
+}
+
+/* out_rows[r][col..col+COLS) for `nrows` rows (already permuted, see permute_row) of one matrix. */
+template <int bits>
+static void column_block(const QMatrix &m, int64_t col, const float *const *rows, float *const *out_rows,
+                         int64_t nrows, float *buf, v16 *acc) {
+    if (nrows == 1) {
+        column_block_one_row<bits>(m, col, rows[0], out_rows[0]);
+        return;
+    }
+    std::fill(acc, acc + nrows * COLS, v16{});
+    for (int64_t k0 = 0; k0 < m.k; k0 += PANEL) {
+        const int64_t len = std::min<int64_t>(PANEL, m.k - k0);
+        dequantize_panel<bits>(m, col, k0, len, buf);
+        int64_t r = 0;
+        for (; r + 4 <= nrows; r += 4) panel_tile<4>(rows + r, k0, len, buf, acc + r * COLS);
+        for (; r < nrows; r++) panel_tile<1>(rows + r, k0, len, buf, acc + r * COLS);
+    }
+    for (int64_t r = 0; r < nrows; r++)
+        for (int c = 0; c < COLS && col + c < m.n; c++) out_rows[r][col + c] = lanes_sum(acc[r * COLS + c]);
+}
+
+/* A unit of work: rows [r0, r1) of `order` (row indices of one expert's group) times columns
+   [block * COLS, ...) of that expert's matrix. */
+struct Task {
+    int64_t expert, r0, r1, block;
+};
+
+static void run_tasks(const std::vector<Task> &tasks, const std::vector<QMatrix> &mats,
+                      const std::vector<int64_t> &order, const std::vector<const float *> &xrows,
+                      const std::vector<float *> &orows) {
+    const int64_t ntasks = int64_t(tasks.size());
+#pragma omp parallel num_threads(g_threads) if (g_threads > 1 && ntasks > 1)
+    {
+        std::vector<float> buf(COLS * PANEL);
+        std::vector<v16> acc(ROW_BLOCK * COLS);
+        std::vector<const float *> rows(ROW_BLOCK);
+        std::vector<float *> outs(ROW_BLOCK);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < ntasks; t++) {
+            const Task &task = tasks[t];
+            const int64_t nrows = task.r1 - task.r0;
+            for (int64_t i = 0; i < nrows; i++) {
+                rows[i] = xrows[order[task.r0 + i]];
+                outs[i] = orows[order[task.r0 + i]];
+            }
+            const QMatrix &m = mats[task.expert];
+            auto run = [&](auto block) { block(m, task.block * COLS, rows.data(), outs.data(), nrows, buf.data(), acc.data()); };
+            switch (m.bits) {
+                case 2: run(column_block<2>); break;
+                case 3: run(column_block<3>); break;
+                case 4: run(column_block<4>); break;
+                case 5: run(column_block<5>); break;
+                case 6: run(column_block<6>); break;
+                default: run(column_block<8>); break;
+            }
+        }
+    }
+}
+
+/* ---- the MLX operation --------------------------------------------------------------------------- */
+
+/* A row-contiguous copy of `a` (its strides may be anything, broadcasts included), or `a` itself. */
+static mx::array contiguous(const mx::array &a, std::vector<mx::array> &keep) {
+    if (a.flags().row_contiguous) return a;
+    mx::array out(mx::allocator::malloc(a.nbytes()), a.shape(), a.dtype());
+    const size_t item = a.itemsize();
+    const int nd = a.ndim();
+    const uint8_t *src = a.data<uint8_t>();
+    uint8_t *dst = out.data<uint8_t>();
+    std::vector<int64_t> idx(nd, 0);
+    for (size_t i = 0; i < a.size(); i++) {
+        int64_t offset = 0;
+        for (int d = 0; d < nd; d++) offset += idx[d] * a.strides()[d];
+        std::memcpy(dst + i * item, src + offset * item, item);
+        for (int d = nd - 1; d >= 0; d--) {
+            if (++idx[d] < a.shape(d)) break;
+            idx[d] = 0;
+        }
+    }
+    keep.push_back(out);
+    return out;
+}
+
+static int scale_type_of(mx::Dtype t) {
+    if (t == mx::float16) return SCALE_F16;
+    if (t == mx::bfloat16) return SCALE_BF16;
+    if (t == mx::float32) return SCALE_F32;
+    throw std::invalid_argument("pipeline_qmm: scales must be float32, float16 or bfloat16");
+}
+
+/* Inputs: x [rows, k] float32, w [(experts,) n, k * bits / 32] uint32, scales and biases
+   [(experts,) n, k / group_size], and when gathered an expert index per row. Output [rows, n] float32. */
+class QuantizedProduct : public mx::UnaryPrimitive {
+   public:
+    QuantizedProduct(mx::Stream stream, int group_size, int bits, bool gathered)
+        : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits), gathered_(gathered) {}
+
+    void eval_cpu(const std::vector<mx::array> &inputs, mx::array &out) override {
+        out.set_data(mx::allocator::malloc(out.nbytes()));
+        auto &encoder = mx::cpu::get_command_encoder(stream());
+        for (auto &a : inputs) encoder.set_input_array(a);
+        encoder.set_output_array(out);
+        const int group_size = group_size_, bits = bits_;
+        const bool gathered = gathered_;
+        encoder.dispatch([inputs, out, group_size, bits, gathered]() mutable {
+            std::vector<mx::array> keep;
+            const mx::array x = contiguous(inputs[0], keep);
+            const mx::array w = contiguous(inputs[1], keep), s = contiguous(inputs[2], keep),
+                            b = contiguous(inputs[3], keep);
+            const int64_t rows = x.shape(0), k = x.shape(1);
+            const int64_t n = w.shape(-2), experts = gathered ? w.shape(0) : 1;
+            if (rows == 0 || n == 0) return;
+            std::vector<int64_t> expert_of(rows, 0);
+            if (gathered) {
+                const mx::array idx = contiguous(inputs[4], keep);
+                for (int64_t r = 0; r < rows; r++) {
+                    int64_t e = idx.dtype() == mx::uint32 ? int64_t(idx.data<uint32_t>()[r])
+                                                          : int64_t(idx.data<int32_t>()[r]);
+                    expert_of[r] = std::clamp<int64_t>(e, 0, experts - 1);  // as MLX's gather clamps
+                }
+            }
+            std::vector<QMatrix> mats(experts);
+            const int64_t row_bytes = w.shape(-1) * 4, groups = s.shape(-1);
+            for (int64_t e = 0; e < experts; e++)
+                mats[e] = QMatrix{w.data<uint8_t>() + e * n * row_bytes,
+                                  static_cast<const uint8_t *>(s.data<void>()) + e * n * groups * s.itemsize(),
+                                  static_cast<const uint8_t *>(b.data<void>()) + e * n * groups * b.itemsize(),
+                                  scale_type_of(s.dtype()), n, k, row_bytes, groups, bits, group_size};
+            // x in the chunks' lane order, one row at a time
+            std::vector<float> permuted(rows * k);
+            std::vector<const float *> xrows(rows);
+            std::vector<float *> orows(rows);
+            float *o = out.data<float>();
+            for (int64_t r = 0; r < rows; r++) {
+                permute_row(x.data<float>() + r * k, permuted.data() + r * k, k, bits);
+                xrows[r] = permuted.data() + r * k;
+                orows[r] = o + r * n;
+            }
+            // rows grouped by expert, in order within a group (a counting sort)
+            std::vector<int64_t> start(experts + 1, 0), order(rows);
+            for (int64_t r = 0; r < rows; r++) start[expert_of[r] + 1]++;
+            for (int64_t e = 0; e < experts; e++) start[e + 1] += start[e];
+            std::vector<int64_t> fill(start.begin(), start.end() - 1);
+            for (int64_t r = 0; r < rows; r++) order[fill[expert_of[r]]++] = r;
+            std::vector<Task> tasks;
+            const int64_t blocks = (n + COLS - 1) / COLS;
+            for (int64_t e = 0; e < experts; e++)
+                for (int64_t r0 = start[e]; r0 < start[e + 1]; r0 += ROW_BLOCK)
+                    for (int64_t blk = 0; blk < blocks; blk++)
+                        tasks.push_back(Task{e, r0, std::min(start[e + 1], r0 + ROW_BLOCK), blk});
+            run_tasks(tasks, mats, order, xrows, orows);
+        });
+    }
+
+    void eval_gpu(const std::vector<mx::array> &, mx::array &) override {
+        throw std::runtime_error("pipeline_qmm runs on the CPU only");
+    }
+
+    const char *name() const override { return gathered_ ? "PipelineGatherQMM" : "PipelineQMM"; }
+
+    bool is_equivalent(const mx::Primitive &other) const override {
+        auto *o = dynamic_cast<const QuantizedProduct *>(&other);
+        return o && o->group_size_ == group_size_ && o->bits_ == bits_ && o->gathered_ == gathered_;
+    }
+
+    std::vector<mx::Shape> output_shapes(const std::vector<mx::array> &inputs) override {
+        return {mx::Shape{inputs[0].shape(0), inputs[1].shape(-2)}};
+    }
+
+   private:
+    int group_size_, bits_;
+    bool gathered_;
+};
+
+static void check(const mx::array &x, const mx::array &w, const mx::array &s, const mx::array &b, int group_size,
+                  int bits, bool gathered) {
+    auto fail = [](const std::string &why) { throw std::invalid_argument("pipeline_qmm: " + why); };
+    if (x.ndim() != 2 || x.dtype() != mx::float32) fail("x must be float32 [rows, inputs]");
+    if (w.dtype() != mx::uint32 || int(w.ndim()) != (gathered ? 3 : 2)) fail("w must be packed uint32");
+    if (s.shape() != b.shape() || s.dtype() != b.dtype()) fail("scales and biases must match");
+    scale_type_of(s.dtype());
+    if (bits < 2 || bits > 8 || bits == 7 || (group_size != 32 && group_size != 64 && group_size != 128))
+        fail("unsupported bits or group size");
+    const int64_t k = x.shape(1);
+    if (k % group_size || w.shape(-1) * 32 != k * bits || s.shape(-1) * group_size != k ||
+        s.shape(-2) != w.shape(-2) || (gathered && s.shape(0) != w.shape(0)))
+        fail("shapes do not fit one affine quantization");
+}
+
+static mx::Stream cpu_stream() { return mx::default_stream(mx::Device(mx::Device::cpu)); }
+
+NB_MODULE(pipeline_qmm, m) {
+    if (std::string(mx::version()) != BUILT_FOR_MLX)
+        throw std::runtime_error(std::string("pipeline_qmm was built for MLX ") + BUILT_FOR_MLX + ", this is MLX " +
+                                 mx::version());
+    m.def("built_for_mlx", []() { return std::string(BUILT_FOR_MLX); });
+    m.def("set_threads", [](int n) { g_threads = std::max(1, n); });
+    m.def("threads", []() { return g_threads; });
+    m.def("isa", []() {
+#if defined(__AVX512F__)
+        return std::string("AVX-512");
+#elif defined(__AVX2__) && defined(__FMA__)
+        return std::string("AVX2");
+#elif defined(__ARM_NEON)
+        return std::string("NEON");
+#else
+        return std::string("generic");
+#endif
+    });
+    m.def("probe", [](const mx::array &a) { return int64_t(a.size()); });
+    m.def(
+        "quantized_matmul",
+        [](const mx::array &x, const mx::array &w, const mx::array &scales, const mx::array &biases, int group_size,
+           int bits) {
+            check(x, w, scales, biases, group_size, bits, false);
+            return mx::array(mx::Shape{x.shape(0), w.shape(0)}, mx::float32,
+                             std::make_shared<QuantizedProduct>(cpu_stream(), group_size, bits, false),
+                             {x, w, scales, biases});
+        },
+        "x [rows, k] float32 @ dequantize(w, scales, biases).T -> [rows, n], lazily");
+    m.def(
+        "gather_qmm",
+        [](const mx::array &x, const mx::array &w, const mx::array &scales, const mx::array &biases,
+           const mx::array &experts, int group_size, int bits) {
+            check(x, w, scales, biases, group_size, bits, true);
+            if (experts.ndim() != 1 || experts.shape(0) != x.shape(0) ||
+                (experts.dtype() != mx::uint32 && experts.dtype() != mx::int32))
+                throw std::invalid_argument("pipeline_qmm: one int32/uint32 expert index per row");
+            return mx::array(mx::Shape{x.shape(0), w.shape(1)}, mx::float32,
+                             std::make_shared<QuantizedProduct>(cpu_stream(), group_size, bits, true),
+                             {x, w, scales, biases, experts});
+        },
+        "row r of x [rows, k] times expert experts[r] of w [experts, n, ...] -> [rows, n], lazily");
+}
