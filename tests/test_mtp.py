@@ -93,7 +93,10 @@ def add_mtp_layer(folder, main, donor_folder, seed=5):
     own = {"enorm.weight": 1 + 0.1 * torch.randn(d, generator=g), "hnorm.weight": 1 + 0.1 * torch.randn(d, generator=g),
            "eh_proj.weight": INIT_STD * torch.randn(d, 2 * d, generator=g),
            "shared_head.norm.weight": 1 + 0.1 * torch.randn(d, generator=g)}
+    with torch.no_grad():  # a final norm far from 1, so reading states before it would show
+        main.model.norm.weight.copy_(0.2 + 1.8 * torch.rand(d, generator=g))
     tensors = load_file(str(folder / "model.safetensors"))
+    tensors["model.norm.weight"] = main.model.norm.weight.detach().clone()
     for name, t in load_file(str(donor_folder / "model.safetensors")).items():
         if name.startswith(f"model.layers.{L}."):
             tensors[name] = t
