@@ -1,0 +1,162 @@
+"""pipeline's quantized kernels (pipeline/qmm_kernels.cpp through pipeline/qmm.py) against an independent
+truth: MLX's affine layout unpacked with numpy (a little-endian bit stream per weight row), dequantized
+and multiplied in float64. Then the property batch jobs rely on: a row's result does not depend on the
+other rows in the call (count, place, experts), to the bit."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from pipeline import qmm
+
+SCALE_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """The extension, built once per machine into the cache (as a real run builds it)."""
+    state = qmm.load()
+    if state.module is None:
+        if qmm.cxx_compiler() and os.environ.get(qmm.ENV) is None:
+            pytest.fail(f"the quantized kernels should build here: {state.why_not}")
+        pytest.skip(f"no quantized kernels: {state.why_not}")
+    return state.module
+
+
+def quantized(rng, n: int, k: int, bits: int, group_size: int, scale_dtype: str, experts: int = 0):
+    shape = (experts, n, k) if experts else (n, k)
+    w, scales, biases = mx.quantize(mx.array(rng.standard_normal(shape).astype(np.float32)),
+                                    group_size=group_size, bits=bits)
+    return w, scales.astype(SCALE_DTYPES[scale_dtype]), biases.astype(SCALE_DTYPES[scale_dtype])
+
+
+def dequantized_float64(w: mx.array, scales: mx.array, biases: mx.array, bits: int, group_size: int) -> np.ndarray:
+    """The weights in float64 by numpy alone: each row of uint32 words is a little-endian stream of
+    `bits`-bit integers, q * scale + bias per group."""
+    packed = np.array(w).view(np.uint8)
+    stream = np.unpackbits(packed.reshape(-1, packed.shape[-1]), axis=1, bitorder="little")
+    k = packed.shape[-1] * 8 // bits
+    q = stream.reshape(-1, k, bits).astype(np.int64) @ (1 << np.arange(bits))
+    s = np.array(scales.astype(mx.float32), dtype=np.float64).reshape(q.shape[0], -1)
+    b = np.array(biases.astype(mx.float32), dtype=np.float64).reshape(q.shape[0], -1)
+    out = q * np.repeat(s, group_size, axis=1) + np.repeat(b, group_size, axis=1)
+    return out.reshape(*w.shape[:-1], k)
+
+
+# Float32 error of one output over its float64 value, relative to sum |x_k w_k|: each weight rounds once
+# (2^-24), each of 16 lane sums once per 16 inputs, the lanes' tree four times. Measured: at most 3.6e-8
+# over the shapes below; a wrong group, nibble or scale is off by order 1.
+RELATIVE_TOLERANCE = 1e-7
+
+
+@pytest.mark.parametrize("scale_dtype", SCALE_DTYPES)
+@pytest.mark.parametrize("group_size", (32, 64, 128))
+@pytest.mark.parametrize("bits", (2, 3, 4, 5, 6, 8))
+def test_product_matches_float64_reference(kernels, bits, group_size, scale_dtype):
+    rng = np.random.default_rng(bits * 1000 + group_size)
+    n, k = 37, 512  # n: a last block of 1 column; k: one full panel of 512 inputs
+    w, scales, biases = quantized(rng, n, k, bits, group_size, scale_dtype)
+    x = rng.standard_normal((6, k)).astype(np.float32)
+    got = np.array(kernels.quantized_matmul(mx.array(x), w, scales, biases, group_size, bits))
+    weights = dequantized_float64(w, scales, biases, bits, group_size)
+    want = x.astype(np.float64) @ weights.T
+    scale = np.abs(x).astype(np.float64) @ np.abs(weights).T
+    assert np.max(np.abs(got - want) / scale) < RELATIVE_TOLERANCE
+
+
+@pytest.mark.parametrize("bits,group_size", [(4, 32), (4, 64), (4, 128), (8, 64), (5, 32), (3, 128)])
+def test_each_row_rounds_the_same_whatever_shares_the_call(kernels, bits, group_size):
+    """Rows 1..N, in every position: a row's bits equal those it gets alone, and those of any prefix
+    of the rows (4-row tiles, the 1-row path, a row block of 64 and what follows)."""
+    rng = np.random.default_rng(7)
+    n, k, rows = 45, 640, 70  # k: a full and a partial panel
+    w, scales, biases = quantized(rng, n, k, bits, group_size, "bfloat16")
+    x = mx.array(rng.standard_normal((rows, k)).astype(np.float32))
+    full = np.array(kernels.quantized_matmul(x, w, scales, biases, group_size, bits))
+    for r in range(rows):
+        alone = np.array(kernels.quantized_matmul(x[r:r + 1], w, scales, biases, group_size, bits))
+        assert np.array_equal(alone[0], full[r]), f"row {r} alone differs"
+    for count in range(1, rows + 1):
+        start = (count * 7) % (rows - count + 1)  # the rows at various places of the call
+        part = np.array(kernels.quantized_matmul(x[start:start + count], w, scales, biases, group_size, bits))
+        assert np.array_equal(part, full[start:start + count]), f"rows {start}..{start + count} differ"
+
+
+def test_gathered_product_per_expert_row_groups(kernels):
+    """Rows choosing experts in any order: each equals the float64 truth of its expert, and the very
+    bits of that row alone with its expert's matrix (the dense kernel)."""
+    rng = np.random.default_rng(3)
+    experts, n, k, rows, bits, group_size = 5, 21, 256, 23, 4, 64
+    w, scales, biases = quantized(rng, n, k, bits, group_size, "float16", experts=experts)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    chosen = rng.integers(0, experts, rows).astype(np.uint32)
+    got = np.array(kernels.gather_qmm(mx.array(x), w, scales, biases, mx.array(chosen), group_size, bits))
+    weights = dequantized_float64(w, scales, biases, bits, group_size)
+    for r, e in enumerate(chosen):
+        want = weights[e] @ x[r].astype(np.float64)
+        scale = np.abs(weights[e]) @ np.abs(x[r]).astype(np.float64)
+        assert np.max(np.abs(got[r] - want) / scale) < RELATIVE_TOLERANCE
+        alone = np.array(kernels.quantized_matmul(mx.array(x[r:r + 1]), w[int(e)], scales[int(e)], biases[int(e)],
+                                                  group_size, bits))
+        assert np.array_equal(alone[0], got[r])
+
+
+def test_gather_qmm_takes_mlx_shapes(kernels):
+    """qmm.gather_qmm as the experts call it (tokens x k chosen experts, unsorted and sorted) gives
+    MLX's shapes and, within rounding, MLX's values; lazily (nothing runs before mx.eval)."""
+    rng = np.random.default_rng(5)
+    w, scales, biases = quantized(rng, 24, 128, 4, 32, "float32", experts=6)
+    x = mx.array(rng.standard_normal((9, 1, 1, 128)).astype(np.float32))
+    indices = mx.array(rng.integers(0, 6, (9, 2)).astype(np.uint32))
+    before = qmm.load().used["pipeline"]
+    ours = qmm.gather_qmm(x, w, scales, biases, rhs_indices=indices, group_size=32, bits=4)
+    assert qmm.load().used["pipeline"] == before + 1
+    theirs = mx.gather_qmm(x, w, scales, biases, rhs_indices=indices, transpose=True, group_size=32, bits=4)
+    assert ours.shape == theirs.shape == (9, 2, 1, 24)
+    assert np.allclose(np.array(ours), np.array(theirs), rtol=1e-5, atol=1e-4)
+    flat = indices.flatten()
+    order = mx.argsort(flat)
+    ours = qmm.gather_qmm(x[order // 2], w, scales, biases, rhs_indices=flat[order][:, None], group_size=32, bits=4,
+                          sorted_indices=True)
+    theirs = mx.gather_qmm(x[order // 2], w, scales, biases, rhs_indices=flat[order][:, None], transpose=True,
+                           group_size=32, bits=4, sorted_indices=True)
+    assert ours.shape == theirs.shape
+    assert np.allclose(np.array(ours), np.array(theirs), rtol=1e-5, atol=1e-4)
+
+
+FALLBACK = """
+import mlx.core as mx, numpy as np
+from pipeline import qmm
+w, s, b = mx.quantize(mx.random.normal((16, 64)), group_size=32, bits=4)
+x = mx.random.normal((3, 64))
+ours = qmm.quantized_matmul(x, w, s, b, group_size=32, bits=4)
+theirs = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=32, bits=4)
+assert np.array_equal(np.array(ours), np.array(theirs))
+print(qmm.describe())
+"""
+
+
+def test_refused_cache_falls_back_to_mlx_and_says_so(tmp_path):
+    """A cache folder other users may write to: the extension is neither built nor loaded, the
+    products are MLX's own (the same bits), and the stats phrase names the reason."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    cache.chmod(0o777)
+    result = subprocess.run([sys.executable, "-c", FALLBACK], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PIPELINE_CACHE": str(cache)})
+    assert result.returncode == 0, result.stderr
+    assert "MLX's (refused" in result.stdout and "every user may write to it" in result.stdout
+    assert not (cache / "qmm").exists() or not any((cache / "qmm").glob("*.so"))
+
+
+def test_opting_out_falls_back_to_mlx():
+    result = subprocess.run([sys.executable, "-c", FALLBACK], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, qmm.ENV: "0"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"MLX's ({qmm.ENV}=0)"
