@@ -624,6 +624,13 @@ class ModelBytes:
     active_params: list[int]  # per layer, for compute
     head_params: int
     head: int = 0  # the LM head's matrix as held (the tied embedding where there is no lm_head)
+    mtp: int = 0  # DeepSeek's MTP module as held (without its copies of the embedding and head): rank 0's with --draft mtp
+
+
+def with_mtp(mb: ModelBytes) -> ModelBytes:
+    """The bytes of a job drafting with the MTP module (--draft mtp): rank 0 holds it beside its
+    other extras, so the split gives rank 0 that much less of the rest."""
+    return replace(mb, ends=mb.ends + mb.mtp)
 
 
 def model_bytes(arch: Architecture, precision: Precision) -> ModelBytes:
@@ -641,7 +648,9 @@ def model_bytes(arch: Architecture, precision: Precision) -> ModelBytes:
     head = [p for p in arch.ends if not p.is_embedding] + ([embedding] if arch.config.tie_word_embeddings else [])
     head_read = sum(b(p) for p in head) + (0 if arch.config.tie_word_embeddings else b(embedding) // embedding.shape[0])
     matrix = next((p for p in arch.ends if p.name.startswith("lm_head.")), embedding)
-    return ModelBytes(layers, ends, fixed, expert_bytes, experts, head_read, active, sum(p.numel for p in head), b(matrix))
+    mtp = sum(b(p) for p in arch.unused if not p.name.endswith(("embed_tokens.weight", "shared_head.head.weight")))
+    return ModelBytes(layers, ends, fixed, expert_bytes, experts, head_read, active, sum(p.numel for p in head), b(matrix),
+                      mtp)
 
 
 def model_bytes_of(config: ModelConfig, model: str | Path, dtype: str = "float32", quantize: int | None = None,
@@ -889,8 +898,10 @@ class MemoryPlan:
                               quantize=getattr(args, "quantize", None),
                               group_size=getattr(args, "group_size", None) or 64)
         arch = architecture(config)
-        return cls(memory, model_bytes(arch, precision), model_bytes(arch, replace(precision, dense=True)),
-                   arch, precision.dtype_bytes)
+        mb, dense_mb = model_bytes(arch, precision), model_bytes(arch, replace(precision, dense=True))
+        if getattr(args, "draft", "none") == "mtp":
+            mb, dense_mb = with_mtp(mb), with_mtp(dense_mb)
+        return cls(memory, mb, dense_mb, arch, precision.dtype_bytes)
 
     def counts(self) -> list[int]:
         return layer_counts(self.mb, len(self.memory_gib), self.memory_gib)
@@ -921,7 +932,7 @@ def format_plan(plan: ClusterPlan, title: str) -> str:
     cp = p.checkpoint
     lines = [f"{title} ({arch.name}): {len(arch.layers)} layers, {_b(c.total)} parameters, "
              f"{_b(c.active)} read per token (embedding table excluded)"
-             + (f"; MTP module {_b(c.unused)} in the checkpoint, not run" if c.unused else "")]
+             + (f"; MTP module {_b(c.unused)} in the checkpoint, run only with --draft mtp" if c.unused else "")]
     resident = sum(plan.mb.layers) + plan.mb.ends
     disk = sum(cp.disk_bytes(q) for layer in arch.layers for q in layer) + sum(cp.disk_bytes(q) for q in arch.ends)
     disk_unused = sum(cp.disk_bytes(q) for q in arch.unused)
@@ -956,7 +967,7 @@ def format_plan(plan: ClusterPlan, title: str) -> str:
     lines.append(f"decode roofline: single stream {plan.single_tps:.1f} tok/s (stage times in turn{link}); "
                  f"batch {plan.batch}: {plan.batch_tps:.1f} tok/s (stages overlap; slowest stage bounds it)")
     for k, how, tps in plan.speculative or ():
-        drafting = "MTP module on rank 0" if how == "mtp" else "prompt lookup, drafting free"
+        drafting = f"MTP module, {size(plan.mb.mtp)} more on rank 0" if how == "mtp" else "prompt lookup, drafting free"
         lines.append(f"  speculative, {k} draft{'s' if k > 1 else ''} ({drafting}), acceptance "
                      f"{100 * plan.draft_acceptance:.0f}%: single stream {tps:.1f} tok/s "
                      f"({tps / plan.single_tps:.2f}x; the {k + 1} verified positions read more experts)")

@@ -88,7 +88,8 @@ class Stage:
     def weight_nbytes(self) -> int:
         from mlx.utils import tree_flatten
 
-        return sum(a.nbytes for _, a in tree_flatten(self.model.parameters()))
+        held = [self.model] + ([self.mtp] if self.mtp is not None else [])  # rank 0's MTP module counts too
+        return sum(a.nbytes for module in held for _, a in tree_flatten(module.parameters()))
 
 
 def ring_forward(stage: Stage, transport: Transport, hidden: mx.array, seq_ids: list[int] = (0,),

@@ -283,3 +283,99 @@ def test_no_module_is_one_error_line(mtp_model, tiny_models):
         assert result.returncode != 0
         lines = [line for line in result.stderr.splitlines() if line.strip()]
         assert len(lines) == 1 and lines[0].startswith("error: --draft mtp") and says in lines[0], result.stderr
+
+
+class TwoRanks:
+    """plan_job's view of a 2-rank communicator (it only asks the size without --weights-in-memory auto)."""
+
+    def Get_size(self):
+        return 2
+
+
+def test_the_module_counts_on_rank_0(mtp_model):
+    """With --draft mtp the split, --host-memory's fit check and preflight count the module on rank 0:
+    here it moves a layer to rank 1."""
+    import argparse
+
+    from pipeline.job import plan_job
+    from pipeline.models.mtp import mtp_nbytes
+
+    folder, plain, _ = mtp_model
+    plans = {}
+    for draft in ("none", "mtp"):
+        args = argparse.Namespace(model=folder, requantize=None, draft=draft, split=None, host_memory="1,1",
+                                  weights_in_memory="quantized", quantize=None, group_size=64, dtype="float32")
+        plans[draft] = plan_job(args, TwoRanks())
+    module = mtp_nbytes(Checkpoint(folder), ModelConfig.from_folder(folder))  # float32 as stored and as held
+    assert plans["mtp"].host_memory.mb.ends - plans["none"].host_memory.mb.ends == module > 0
+    assert plans["none"].ranges == [(0, 2), (2, 4)] and plans["mtp"].ranges == [(0, 1), (1, 4)]
+
+    weights = {}
+    for draft in ("none", "mtp"):
+        result = mpiexec(2, "preflight", "--model", str(folder), "--draft", draft)
+        assert result.returncode == 0, result.stderr
+        weights[draft] = float(re.search(r"^0 .*? ([\d.]+) MiB fp32", result.stdout, re.M).group(1))
+    assert weights["mtp"] - weights["none"] == pytest.approx(module / 2**20, abs=0.06)
+    result = mpiexec(2, "preflight", "--model", str(plain), "--draft", "mtp")
+    assert result.returncode == 1 and "--draft mtp: " in result.stderr and "has no MTP module" in result.stderr
+
+
+def module_logits(stage, mtp, history):
+    model = stage.model
+    states = model.norm(stage.run_layers(model.embed(mx.array([history[:-1]]))))
+    stage.release([0])
+    return np.array(model.lm_head(mtp(model.embed(mx.array([history[1:]])), states, mtp.make_cache()))[0])
+
+
+def test_the_module_loads_from_fp8_and_mlx_quantized_folders(mtp_model, tmp_path):
+    """DeepSeek's FP8 (e4m3, 128x128 block scales) with --quantize 8, and an MLX-quantized folder
+    (experts stacked as switch_mlp): the module held quantized, its logits those of the weights
+    it stands for."""
+    from test_moe import _fp8_blocks
+
+    from pipeline.formats import Requantize, adapt_tensors
+
+    folder, _, reference = mtp_model
+    config = ModelConfig.from_folder(folder)
+    (stage,) = load_stages(folder, [(0, 4)])
+    history = PROMPT + [7]
+    truth = reference.mtp_logits(history).numpy()
+
+    fp8 = {}
+    for name, w in load_file(str(folder / "model.safetensors")).items():
+        if name.startswith("model.layers.4.") and name.endswith("proj.weight") and w.ndim == 2:
+            fp8[name], fp8[name + "_scale_inv"] = _fp8_blocks(w.float())
+        else:
+            fp8[name] = w
+    (tmp_path / "fp8").mkdir()
+    save_file(fp8, str(tmp_path / "fp8" / "model.safetensors"))
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
+                                  "activation_scheme": "dynamic"}
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(cfg))
+    mtp = load_mtp(config, Checkpoint(tmp_path / "fp8"), mx.float32, Requantize(8, 32))
+    assert type(mtp.eh_proj).__name__ == "QuantizedLinear"
+    assert type(mtp.block.mlp.switch_mlp.gate_proj).__name__ == "QuantizedSwitchLinear"
+    assert np.corrcoef(module_logits(stage, mtp, history).ravel(), truth.ravel())[0, 1] > 0.995
+
+    checkpoint = Checkpoint(folder)
+    stacked = dict(adapt_tensors(sorted(checkpoint.tensors), checkpoint.tensors, checkpoint.read, mx.float32))
+    quantized, dequantized = {}, {}
+    for name, w in stacked.items():
+        if name.startswith("model.layers.4.") and name.endswith("proj.weight") and w.shape[-1] % 32 == 0:
+            q, s, b = mx.quantize(w, group_size=32, bits=4)
+            stem = name[: -len(".weight")]
+            quantized.update({name: q, stem + ".scales": s, stem + ".biases": b})
+            dequantized[name] = mx.dequantize(q, s, b, group_size=32, bits=4)
+        else:
+            quantized[name] = dequantized[name] = w
+    for sub, tensors in (("mlx", quantized), ("dq", dequantized)):
+        (tmp_path / sub).mkdir()
+        mx.save_safetensors(str(tmp_path / sub / "model.safetensors"), tensors)
+        (tmp_path / sub / "config.json").write_text(json.dumps(
+            {**json.loads((folder / "config.json").read_text()),
+             **({"quantization": {"group_size": 32, "bits": 4}} if sub == "mlx" else {})}))
+    q = load_mtp(config, Checkpoint(tmp_path / "mlx"), mx.float32)
+    dq = load_mtp(config, Checkpoint(tmp_path / "dq"), mx.float32)
+    assert type(q.block.mlp.switch_mlp.up_proj).__name__ == "QuantizedSwitchLinear"
+    assert np.abs(module_logits(stage, q, history) - module_logits(stage, dq, history)).max() <= 1e-4

@@ -73,6 +73,10 @@ def add_parser(commands) -> None:
     pre.add_argument("--context", type=int, default=None, metavar="TOKENS",
                      help="tokens the job keeps in its KV cache, all sequences together (default: the "
                           "model's context, at most 8192)")
+    from ..speculative import DRAFT_CHOICES
+
+    pre.add_argument("--draft", choices=DRAFT_CHOICES, default="none",
+                     help="the job's --draft: with mtp, rank 0 also holds DeepSeek's multi-token-prediction module")
 
 
 def run(args: argparse.Namespace, comm) -> int:
@@ -159,6 +163,13 @@ def _measure_slices(report: RankReport, folder: Path, args: argparse.Namespace) 
     report.disk_layer_bytes, report.disk_ends_bytes = layer_nbytes(checkpoint, config.num_hidden_layers)
     report.held, report.dense_held = (model_bytes_of(config, folder, args.dtype, args.quantize, args.group_size, d)
                                       for d in (False, True))
+    if getattr(args, "draft", "none") == "mtp":  # the module on rank 0, as job.plan_job counts it
+        from ..models.mtp import check_mtp, mtp_nbytes
+        from ..plan import with_mtp
+
+        check_mtp(checkpoint, config, folder)
+        report.disk_ends_bytes += mtp_nbytes(checkpoint, config)
+        report.held, report.dense_held = with_mtp(report.held), with_mtp(report.dense_held)
     report.quantized, report.dtype = is_quantized(checkpoint), args.dtype
     context = args.context or min(8192, config.max_position_embeddings)
     if context < 1:
