@@ -67,11 +67,12 @@ class Reference:
             states = self.main.model(torch.tensor([history[:-1]])).last_hidden_state[0]
             return self.main.lm_head(self.run_block(self.combine(history[1:], states)))
 
-    def drafts(self, history, k):
-        """K greedy drafts after `history`, the module's step repeated on its own state and draft."""
+    def drafts(self, history, k, first=0):
+        """K greedy drafts after `history`, the module's step repeated on its own state and draft;
+        first: the module saw positions from there on only (a prefix-cache hit)."""
         with torch.no_grad():
             states = self.main.model(torch.tensor([history[:-1]])).last_hidden_state[0]
-            x = self.combine(history[1:], states)
+            x = self.combine(history[first + 1:], states[first:])
             out = []
             for _ in range(k):
                 state = self.run_block(x)[-1]
@@ -225,6 +226,22 @@ def test_drafts_of_every_round_match_the_reference(mtp_model, right):
         assert drafts == reference.drafts(history, len(drafts)), len(history)
 
 
+def test_a_sequence_started_from_the_prefix_cache_drafts_from_its_first_new_position(mtp_model):
+    """After a prefix-cache hit the module sees the positions from the first one computed anew
+    (starts_at): its drafts are the reference's over those positions."""
+    from pipeline.speculative import MtpDrafter
+
+    folder, _, reference = mtp_model
+    (stage,) = load_with_mtp(folder)
+    model = stage.model
+    hidden = stage.run_layers(model.embed(mx.array([PROMPT])), last_only=True, full=[True])
+    history = PROMPT + [int(mx.argmax(model.logits(hidden[0, -1])).item())]
+    drafter = MtpDrafter(stage.mtp, model, 3)
+    drafter.starts_at(25)
+    drafter.returned(model.norm(hidden[0, 25:]))
+    assert drafter.propose(history, 3) == reference.drafts(history, 3, first=25)
+
+
 def test_a_prompt_returning_every_position_rounds_its_last_as_without(mtp_model):
     """The MTP reads every prompt position's state; the last one, which the first token comes from,
     is computed as when only it comes back (bit for bit), and so are the caches; prompts of 100
@@ -259,21 +276,31 @@ def test_generate_with_mtp_equals_plain_on_1_2_3_ranks(mtp_model):
 
 
 def test_batch_with_mtp_equals_batch_without(mtp_model, tmp_path):
+    """Each sequence drafts with its own module cache inside the micro-batches: texts equal those
+    without drafts on 2 and 3 ranks (head shared), and with the prefix cache (one at a time, so the
+    later requests start from the first one's caches and their module from the first new position)."""
     from test_batch import batch, read_records, write_jsonl
 
     folder, _, _ = mtp_model
-    rows = [{"id": i, "prompt": p, "max_tokens": 16} for i, p in enumerate(
-        [TEXT, "The capital of France is", "def hello(world):\n    return 42\n"])]
+    rows = [{"id": i, "prompt": TEXT + p, "max_tokens": 16} for i, p in enumerate(
+        [" The capital of France is", " def hello(world):\n    return 42\n", " hidden states"])]
+    rows.append({"id": "sampled", "prompt": TEXT, "max_tokens": 12, "temperature": 0.7, "seed": 3})
     inp = write_jsonl(tmp_path / "in.jsonl", rows)
     plain = batch(2, folder, inp, tmp_path / "plain.jsonl", "--no-chat-template")
     assert plain.returncode == 0, plain.stderr
-    expected = {r["id"]: r["text"] for r in read_records(tmp_path / "plain.jsonl")}
-    for n, extra in ((2, ()), (3, ("--head-share", "0.5"))):
-        out = tmp_path / f"mtp{n}.jsonl"
+    expected = {r["id"]: r["text"] for r in read_records(tmp_path / "plain.jsonl") if r["id"] != "sampled"}
+    runs = ((2, ()), (3, ("--head-share", "0.5")), (2, ("--max-batch", "1", "--prefix-cache-gb", "0.01")))
+    for n, extra in runs:
+        out = tmp_path / f"mtp{n}{len(extra)}.jsonl"
         result = batch(n, folder, inp, out, "--no-chat-template", "--draft", "mtp", "--draft-tokens", "2", *extra)
         assert result.returncode == 0, result.stderr
-        assert {r["id"]: r["text"] for r in read_records(out)} == expected, n
+        records = {r["id"]: r for r in read_records(out)}
+        assert {i: r["text"] for i, r in records.items() if i != "sampled"} == expected, extra
+        assert "text" in records["sampled"]
         assert re.search(r"speculative: drafted [1-9]", result.stderr), result.stderr
+        if "--prefix-cache-gb" in extra:
+            cached = [records[i]["usage"]["prompt_tokens_details"]["cached_tokens"] for i in range(3)]
+            assert cached[0] == 0 and all(c > 20 for c in cached[1:]), cached
 
 
 def test_no_module_is_one_error_line(mtp_model, tiny_models):
