@@ -205,11 +205,18 @@ def _kernels(x: mx.array) -> object:
     state = load()
     if state.module is None or x.dtype != mx.float32 or mx.default_device() != mx.cpu:
         return None
-    threads = blas.num_threads() or 1
-    if threads != state.threads:
-        state.module.set_threads(threads)
-        state.threads = threads
+    if not state.threads:
+        set_threads()
     return state.module
+
+
+def set_threads(threads: int | None = None) -> None:
+    """The kernels' threads: `threads`, else the BLAS's (blas.num_threads(), a rank's share of its
+    host's cores), read once per load and again by use_in() (not per product: a ctypes call)."""
+    state = load()
+    if state.module is not None:
+        state.threads = threads or blas.num_threads() or 1
+        state.module.set_threads(state.threads)
 
 
 def covers(w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int, bits: int, mode: str,
@@ -226,9 +233,7 @@ def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
     kernels = _kernels(x)
     if kernels is not None and w.ndim == 2 and covers(w, scales, biases, group_size, bits, mode, transpose):
         state.used["pipeline"] += 1
-        k = x.shape[-1]
-        out = kernels.quantized_matmul(x.reshape(-1, k), w, scales, biases, group_size, bits)
-        return out.reshape(*x.shape[:-1], w.shape[0])
+        return kernels.quantized_matmul(x, w, scales, biases, group_size, bits)
     state.used["mlx"] += 1
     return mx.quantized_matmul(x, w, scales, biases, transpose=transpose, group_size=group_size, bits=bits,
                                mode=mode)
@@ -282,6 +287,7 @@ def use_in(model: nn.Module) -> int:
     """Route `model`'s MLX quantized layers through pipeline's kernels: each module's class becomes
     the subclass above, in place (same parameters, same tree; isinstance checks still hold). Returns
     how many. Experts (models/experts.py) call `gather_qmm` themselves."""
+    set_threads()
     count = 0
     for module in model.modules():
         ours = _OURS.get(type(module))

@@ -27,6 +27,7 @@
  * Built once per machine, CPU (-march=native), MLX and nanobind version by pipeline/qmm.py, which
  * also holds the fallback to MLX's own kernels.
  */
+#include <dlfcn.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
@@ -232,6 +233,8 @@ static void permute_row(const float *x, float *out, int64_t k, int bits) {
 constexpr int COLS = 4;     // columns per panel (weight rows dequantized together)
 constexpr int PANEL = 512;  // inputs per panel: a multiple of every group size; 4 x 512 floats = 8 KB
 constexpr int ROW_BLOCK = 64;
+constexpr int64_t INVARIANT_MAX_ROWS = 64;  // as the BLAS shim's: more rows (one prompt's chunk) go to the BLAS
+constexpr int64_t BLAS_PANEL = 256;         // weight rows dequantized at a time for the BLAS
 
 /* Dequantize columns [col, col + COLS) x inputs [k0, k0 + len) into buf[c * PANEL + i] (zeros past
    the last column). */
@@ -373,6 +376,58 @@ static void run_tasks(const std::vector<Task> &tasks, const std::vector<QMatrix>
     }
 }
 
+/* ---- products of many rows: the BLAS on dequantized panels ------------------------------------------ */
+
+/* The products of more rows than batch jobs pack together (a prompt's chunk) are bound by FMAs, where
+   the BLAS's sgemm (OpenBLAS, loaded by blas.py) beats the tiles above: weight rows are dequantized
+   256 at a time into floats (in the chunks' lane order, as x is permuted: the same sums) and
+   multiplied there. Like the BLAS shim's, such products round by the BLAS's rules, not the fixed
+   ones above. */
+typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int, const float *, int, float, float *,
+                         int);
+
+static sgemm_fn blas_sgemm() {
+    static const sgemm_fn found = reinterpret_cast<sgemm_fn>(dlsym(RTLD_DEFAULT, "cblas_sgemm"));
+    return found;
+}
+
+template <int bits>
+static void dequantize_rows(const QMatrix &m, int64_t n0, int64_t n1, float *out) {
+    const int64_t chunk_bytes = 4 * bits;
+#pragma omp parallel for schedule(static) num_threads(g_threads) if (g_threads > 1)
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = m.w + n * m.row_bytes;
+        float *dst = out + (n - n0) * m.k;
+        for (int64_t k = 0; k < m.k; k += m.group_size) {
+            const Group g = group_at(m, n * m.groups + k / m.group_size);
+            for (int64_t c32 = k; c32 < k + m.group_size; c32 += 32) {
+                v16 w0, w1;
+                dequantize_chunk<bits>(row + (c32 / 32) * chunk_bytes, g, w0, w1);
+                store16(dst + c32, w0);
+                store16(dst + c32 + 16, w1);
+            }
+        }
+    }
+}
+
+static void blas_product(const QMatrix &m, const float *x, int64_t rows, float *out) {
+    std::vector<float> panel(std::min(BLAS_PANEL, m.n) * m.k);
+    for (int64_t n0 = 0; n0 < m.n; n0 += BLAS_PANEL) {
+        const int64_t n1 = std::min(m.n, n0 + BLAS_PANEL);
+        switch (m.bits) {
+            case 2: dequantize_rows<2>(m, n0, n1, panel.data()); break;
+            case 3: dequantize_rows<3>(m, n0, n1, panel.data()); break;
+            case 4: dequantize_rows<4>(m, n0, n1, panel.data()); break;
+            case 5: dequantize_rows<5>(m, n0, n1, panel.data()); break;
+            case 6: dequantize_rows<6>(m, n0, n1, panel.data()); break;
+            default: dequantize_rows<8>(m, n0, n1, panel.data()); break;
+        }
+        const int CblasRowMajor = 101, CblasNoTrans = 111, CblasTrans = 112;
+        blas_sgemm()(CblasRowMajor, CblasNoTrans, CblasTrans, int(rows), int(n1 - n0), int(m.k), 1.0f, x, int(m.k),
+                     panel.data(), int(m.k), 0.0f, out + n0, int(m.n));
+    }
+}
+
 /* ---- the MLX operation --------------------------------------------------------------------------- */
 
 /* A row-contiguous copy of `a` (its strides may be anything, broadcasts included), or `a` itself. */
@@ -404,7 +459,14 @@ static int scale_type_of(mx::Dtype t) {
     throw std::invalid_argument("pipeline_qmm: scales must be float32, float16 or bfloat16");
 }
 
-/* Inputs: x [rows, k] float32, w [(experts,) n, k * bits / 32] uint32, scales and biases
+/* x [..., k] times n weight rows: [..., n]. */
+static mx::Shape product_shape(const mx::array &x, const mx::array &w) {
+    mx::Shape shape = x.shape();
+    shape.back() = w.shape(-2);
+    return shape;
+}
+
+/* Inputs: x [..., k] float32 ([rows, k] when gathered), w [(experts,) n, k * bits / 32] uint32, scales and biases
    [(experts,) n, k / group_size], and when gathered an expert index per row. Output [rows, n] float32. */
 class QuantizedProduct : public mx::UnaryPrimitive {
    public:
@@ -423,7 +485,7 @@ class QuantizedProduct : public mx::UnaryPrimitive {
             const mx::array x = contiguous(inputs[0], keep);
             const mx::array w = contiguous(inputs[1], keep), s = contiguous(inputs[2], keep),
                             b = contiguous(inputs[3], keep);
-            const int64_t rows = x.shape(0), k = x.shape(1);
+            const int64_t k = x.shape(-1), rows = k ? int64_t(x.size()) / k : 0;
             const int64_t n = w.shape(-2), experts = gathered ? w.shape(0) : 1;
             if (rows == 0 || n == 0) return;
             std::vector<int64_t> expert_of(rows, 0);
@@ -464,6 +526,10 @@ class QuantizedProduct : public mx::UnaryPrimitive {
                 for (int64_t r0 = start[e]; r0 < start[e + 1]; r0 += ROW_BLOCK)
                     for (int64_t blk = 0; blk < blocks; blk++)
                         tasks.push_back(Task{e, r0, std::min(start[e + 1], r0 + ROW_BLOCK), blk});
+            if (!gathered && rows > INVARIANT_MAX_ROWS && blas_sgemm()) {
+                blas_product(mats[0], permuted.data(), rows, o);
+                return;
+            }
             run_tasks(tasks, mats, order, xrows, orows);
         });
     }
@@ -480,7 +546,7 @@ class QuantizedProduct : public mx::UnaryPrimitive {
     }
 
     std::vector<mx::Shape> output_shapes(const std::vector<mx::array> &inputs) override {
-        return {mx::Shape{inputs[0].shape(0), inputs[1].shape(-2)}};
+        return {product_shape(inputs[0], inputs[1])};
     }
 
    private:
@@ -491,13 +557,14 @@ class QuantizedProduct : public mx::UnaryPrimitive {
 static void check(const mx::array &x, const mx::array &w, const mx::array &s, const mx::array &b, int group_size,
                   int bits, bool gathered) {
     auto fail = [](const std::string &why) { throw std::invalid_argument("pipeline_qmm: " + why); };
-    if (x.ndim() != 2 || x.dtype() != mx::float32) fail("x must be float32 [rows, inputs]");
+    if (x.ndim() < 1 || (gathered && x.ndim() != 2) || x.dtype() != mx::float32)
+        fail(gathered ? "x must be float32 [rows, inputs]" : "x must be float32 [..., inputs]");
     if (w.dtype() != mx::uint32 || int(w.ndim()) != (gathered ? 3 : 2)) fail("w must be packed uint32");
     if (s.shape() != b.shape() || s.dtype() != b.dtype()) fail("scales and biases must match");
     scale_type_of(s.dtype());
     if (bits < 2 || bits > 8 || bits == 7 || (group_size != 32 && group_size != 64 && group_size != 128))
         fail("unsupported bits or group size");
-    const int64_t k = x.shape(1);
+    const int64_t k = x.shape(-1);
     if (k % group_size || w.shape(-1) * 32 != k * bits || s.shape(-1) * group_size != k ||
         s.shape(-2) != w.shape(-2) || (gathered && s.shape(0) != w.shape(0)))
         fail("shapes do not fit one affine quantization");
@@ -512,6 +579,7 @@ NB_MODULE(pipeline_qmm, m) {
     m.def("built_for_mlx", []() { return std::string(BUILT_FOR_MLX); });
     m.def("set_threads", [](int n) { g_threads = std::max(1, n); });
     m.def("threads", []() { return g_threads; });
+    m.def("invariant_max_rows", []() { return INVARIANT_MAX_ROWS; });
     m.def("isa", []() {
 #if defined(__AVX512F__)
         return std::string("AVX-512");
@@ -529,11 +597,11 @@ NB_MODULE(pipeline_qmm, m) {
         [](const mx::array &x, const mx::array &w, const mx::array &scales, const mx::array &biases, int group_size,
            int bits) {
             check(x, w, scales, biases, group_size, bits, false);
-            return mx::array(mx::Shape{x.shape(0), w.shape(0)}, mx::float32,
+            return mx::array(product_shape(x, w), mx::float32,
                              std::make_shared<QuantizedProduct>(cpu_stream(), group_size, bits, false),
                              {x, w, scales, biases});
         },
-        "x [rows, k] float32 @ dequantize(w, scales, biases).T -> [rows, n], lazily");
+        "x [..., k] float32 @ dequantize(w, scales, biases).T -> [..., n], lazily");
     m.def(
         "gather_qmm",
         [](const mx::array &x, const mx::array &w, const mx::array &scales, const mx::array &biases,

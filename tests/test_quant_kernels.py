@@ -53,6 +53,7 @@ def dequantized_float64(w: mx.array, scales: mx.array, biases: mx.array, bits: i
 # (2^-24), each of 16 lane sums once per 16 inputs, the lanes' tree four times. Measured: at most 3.6e-8
 # over the shapes below; a wrong group, nibble or scale is off by order 1.
 RELATIVE_TOLERANCE = 1e-7
+BLAS_RELATIVE_TOLERANCE = 3e-7  # OpenBLAS's own summation order: measured at most 2.1e-7
 
 
 @pytest.mark.parametrize("scale_dtype", SCALE_DTYPES)
@@ -72,10 +73,11 @@ def test_product_matches_float64_reference(kernels, bits, group_size, scale_dtyp
 
 @pytest.mark.parametrize("bits,group_size", [(4, 32), (4, 64), (4, 128), (8, 64), (5, 32), (3, 128)])
 def test_each_row_rounds_the_same_whatever_shares_the_call(kernels, bits, group_size):
-    """Rows 1..N, in every position: a row's bits equal those it gets alone, and those of any prefix
-    of the rows (4-row tiles, the 1-row path, a row block of 64 and what follows)."""
+    """Rows 1..N (N = 64, as many as batch jobs pack into one product), in every position: a row's bits
+    equal those it gets alone and those it gets among any other rows (4-row tiles, the 1-row path)."""
     rng = np.random.default_rng(7)
-    n, k, rows = 45, 640, 70  # k: a full and a partial panel
+    n, k, rows = 45, 640, kernels.invariant_max_rows()  # k: a full and a partial panel
+    assert rows >= 64
     w, scales, biases = quantized(rng, n, k, bits, group_size, "bfloat16")
     x = mx.array(rng.standard_normal((rows, k)).astype(np.float32))
     full = np.array(kernels.quantized_matmul(x, w, scales, biases, group_size, bits))
@@ -86,6 +88,18 @@ def test_each_row_rounds_the_same_whatever_shares_the_call(kernels, bits, group_
         start = (count * 7) % (rows - count + 1)  # the rows at various places of the call
         part = np.array(kernels.quantized_matmul(x[start:start + count], w, scales, biases, group_size, bits))
         assert np.array_equal(part, full[start:start + count]), f"rows {start}..{start + count} differ"
+
+
+@pytest.mark.parametrize("bits,group_size", [(4, 64), (8, 32), (5, 128)])
+def test_more_rows_go_to_the_blas_and_match_reference(kernels, bits, group_size):
+    """A prompt's chunk (more rows than the invariant limit): weights dequantized for the BLAS."""
+    rng = np.random.default_rng(11)
+    w, scales, biases = quantized(rng, 300, 256, bits, group_size, "float16")  # 300: two panels of 256
+    x = rng.standard_normal((kernels.invariant_max_rows() + 9, 256)).astype(np.float32)
+    got = np.array(kernels.quantized_matmul(mx.array(x), w, scales, biases, group_size, bits))
+    weights = dequantized_float64(w, scales, biases, bits, group_size)
+    scale = np.abs(x).astype(np.float64) @ np.abs(weights).T
+    assert np.max(np.abs(got - x.astype(np.float64) @ weights.T) / scale) < BLAS_RELATIVE_TOLERANCE
 
 
 def test_gathered_product_per_expert_row_groups(kernels):
@@ -127,6 +141,17 @@ def test_gather_qmm_takes_mlx_shapes(kernels):
     theirs = mx.gather_qmm(x[order // 2], w, scales, biases, rhs_indices=flat[order][:, None], transpose=True,
                            group_size=32, bits=4, sorted_indices=True)
     assert ours.shape == theirs.shape
+    assert np.allclose(np.array(ours), np.array(theirs), rtol=1e-5, atol=1e-4)
+
+
+def test_quantized_matmul_takes_mlx_shapes(kernels):
+    """x [batch, tokens, k], as layers call it: MLX's shape and, within rounding, MLX's values."""
+    rng = np.random.default_rng(6)
+    w, scales, biases = quantized(rng, 24, 128, 8, 128, "bfloat16")
+    x = mx.array(rng.standard_normal((2, 3, 128)).astype(np.float32))
+    ours = qmm.quantized_matmul(x, w, scales, biases, group_size=128, bits=8)
+    theirs = mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=128, bits=8)
+    assert ours.shape == theirs.shape == (2, 3, 24)
     assert np.allclose(np.array(ours), np.array(theirs), rtol=1e-5, atol=1e-4)
 
 
