@@ -55,6 +55,8 @@ def adapt_tensors(names: list[str], tensors: dict, read: Callable[[str], mx.arra
                   keep_float32: Callable[[str], bool] | None = None) -> Iterator[tuple[str, mx.array]]:
     """Yield (checkpoint-style name, array) for a rank's tensors in the form our modules hold:
     floats in `dtype`, MLX-quantized triples as uint32 weight + scales/biases in `dtype`.
+    Arrays come unevaluated (the caller evaluates them in groups, loading.py), but for stacked
+    experts, written into their stack as they come.
     `tensors` maps every checkpoint name to its info (to find companions like scale_inv).
     keep_float32: names whose floats stay float32 whatever `dtype` (DeepSeek V4's mixing weights,
     sinks and norms, which its reference runs in float32)."""
@@ -114,12 +116,10 @@ def adapt_tensors(names: list[str], tensors: dict, read: Callable[[str], mx.arra
             array = array.astype(mx.float32 if keep_float32 and keep_float32(name) else dtype)
         if requantize and _requantizable(name, array, requantize.group_size):
             q, s, b = mx.quantize(array, group_size=requantize.group_size, bits=requantize.bits)
-            mx.eval(q, s, b)
             module = name[: -len(".weight")]
             for suffix, part in (("weight", q), ("scales", s), ("biases", b)):
                 yield from emit(f"{module}.{suffix}", part)
             continue
-        mx.eval(array)
         yield from emit(name, array)
     if experts:
         missing = ", ".join(f"{p}.experts.*.{proj}" for p, proj, _ in experts)
@@ -176,7 +176,11 @@ def dequantize_fp8(weight: mx.array, scale_inv: mx.array, dtype: mx.Dtype) -> mx
     """DeepSeek FP8: e4m3 bytes times one scale per 128x128 block (edge blocks may be partial)."""
     rows, cols = weight.shape
     w = mx.from_fp8(weight, dtype=mx.float32)
-    scale = mx.repeat(mx.repeat(scale_inv.astype(mx.float32), _FP8_BLOCK, axis=0), _FP8_BLOCK, axis=1)
+    scale = scale_inv.astype(mx.float32)
+    if rows % _FP8_BLOCK == 0 and cols % _FP8_BLOCK == 0:  # each block times its scale, broadcast
+        blocks = w.reshape(rows // _FP8_BLOCK, _FP8_BLOCK, cols // _FP8_BLOCK, _FP8_BLOCK)
+        return (blocks * scale[:, None, :, None]).reshape(rows, cols).astype(dtype)
+    scale = mx.repeat(mx.repeat(scale, _FP8_BLOCK, axis=0), _FP8_BLOCK, axis=1)  # edge blocks are partial
     return (w * scale[:rows, :cols]).astype(dtype)
 
 

@@ -212,6 +212,10 @@ class GGUFCheckpoint(Checkpoint):
         result = mx.array(array)
         return result.view(mx.bfloat16) if tensor.ggml_type == "BF16" else result
 
+    def spans(self, name: str) -> list[tuple[Path, int, int]]:
+        """The byte ranges (file, begin, end) reading `name` reads: its GGUF tensors'."""
+        return [(t.file, t.begin, t.begin + t.nbytes) for t in self.tensors[name].source]
+
     def _read_bytes(self, tensor: GGUFTensor, row: int, rows: int) -> np.ndarray:
         """Rows [row, row + rows) of `tensor` as raw bytes, uint8 [rows, bytes per row]."""
         row_bytes = tensor.nbytes // tensor.rows

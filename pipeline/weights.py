@@ -1,9 +1,11 @@
 """Reading a rank's tensors, and only those, from a model folder's safetensors files.
 
-We parse the safetensors layout ourselves (an 8-byte header length, a JSON header of
-name -> dtype/shape/byte range, then raw bytes) instead of using `safetensors.safe_open`
-because numpy, which it hands tensors through, has no bfloat16, and because we want to read
-exactly the bytes of the tensors a rank owns and to name the file when one is truncated.
+We parse the safetensors headers ourselves (an 8-byte header length, a JSON header of
+name -> dtype/shape/byte range, then raw bytes) to index every tensor, check each file holds
+the bytes its header promises (naming the file when one is truncated), and split layers by
+bytes. The bytes themselves are read by MLX (`mx.load`, lazily: at evaluation, straight into
+the array's own memory, and only for the arrays evaluated), so a rank reads exactly its
+tensors' bytes with no copy in between; loading.py evaluates them in groups.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import mlx.nn as nn
 import numpy as np
 
 from .errors import UserError
-from .formats import Requantize, adapt_tensors
+from .formats import Requantize
 
 # safetensors dtype -> (numpy dtype to read the bytes as, mlx dtype to view them as)
 _DTYPES = {
@@ -48,6 +50,7 @@ class TensorInfo:
     shape: tuple[int, ...]
     begin: int  # absolute byte offsets in the file
     end: int
+    key: str = ""  # its name in the file (the index's names are canonical_tensors')
 
     @property
     def nbytes(self) -> int:
@@ -67,6 +70,7 @@ class Checkpoint:
                 if names is None or name in names:
                     self.tensors[name] = info
         self.tensors = canonical_tensors(self.tensors)
+        self._lazy: dict[tuple, dict[str, mx.array] | None] = {}  # (file, stream) -> mx.load's arrays
 
     def _weight_files(self) -> dict[Path, set[str] | None]:
         """Each weight file with the names the index assigns to it (None: all it holds)."""
@@ -97,9 +101,28 @@ class Checkpoint:
 
     def loaded(self, names: list[str]) -> None:
         """Called once a rank has loaded `names` (a GGUF reports what it re-quantized)."""
+        self._lazy.clear()  # closes the files
 
     def read(self, name: str) -> mx.array:
+        """The tensor as stored (BF16 as bfloat16, FP8 and ue8m0 as uint8 bytes), lazily: its bytes
+        are read when it is evaluated, on the stream current now."""
         info = self.tensors[name]
+        key = (info.file, mx.default_stream(mx.cpu))
+        if key not in self._lazy:
+            try:  # the header only: nothing is read until an array is evaluated
+                self._lazy[key] = mx.load(str(info.file), format="safetensors")
+            except (ValueError, RuntimeError):  # a dtype MLX cannot load (F64): numpy reads that file
+                self._lazy[key] = None
+        arrays = self._lazy[key]
+        if arrays is None:
+            return self._read_with_numpy(name, info)
+        array = arrays.pop(info.key, None)  # popped: an evaluated array stays with its owner only
+        if array is None:  # read before: the header again
+            del self._lazy[key]
+            return self.read(name)
+        return array
+
+    def _read_with_numpy(self, name: str, info: TensorInfo) -> mx.array:
         np_dtype, mx_dtype = _DTYPES[info.dtype]
         with open(info.file, "rb") as f:
             f.seek(info.begin)
@@ -110,6 +133,11 @@ class Checkpoint:
         if info.dtype == "BF16":
             return array.view(mx.bfloat16)  # the bytes were read as uint16
         return array.astype(mx_dtype) if array.dtype != mx_dtype else array
+
+    def spans(self, name: str) -> list[tuple[Path, int, int]]:
+        """The byte ranges (file, begin, end) reading `name` reads."""
+        info = self.tensors[name]
+        return [(info.file, info.begin, info.end)]
 
 
 def open_checkpoint(model: Path, requantize: Requantize | None = None) -> Checkpoint:
@@ -147,7 +175,7 @@ def _read_header(path: Path) -> dict[str, TensorInfo]:
             raise UserError(f"{path}: tensor {name} has unsupported dtype {entry.get('dtype')}")
         begin, end = entry["data_offsets"]
         tensors[name] = TensorInfo(path, entry["dtype"], tuple(entry["shape"]),
-                                   data_start + begin, data_start + end)
+                                   data_start + begin, data_start + end, name)
     if tensors and max(t.end for t in tensors.values()) > size:
         raise UserError(f"{path} is truncated or corrupt ({size} bytes, header needs "
                         f"{max(t.end for t in tensors.values())}): download it again")
@@ -312,28 +340,15 @@ def load_slice(model: nn.Module, checkpoint: Checkpoint, dtype: mx.Dtype,
     """Load this rank's tensors into `model` (a TransformerSlice), floats cast to `dtype`,
     through the format adapters (expert stacking, FP8, INT4, re-quantization).
     Returns the checkpoint names read, so callers (and tests) can see exactly what was loaded."""
-    from tqdm import tqdm
+    from .loading import load_tensors
 
     names = owned_tensor_names(checkpoint, model.start, model.end, model.has_ends)
     if model.head_rows:  # the last rank's share of the LM head (head_share.py), and the final norm
         norm = [name for name in checkpoint.tensors if name.startswith("model.norm.")]
         names = sorted(set(names) | set(head_tensor_names(checkpoint, model.config)) | set(norm))
-    bar = tqdm(total=len(names), desc="loading", unit="tensor", disable=not progress, delay=2.0)
-
-    def read(name: str) -> mx.array:
-        bar.update()
-        return checkpoint.read(name)
-
-    # Loading makes many short-lived tensors (raw bytes, dequantized floats before
-    # re-quantization); MLX's allocator would keep their buffers cached and resident.
-    cache_limit = mx.set_cache_limit(0)
-    try:
-        weights = {local_name(name, model.start): array
-                   for name, array in adapt_tensors(names, checkpoint.tensors, read, dtype, requantize,
-                                                    getattr(model, "keeps_float32", None))}
-    finally:
-        mx.set_cache_limit(cache_limit)
-    bar.close()
+    weights = {local_name(name, model.start): array
+               for name, array in load_tensors(checkpoint, names, dtype, requantize,
+                                               getattr(model, "keeps_float32", None), progress).items()}
     checkpoint.loaded(names)
     if model.head_rows:
         _keep_head_rows(weights, model.head_rows, _head_prefix(model.config).removeprefix("model."))

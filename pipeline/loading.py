@@ -1,0 +1,139 @@
+"""A rank's tensors from disk to memory at the speed of the disk: read in file order, the kernel
+asked to read ahead, conversions evaluated in groups on two CPU streams, the bar in bytes.
+
+Where the time went before (a Llama-1B-shaped bf16 folder, 2.15 GB, to fp32 on one rank: 3.7 s,
+against 0.24 s to read the bytes): each tensor was read into a Python bytes object, copied into
+an MLX array, cast into a third buffer, and evaluated alone, on one core, each new buffer paid
+for in page faults (the allocator's cache was off). Now MLX reads each tensor's bytes straight
+into the array that keeps them (`Checkpoint.read` is lazy), the format adapters' work (casts,
+FP8 scaling, re-quantization) is evaluated a group at a time, alternating between two CPU
+streams so both cores convert while the next group's graph is built, and freed temporaries
+are reused from a bounded cache instead of being faulted in again.
+
+With a cold page cache the reading itself overlaps the conversions: `posix_fadvise(WILLNEED)`
+asks the kernel to read the next PREFETCH_BYTES of the rank's byte ranges in the background.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable
+
+import mlx.core as mx
+
+from .formats import Requantize, adapt_tensors
+
+GROUP_BYTES = 64 << 20  # file bytes whose arrays are evaluated together
+PREFETCH_BYTES = 512 << 20  # how far ahead of the reader the kernel is asked to read
+CACHE_BYTES = 256 << 20  # freed temporaries MLX may keep for reuse while loading
+
+_streams: list = []
+
+
+def load_streams() -> list:
+    """Two CPU streams (made once per process): MLX runs each on its own thread."""
+    if not _streams:
+        _streams.extend(mx.new_stream(mx.cpu) for _ in range(2))
+    return _streams
+
+
+class Prefetch:
+    """Asks the kernel to read the byte ranges a rank will read, a window ahead of the reader."""
+
+    def __init__(self, spans: list[tuple[Path, int, int]], window: int = PREFETCH_BYTES):
+        self.spans, self.window = spans, window
+        self.next = 0  # the first span not asked for yet
+        self.asked = 0  # bytes asked for so far
+        self.files: dict[Path, int] = {}
+        self.enabled = hasattr(os, "posix_fadvise")
+
+    def advance(self, done: int) -> None:
+        """`done` bytes have been read: keep `window` bytes asked for beyond them."""
+        while self.enabled and self.next < len(self.spans) and self.asked < done + self.window:
+            path, begin, end = self.spans[self.next]
+            try:
+                if path not in self.files:
+                    self.files[path] = os.open(path, os.O_RDONLY)
+                os.posix_fadvise(self.files[path], begin, end - begin, os.POSIX_FADV_WILLNEED)
+            except OSError:  # only a hint: the reads themselves report real errors
+                pass
+            self.next += 1
+            self.asked += end - begin
+
+    def close(self) -> None:
+        for fd in self.files.values():
+            os.close(fd)
+        self.files.clear()
+
+
+def load_tensors(checkpoint, names: list[str], dtype: mx.Dtype, requantize: Requantize | None = None,
+                 keep_float32: Callable[[str], bool] | None = None, progress: bool = False,
+                 desc: str = "loading") -> dict[str, mx.array]:
+    """The arrays our modules hold for the checkpoint tensors `names` (through the format adapters),
+    evaluated, under the adapters' checkpoint-style names."""
+    from tqdm import tqdm
+
+    order = sorted(names, key=lambda name: checkpoint.spans(name)[0][:2])  # file order: sequential reads
+    spans, seen = [], set()
+    for name in order:
+        for span in checkpoint.spans(name):
+            if span[:2] not in seen:
+                seen.add(span[:2])
+                spans.append(span)
+    total = sum(end - begin for _, begin, end in spans)
+    bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=not progress, delay=2.0)
+    prefetch = Prefetch(spans)
+    read_spans: set = set()
+    read_bytes = 0
+
+    def read(name: str) -> mx.array:
+        nonlocal read_bytes
+        for span in checkpoint.spans(name):
+            if span[:2] not in read_spans:
+                read_spans.add(span[:2])
+                read_bytes += span[2] - span[1]
+        return checkpoint.read(name)
+
+    streams = load_streams()
+    weights: dict[str, mx.array] = {}
+    group: list[mx.array] = []
+    in_flight: tuple[list[mx.array], int] = ([], 0)
+    evaluated = 0  # bytes read for the arrays evaluated or being evaluated
+
+    def flush() -> None:
+        nonlocal group, in_flight, evaluated
+        mx.async_eval(group)
+        previous, previous_bytes = in_flight
+        mx.eval(previous)  # one group converts while the next is built
+        bar.update(previous_bytes)
+        in_flight, group = (group, read_bytes - evaluated), []
+        evaluated = read_bytes
+
+    # Loading makes short-lived tensors (bytes before a cast, floats before re-quantization): a
+    # bounded cache lets the next group reuse their buffers instead of faulting in new ones.
+    cache_limit = mx.set_cache_limit(CACHE_BYTES)
+    adapted = adapt_tensors(order, checkpoint.tensors, read, dtype, requantize, keep_float32)
+    try:
+        prefetch.advance(0)
+        step = 0
+        while True:
+            with mx.stream(streams[step % len(streams)]):  # the graph of one tensor on one stream
+                item = next(adapted, None)
+            step += 1
+            if item is None:
+                break
+            name, array = item
+            weights[name] = array
+            group.append(array)
+            if read_bytes - evaluated >= GROUP_BYTES:
+                prefetch.advance(read_bytes)
+                flush()
+        flush()
+        flush()
+    finally:
+        prefetch.close()
+        mx.set_cache_limit(cache_limit)
+        mx.clear_cache()
+        bar.close()
+    return weights
