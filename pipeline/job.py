@@ -14,7 +14,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from . import blas, cores
+from . import blas, cores, qmm
 from .config import ModelConfig
 from .errors import UserError
 from .memory import measured, rank_bytes
@@ -65,7 +65,11 @@ def plan_job(args: argparse.Namespace, comm, last_rank_head: float = 0.0) -> Pla
     the last rank holds besides its layers (batch, head_share.py), counted in its memory."""
     mode = getattr(args, "weights_in_memory", "quantized")
     # Collective, so before anything that can fail on one rank only.
-    memory = comm.allgather((socket.gethostname(), available_memory_bytes())) if mode == "auto" else None
+    memory = fast_quantized = None
+    if mode == "auto":
+        gathered = comm.allgather((socket.gethostname(), available_memory_bytes(),
+                                   getattr(args, "dtype", "float32") == "float32" and qmm.expected()))
+        memory, fast_quantized = [(h, a) for h, a, _ in gathered], [f for _, _, f in gathered]
     folder = resolve_model_folder(args.model, comm)
     checkpoint = open_checkpoint(folder, getattr(args, "requantize", None))
     config = checkpoint.model_config()
@@ -99,18 +103,24 @@ def plan_job(args: argparse.Namespace, comm, last_rank_head: float = 0.0) -> Pla
         if getattr(args, "draft", "none") == "mtp":
             held, dense_held = with_mtp(held), with_mtp(dense_held)
         counts, dense = plan_weights_in_memory(mode, held, dense_held, counts, memory,
-                                               fixed=bool(args.split or host_memory), last_rank_head=last_rank_head)
+                                               fixed=bool(args.split or host_memory), last_rank_head=last_rank_head,
+                                               fast_quantized=fast_quantized)
     return Plan(folder, config, checkpoint, layer_ranges(counts), dense, host_memory)
 
 
 def plan_weights_in_memory(mode: str, held: ModelBytes, dense_held: ModelBytes, counts: list[int],
-                           memory: list[tuple[str, int]] | None, fixed: bool, last_rank_head: float = 0.0):
+                           memory: list[tuple[str, int]] | None, fixed: bool, last_rank_head: float = 0.0,
+                           fast_quantized: list[bool] | None = None):
     """(layer counts, dense per rank) for --weights-in-memory fp32|auto on a quantized model, from
     its bytes held packed (`held`) and dequantized (`dense_held`; plan.model_bytes_of). fp32: every
     rank dense, layers balanced by dense bytes. auto: the same if every host's ranks fit in its free
     memory (see `choose_dense`), else the quantized balance with ranks made dense, in rank order,
-    while their host has room. preflight decides with this too."""
+    while their host has room; but where every rank has pipeline's quantized kernels
+    (`fast_quantized`, qmm.py), every rank keeps its weights quantized: they decode faster than
+    fp32 and prefill as fast. preflight decides with this too."""
     ranks = len(counts)
+    if mode == "auto" and fast_quantized and all(fast_quantized):
+        return counts, [False] * ranks
 
     def shares(counts: list[int], mb: ModelBytes) -> list[int]:
         no_cache = [0] * len(mb.layers)

@@ -200,6 +200,28 @@ def available() -> bool:
     return load().module is not None
 
 
+def expected() -> bool:
+    """Whether this process will have the kernels, without building them: already loaded, or a
+    build looks possible (not opted out, Linux, a C++ compiler, nanobind, a cache folder no other user
+    can write to). `--weights-in-memory auto` decides with it before loading (job.py): a model without
+    quantized weights never builds them. Should the build fail after all, that rank runs MLX's kernels."""
+    if _state is not None:
+        return _state.module is not None
+    if os.environ.get(ENV, "").strip().lower() in ("0", "off", "no", "none") or sys.platform == "darwin":
+        return False
+    try:
+        _nanobind()
+        folder = extension_path().parent
+    except NotBuilt:
+        return False
+    if (folder / extension_path().name).is_file():
+        return True
+    place = folder
+    while not place.exists() and place != place.parent:
+        place = place.parent
+    return cxx_compiler() is not None and not blas._unsafe_folder(place)
+
+
 def _kernels(x: mx.array) -> object:
     """The extension if it takes this product's activations, else None."""
     state = load()

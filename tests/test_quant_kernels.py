@@ -185,3 +185,23 @@ def test_opting_out_falls_back_to_mlx():
                             env={**os.environ, qmm.ENV: "0"})
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"MLX's ({qmm.ENV}=0)"
+
+
+def test_auto_keeps_weights_quantized_where_every_rank_has_the_kernels():
+    """--weights-in-memory auto: with room for fp32 copies, ranks dequantize (MLX's kernels are slow)
+    unless every rank has pipeline's kernels; fp32 is still fp32."""
+    from pipeline.job import plan_weights_in_memory
+    from pipeline.plan import ModelBytes
+
+    def model_bytes(per_layer: int) -> ModelBytes:
+        return ModelBytes(layers=[per_layer] * 4, ends=per_layer, fixed_read=[per_layer] * 4, expert_bytes=[0] * 4,
+                          experts=[0] * 4, head_read=0, active_params=[0] * 4, head_params=0)
+
+    held, dense_held, memory = model_bytes(10**6), model_bytes(8 * 10**6), [("host", 10**12)] * 2
+    assert plan_weights_in_memory("auto", held, dense_held, [2, 2], memory, fixed=True) == ([2, 2], [True, True])
+    assert plan_weights_in_memory("auto", held, dense_held, [2, 2], memory, fixed=True,
+                                  fast_quantized=[True, True]) == ([2, 2], [False, False])
+    assert plan_weights_in_memory("auto", held, dense_held, [2, 2], memory, fixed=True,
+                                  fast_quantized=[True, False]) == ([2, 2], [True, True])
+    assert plan_weights_in_memory("fp32", held, dense_held, [2, 2], memory, fixed=True,
+                                  fast_quantized=[True, True])[1] == [True, True]
