@@ -4,6 +4,7 @@ and `TransformerSlice`, the part of a model one rank holds."""
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from typing import Callable
 
 import mlx.core as mx
@@ -13,6 +14,52 @@ from ..config import ModelConfig
 from ..errors import UserError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+# Compiled pieces of a layer. On CPU, MLX's fast RMSNorm and RoPE are not kernels but chains of
+# small ops (square, sum, rsqrt, ...; cos, sin, multiplies, concatenate), each dispatched on its
+# own: a SmolLM2-135M decode step ran ~1,700 ops, ~1,000 of them not products. mx.compile of the
+# same computation fuses each elementwise run into one kernel, which does the same operations in
+# the same order and type (MLX's CPU ops are scalar C++, and MLX builds the kernel with g++ -O3,
+# no FMA contraction): results stay bit-identical to the uncompiled ops (tests/test_layer_ops.py),
+# so a token still rounds the same whatever else is in the batch. A new input shape traces the
+# function again (well under a millisecond); MLX compiles each new kernel once into its temporary
+# folder, and without a C++ compiler it runs the ops unfused, with the same results.
+
+
+@lru_cache(maxsize=None)
+def _compiled_rms_norm(eps: float) -> Callable:
+    return mx.compile(lambda x, weight: mx.fast.rms_norm(x, weight, eps))
+
+
+@lru_cache(maxsize=None)
+def _compiled_rotation(dims: int, traditional: bool, attention_factor: float) -> Callable:
+    """The rotation half of mx.fast.rope's CPU code, given each token's cos and sin."""
+    def rotate(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+        if traditional:
+            x1, x2 = x[..., 0:dims:2], x[..., 1:dims:2]
+        else:
+            x1, x2 = x[..., :dims // 2], x[..., dims // 2:dims]
+        parts = [x1 * cos - x2 * sin, x1 * sin + x2 * cos]
+        if traditional:
+            parts = [mx.concatenate([p[..., None] for p in parts], axis=-1).reshape(*x.shape[:-1], dims)]
+        if dims < x.shape[-1]:
+            parts.append(x[..., dims:])
+        out = mx.concatenate(parts, axis=-1)
+        return out * attention_factor if attention_factor != 1.0 else out
+    return mx.compile(rotate)
+
+
+@mx.compile
+def swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    """silu(gate) * up in one kernel."""
+    return nn.silu(gate) * up
+
+
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm (same parameter, same results), compiled."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return _compiled_rms_norm(self.eps)(x, self["weight"])
 
 
 class RoPE(nn.Module):
@@ -42,11 +89,34 @@ class RoPE(nn.Module):
                             f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
         # mx.fast.rope takes periods (1/inv_freq) through `freqs`.
         self._periods = 1.0 / inv_freq
+        self._frequencies_key = (dims, self.position_scale, tuple(self._periods.tolist()))
 
     def __call__(self, x: mx.array, offset: int | mx.array) -> mx.array:
-        x = mx.fast.rope(x, self.dims, traditional=self.traditional, base=None,
-                         scale=self.position_scale, offset=offset, freqs=self._periods)
-        return x * self.attention_factor if self.attention_factor != 1.0 else x
+        """x: [tokens, heads, 1, features] (mx.fast.rope's [B, N, T, D] with the tokens as B), each
+        token at its own position `offset[i]`; or x: [B, N, T, D] and an int offset."""
+        if not isinstance(offset, mx.array) or offset.size != x.shape[0] or x.shape[2] != 1:
+            x = mx.fast.rope(x, self.dims, traditional=self.traditional, base=None,
+                             scale=self.position_scale, offset=offset, freqs=self._periods)
+            return x * self.attention_factor if self.attention_factor != 1.0 else x
+        cos, sin = self._angles(offset, x.dtype)
+        return _compiled_rotation(self.dims, self.traditional, self.attention_factor)(x, cos, sin)
+
+    def _angles(self, offset: mx.array, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+        """cos and sin of each token's angles, [tokens, 1, 1, dims / 2], as mx.fast.rope's CPU code
+        computes them (so the rotation is bit for bit mx.fast.rope's). Computed once per step for
+        all layers: positions() hands every layer the same offsets array, and the layers' RoPEs
+        with the same frequencies share `_ANGLES`."""
+        key = (self._frequencies_key, id(offset), dtype)
+        if key not in _ANGLES:
+            if len(_ANGLES) >= 16:
+                _ANGLES.pop(next(iter(_ANGLES)))
+            positions = (mx.zeros((1,), mx.float32) + offset.reshape(-1, 1, 1)) * mx.array(self.position_scale, mx.float32)
+            theta = positions[..., None] * mx.reciprocal(self._periods)
+            _ANGLES[key] = (offset, mx.cos(theta).astype(dtype), mx.sin(theta).astype(dtype))  # offset: keeps its id unique
+        return _ANGLES[key][1:]
+
+
+_ANGLES: dict[tuple, tuple[mx.array, mx.array, mx.array]] = {}  # RoPE._angles' last few
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -163,8 +233,8 @@ class Attention(nn.Module):
         out_bias = qkv_bias and config.model_type != "qwen2"
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, hidden, bias=out_bias)
         if config.qk_norm:
-            self.q_norm = nn.RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-            self.k_norm = nn.RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.qk_norm = config.qk_norm
         self.rope = RoPE(self.head_dim, config.rope_theta, config.rope_scaling,
                          max_position_embeddings=config.max_position_embeddings)
@@ -178,13 +248,14 @@ class Attention(nn.Module):
         each sequence's last token only, [1, len(lengths), hidden] (every token's keys and values
         are cached all the same), but of every token of the sequences marked `full` (drafts
         being verified: see `kept_rows`)."""
-        _, T, _ = x.shape
+        _, T, H = x.shape
+        x = x.reshape(T, H)  # products of 2-D inputs: a 3-D one costs a flatten and an unflatten each
         k = self.k_proj(x).reshape(T, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(T, self.n_kv_heads, self.head_dim)
         offsets = positions(lengths, caches)
         if last_only:
             last, kept = kept_rows(lengths, full)
-            q = self.q_proj(x[:, last]).reshape(kept[-1][1], self.n_heads, self.head_dim)
+            q = self.q_proj(x[last]).reshape(kept[-1][1], self.n_heads, self.head_dim)
         else:
             q = self.q_proj(x).reshape(T, self.n_heads, self.head_dim)
         if self.qk_norm:
@@ -204,15 +275,23 @@ class Attention(nn.Module):
             ks, vs = cache.update_and_fetch(k[None, :, begin:end], v[None, :, begin:end])
             qb, qe = kept[i] if last_only else (begin, end)
             out = attend(q[None, :, qb:qe], ks, vs, self.scale, cache.offset - (qe - qb))
-            outputs.append(out[0])  # [heads, t, head_dim]: back to token-major once, for all
+            outputs.append(out.squeeze(0))  # [heads, t, head_dim]: back to token-major once, for all
         out = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=1)
-        return self.o_proj(out.transpose(1, 0, 2).reshape(1, out.shape[1], -1))
+        return self.o_proj(out.transpose(1, 0, 2).reshape(out.shape[1], -1))[None]
 
 
 def positions(lengths: list[int], caches: list) -> mx.array:
     """Each packed token's position in its own sequence (its cache's length before this step,
-    plus its place among the sequence's new tokens): RoPE offsets, one per token."""
-    return mx.array([cache.offset + i for n, cache in zip(lengths, caches) for i in range(n)], dtype=mx.int32)
+    plus its place among the sequence's new tokens): RoPE offsets, one per token. The layers of
+    a step get the very same array (RoPE computes its angles once for it)."""
+    global _last_positions
+    values = [cache.offset + i for n, cache in zip(lengths, caches) for i in range(n)]
+    if _last_positions[0] != values:
+        _last_positions = (values, mx.array(values, dtype=mx.int32))
+    return _last_positions[1]
+
+
+_last_positions: tuple[list[int] | None, mx.array | None] = (None, None)
 
 
 def last_indices(lengths: list[int]) -> mx.array:
@@ -275,7 +354,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        if x.ndim == 2:
+            return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+        return self(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)  # 2-D products (see Attention)
 
 
 class PreNormBlock(nn.Module):
@@ -286,8 +367,8 @@ class PreNormBlock(nn.Module):
         super().__init__()
         self.self_attn = self_attn
         self.mlp = mlp
-        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def make_cache(self):
         return self.self_attn.make_cache() if hasattr(self.self_attn, "make_cache") else KVCache()
@@ -345,7 +426,7 @@ class TransformerSlice(nn.Module):
         self.start, self.end, self.has_ends, self.head_rows = start, end, has_ends, head_rows
         self.layers = [make_layer(config, i) for i in range(start, end)]
         if has_ends or head_rows:
-            self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         if has_ends:
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
             if not config.tie_word_embeddings:
