@@ -449,8 +449,9 @@ class Scheduler:
         if self.transport.size == 1:
             microbatch.hidden = hidden  # each sequence's last position (rank 0 holds the final layer)
         else:
-            # Rows that sample or report logprobs need every logit: only argmax micro-batches share the head.
-            if self.head_split is not None and not any(seq.full_logits for seq in seqs):
+            # Rows that sample or report logprobs need every logit: only argmax micro-batches share the head
+            # (and not those returning a prompt's every position for the MTP: no logits wanted there).
+            if self.head_split is not None and not any(seq.full_logits for seq in seqs) and not any(prompt):
                 microbatch.head_columns = self.head_split.columns
             with self.timeline.span(SEND, f"mb {number}"):
                 self.sends.append(self.transport.isend_message(1, Kind.FORWARD, seq_ids, wire_lengths(lengths, full),
