@@ -56,6 +56,7 @@ class RankReport:
     dense_held: ModelBytes | None = None  # the same with them dequantized (--weights-in-memory)
     quantized: bool = False  # the checkpoint has MLX-quantized weights
     dtype: str = "float32"  # --dtype: unquantized (and dequantized) weights are held in it
+    fast_quantized: bool = False  # this rank will multiply quantized weights with pipeline's kernels (qmm.py)
     kv_layer_bytes: list[int] = field(default_factory=list)  # per layer, for --context tokens
     disk_layer_bytes: list[int] = field(default_factory=list)
     disk_ends_bytes: int = 0
@@ -155,6 +156,7 @@ def collect(args: argparse.Namespace, comm) -> RankReport:
 def _measure_slices(report: RankReport, folder: Path, args: argparse.Namespace) -> None:
     from ..formats import Requantize
     from ..plan import architecture, kv_layer_bytes, model_bytes_of
+    from .. import qmm
     from ..weights import is_quantized, layer_nbytes, open_checkpoint
 
     checkpoint = open_checkpoint(folder, Requantize(args.quantize, args.group_size) if args.quantize else None)
@@ -171,6 +173,7 @@ def _measure_slices(report: RankReport, folder: Path, args: argparse.Namespace) 
         report.disk_ends_bytes += mtp_nbytes(checkpoint, config)
         report.held, report.dense_held = with_mtp(report.held), with_mtp(report.dense_held)
     report.quantized, report.dtype = is_quantized(checkpoint), args.dtype
+    report.fast_quantized = args.dtype == "float32" and qmm.expected()  # as job.plan_job asks every rank
     context = args.context or min(8192, config.max_position_embeddings)
     if context < 1:
         raise UserError(f"--context must be >= 1, got {context}")
@@ -225,8 +228,9 @@ def evaluate(reports: list[RankReport], split: str | None, weights_in_memory: st
                                          layer_overhead_bytes=LAYER_OVERHEAD_BYTES)
             if weights_in_memory != "quantized" and ref.quantized:  # as the job decides it (job.plan_job)
                 memory = [(r.host, r.available if r.available is not None else 0) for r in reports]
+                fast = [r.fast_quantized for r in reports]
                 counts, dense = plan_weights_in_memory(weights_in_memory, ref.held, ref.dense_held, counts, memory,
-                                                       fixed=bool(split))
+                                                       fixed=bool(split), fast_quantized=fast)
             ranges = layer_ranges(counts)
         except UserError as e:
             problems.append(str(e))
