@@ -104,7 +104,7 @@ def build(path: Path, extra_flags: tuple[str, ...] = ()) -> None:
     nanobind = _nanobind()
     compiler = cxx_compiler()
     if not compiler:
-        raise NotBuilt("no C++ compiler")
+        raise NotBuilt(f"no C++ compiler: {blas.install_hint('g++', 'a C++ compiler')}")
     nb_dir = Path(nanobind.__file__).parent
     mlx_dir = _mlx_dir()
     command = [compiler, *FLAGS, *extra_flags, f"-DNB_DOMAIN={NB_DOMAIN}",

@@ -344,11 +344,17 @@ struct Task {
     int64_t expert, r0, r1, block;
 };
 
+/* Below this many multiply-adds a product runs on one thread: waking the others costs more than
+   they save (a 576 x 1536 4-bit matrix is 0.44 MB, ~40 us on one core), and on a loaded host one
+   descheduled thread stalls the whole product for a time slice. */
+constexpr int64_t THREADED_MIN_WORK = int64_t(1) << 21;
+
 static void run_tasks(const std::vector<Task> &tasks, const std::vector<QMatrix> &mats,
                       const std::vector<int64_t> &order, const std::vector<const float *> &xrows,
-                      const std::vector<float *> &orows) {
+                      const std::vector<float *> &orows, int64_t work) {
     const int64_t ntasks = int64_t(tasks.size());
-#pragma omp parallel num_threads(g_threads) if (g_threads > 1 && ntasks > 1)
+    const bool threaded = g_threads > 1 && ntasks > 1 && work >= THREADED_MIN_WORK;
+#pragma omp parallel num_threads(g_threads) if (threaded)
     {
         std::vector<float> buf(COLS * PANEL);
         std::vector<v16> acc(ROW_BLOCK * COLS);
@@ -530,7 +536,7 @@ class QuantizedProduct : public mx::UnaryPrimitive {
                 blas_product(mats[0], permuted.data(), rows, o);
                 return;
             }
-            run_tasks(tasks, mats, order, xrows, orows);
+            run_tasks(tasks, mats, order, xrows, orows, rows * n * k);
         });
     }
 
