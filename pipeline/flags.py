@@ -51,8 +51,9 @@ def add_weights_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights-in-memory", choices=["quantized", "fp32", "auto"], default="auto",
                         help="MLX-quantized weights per rank: keep them packed, or dequantize them at load to "
                              "--dtype (fp32 by default: BLAS matmuls, many times faster prefill on CPU, "
-                             "32/bits times the memory); auto (default): dequantized where the host's free "
-                             "memory allows")
+                             "32/bits times the memory); auto (default): packed where every rank has "
+                             "pipeline's quantized kernels (a C++ compiler), else dequantized where the "
+                             "host's free memory allows")
 
 
 def add_cluster_args(parser: argparse.ArgumentParser, transports: bool = True) -> None:
