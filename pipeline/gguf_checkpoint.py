@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,7 @@ _FLOAT_ONLY = ("ffn_gate_inp",)
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
                  "deepseek2": "deepseek_v3"}
 GATING_SIGMOID = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID (1 is softmax)
+MIN_PIECE_VALUES = 1 << 20  # the smallest piece worth a decoder thread
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,7 @@ class GGUFCheckpoint(Checkpoint):
         self._pending: dict[str, Any] = {}  # the other arrays of a triple already decoded
         self._requantized: list[tuple[str, str, int, int, float, float]] = []  # what loaded() reports
         self.bytes_read = 0  # tensor bytes read so far (what each rank reads, for tests and benchmarks)
+        self._pool: ThreadPoolExecutor | None | bool = None  # the decoder's threads (False: one CPU)
         self._index()
 
     # -- the index ---------------------------------------------------------------------------------------------
@@ -203,8 +206,9 @@ class GGUFCheckpoint(Checkpoint):
         if entry.how == "dequantized":
             array = self._read_float(tensor)
         else:
-            array = np.frombuffer(self._read_bytes(tensor, 0, tensor.rows), dtype=(quants.FLOATS | quants.INTEGERS)
-                                  [tensor.ggml_type]).reshape(tensor.shape)
+            raw = self._read_bytes(tensor, 0, tensor.rows)
+            self.bytes_read += raw.nbytes
+            array = np.frombuffer(raw, dtype=(quants.FLOATS | quants.INTEGERS)[tensor.ggml_type]).reshape(tensor.shape)
             if tensor.ggml_type == "F64":
                 array = array.astype(np.float32)
         if entry.unpermute_heads:
@@ -217,7 +221,8 @@ class GGUFCheckpoint(Checkpoint):
         return [(t.file, t.begin, t.begin + t.nbytes) for t in self.tensors[name].source]
 
     def _read_bytes(self, tensor: GGUFTensor, row: int, rows: int) -> np.ndarray:
-        """Rows [row, row + rows) of `tensor` as raw bytes, uint8 [rows, bytes per row]."""
+        """Rows [row, row + rows) of `tensor` as raw bytes, uint8 [rows, bytes per row] (any thread:
+        the caller counts them in `bytes_read`)."""
         row_bytes = tensor.nbytes // tensor.rows
         buffer = np.empty((rows, row_bytes), np.uint8)
         with open(tensor.file, "rb") as f:
@@ -225,19 +230,38 @@ class GGUFCheckpoint(Checkpoint):
             got = f.readinto(memoryview(buffer).cast("B"))
         if got != buffer.nbytes:
             raise UserError(f"{tensor.file} is truncated or corrupt (tensor {tensor.name}): download it again")
-        self.bytes_read += got
         return buffer
 
-    def _chunks(self, tensor: GGUFTensor):
+    def _pieces(self, tensor: GGUFTensor, workers: int = 1) -> list[tuple[int, int]]:
+        """(first row, rows) of the chunks a tensor is decoded in: at most CHUNK_VALUES values each,
+        and at least one per worker (of at least MIN_PIECE_VALUES values) so all of them decode."""
         step = max(1, quants.CHUNK_VALUES // tensor.cols)
-        for row in range(0, tensor.rows, step):
-            yield row, self._read_bytes(tensor, row, min(step, tensor.rows - row))
+        if workers > 1:
+            step = min(step, max(-(-tensor.rows // workers), MIN_PIECE_VALUES // tensor.cols, 1))
+        return [(row, min(step, tensor.rows - row)) for row in range(0, tensor.rows, step)]
+
+    def _chunks(self, tensor: GGUFTensor):
+        for row, rows in self._pieces(tensor):
+            raw = self._read_bytes(tensor, row, rows)
+            self.bytes_read += raw.nbytes
+            yield row, raw
+
+    def _decoder(self) -> ThreadPoolExecutor | None:
+        """Threads that read and decode pieces of exact tensors at once (numpy lets go of the GIL),
+        one per CPU this rank may use; None with one CPU."""
+        if self._pool is None:
+            from .cores import cpus_allowed
+
+            self._workers = min(16, len(cpus_allowed()))
+            self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="gguf-decode") if self._workers > 1 else False
+        return self._pool or None
 
     def _read_float(self, tensor: GGUFTensor) -> np.ndarray:
         """A whole tensor as float32 in its numpy shape (any type: floats, or the gguf package's dequantizer)."""
         t = tensor.ggml_type
         if t in quants.FLOATS:
             raw = self._read_bytes(tensor, 0, tensor.rows)
+            self.bytes_read += raw.nbytes
             if t == "BF16":
                 out = (raw.view("<u2").astype(np.uint32) << np.uint32(16)).view(np.float32)
             else:
@@ -253,27 +277,43 @@ class GGUFCheckpoint(Checkpoint):
         import mlx.core as mx
 
         tensor, lay = entry.source[0], entry.layout
-        parts: dict[str, list] = {"weight": [], "scales": [], "biases": []}
-        worst = largest = 0.0
-        for _, raw in self._chunks(tensor):
-            if entry.how == "exact":
-                w, s, b = quants.decode_exact(raw, tensor.ggml_type)
-                w, s, b = mx.array(w), mx.array(s), None if b is None else mx.array(b)
-            else:
-                w, s, b, error, top = quants.requantize(raw, tensor.ggml_type, lay.bits, lay.group_size)
-                worst, largest = max(worst, error), max(largest, top)
-            for part, array in (("weight", w), ("scales", s), ("biases", b)):
-                if array is not None:
-                    parts[part].append(array)
         lead = tensor.shape[:-1]
         arrays = {}
-        for part, chunks in parts.items():
-            if not chunks:
-                continue
-            array = chunks[0] if len(chunks) == 1 else mx.concatenate(chunks)
-            if entry.unpermute_heads:
-                array = unpermute_rows(array, entry.unpermute_heads)
-            arrays[part] = array.reshape(*lead, array.shape[-1])
+        worst = largest = 0.0
+        if entry.how == "exact":  # numpy only: pieces decode on the decoder's threads at once
+            pool = self._decoder()
+
+            def decode(piece: tuple[int, int]):
+                raw = self._read_bytes(tensor, *piece)
+                return raw.nbytes, quants.decode_exact(raw, tensor.ggml_type)
+
+            pieces = self._pieces(tensor, self._workers if pool else 1)
+            parts: dict[str, list] = {"weight": [], "scales": [], "biases": []}
+            for nbytes, decoded in (pool.map(decode, pieces) if pool else map(decode, pieces)):
+                self.bytes_read += nbytes
+                for part, array in zip(("weight", "scales", "biases"), decoded):
+                    if array is not None:
+                        parts[part].append(array)
+            for part, chunks in parts.items():
+                if chunks:
+                    array = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)  # (dtypes promoted alike)
+                    chunks.clear()
+                    if entry.unpermute_heads:
+                        array = unpermute_rows(array, entry.unpermute_heads)
+                    arrays[part] = mx.array(array).reshape(*lead, array.shape[-1])
+                    del array
+        else:  # MLX re-quantizes: one piece at a time, on this thread
+            parts = {"weight": [], "scales": [], "biases": []}
+            for _, raw in self._chunks(tensor):
+                w, s, b, error, top = quants.requantize(raw, tensor.ggml_type, lay.bits, lay.group_size)
+                worst, largest = max(worst, error), max(largest, top)
+                for part, array in (("weight", w), ("scales", s), ("biases", b)):
+                    parts[part].append(array)
+            for part, chunks in parts.items():
+                array = chunks[0] if len(chunks) == 1 else mx.concatenate(chunks)
+                if entry.unpermute_heads:
+                    array = unpermute_rows(array, entry.unpermute_heads)
+                arrays[part] = array.reshape(*lead, array.shape[-1])
         mx.eval(list(arrays.values()))
         if entry.how == "requantized":
             self._requantized.append((tensor.name, tensor.ggml_type, lay.bits, lay.group_size, worst, largest))
@@ -282,6 +322,9 @@ class GGUFCheckpoint(Checkpoint):
     def loaded(self, names: list[str]) -> None:
         """After a rank's load: one line on stderr naming the tensors re-quantized and the error."""
         self._pending.clear()
+        if self._pool:
+            self._pool.shutdown()
+        self._pool = None
         if not self._requantized:
             return
         by_kind: dict[tuple[str, int, int], list[str]] = {}

@@ -24,17 +24,21 @@ import mlx.core as mx
 
 from .formats import Requantize, adapt_tensors
 
-GROUP_BYTES = 64 << 20  # file bytes whose arrays are evaluated together
+GROUP_BYTES = 32 << 20  # file bytes evaluated together, per stream
 PREFETCH_BYTES = 512 << 20  # how far ahead of the reader the kernel is asked to read
 CACHE_BYTES = 256 << 20  # freed temporaries MLX may keep for reuse while loading
+MAX_STREAMS = 16
 
 _streams: list = []
 
 
 def load_streams() -> list:
-    """Two CPU streams (made once per process): MLX runs each on its own thread."""
+    """One CPU stream per CPU this rank may use (at least 2, so reading overlaps converting; made
+    once per process): MLX runs each on its own thread, and its CPU operations use one thread each."""
     if not _streams:
-        _streams.extend(mx.new_stream(mx.cpu) for _ in range(2))
+        from .cores import cpus_allowed
+
+        _streams.extend(mx.new_stream(mx.cpu) for _ in range(max(2, min(MAX_STREAMS, len(cpus_allowed())))))
     return _streams
 
 
@@ -126,7 +130,7 @@ def load_tensors(checkpoint, names: list[str], dtype: mx.Dtype, requantize: Requ
             name, array = item
             weights[name] = array
             group.append(array)
-            if read_bytes - evaluated >= GROUP_BYTES:
+            if read_bytes - evaluated >= GROUP_BYTES * len(streams):
                 prefetch.advance(read_bytes)
                 flush()
         flush()

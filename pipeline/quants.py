@@ -124,10 +124,15 @@ def _repack_nibbles(qs: np.ndarray) -> np.ndarray:
     """GGML nibble blocks [rows, blocks, 16] straight to MLX 4-bit words [rows, blocks * 4]: MLX byte j
     holds values 2j, 2j+1, i.e. the low (j < 8) or high nibbles of GGML bytes 2j mod 16 and the next."""
     rows = qs.shape[0]
-    low, high = qs & np.uint8(0x0F), qs >> np.uint8(4)
-    packed = np.concatenate([low[..., 0::2] | (low[..., 1::2] << np.uint8(4)),
-                             high[..., 0::2] | (high[..., 1::2] << np.uint8(4))], axis=-1)
-    return np.ascontiguousarray(packed).reshape(rows, -1).view("<u4")
+    pairs = np.ascontiguousarray(qs).view("<u2")  # GGML bytes 2k, 2k+1 as one little-endian uint16
+    packed = np.empty(qs.shape, np.uint8)
+    low = pairs & np.uint16(0x0F)  # low nibbles of the pair -> one byte
+    low |= (pairs >> np.uint16(4)) & np.uint16(0xF0)
+    packed[..., :8] = low
+    high = (pairs >> np.uint16(4)) & np.uint16(0x0F)  # high nibbles of the pair -> one byte
+    high |= (pairs >> np.uint16(8)) & np.uint16(0xF0)
+    packed[..., 8:] = high
+    return packed.reshape(rows, -1).view("<u4")
 
 
 def _high_bits(qh: np.ndarray) -> np.ndarray:

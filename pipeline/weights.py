@@ -107,7 +107,7 @@ class Checkpoint:
         """The tensor as stored (BF16 as bfloat16, FP8 and ue8m0 as uint8 bytes), lazily: its bytes
         are read when it is evaluated, on the stream current now."""
         info = self.tensors[name]
-        key = (info.file, mx.default_stream(mx.cpu))
+        key = (info.file, str(mx.default_stream(mx.cpu)))  # str: a Stream hashes by object, not by value
         if key not in self._lazy:
             try:  # the header only: nothing is read until an array is evaluated
                 self._lazy[key] = mx.load(str(info.file), format="safetensors")

@@ -107,6 +107,18 @@ def test_a_rank_reads_only_its_own_tensors(tmp_path):
     assert owned <= read < owned + 64 * 1024 < shard, (owned, read, shard)
 
 
+def test_each_file_header_is_parsed_once_per_stream(tmp_path):
+    """Every read of a file shares its one mx.load header (per stream): a header per read would
+    keep a file open per tensor and parse it again each time."""
+    folder = save_shards(tmp_path / "bf16", random_tensors(), shards=3)
+    checkpoint = Checkpoint(folder)
+    arrays = [checkpoint.read(name) for name in checkpoint.tensors]
+    with mx.stream(mx.new_stream(mx.cpu)):
+        arrays += [checkpoint.read(name) for name in list(checkpoint.tensors)[:5]]
+    mx.eval(arrays)
+    assert len(checkpoint._lazy) <= len(checkpoint.files) + 5
+
+
 def _bytes_read() -> int:
     with open("/proc/self/io") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
