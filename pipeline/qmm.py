@@ -253,9 +253,14 @@ def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
     """`mx.quantized_matmul`, through pipeline's kernels where they cover the product."""
     state = load()
     kernels = _kernels(x)
-    if kernels is not None and w.ndim == 2 and covers(w, scales, biases, group_size, bits, mode, transpose):
-        state.used["pipeline"] += 1
-        return kernels.quantized_matmul(x, w, scales, biases, group_size, bits)
+    if kernels is not None and covers(w, scales, biases, group_size, bits, mode, transpose):
+        if w.ndim == 2:
+            state.used["pipeline"] += 1
+            return kernels.quantized_matmul(x, w, scales, biases, group_size, bits)
+        if w.ndim == 3 and x.ndim >= 3 and x.shape[-3] == w.shape[0]:
+            # a batch of matrices, one per x[..., b, :, :] (DeepSeek V4's grouped projection): a gather of each
+            return gather_qmm(x, w, scales, biases, rhs_indices=mx.arange(w.shape[0], dtype=mx.uint32),
+                              group_size=group_size, bits=bits, mode=mode)
     state.used["mlx"] += 1
     return mx.quantized_matmul(x, w, scales, biases, transpose=transpose, group_size=group_size, bits=bits,
                                mode=mode)

@@ -155,6 +155,19 @@ def test_quantized_matmul_takes_mlx_shapes(kernels):
     assert np.allclose(np.array(ours), np.array(theirs), rtol=1e-5, atol=1e-4)
 
 
+def test_batched_matrices_as_deepseek_v4_groups_them(kernels):
+    """x [groups, tokens, k] times w [groups, n, k/...] (one matrix per group): MLX's shape and values."""
+    rng = np.random.default_rng(8)
+    w, scales, biases = quantized(rng, 16, 128, 4, 64, "float32", experts=3)
+    x = mx.array(rng.standard_normal((3, 5, 128)).astype(np.float32))
+    before = qmm.load().used["pipeline"]
+    ours = qmm.quantized_matmul(x, w, scales, biases, group_size=64, bits=4)
+    assert qmm.load().used["pipeline"] == before + 1
+    theirs = mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=64, bits=4)
+    assert ours.shape == theirs.shape == (3, 5, 16)
+    assert np.allclose(np.array(ours), np.array(theirs), rtol=1e-5, atol=1e-4)
+
+
 FALLBACK = """
 import mlx.core as mx, numpy as np
 from pipeline import qmm

@@ -45,6 +45,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from .. import qmm
 from ..config import ModelConfig
 from ..errors import UserError
 from .base import RoPE, TransformerSlice, kept_rows, positions, segments
@@ -198,9 +199,9 @@ class QuantizedGroupedLinear(nn.Module):
         def by_group(a):
             return None if a is None else a.reshape(g, -1, a.shape[-1])
 
-        out = mx.quantized_matmul(x.transpose(1, 0, 2), by_group(self.weight), by_group(self.scales),
-                                  by_group(self.get("biases")), transpose=True, group_size=self.group_size,
-                                  bits=self.bits, mode=self.mode)
+        out = qmm.quantized_matmul(x.transpose(1, 0, 2), by_group(self.weight), by_group(self.scales),
+                                   by_group(self.get("biases")), transpose=True, group_size=self.group_size,
+                                   bits=self.bits, mode=self.mode)
         return out.transpose(1, 0, 2)
 
 
