@@ -182,6 +182,51 @@ def roofline(p: dict) -> list[str]:
     return out
 
 
+def vs_llamacpp(p: dict) -> list[str]:
+    st = p["settings"]
+    out = [f"**pipeline vs llama.cpp** (`benchmarks/vs_llamacpp.py`; the same GGUF files, 2 threads; llama.cpp "
+           f"{p['llama_cpp']['build']} from the llama-cpp-python {p['llama_cpp']['llama_cpp_python_sdist']} sdist, "
+           f"GGML_NATIVE; median ±half the min-max spread of {p['runs']} interleaved rounds"
+           + (" (**a quick smoke run, not the benchmark's figures**)" if p.get("quick") else "")
+           + f"; {header(p)}). ![vs llama.cpp](results/vs_llamacpp.png)", "",
+           f"Single stream, 1 rank, 2 threads: pp{st['prompt_tokens']} and tg{st['new_tokens']} (llama.cpp's decode "
+           f"after a {st['prompt_tokens']}-token context, as `generate` decodes after its prompt; at depth 0 in brackets).", "",
+           "| model | contender | prefill tok/s | decode tok/s | peak RSS MiB |", "| --- | --- | --- | --- | --- |"]
+    for model, r in p["models"].items():
+        for c, s in r["stats"].items():
+            if "prefill_tps" in s and "load_over_read" not in s and "tok_s" not in s:
+                d0 = f" ({med(s['decode_tps_d0'])})" if s.get("decode_tps_d0", {}).get("n") else ""
+                out.append(f"| {model} | {c} | {med(s['prefill_tps'])} | {med(s['decode_tps'])}{d0} | "
+                           f"{med(s['peak_rss_mib'], digits=4)} |")
+    out += ["", f"Batch, {st['batch']} sequences x {st['batch_new']} new tokens ({st['batch_prompt']}-token prompts): "
+                "generated tokens over the whole time, prompts included.", "",
+            "| model | contender | generated tok/s | seconds | peak RSS MiB (largest rank) |", "| --- | --- | --- | --- | --- |"]
+    for model, r in p["models"].items():
+        for c, s in r["stats"].items():
+            if "tok_s" in s:
+                out.append(f"| {model} | {c} | {med(s['tok_s'])} | {med(s['seconds'])} | {med(s['peak_rss_mib'], digits=4)} |")
+    out += ["", "Load, 1 rank: pipeline's plan + load (what `generate` does before its first token) vs reading the "
+                "file's bytes; the whole process beside (llama.cpp: start, mmap load, a 1-token prompt and 1 new token):", "",
+            "| model | file MiB | contender | load s | whole process s | read s | load / read | peak RSS MiB | weights MiB |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for model, r in p["models"].items():
+        for c, s in r["stats"].items():
+            if "load_over_read" in s:
+                out.append(f"| {model} | {r['file_bytes'] / 2**20:.0f} | {c} | {med(s['load_s'])} | {med(s['wall_s'])} | "
+                           f"{med(s['read_s'])} | {med(s['load_over_read'])} | {med(s['peak_rss_mib'], digits=4)} | "
+                           f"{med(s['weight_mib'], digits=4)} |")
+    out += ["", "Goals, weights held quantized (ratios of medians to llama.cpp; batch: the better of 1 rank and 2 ranks):", "",
+            "| model | decode >= 0.8x | prefill >= 1.0x | batch >= 1.0x |", "| --- | --- | --- | --- |"]
+    verdict = lambda g: f"{g['ratio']:.2f}x, {'met' if g['met'] else 'not met'}" if g["ratio"] is not None else "not run"  # noqa: E731
+    for model, r in p["models"].items():
+        g = r["goals"]
+        out.append(f"| {model} | {verdict(g['decode'])} | {verdict(g['prefill'])} | {verdict(g['batch'])} |")
+    out.append("")
+    for model, r in p["models"].items():
+        out.append(f"- {model}: " + ratios(r["ratios"]))
+    return out
+
+
 def goals(results: dict) -> list[str]:
     out = ["**Goals**:", "", "| goal | measured | met |", "| --- | --- | --- |"]
     for model, (r, source) in latest_single().items():
@@ -264,12 +309,12 @@ def reruns() -> list[str]:
 
 
 def render() -> str:
-    names = ("single", "batch_throughput", "batch", "mlx_pipeline", "mlx_pipeline_batch", "hop", "memory", "roofline")
+    names = ("single", "batch_throughput", "batch", "mlx_pipeline", "mlx_pipeline_batch", "hop", "memory", "roofline", "vs_llamacpp")
     results = {name: load(name) for name in names}
     lines = goals(results) + [""]
     for name, fn in (("single", single), ("batch_throughput", batch_throughput), ("batch", batch),
                      ("mlx_pipeline", mlx_pipeline), ("mlx_pipeline_batch", mlx_pipeline_batch), ("hop", hop),
-                     ("memory", memory), ("roofline", roofline)):
+                     ("memory", memory), ("roofline", roofline), ("vs_llamacpp", vs_llamacpp)):
         if results[name]:
             lines += fn(results[name]) + [""]
         if name == "single":

@@ -1,0 +1,130 @@
+"""llama.cpp's `llama-bench` and `llama-batched-bench`, built once from the source that the PyPI
+sdist of `llama-cpp-python` vendors, cached under $PIPELINE_CACHE/llama.cpp/<version>/ (never in
+the repository, never in CI).
+
+Why the sdist: PyPI is the one registry every machine of ours reaches, and the sdist pins one
+llama.cpp revision per llama-cpp-python version, so a result names exactly what it measured.
+The build uses -DGGML_NATIVE=ON (the same CPU features a user building it on that node gets) except
+AMX (see CMAKE_OPTIONS), and turns off everything that would reach the network (the prebuilt web
+UI, OpenSSL/HTTPS).
+
+    python benchmarks/llamacpp_build.py          # build (about 8 minutes on 2 cores) and print the paths
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import cache_dir  # noqa: E402
+
+TARGETS = ("llama-bench", "llama-batched-bench")
+CMAKE_OPTIONS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_USE_PREBUILT_UI=OFF",
+                 "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+                 "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=OFF",
+                 # AMX off: ggml's AMX matmul (chosen by -march=native on Sapphire Rapids) crashed with SIGSEGV
+                 # on the first prompt on our test machine. GCC lets an explicit -mno-* win over -march=native.
+                 *(f"-DCMAKE_{lang}_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" for lang in ("C", "CXX")))
+STAMP = "cmake-options.txt"  # in the build folder once built: a change of options builds afresh
+
+
+def root() -> Path:
+    return cache_dir() / "llama.cpp"
+
+
+def _run(cmd: list[str], log: Path, **kw) -> None:
+    with open(log, "a") as out:
+        out.write("$ " + " ".join(cmd) + "\n")
+        out.flush()
+        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, **kw)
+    if proc.returncode != 0:
+        tail = log.read_text()[-3000:]
+        raise SystemExit(f"error: `{' '.join(cmd[:3])} ...` failed (exit {proc.returncode}); the log is {log}:\n{tail}")
+
+
+def cached_binaries() -> dict | None:
+    """The newest finished build in the cache: {"version", "llama-bench", "llama-batched-bench"}."""
+    builds = sorted((p for p in root().glob("*/build/bin") if all((p / t).is_file() for t in TARGETS)
+                     and (p.parent / STAMP).is_file() and (p.parent / STAMP).read_text() == "\n".join(CMAKE_OPTIONS)),
+                    key=lambda p: p.stat().st_mtime)
+    if not builds:
+        return None
+    bin_ = builds[-1]
+    return {"version": bin_.parents[1].name, **{t: bin_ / t for t in TARGETS}}
+
+
+def _download_sdist(dest: Path, log: Path) -> Path:
+    dest.mkdir(parents=True, exist_ok=True)
+    have = sorted(dest.glob("llama_cpp_python-*.tar.gz"))
+    if not have:
+        _run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", "--no-build-isolation",
+              "llama-cpp-python", "-d", str(dest)], log)
+        have = sorted(dest.glob("llama_cpp_python-*.tar.gz"))
+    if not have:
+        raise SystemExit(f"error: pip download left no llama_cpp_python sdist in {dest}; see {log}")
+    return have[-1]
+
+
+def _cmake() -> str:
+    found = shutil.which("cmake")
+    if found:
+        return found
+    print("cmake not found: pip install cmake", file=sys.stderr)
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "cmake"], check=True)
+    found = shutil.which("cmake") or str(Path(sys.executable).parent / "cmake")
+    if not Path(found).exists():
+        raise SystemExit("error: cmake is missing and `pip install cmake` did not provide it; install cmake")
+    return found
+
+
+def build(jobs: int = 2) -> dict:
+    """Download, unpack and build, unless a finished build is cached; returns cached_binaries()."""
+    done = cached_binaries()
+    if done:
+        return done
+    base = root()
+    base.mkdir(parents=True, exist_ok=True)
+    log = base / "build.log"
+    print(f"llama.cpp is not built yet: building {', '.join(TARGETS)} from the llama-cpp-python sdist under {base} "
+          f"(takes about 8 minutes on 2 cores; log: {log})", file=sys.stderr, flush=True)
+    sdist = _download_sdist(base / "src", log)
+    version = sdist.name.removeprefix("llama_cpp_python-").removesuffix(".tar.gz")
+    where = base / version
+    source = where / "src"
+    if not (source / "CMakeLists.txt").is_file():
+        tmp = where / "unpack.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        with tarfile.open(sdist) as tar:
+            members = [m for m in tar.getmembers() if "/vendor/llama.cpp/" in m.name + "/"]
+            tar.extractall(tmp, members=members, filter="data")
+        vendored = next(tmp.glob("*/vendor/llama.cpp"))
+        shutil.rmtree(source, ignore_errors=True)
+        vendored.rename(source)
+        shutil.rmtree(tmp, ignore_errors=True)
+    cmake = _cmake()
+    out = where / "build"
+    _run([cmake, "-S", str(source), "-B", str(out), *CMAKE_OPTIONS], log)
+    (out / STAMP).unlink(missing_ok=True)
+    _run([cmake, "--build", str(out), "--target", *TARGETS, f"-j{jobs}"], log)
+    (out / STAMP).write_text("\n".join(CMAKE_OPTIONS))
+    done = cached_binaries()
+    if not done:
+        raise SystemExit(f"error: the llama.cpp build finished without {', '.join(TARGETS)} in {out}/bin; see {log}")
+    return done
+
+
+def commit_of(bench: Path) -> str:
+    """The llama.cpp build string (`version: N (hash)`) its binaries print."""
+    proc = subprocess.run([str(bench), "--version"], capture_output=True, text=True)
+    text = (proc.stdout + proc.stderr).strip().splitlines()
+    return next((l.strip() for l in text if l.startswith("version")), text[0] if text else "")
+
+
+if __name__ == "__main__":
+    found = build()
+    print({k: str(v) for k, v in found.items()})
