@@ -400,7 +400,8 @@ static sgemm_fn blas_sgemm() {
 template <int bits>
 static void dequantize_rows(const QMatrix &m, int64_t n0, int64_t n1, float *out) {
     const int64_t chunk_bytes = 4 * bits;
-#pragma omp parallel for schedule(static) num_threads(g_threads) if (g_threads > 1)
+    // One thread: it costs a fraction of the sgemm's time (which has 64+ FMAs per weight), and OpenMP's
+    // workers, spinning after a region, would take the cores from the BLAS's threads (prefill 3x slower).
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = m.w + n * m.row_bytes;
         float *dst = out + (n - n0) * m.k;
