@@ -227,6 +227,21 @@ def vs_llamacpp(p: dict) -> list[str]:
     return out
 
 
+def load_speed(p: dict) -> list[str]:
+    out = [f"**Load speed** (`benchmarks/load_speed.py`; one rank's `plan_job` + `load_stage` vs reading the same "
+           f"bytes, random Llama-1B-shaped model; cold: {p['cold_method']}; {p['runs']} interleaved runs; {header(p)}). "
+           f"![load speed](results/load_speed.png)", "",
+           "| stored as, held as | cache | GB read | read s | into new memory s | load s | load / read | GB/s | "
+           "CPU s | peak RSS MiB |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in p["table"]:
+        out.append(f"| {r['stored']} | {r['cache']} | {r['span_bytes'] / 1e9:.2f} | {med(r['read_s'])} | "
+                   f"{med(r['fresh_s'])} | {med(r['load_s'])} | **{r['ratio']:.2f}x** | {r['gb_per_s']:.2f} | "
+                   f"{med(r['cpu_s'])} | {med(r['peak_rss'], 2**-20, 4)} |")
+    met = [f"{r['form']} {r['cache']}" for r in p["table"] if r["ratio"] <= p["goal"]]
+    return out + ["", f"- Goal load <= {p['goal']}x read: met in {len(met)} of {len(p['table'])} rows"
+                  + (f" ({', '.join(met)})" if met else "") + "."]
+
+
 def goals(results: dict) -> list[str]:
     out = ["**Goals**:", "", "| goal | measured | met |", "| --- | --- | --- |"]
     for model, (r, source) in latest_single().items():
@@ -309,12 +324,13 @@ def reruns() -> list[str]:
 
 
 def render() -> str:
-    names = ("single", "batch_throughput", "batch", "mlx_pipeline", "mlx_pipeline_batch", "hop", "memory", "roofline", "vs_llamacpp")
+    names = ("single", "batch_throughput", "batch", "mlx_pipeline", "mlx_pipeline_batch", "hop", "memory", "roofline", "vs_llamacpp", "load_speed")
     results = {name: load(name) for name in names}
     lines = goals(results) + [""]
     for name, fn in (("single", single), ("batch_throughput", batch_throughput), ("batch", batch),
                      ("mlx_pipeline", mlx_pipeline), ("mlx_pipeline_batch", mlx_pipeline_batch), ("hop", hop),
-                     ("memory", memory), ("roofline", roofline), ("vs_llamacpp", vs_llamacpp)):
+                     ("memory", memory), ("roofline", roofline), ("vs_llamacpp", vs_llamacpp),
+                     ("load_speed", load_speed)):
         if results[name]:
             lines += fn(results[name]) + [""]
         if name == "single":
