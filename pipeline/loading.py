@@ -24,9 +24,9 @@ import mlx.core as mx
 
 from .formats import Requantize, adapt_tensors
 
-GROUP_BYTES = 32 << 20  # file bytes evaluated together, per stream
+GROUP_BYTES = 16 << 20  # file bytes evaluated together, per stream
 PREFETCH_BYTES = 512 << 20  # how far ahead of the reader the kernel is asked to read
-CACHE_BYTES = 256 << 20  # freed temporaries MLX may keep for reuse while loading
+CACHE_BYTES = (64 << 20, 512 << 20)  # freed temporaries MLX may keep for reuse: 1/16 of the bytes read, within
 MAX_STREAMS = 16
 
 _streams: list = []
@@ -116,15 +116,17 @@ def load_tensors(checkpoint, names: list[str], dtype: mx.Dtype, requantize: Requ
 
     # Loading makes short-lived tensors (bytes before a cast, floats before re-quantization): a
     # bounded cache lets the next group reuse their buffers instead of faulting in new ones.
-    cache_limit = mx.set_cache_limit(CACHE_BYTES)
+    cache_limit = mx.set_cache_limit(min(max(total // 16, CACHE_BYTES[0]), CACHE_BYTES[1]))
     adapted = adapt_tensors(order, checkpoint.tensors, read, dtype, requantize, keep_float32)
     try:
         prefetch.advance(0)
-        step = 0
+        assigned = [0] * len(streams)  # bytes read for each stream's work so far
         while True:
-            with mx.stream(streams[step % len(streams)]):  # the graph of one tensor on one stream
+            least = assigned.index(min(assigned))  # the next tensor's graph on the least busy stream
+            before = read_bytes
+            with mx.stream(streams[least]):
                 item = next(adapted, None)
-            step += 1
+            assigned[least] += read_bytes - before
             if item is None:
                 break
             name, array = item
