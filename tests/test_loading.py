@@ -211,3 +211,27 @@ def test_a_file_with_a_dtype_mlx_cannot_read(tmp_path):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+@pytest.mark.parametrize("qtype_name", ["Q4_0", "Q8_0", "Q4_K", "MXFP4"])
+def test_gguf_pieces_decoded_on_threads_equal_gguf_own_dequantization(tmp_path, monkeypatch, qtype_name):
+    """A GGUF tensor split into many pieces, decoded at once on four threads and joined: bit for bit
+    what gguf's own dequantizer makes of the file (the one-piece path is test_gguf_inplace's)."""
+    from gguf import GGMLQuantizationType as QT
+    from test_gguf_inplace import decode, load_tensor, random_blocks, write_single
+
+    import pipeline.cores
+    from pipeline import gguf_checkpoint, quants
+
+    qtype = QT[qtype_name]
+    raw = random_blocks(qtype, 96, 512, np.random.default_rng(5))
+    path = write_single(tmp_path / "t.gguf", "blk.0.ffn_up.weight", raw, qtype, 512)
+    monkeypatch.setattr(pipeline.cores, "cpus_allowed", lambda: frozenset(range(4)))
+    monkeypatch.setattr(gguf_checkpoint, "MIN_PIECE_VALUES", 1)
+    monkeypatch.setattr(quants, "CHUNK_VALUES", 7 * 512)  # 7 rows a piece: the last one short
+    ours, checkpoint = load_tensor(path, "model.layers.0.mlp.up_proj")
+    tensor = checkpoint.tensors["model.layers.0.mlp.up_proj.weight"].source[0]
+    assert checkpoint._workers == 4 and len(checkpoint._pieces(tensor, 4)) == 14
+    assert np.array_equal(ours, decode(raw, qtype))
+    assert checkpoint.bytes_read == tensor.nbytes
+    checkpoint.loaded([])
