@@ -11,7 +11,7 @@ import mlx.core as mx
 
 from .sampling import Sampler, SamplingParams
 from .speculative import DraftStats, NgramDrafter, verify
-from .stage import Stage, ring_forward
+from .stage import Stage, ring_forward, round_the_ring
 from .tokenizer import StreamingDetokenizer, Tokenizer
 from .transport import Transport
 
@@ -86,8 +86,8 @@ def generate(stage: Stage, transport: Transport, tokenizer: Tokenizer, prompt_id
         if drafter is not None:
             draft = _speculate(stage, transport, sampler, drafter, sampler(logits, history), history, take,
                                room=lambda: min(max_tokens - len(tokens), context - len(history)))
-        elif transport.size == 1 and sampling.repetition_penalty == 1.0:
-            _overlapped(stage, sampler, logits, take, more=lambda: len(tokens) + 1 < max_tokens)
+        elif sampling.repetition_penalty == 1.0:
+            _overlapped(stage, transport, sampler, logits, take, more=lambda: len(tokens) + 1 < max_tokens)
         else:
             while not take(sampler(logits, history)):
                 logits = next_logits([history[-1]])
@@ -99,22 +99,26 @@ def generate(stage: Stage, transport: Transport, tokenizer: Tokenizer, prompt_id
                       prefill_s=first_token_at - start, decode_s=end - first_token_at, draft=draft)
 
 
-def _overlapped(stage: Stage, sampler: Sampler, logits: mx.array, take: Callable[[int], bool],
+def _overlapped(stage: Stage, transport: Transport, sampler: Sampler, logits: mx.array, take: Callable[[int], bool],
                 more: Callable[[], bool]) -> None:
-    """One rank, without a repetition penalty (which needs each token in hand): the next step is
-    built and started before this token is read, as mlx-lm does, so Python building its graph
-    overlaps the CPU computing this one. Same tokens; at the end one step is computed unused.
-    more(): whether a token after the pending one may still be wanted."""
+    """Without a repetition penalty (which needs each token in hand): the next step is built and
+    started before this token is read, as mlx-lm does, so Python building its graph overlaps the
+    CPU computing this one. On one rank that is the whole step; on several, rank 0's layers (sent
+    on once the token is read and taken). Same tokens; at the end one step (or rank 0's part of
+    it) is computed unused. more(): whether a token after the pending one may still be wanted."""
     model = stage.model
     pending = sampler.lazy(logits)
     while True:
         following = None
         if more():
-            hidden = stage.run_layers(model.embed(pending.reshape(1, 1)), evaluate=False, last_only=True)
-            following = sampler.lazy(model.logits(hidden[:, -1, :])[0])
+            following = stage.run_layers(model.embed(pending.reshape(1, 1)), evaluate=False, last_only=True)
+            if transport.size == 1:
+                following = sampler.lazy(model.logits(following[:, -1, :])[0])
             mx.async_eval(following)
         if take(int(pending.item())) or following is None:
             return
+        if transport.size > 1:
+            following = sampler.lazy(model.logits(round_the_ring(transport, following)[:, -1, :])[0])
         pending = following
 
 

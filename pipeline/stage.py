@@ -100,7 +100,15 @@ def ring_forward(stage: Stage, transport: Transport, hidden: mx.array, seq_ids: 
     lengths = [hidden.shape[1]] if lengths is None else lengths
     stage.rewind(seq_ids, rewind)
     hidden = stage.run_layers(hidden, seq_ids, lengths, last_only=True, full=[all_positions] * len(lengths))
+    return round_the_ring(transport, hidden, seq_ids, lengths, all_positions, rewind)
+
+
+def round_the_ring(transport: Transport, hidden: mx.array, seq_ids: list[int] = (0,), lengths: list[int] | None = None,
+                   all_positions: bool = False, rewind: int = 0) -> mx.array:
+    """Rank 0: the rest of `ring_forward` once rank 0's own layers are built (run or not): through
+    the other ranks and back."""
     if transport.size > 1:
+        lengths = [hidden.shape[1]] if lengths is None else lengths
         transport.send_message(1, Kind.FORWARD, seq_ids, lengths, hidden, all_positions=all_positions, rewind=rewind)
         hidden = transport.recv_message(transport.size - 1).hidden
     return hidden
