@@ -445,17 +445,20 @@ def problem() -> str:
 
 
 def report_problems(comm) -> None:
-    """Collective: rank 0 prints each rank's problem() once, as `warning: ...` on stderr, naming
-    the hosts when the job spans several."""
+    """Collective: rank 0 prints each rank's problem() (and qmm.problem(): the quantized kernels'
+    compiler and headers) once, as `warning: ...` on stderr, naming the hosts when the job spans several."""
     import socket
 
-    found = comm.gather((socket.gethostname(), problem()), root=0)
+    from . import qmm  # its kernels are built with the system's C++ compiler too
+
+    found = comm.gather((socket.gethostname(), (problem(), qmm.problem())), root=0)
     if comm.Get_rank() != 0:
         return
     hosts_with = {}
-    for host, line in found:
-        if line:
-            hosts_with.setdefault(line, []).append(host)
+    for host, lines in found:
+        for line in lines:
+            if line:
+                hosts_with.setdefault(line, []).append(host)
     several = len({host for host, _ in found}) > 1
     for line, hosts in hosts_with.items():
         where = f"on {', '.join(dict.fromkeys(hosts))}: " if several else ""

@@ -103,8 +103,9 @@ def build(path: Path, extra_flags: tuple[str, ...] = ()) -> None:
     extra_flags: e.g. ("-mno-avx512f",) builds the variant a CPU without AVX-512 gets (tests)."""
     nanobind = _nanobind()
     compiler = cxx_compiler()
-    if not compiler:
-        raise NotBuilt(f"no C++ compiler: {blas.install_hint('g++', 'a C++ compiler')}")
+    missing = missing_tools()
+    if missing:
+        raise NotBuilt(missing)
     nb_dir = Path(nanobind.__file__).parent
     mlx_dir = _mlx_dir()
     command = [compiler, *FLAGS, *extra_flags, f"-DNB_DOMAIN={NB_DOMAIN}",
@@ -200,10 +201,33 @@ def available() -> bool:
     return load().module is not None
 
 
+def missing_tools() -> str:
+    """What the build needs from the system and does not find, with the fix; "" when all is there:
+    a C++ compiler, and Python's headers (nanobind includes Python.h; Debian's python3-dev)."""
+    if not cxx_compiler():
+        return f"no C++ compiler: {blas.install_hint('g++', 'a C++ compiler')}"
+    headers = Path(sysconfig.get_paths()["include"])
+    if not (headers / "Python.h").is_file():
+        return f"no Python headers ({headers / 'Python.h'}): {blas.install_hint('python3-dev', 'Python development headers')}"
+    return ""
+
+
+def problem() -> str:
+    """One line for the job's warnings (blas.report_problems) when the kernels cannot be built for
+    want of a system package, with the fix; "" otherwise (opted out, macOS, or all there)."""
+    if os.environ.get(ENV, "").strip().lower() in ("0", "off", "no", "none") or sys.platform == "darwin":
+        return ""
+    if _state is not None and _state.module is not None:
+        return ""
+    missing = missing_tools()
+    return f"pipeline's quantized kernels cannot be built ({missing}); quantized weights run MLX's slow kernels" \
+        if missing else ""
+
+
 def expected() -> bool:
     """Whether this process will have the kernels, without building them: already loaded, or a
-    build looks possible (not opted out, Linux, a C++ compiler, nanobind, a cache folder no other user
-    can write to). `--weights-in-memory auto` decides with it before loading (job.py): a model without
+    build looks possible (not opted out, Linux, a C++ compiler and Python's headers, nanobind, a cache
+    folder no other user can write to). `--weights-in-memory auto` decides with it before loading (job.py): a model without
     quantized weights never builds them. Should the build fail after all, that rank runs MLX's kernels."""
     if _state is not None:
         return _state.module is not None
@@ -219,7 +243,7 @@ def expected() -> bool:
     place = folder
     while not place.exists() and place != place.parent:
         place = place.parent
-    return cxx_compiler() is not None and not blas._unsafe_folder(place)
+    return not missing_tools() and not blas._unsafe_folder(place)
 
 
 def _kernels(x: mx.array) -> object:

@@ -23,7 +23,7 @@ def kernels():
     """The extension, built once per machine into the cache (as a real run builds it)."""
     state = qmm.load()
     if state.module is None:
-        if qmm.cxx_compiler() and os.environ.get(qmm.ENV) is None:
+        if not qmm.missing_tools() and os.environ.get(qmm.ENV) is None:
             pytest.fail(f"the quantized kernels should build here: {state.why_not}")
         pytest.skip(f"no quantized kernels: {state.why_not}")
     return state.module
@@ -218,3 +218,23 @@ def test_auto_keeps_weights_quantized_where_every_rank_has_the_kernels():
                                   fast_quantized=[True, False]) == ([2, 2], [True, True])
     assert plan_weights_in_memory("fp32", held, dense_held, [2, 2], memory, fixed=True,
                                   fast_quantized=[True, True])[1] == [True, True]
+
+
+def test_missing_python_headers_are_named_with_the_fix(monkeypatch, tmp_path):
+    """A fresh Debian has g++ but not Python.h (python3-dev), which nanobind includes: the build is not
+    attempted, `auto` does not count on the kernels, and the job's warning line names the package."""
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    monkeypatch.setattr(sysconfig, "get_paths", lambda *a, **k: {**paths, "include": str(tmp_path)})
+    monkeypatch.setattr(qmm, "_state", None)
+    monkeypatch.delenv(qmm.ENV, raising=False)
+    monkeypatch.setenv("PIPELINE_CACHE", str(tmp_path / "cache"))  # no extension built yet
+    assert "python3-dev" in qmm.missing_tools() and str(tmp_path / "Python.h") in qmm.missing_tools()
+    assert not qmm.expected()
+    line = qmm.problem()
+    assert line.startswith("pipeline's quantized kernels cannot be built (no Python headers") and "\n" not in line
+    with pytest.raises(qmm.NotBuilt, match="python3-dev"):
+        qmm.build(tmp_path / "never.so")
+    (tmp_path / "Python.h").write_text("")
+    assert qmm.missing_tools() == "" and qmm.problem() == ""
