@@ -361,8 +361,8 @@ def main() -> None:
 
 
 def plot(payload: dict) -> None:
-    fig, (left, right) = common.figure(2, width=6.5)
-    groups = [f"{r['form']}\n{r['cache']}" for r in payload["table"]]
+    fig, (left, right) = common.figure(2, width=7.5)
+    groups = [f"{r['form'].replace('-as-', ' as ')}\n{r['cache']}" for r in payload["table"]]
     common.bars(left, "one rank's load vs reading its bytes", groups,
                 {"load": [r["load_s"] for r in payload["table"]], "read (cat)": [r["read_s"] for r in payload["table"]],
                  "read into new memory": [r["fresh_s"] for r in payload["table"]]}, "seconds")
@@ -372,7 +372,7 @@ def plot(payload: dict) -> None:
         right.annotate(f"{v:.2f}x", (x, v), ha="center", va="bottom", fontsize=7)
     right.axhline(payload["goal"], color="gray", ls=":", lw=1, label=f"goal {payload['goal']}x")
     right.set_xticks(range(len(groups)))
-    right.set_xticklabels(groups, fontsize=7)
+    right.set_xticklabels(groups, fontsize=6)
     right.set_ylabel("load s / read s")
     right.set_title("ratio (blue warm, orange cold)", fontsize=9)
     left.legend(fontsize=7)
