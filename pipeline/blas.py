@@ -444,14 +444,14 @@ def problem() -> str:
     return load().problem
 
 
-def report_problems(comm) -> None:
+def report_problems(comm, *more: str) -> None:
     """Collective: rank 0 prints each rank's problem() (and qmm.problem(): the quantized kernels'
-    compiler and headers) once, as `warning: ...` on stderr, naming the hosts when the job spans several."""
+    compiler and headers; and `more`, the caller's) once, as `warning: ...` on stderr, naming the hosts when the job spans several."""
     import socket
 
     from . import qmm  # its kernels are built with the system's C++ compiler too
 
-    found = comm.gather((socket.gethostname(), (problem(), qmm.problem())), root=0)
+    found = comm.gather((socket.gethostname(), (problem(), qmm.problem(), *more)), root=0)
     if comm.Get_rank() != 0:
         return
     hosts_with = {}

@@ -66,9 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     from .job import share_cores
 
     share_cores(comm)
-    from . import blas
+    from . import blas, private_tmp
 
-    blas.report_problems(comm)  # no OpenBLAS or no shim: one line with the fix, from rank 0
+    tmp_problem = private_tmp.use()  # before anything compiles an MLX kernel
+    blas.report_problems(comm, tmp_problem)  # no OpenBLAS or no shim: one line with the fix, from rank 0
     parser = build_parser()
 
     def parse() -> argparse.Namespace:
