@@ -1,14 +1,15 @@
 """A rank's tensors from disk to memory at the speed of the disk: read in file order, the kernel
-asked to read ahead, conversions evaluated in groups on two CPU streams, the bar in bytes.
+asked to read ahead, conversions evaluated in groups on a CPU stream per core, the bar in bytes.
 
 Where the time went before (a Llama-1B-shaped bf16 folder, 2.15 GB, to fp32 on one rank: 3.7 s,
 against 0.24 s to read the bytes): each tensor was read into a Python bytes object, copied into
 an MLX array, cast into a third buffer, and evaluated alone, on one core, each new buffer paid
 for in page faults (the allocator's cache was off). Now MLX reads each tensor's bytes straight
 into the array that keeps them (`Checkpoint.read` is lazy), the format adapters' work (casts,
-FP8 scaling, re-quantization) is evaluated a group at a time, alternating between two CPU
-streams so both cores convert while the next group's graph is built, and freed temporaries
-are reused from a bounded cache instead of being faulted in again.
+FP8 scaling, re-quantization) is evaluated a group at a time, each tensor's graph on the least
+busy of one CPU stream per core the rank may use (MLX's CPU operations run on one thread each),
+while the next group's graph is built, and freed temporaries are reused from a bounded cache
+instead of being faulted in again.
 
 With a cold page cache the reading itself overlaps the conversions: `posix_fadvise(WILLNEED)`
 asks the kernel to read the next PREFETCH_BYTES of the rank's byte ranges in the background.
