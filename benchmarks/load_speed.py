@@ -124,56 +124,10 @@ def fp8_model() -> Path:
 
 
 def gguf_q4_0() -> Path:
-    """The Llama-1B shape as a Q4_0 GGUF (llama architecture, tied embeddings, F32 norms): random
-    nibbles under one small fp16 scale per block, written one tensor at a time."""
-    import gguf
-    import numpy as np
-    from gguf import GGMLQuantizationType as QT
+    """The Llama-1B shape as a pure Q4_0 GGUF: the very file vs_llamacpp.py gives llama.cpp."""
+    from vs_llamacpp import random_llama_gguf
 
-    path = common.cache_dir() / "bench-models" / "llama-1b-q4_0.gguf"
-    if path.is_file():
-        return path
-    s = common.LLAMA_1B
-    h, inter, heads, kv, layers = (s[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
-                                                  "num_key_value_heads", "num_hidden_layers"))
-    gguf_names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-                  "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-                  "mlp.down_proj": "ffn_down"}
-    shapes = {"token_embd.weight": (_vocab(), h), "output_norm.weight": (h,)}
-    for i in range(layers):
-        shapes.update({f"blk.{i}.{gguf_names[proj]}.weight": dims for proj, dims in _layer_shapes().items()})
-        shapes.update({f"blk.{i}.attn_norm.weight": (h,), f"blk.{i}.ffn_norm.weight": (h,)})
-    rng = np.random.default_rng(0)
-    tmp = path.with_suffix(".tmp")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    writer = gguf.GGUFWriter(str(tmp), "llama")
-    writer.add_name("random-llama-1b-q4_0")
-    for add, value in ((writer.add_block_count, layers), (writer.add_context_length, s["max_position_embeddings"]),
-                       (writer.add_embedding_length, h), (writer.add_feed_forward_length, inter),
-                       (writer.add_head_count, heads), (writer.add_head_count_kv, kv),
-                       (writer.add_layer_norm_rms_eps, s["rms_norm_eps"]), (writer.add_rope_freq_base, s["rope_theta"])):
-        add(value)
-    block, size = gguf.GGML_QUANT_SIZES[QT.Q4_0]
-    for name, shape in shapes.items():
-        if len(shape) == 1:
-            writer.add_tensor_info(name, shape, np.dtype(np.float32), shape[0] * 4)
-        else:
-            byte_shape = (shape[0], shape[1] // block * size)
-            writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8), byte_shape[0] * byte_shape[1], raw_dtype=QT.Q4_0)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    scale = np.full(1, 2e-3, np.float16).view(np.uint8)
-    for name, shape in shapes.items():
-        if len(shape) == 1:
-            writer.write_tensor_data(np.ones(shape, np.float32))
-            continue
-        raw = rng.integers(0, 256, (shape[0], shape[1] // block, size), dtype=np.uint8)
-        raw[..., 0:2] = scale
-        writer.write_tensor_data(raw.reshape(shape[0], -1))
-    writer.close()
-    tmp.rename(path)
-    return path
+    return random_llama_gguf("Q4_0")
 
 
 # ---- one load, one read ---------------------------------------------------------------------------------------

@@ -352,17 +352,24 @@ def load_slice(model: nn.Module, checkpoint: Checkpoint, dtype: mx.Dtype,
     checkpoint.loaded(names)
     if model.head_rows:
         _keep_head_rows(weights, model.head_rows, _head_prefix(model.config).removeprefix("model."))
-    try:
-        _quantize_like(model, weights)
-        model.load_weights(list(weights.items()), strict=True)
-    except ValueError as e:
-        raise UserError(f"weights in {checkpoint.folder} do not match config.json: {e}") from None
-    del weights
-    for module in model.modules():
-        if hasattr(module, "after_load"):
-            module.after_load()
-    mx.eval(model.parameters())
+    fill_module(model, weights, f"weights in {checkpoint.folder}")
     return names
+
+
+def fill_module(module: nn.Module, weights: dict[str, mx.array], what: str) -> None:
+    """Put loaded arrays (module-local names) into `module`: its layers quantized as the arrays are,
+    every parameter required, then each submodule's `after_load`. `what` names the source in the
+    one-line error when the arrays do not fit the module config.json describes."""
+    try:
+        _quantize_like(module, weights)
+        module.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise UserError(f"{what} do not match config.json: {e}") from None
+    weights.clear()
+    for sub in module.modules():
+        if hasattr(sub, "after_load"):
+            sub.after_load()
+    mx.eval(module.parameters())
 
 
 def _quantize_like(model: nn.Module, weights: dict[str, mx.array]) -> None:

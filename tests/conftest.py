@@ -215,3 +215,19 @@ def mpiexec(n: int, *args: str, timeout: float = 120, env: dict | None = None) -
     full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     return subprocess.run(["mpiexec", "-n", str(n), sys.executable, "-m", "pipeline", *args],
                           capture_output=True, text=True, timeout=timeout, cwd=REPO, env=full_env)
+
+
+def fp8_blocks(w):
+    """A torch float matrix as DeepSeek publishes FP8 weights: e4m3 values with one float32 scale
+    (`weight_scale_inv`) per 128x128 block. Returns (e4m3 weight, scale_inv)."""
+    import torch
+
+    rows, cols = w.shape
+    scale_inv = torch.zeros((rows + 127) // 128, (cols + 127) // 128)
+    q = torch.zeros_like(w)
+    for i in range(scale_inv.shape[0]):
+        for j in range(scale_inv.shape[1]):
+            block = w[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128]
+            scale_inv[i, j] = block.abs().max() / 448.0
+            q[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128] = block / scale_inv[i, j]
+    return q.to(torch.float8_e4m3fn), scale_inv

@@ -16,6 +16,8 @@ import torch
 from mlx.utils import tree_flatten
 from safetensors.torch import load_file, save_file
 
+from conftest import fp8_blocks
+
 from pipeline.config import ModelConfig
 from pipeline.formats import Requantize
 from pipeline.stage import Stage
@@ -124,19 +126,6 @@ def _bytes_read() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
 
 
-def _fp8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """e4m3 with one float32 scale per 128x128 block, as DeepSeek publishes FP8 weights."""
-    rows, cols = w.shape
-    scale_inv = torch.zeros((rows + 127) // 128, (cols + 127) // 128)
-    q = torch.zeros_like(w)
-    for i in range(scale_inv.shape[0]):
-        for j in range(scale_inv.shape[1]):
-            block = w[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128]
-            scale_inv[i, j] = block.abs().max() / 448.0
-            q[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128] = block / scale_inv[i, j]
-    return q.to(torch.float8_e4m3fn), scale_inv
-
-
 @pytest.fixture(scope="module")
 def fp8_folder(tmp_path_factory):
     """Projections in FP8 blocks (whole blocks: 256 wide; partial: 320), the rest bf16. Returns the
@@ -144,7 +133,7 @@ def fp8_folder(tmp_path_factory):
     tensors, dequantized = {}, {}
     for name, t in random_tensors(1).items():
         if name.endswith("proj.weight"):
-            q, scale_inv = _fp8_blocks(t.float())
+            q, scale_inv = fp8_blocks(t.float())
             tensors[name], tensors[name + "_scale_inv"] = q, scale_inv
             expanded = scale_inv.repeat_interleave(128, 0).repeat_interleave(128, 1)[: t.shape[0], : t.shape[1]]
             dequantized[name] = q.float() * expanded

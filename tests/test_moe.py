@@ -14,7 +14,7 @@ from mlx.utils import tree_flatten
 from safetensors.torch import load_file, save_file
 
 from conftest import (INIT_STD, REPO, ROPE_WINDOW, VOCAB_SIZE, assert_bfloat16_close, assert_far_from_uniform, forward,
-                      greedy_ours, greedy_transformers, load_stages, long_prompt, mpiexec, write_tokenizer)
+                      fp8_blocks, greedy_ours, greedy_transformers, load_stages, long_prompt, mpiexec, write_tokenizer)
 from pipeline.config import ModelConfig
 from pipeline.formats import Requantize
 from pipeline.models.deepseek_v3 import MoEGate
@@ -171,19 +171,6 @@ def test_greedy_identical_for_1_to_4_ranks(kind, tmp_path):
     assert len(outputs) == 1 and outputs.pop().strip()
 
 
-def _fp8_blocks(w: torch.Tensor):
-    """Quantize like DeepSeek's published weights: e4m3 with one fp32 scale per 128x128 block."""
-    rows, cols = w.shape
-    scale_inv = torch.zeros((rows + 127) // 128, (cols + 127) // 128)
-    q = torch.zeros_like(w)
-    for i in range(scale_inv.shape[0]):
-        for j in range(scale_inv.shape[1]):
-            block = w[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128]
-            scale_inv[i, j] = block.abs().max() / 448.0
-            q[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128] = block / scale_inv[i, j]
-    return q.to(torch.float8_e4m3fn), scale_inv
-
-
 @pytest.fixture(scope="module")
 def fp8_model(tmp_path_factory):
     """A DeepSeek V3 checkpoint as DeepSeek publishes it (e4m3 weights with 128x128 block scales,
@@ -195,7 +182,7 @@ def fp8_model(tmp_path_factory):
     fp8, dequantized = {}, {}
     for name, w in load_file(str(root / "bf" / "model.safetensors")).items():
         if name.endswith("proj.weight") and "gate." not in name:
-            q, scale_inv = _fp8_blocks(w.float())
+            q, scale_inv = fp8_blocks(w.float())
             fp8[name], fp8[name + "_scale_inv"] = q, scale_inv
             expanded = scale_inv.repeat_interleave(128, 0).repeat_interleave(128, 1)[: w.shape[0], : w.shape[1]]
             dequantized[name] = q.float() * expanded

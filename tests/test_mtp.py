@@ -358,7 +358,7 @@ def test_the_module_loads_from_fp8_and_mlx_quantized_folders(mtp_model, tmp_path
     """DeepSeek's FP8 (e4m3, 128x128 block scales) with --quantize 8, and an MLX-quantized folder
     (experts stacked as switch_mlp): the module held quantized, its logits those of the weights
     it stands for."""
-    from test_moe import _fp8_blocks
+    from conftest import fp8_blocks
 
     from pipeline.formats import Requantize, adapt_tensors
 
@@ -371,7 +371,7 @@ def test_the_module_loads_from_fp8_and_mlx_quantized_folders(mtp_model, tmp_path
     fp8 = {}
     for name, w in load_file(str(folder / "model.safetensors")).items():
         if name.startswith("model.layers.4.") and name.endswith("proj.weight") and w.ndim == 2:
-            fp8[name], fp8[name + "_scale_inv"] = _fp8_blocks(w.float())
+            fp8[name], fp8[name + "_scale_inv"] = fp8_blocks(w.float())
         else:
             fp8[name] = w
     (tmp_path / "fp8").mkdir()

@@ -113,41 +113,21 @@ def load_mtp(config: ModelConfig, checkpoint, dtype: mx.Dtype, requantize=None, 
     """The MTP module from the checkpoint, through the same format adapters as the layers (FP8
     blocks, expert stacking, --quantize, MLX-quantized tensors; dense: dequantized as the rank's
     other weights are under --weights-in-memory)."""
-    from tqdm import tqdm
-
-    from ..formats import adapt_tensors
-    from ..weights import _quantize_like, dequantize_slice
+    from ..loading import load_tensors
+    from ..weights import dequantize_slice, fill_module
     from . import family_for
 
     module = MTPModule(config, family_for(config).DecoderLayer)
     prefix = mtp_prefix(config)
     names = mtp_tensor_names(checkpoint, config)
-    bar = tqdm(total=len(names), desc="loading MTP", unit="tensor", disable=not progress, delay=2.0)
-
-    def read(name: str) -> mx.array:
-        bar.update()
-        return checkpoint.read(name)
 
     def local(name: str) -> str:
         rest = name[len(prefix):]
         return rest if rest.startswith(OWN) else "block." + rest
 
-    cache_limit = mx.set_cache_limit(0)  # as load_slice: no cached buffers of transient tensors
-    try:
-        weights = {local(name): array for name, array in adapt_tensors(names, checkpoint.tensors, read, dtype,
-                                                                       requantize)}
-    finally:
-        mx.set_cache_limit(cache_limit)
-    bar.close()
-    try:
-        _quantize_like(module, weights)
-        module.load_weights(list(weights.items()), strict=True)
-    except ValueError as e:
-        raise UserError(f"the MTP module in {checkpoint.folder} does not match config.json: {e}") from None
-    del weights
-    for sub in module.modules():
-        if hasattr(sub, "after_load"):
-            sub.after_load()
+    weights = {local(name): array for name, array in
+               load_tensors(checkpoint, names, dtype, requantize, progress=progress, desc="loading MTP").items()}
+    fill_module(module, weights, f"the MTP module's weights in {checkpoint.folder}")
     if dense:
         dequantize_slice(module, dtype)
     mx.eval(module.parameters())
