@@ -423,7 +423,8 @@ def _job_env(**extra):
 @needs_openblas
 def test_missing_compiler_is_one_warning_with_the_fix(tiny_models, tmp_path):
     """No C compiler: the job runs (products per sequence), rank 0 says so once in one line with
-    the fix, and the stats line still names the BLAS the ranks use."""
+    the fix (and once for the quantized kernels' C++ compiler), and the stats line still names the
+    BLAS the ranks use."""
     import shutil
 
     assert not any(shutil.which(cc, path=os.path.dirname(sys.executable)) for cc in ("cc", "gcc", "clang"))
@@ -439,7 +440,12 @@ def test_missing_compiler_is_one_warning_with_the_fix(tiny_models, tmp_path):
     assert result.returncode == 0, result.stderr
     warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
     fix = "apt-get install gcc" if shutil.which("apt-get") else "install a C compiler"
-    assert len(warnings) == 1 and "no C compiler" in warnings[0] and fix in warnings[0], result.stderr
+    shim = [line for line in warnings if "no BLAS shim" in line]
+    assert len(shim) == 1 and "no C compiler" in shim[0] and fix in shim[0], result.stderr
+    kernels = [line for line in warnings if "quantized kernels" in line]
+    fix = "apt-get install g++" if shutil.which("apt-get") else "install a C++ compiler"
+    assert len(kernels) == 1 and "no C++ compiler" in kernels[0] and fix in kernels[0], result.stderr
+    assert len(warnings) == 2, result.stderr
     (stats,) = [line for line in result.stderr.splitlines() if line.startswith("[pipeline]")]
     assert "BLAS OpenBLAS" in stats and "batch-invariant" not in stats, stats
 
