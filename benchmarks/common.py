@@ -84,7 +84,9 @@ def git_commit() -> dict:
     def git(*args):
         return subprocess.run(["git", *args], capture_output=True, text=True, cwd=REPO).stdout.strip()
 
-    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    # The results a benchmark run writes are not code: a series of runs at one commit stays clean.
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)benchmarks/results")
+    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(changed)}
 
 
 def load_average() -> list[float]:

@@ -65,6 +65,11 @@ class NgramDrafter:
 
     MISSES_BEFORE_BACKOFF = 2
     MAX_BACKOFF = 32
+    # Below this recent share of drafted tokens accepted, the odd hit does not pay for the misses
+    # (measured on open questions: 9% acceptance decoded 0.90x of --draft none), so a hit then does
+    # not end the back-off. RECENT: the newest round's weight in that share.
+    MIN_ACCEPTANCE = 0.2
+    RECENT = 0.3
     wants_hidden = False
 
     def __init__(self, draft_tokens: int, ngram_max: int = 3):
@@ -72,8 +77,9 @@ class NgramDrafter:
         self.tokens: list[int] = []
         self.indexed = 0  # n-grams ending before this position are in `last_seen`
         self.last_seen = [dict() for _ in range(ngram_max + 1)]  # [n]: n-gram -> position just after it
-        self.misses = 0  # drafting rounds in a row with nothing accepted
+        self.misses = 0  # drafting rounds with nothing accepted since acceptance last paid off
         self.skip = 0  # steps left without drafting
+        self.recent = 1.0  # recent share of drafted tokens accepted (hopeful at first)
 
     def propose(self, history: list[int], limit: int) -> list[int]:
         """Up to min(K, limit) tokens expected after `history` (which only ever grows)."""
@@ -100,10 +106,12 @@ class NgramDrafter:
     def observe(self, drafted: int, accepted: int) -> None:
         if not drafted:
             return
-        if accepted:
+        self.recent += self.RECENT * (accepted / drafted - self.recent)
+        if accepted and self.recent >= self.MIN_ACCEPTANCE:
             self.misses = 0
             return
-        self.misses += 1
+        if not accepted:
+            self.misses += 1
         if self.misses >= self.MISSES_BEFORE_BACKOFF:
             self.skip = min(2 ** (self.misses - self.MISSES_BEFORE_BACKOFF), self.MAX_BACKOFF)
 

@@ -98,6 +98,18 @@ def test_ngram_drafter_looks_up_the_longest_suffix_and_backs_off():
     assert d.propose([1, 2, 1], 5) == [2, 1]
     d.observe(3, 1)
     assert d.misses == 0
+    # A rare hit among many misses (recent acceptance under MIN_ACCEPTANCE) does not end the back-off.
+    d = NgramDrafter(draft_tokens=4, ngram_max=2)
+    for _ in range(6):
+        d.observe(4, 0)
+    backing_off = d.skip
+    d.skip = 0
+    d.observe(4, 1)
+    assert d.recent < NgramDrafter.MIN_ACCEPTANCE and d.misses == 6 and d.skip == backing_off > 0
+    # Acceptance that pays off again does.
+    for _ in range(8):
+        d.observe(4, 4)
+    assert d.recent >= NgramDrafter.MIN_ACCEPTANCE and d.misses == 0
 
 
 def test_rejection_sampling_keeps_the_models_distribution():
