@@ -85,7 +85,8 @@ def generate(stage: Stage, transport: Transport, tokenizer: Tokenizer, prompt_id
     if max_tokens > 0:
         if drafter is not None:
             draft = _speculate(stage, transport, sampler, drafter, sampler(logits, history), history, take,
-                               room=lambda: min(max_tokens - len(tokens), context - len(history)))
+                               room=lambda: min(max_tokens - len(tokens), context - len(history)),
+                               overlap=sampling.repetition_penalty == 1.0 and not wants_hidden)
         elif sampling.repetition_penalty == 1.0:
             _overlapped(stage, transport, sampler, logits, take, more=lambda: len(tokens) + 1 < max_tokens)
         else:
@@ -100,12 +101,14 @@ def generate(stage: Stage, transport: Transport, tokenizer: Tokenizer, prompt_id
 
 
 def _overlapped(stage: Stage, transport: Transport, sampler: Sampler, logits: mx.array, take: Callable[[int], bool],
-                more: Callable[[], bool]) -> None:
+                more: Callable[[], bool]) -> bool:
     """Without a repetition penalty (which needs each token in hand): the next step is built and
     started before this token is read, as mlx-lm does, so Python building its graph overlaps the
     CPU computing this one. On one rank that is the whole step; on several, rank 0's layers (sent
     on once the token is read and taken). Same tokens; at the end one step (or rank 0's part of
-    it) is computed unused. more(): whether a token after the pending one may still be wanted."""
+    it) is computed unused. more(): whether a token after the pending one may still be wanted.
+    Returns True once take() ended the generation; False when more() did (the last token taken
+    has not run)."""
     model = stage.model
     pending = sampler.lazy(logits)
     while True:
@@ -115,22 +118,29 @@ def _overlapped(stage: Stage, transport: Transport, sampler: Sampler, logits: mx
             if transport.size == 1:
                 following = sampler.lazy(model.logits(following[:, -1, :])[0])
             mx.async_eval(following)
-        if take(int(pending.item())) or following is None:
-            return
+        if take(int(pending.item())):
+            return True
+        if following is None:
+            return False
         if transport.size > 1:
             following = sampler.lazy(model.logits(round_the_ring(transport, following)[:, -1, :])[0])
         pending = following
 
 
 def _speculate(stage: Stage, transport: Transport, sampler: Sampler, drafter: NgramDrafter, token: int,
-               history: list[int], take: Callable[[int], bool], room: Callable[[], int]) -> DraftStats:
+               history: list[int], take: Callable[[int], bool], room: Callable[[], int],
+               overlap: bool = False) -> DraftStats:
     """Decode with drafts: each trip runs the last token and its drafts, keeps the drafts the
     model agrees with and its own next token, and tells every rank to drop the rest from its
-    caches with the next trip (rewind)."""
+    caches with the next trip (rewind). overlap: while the drafter pauses (its back-off), decode as
+    without drafts, each step started before the token it follows is read (_overlapped), so an open
+    question, where drafts rarely land, is not slower than --draft none."""
     model = stage.model
     stats = DraftStats()
     rewind = 0
-    while not take(token):
+    ran = False  # after a pause: `token` is taken already and has still to run
+    while ran or not take(token):
+        ran = False
         # Room for r more tokens: r - 1 drafts at most (the model adds one), and their positions in the cache.
         drafts = drafter.propose(history, room() - 1)
         hidden = ring_forward(stage, transport, model.embed(mx.array([[token, *drafts]])),
@@ -139,7 +149,25 @@ def _speculate(stage: Stage, transport: Transport, sampler: Sampler, drafter: Ng
             drafter.returned(model.norm(hidden[0]))
         stats.trips += 1
         if not drafts:
-            token, rewind = sampler(model.logits(hidden[:, -1, :])[0], history), 0
+            logits, rewind = model.logits(hidden[:, -1, :])[0], 0
+            paused = drafter.pause() if overlap and hasattr(drafter, "pause") else 0
+            if paused:
+                taken = 0
+
+                def counted(t: int) -> bool:
+                    nonlocal taken
+                    taken += 1
+                    return take(t)
+
+                # paused + 1 tokens: this trip's, then one per overlapped step; the last one runs next.
+                stopped = _overlapped(stage, transport, sampler, logits, counted,
+                                      more=lambda: taken < paused and room() > 1)
+                stats.trips, stats.tokens = stats.trips + taken - 1, stats.tokens + taken
+                if stopped:
+                    return stats
+                token, ran = history[-1], True
+                continue
+            token = sampler(logits, history)
             stats.tokens += 1
             continue
         accepted, following = verify(sampler, model.logits(hidden[0]), drafts, history)

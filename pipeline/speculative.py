@@ -103,6 +103,12 @@ class NgramDrafter:
                 return history[after:after + k]
         return []
 
+    def pause(self) -> int:
+        """The steps it will not draft now (its back-off), handed to the caller, which decodes them
+        without asking (engine._speculate overlaps them as plain decoding does)."""
+        steps, self.skip = self.skip, 0
+        return steps
+
     def observe(self, drafted: int, accepted: int) -> None:
         if not drafted:
             return

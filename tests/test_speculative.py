@@ -71,6 +71,37 @@ def test_drafts_right_or_wrong_give_the_same_tokens_and_caches(tiny_models, righ
         assert k.shape == pk.shape and np.array_equal(k, pk) and np.array_equal(v, pv)
 
 
+class Pausing(Oracle):
+    """Wrong drafts on two steps of three and none on the third, where it pauses 3 steps (as the
+    n-gram drafter backs off): the engine decodes the pause as plain decoding does, overlapped."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.paused = 0
+
+    def propose(self, history, limit):
+        return [] if (len(history) - self.prompt_len) % 3 == 0 else super().propose(history, limit)
+
+    def pause(self):
+        self.paused += 1
+        return 3
+
+
+def test_a_pause_in_drafting_decodes_the_same_tokens_and_caches(tiny_models):
+    folder = tiny_models["llama"]
+    (stage,) = load_stages(folder, [(0, 4)])
+    prompt = Tokenizer.from_folder(folder).prompt_ids(REPEAT, use_chat_template=False)
+    plain, plain_caches = run(stage, folder, prompt, 40)
+    drafter = Pausing(plain.tokens, len(prompt), 4, 0)
+    drafted, caches = run(stage, folder, prompt, 40, drafter)
+    assert drafted.tokens == plain.tokens
+    stats = drafted.draft  # every token but the prefill's came from a trip (overlapped ones included)
+    assert drafter.paused > 2 and stats.drafted > 0 and stats.tokens == stats.trips == 39
+    assert len(caches) == len(plain_caches)
+    for (k, v), (pk, pv) in zip(caches, plain_caches):
+        assert k.shape == pk.shape and np.array_equal(k, pk) and np.array_equal(v, pv)
+
+
 def test_ngram_drafts_accept_on_a_repeating_prompt(tiny_models):
     folder = tiny_models["llama"]
     (stage,) = load_stages(folder, [(0, 4)])
