@@ -64,10 +64,10 @@ def ratios(values: dict) -> str:
 def peer_wins(key: str, value: float) -> str:
     """' (mlx-lm wins)' for 'pipeline ... / mlx-lm ...' below 1 or 'mlx-lm ... / pipeline ...' above 1."""
     a, _, b = key.partition(" / ")
-    peer = next((name for name in ("mlx-lm", "llama.cpp") if (name in a) != (name in b)), None)
+    peer = next((name for name in ("mlx-lm", "mlx_lm", "llama.cpp") if (name in a) != (name in b)), None)
     if peer is None:
         return ""
-    return f" ({peer} wins)" if (value < 1) == (peer in b) and value != 1 else ""
+    return f" ({peer.replace('_', '-')} wins)" if (value < 1) == (peer in b) and value != 1 else ""
 
 
 def contender_rows(p: dict, texts_equal: dict) -> list[str]:
@@ -227,6 +227,58 @@ def vs_llamacpp(p: dict) -> list[str]:
     return out
 
 
+def speculative(p: dict) -> list[str]:
+    """Decode tok/s per prompt and contender, acceptance beside, then the ngram / none ratios."""
+    prompts = list(p["prompts"].values()) if isinstance(p["prompts"], dict) else p["prompts"]
+    contenders = list(prompts[0]["stats"])
+    out = [f"**Speculative decoding** (`benchmarks/speculative.py`; default model, chat template, greedy, up to "
+           f"{p['max_tokens']} new tokens; decode tok/s, median ±half the spread of {p['runs']} interleaved runs; "
+           f"acceptance of the ngram drafts in brackets; {header(p)}). ![speculative](results/speculative.png)", "",
+           "| prompt | " + " | ".join(contenders) + " |", "| --- |" + " --- |" * len(contenders)]
+    for item in prompts:
+        cells = []
+        for c in contenders:
+            st = item["stats"][c]
+            acc = st.get("acceptance") or {}
+            cells.append(med(st["decode_tps"]) + (f" ({100 * acc['median']:.0f}%)" if acc.get("n") else ""))
+        out.append(f"| {item['kind']}: {item['prompt'][:48]}... ({item['prompt_tokens']} tokens) | " + " | ".join(cells) + " |")
+    out.append("")
+    for key, r in p["summary"].items():
+        out.append(f"- {key}: " + ", ".join(f"**{x:.2f}x**" for x in r["per_prompt"]) + f" (mean {r['mean']:.2f}x)")
+    return out
+
+
+def serve_load(p: dict) -> list[str]:
+    """Per contender and number of clients: generated tok/s and time to first token (p50/p99)."""
+    levels = p["levels"]
+    out = [f"**Serving** (`benchmarks/serve_load.py`; default model, {p['max_tokens']} new tokens per request, "
+           f"streaming clients through the `openai` client; median ±half the spread of {p['runs']} runs; {header(p)}). "
+           f"![serve](results/serve_load.png)", "",
+           "| contender | " + " | ".join(f"{n} client{'s' * (n > 1)}: tok/s, TTFT p50/p99 s" for n in levels) + " |",
+           "| --- |" + " --- |" * len(levels)]
+    for c, st in p["stats"].items():
+        cells = []
+        for n in levels:
+            tps, p50 = st.get(f"tok_s_c{n}"), st.get(f"ttft_p50_c{n}")
+            ttft = f", {med(p50)}/{med(st.get(f'ttft_p99_c{n}'))}" if p50 and p50.get("median") is not None else ""
+            cells.append((med(tps) if tps else "-") + ttft)
+        out.append(f"| {c} | " + " | ".join(cells) + " |")
+    serve, peer = next((c for c in p["stats"] if "serve" in c), None), next((c for c in p["stats"] if "mlx" in c), None)
+    if serve and peer:
+        per_level = {f"{serve} / {peer}, {n} client{'s' * (n > 1)}, tok/s":
+                     p["stats"][serve][f"tok_s_c{n}"]["median"] / p["stats"][peer][f"tok_s_c{n}"]["median"]
+                     for n in levels if p["stats"][peer].get(f"tok_s_c{n}") and p["stats"][serve].get(f"tok_s_c{n}")}
+        out += ["", "- " + ratios(per_level)]
+    same = p.get("same_text_serve_vs_batch") or {}
+    out += ["- texts of serve equal to batch's: " + ", ".join(f"{k[1:]} clients {v}" for k, v in same.items()),
+            "- " + ratios(p["ratios"])]
+    conversation = (p.get("conversation") or {}).get("stats") or {}
+    if conversation:
+        out.append("- a chat growing to ~" + str(p.get("history_tokens", 1000)) + " tokens, last turn's time to first "
+                   "token: " + ", ".join(f"{c} {med(v['ttft_last'])} s" for c, v in conversation.items()))
+    return out
+
+
 def load_speed(p: dict) -> list[str]:
     out = [f"**Load speed** (`benchmarks/load_speed.py`; one rank's `plan_job` + `load_stage` vs reading the same "
            f"bytes, random Llama-1B-shaped model; cold: {p['cold_method']}; {p['runs']} interleaved runs; {header(p)}). "
@@ -324,13 +376,14 @@ def reruns() -> list[str]:
 
 
 def render() -> str:
-    names = ("single", "batch_throughput", "batch", "mlx_pipeline", "mlx_pipeline_batch", "hop", "memory", "roofline", "vs_llamacpp", "load_speed")
+    names = ("single", "batch_throughput", "batch", "mlx_pipeline", "mlx_pipeline_batch", "hop", "memory", "roofline",
+             "vs_llamacpp", "load_speed", "speculative", "serve_load")
     results = {name: load(name) for name in names}
     lines = goals(results) + [""]
     for name, fn in (("single", single), ("batch_throughput", batch_throughput), ("batch", batch),
                      ("mlx_pipeline", mlx_pipeline), ("mlx_pipeline_batch", mlx_pipeline_batch), ("hop", hop),
                      ("memory", memory), ("roofline", roofline), ("vs_llamacpp", vs_llamacpp),
-                     ("load_speed", load_speed)):
+                     ("load_speed", load_speed), ("speculative", speculative), ("serve_load", serve_load)):
         if results[name]:
             lines += fn(results[name]) + [""]
         if name == "single":
