@@ -295,8 +295,10 @@ def test_sigkill_of_a_rank_mid_job_then_rerun_gives_one_record_per_id(llama, cra
     inp, expected = crash_reference
     out = tmp_path / "out.jsonl"
     marker = uuid.uuid4().hex
+    # --watchdog 10: once MPICH tears the job down, rank 0 may be inside its SIGTERM path telling the dead
+    # rank to stop; seen once in CI to outlast 30 s under the default watchdog (300 s).
     args = ["batch", "--model", str(llama), "--input", str(inp), "--output", str(out), "--no-chat-template",
-            "--quiet", "--max-batch", "2"]
+            "--quiet", "--max-batch", "2", "--watchdog", "10"]
     job = subprocess.Popen(["mpiexec", "-n", "2", sys.executable, "-m", "pipeline", *args], cwd=REPO,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            env={**os.environ, **ENV, "PYTHONPATH": str(REPO), "BATCH_TEST_MARKER": marker})
