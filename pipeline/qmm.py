@@ -176,17 +176,21 @@ def load_extension(path: Path, build_if_missing: bool = True):
     return module
 
 
+def _not_wanted() -> str:
+    """Why this process does not try the kernels at all ("" if it does): opted out, or macOS."""
+    if os.environ.get(ENV, "").strip().lower() in ("0", "off", "no", "none"):
+        return f"{ENV}={os.environ[ENV]}"
+    return "macOS: MLX's Metal kernels" if sys.platform == "darwin" else ""
+
+
 def load() -> QmmState:
     """The kernels of this process: built and loaded once, or the reason they are not."""
     global _state
     if _state is not None:
         return _state
     _state = QmmState()
-    if os.environ.get(ENV, "").strip().lower() in ("0", "off", "no", "none"):
-        _state.why_not = f"{ENV}={os.environ[ENV]}"
-        return _state
-    if sys.platform == "darwin":
-        _state.why_not = "macOS: MLX's Metal kernels"
+    _state.why_not = _not_wanted()
+    if _state.why_not:
         return _state
     try:
         path = extension_path()
@@ -215,7 +219,7 @@ def missing_tools() -> str:
 def problem() -> str:
     """One line for the job's warnings (blas.report_problems) when the kernels cannot be built for
     want of a system package, with the fix; "" otherwise (opted out, macOS, or all there)."""
-    if os.environ.get(ENV, "").strip().lower() in ("0", "off", "no", "none") or sys.platform == "darwin":
+    if _not_wanted():
         return ""
     if _state is not None and _state.module is not None:
         return ""
@@ -227,11 +231,11 @@ def problem() -> str:
 def expected() -> bool:
     """Whether this process will have the kernels, without building them: already loaded, or a
     build looks possible (not opted out, Linux, a C++ compiler and Python's headers, nanobind, a cache
-    folder no other user can write to). `--weights-in-memory auto` decides with it before loading (job.py): a model without
-    quantized weights never builds them. Should the build fail after all, that rank runs MLX's kernels."""
+    folder no other user can write to). `--weights-in-memory auto` decides with it before loading
+    (job.py): a model without quantized weights never builds them. Should the build fail after all, that rank runs MLX's kernels."""
     if _state is not None:
         return _state.module is not None
-    if os.environ.get(ENV, "").strip().lower() in ("0", "off", "no", "none") or sys.platform == "darwin":
+    if _not_wanted():
         return False
     try:
         _nanobind()
