@@ -143,6 +143,23 @@ def test_ngram_drafter_looks_up_the_longest_suffix_and_backs_off():
     assert d.recent >= NgramDrafter.MIN_ACCEPTANCE and d.misses == 0
 
 
+def test_ngram_drafts_shorten_as_they_miss_and_lengthen_as_they_land():
+    """A stream whose drafts miss checks fewer positions a round (each verified position costs), down
+    to one; landing drafts bring the full K back."""
+    history = [7, 1, 2, 3, 4, 5, 6, 8, 9, 7]  # "7" seen before: followed by 1 2 3 4 5 6 ...
+    d = NgramDrafter(draft_tokens=5, ngram_max=1)
+    lengths = []
+    for _ in range(6):
+        lengths.append(len(d.propose(history, 10)))
+        d.observe(lengths[-1], 0)
+        d.skip = 0
+    assert lengths[0] == 5 and lengths[-1] == 1 and lengths == sorted(lengths, reverse=True), lengths
+    for _ in range(10):
+        drafted = len(d.propose(history, 10))
+        d.observe(drafted, drafted)
+    assert len(d.propose(history, 10)) == 5
+
+
 def test_rejection_sampling_keeps_the_models_distribution():
     """The first token out of a verify step is distributed as the model's p, whatever the draft
     (chi-square over 4000 seeded draws, a wrong-looking draft and the most likely one)."""
