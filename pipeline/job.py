@@ -20,7 +20,7 @@ from .errors import UserError
 from .memory import measured, rank_bytes
 from .models import family_for
 from .partition import LAYER_OVERHEAD_BYTES, balanced_counts, check_ranks, layer_ranges, parse_split
-from .plan import MemoryPlan, ModelBytes, model_bytes_of, with_mtp
+from .plan import MemoryPlan, ModelBytes, held_and_dense, with_mtp
 from .stage import Stage
 from .transport import MlxTransport, MpiTransport
 from .weights import Checkpoint, available_memory_bytes, choose_dense, is_quantized, layer_nbytes, open_checkpoint
@@ -99,7 +99,7 @@ def plan_job(args: argparse.Namespace, comm, last_rank_head: float = 0.0) -> Pla
         counts = balanced_counts(per_layer, ranks, rank0_extra_bytes=ends, layer_overhead_bytes=LAYER_OVERHEAD_BYTES)
     dense = [False] * ranks
     if mode != "quantized" and is_quantized(checkpoint):
-        held, dense_held = (model_bytes_of(config, folder, getattr(args, "dtype", "float32"), dense=d) for d in (False, True))
+        held, dense_held = held_and_dense(config, folder, getattr(args, "dtype", "float32"))
         if getattr(args, "draft", "none") == "mtp":
             held, dense_held = with_mtp(held), with_mtp(dense_held)
         counts, dense = plan_weights_in_memory(mode, held, dense_held, counts, memory,

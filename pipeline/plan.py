@@ -658,8 +658,15 @@ def model_bytes_of(config: ModelConfig, model: str | Path, dtype: str = "float32
     """The bytes of the model in folder (or GGUF file) `model` as a rank holds them: floats in `dtype`,
     `--quantize` applied, MLX-quantized weights packed or (dense) dequantized. The one count behind
     `plan`, `preflight`, `--weights-in-memory auto` and `--host-memory` (memory.py)."""
-    precision = Precision(checkpoint_format(config, model, quantize, group_size), dtype, quantize, group_size, dense)
-    return model_bytes(architecture(config), precision)
+    return held_and_dense(config, model, dtype, quantize, group_size)[dense]
+
+
+def held_and_dense(config: ModelConfig, model: str | Path, dtype: str = "float32", quantize: int | None = None,
+                   group_size: int = 64) -> tuple[ModelBytes, ModelBytes]:
+    """model_bytes_of packed and dequantized, the checkpoint's format read once (a GGUF's header
+    is parsed to learn it)."""
+    checkpoint, arch = checkpoint_format(config, model, quantize, group_size), architecture(config)
+    return tuple(model_bytes(arch, Precision(checkpoint, dtype, quantize, group_size, dense)) for dense in (False, True))
 
 
 def layer_counts(mb: ModelBytes, ranks: int, memory_gib: list[float] | None = None) -> list[int]:

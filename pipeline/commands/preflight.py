@@ -155,7 +155,7 @@ def collect(args: argparse.Namespace, comm) -> RankReport:
 
 def _measure_slices(report: RankReport, folder: Path, args: argparse.Namespace) -> None:
     from ..formats import Requantize
-    from ..plan import architecture, kv_layer_bytes, model_bytes_of
+    from ..plan import architecture, held_and_dense, kv_layer_bytes
     from .. import qmm
     from ..weights import is_quantized, layer_nbytes, open_checkpoint
 
@@ -163,8 +163,7 @@ def _measure_slices(report: RankReport, folder: Path, args: argparse.Namespace) 
     config = checkpoint.model_config()
     report.num_layers = config.num_hidden_layers
     report.disk_layer_bytes, report.disk_ends_bytes = layer_nbytes(checkpoint, config.num_hidden_layers)
-    report.held, report.dense_held = (model_bytes_of(config, folder, args.dtype, args.quantize, args.group_size, d)
-                                      for d in (False, True))
+    report.held, report.dense_held = held_and_dense(config, folder, args.dtype, args.quantize, args.group_size)
     if getattr(args, "draft", "none") == "mtp":  # the module on rank 0, as job.plan_job counts it
         from ..models.mtp import check_mtp, mtp_nbytes
         from ..plan import with_mtp
