@@ -231,9 +231,19 @@ def speculative(p: dict) -> list[str]:
     """Decode tok/s per prompt and contender, acceptance beside, then the ngram / none ratios."""
     prompts = list(p["prompts"].values()) if isinstance(p["prompts"], dict) else p["prompts"]
     contenders = list(prompts[0]["stats"])
+    llamacpp = p.get("llamacpp") or {}  # absent from runs before llama.cpp's contenders joined
+    if "skipped" in llamacpp:
+        beside = f"; llama.cpp skipped: {llamacpp['skipped']}"
+    elif llamacpp:
+        beside = (f"; llama.cpp {llamacpp['build']}: `llama-lookup -t {llamacpp['threads']} --temp 0` on the GGUF our "
+                  f"model is converted from, fed the same {llamacpp['fed']}, up to {llamacpp['draft_max']} drafted "
+                  f"tokens (none: 0)")
+    else:
+        beside = ""
     out = [f"**Speculative decoding** (`benchmarks/speculative.py`; default model, chat template, greedy, up to "
            f"{p['max_tokens']} new tokens; decode tok/s, median ±half the spread of {p['runs']} interleaved runs; "
-           f"acceptance of the ngram drafts in brackets; {header(p)}). ![speculative](results/speculative.png)", "",
+           f"acceptance of the drafts (ngram, lookup) in brackets{beside}; {header(p)}). "
+           "![speculative](results/speculative.png)", "",
            "| prompt | " + " | ".join(contenders) + " |", "| --- |" + " --- |" * len(contenders)]
     for item in prompts:
         cells = []
@@ -245,6 +255,10 @@ def speculative(p: dict) -> list[str]:
     out.append("")
     for key, r in p["summary"].items():
         out.append(f"- {key}: " + ", ".join(f"**{x:.2f}x**" for x in r["per_prompt"]) + f" (mean {r['mean']:.2f}x)")
+    alike = [a for item in prompts for a in (item.get("llamacpp_text_starts_like_pipeline") or {}).values()]
+    if alike:
+        out.append(f"- llama.cpp's text starts like pipeline's (draft none) in {sum(a is True for a in alike)} of "
+                   f"{len(alike)} prompt x contender pairs")
     return out
 
 
