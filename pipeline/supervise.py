@@ -12,7 +12,11 @@ the child dies of a signal the supervisor did not pass on, prints
 
     error: rank 2 (studio-3, pid 4242) was killed by signal 9 (SIGKILL): out of memory? ...
 
-and exits with 128 + the signal, which mpiexec sees as that rank failing. If the supervisor is
+and ends the job itself (`end_job`): MPICH's mpiexec cleans up after a rank that fails, but a
+launcher that does not (`mpiexec -disable-auto-cleanup`, Slurm's srun without --kill-on-bad-exit)
+or is slow to would leave the other ranks waiting on the dead one until their --watchdog (300 s by
+default), wherever they are: in the ring, or telling it to stop. It then exits with 128 + the
+signal, which mpiexec sees as that rank failing. If the supervisor is
 killed (mpiexec cleaning up, or a `kill -9` of the wrong pid), the child says so, naming its rank,
 and exits at once: PR_SET_PDEATHSIG delivers SIGUSR1 on Linux, a watcher thread notices
 elsewhere (and backs the signal up on Linux). PIPELINE_SUPERVISE=0 turns it off.
@@ -96,9 +100,31 @@ def supervise() -> None:
         sys.stderr.write(f"error: rank {launched_rank()} ({socket.gethostname()}, pid {child.pid}) was "
                          f"killed by signal {sig} ({name}){hint}; ending the job\n")
         sys.stderr.flush()
+        end_job(128 + sig)
     os._exit(128 + sig)
 
 
+def end_job(status: int) -> None:
+    """Ask the process manager to end every rank of the job now, as MPI_Abort does: under MPICH's
+    mpiexec (and other PMI-1 process managers) a rank's connection to it is the inherited
+    descriptor $PMI_FD, and `cmd=abort` on it ends the job whatever its clean-up setting. The rank
+    that used the connection is gone, so nothing else writes to it. Elsewhere (Open MPI's PMIx)
+    this does nothing: the launcher's own clean-up, or the other ranks' --watchdog, ends the job."""
+    import time
+
+    fd = os.environ.get("PMI_FD", "")
+    if not fd.isdigit() or "PMI_JOBID" in os.environ:  # Slurm's PMI plugins set it; PMI-2's wire
+        return  # format differs from this line's, so srun's own clean-up (or the watchdog) it is
+    # The abort ends mpiexec at once, and the line just written could be lost on the way (seen 2 in
+    # 3 times): its proxy forwards what ranks write asynchronously, so it is given a moment first.
+    time.sleep(LAST_WORD_S)
+    try:
+        os.write(int(fd), f"cmd=abort exitcode={status}\n".encode())
+    except OSError:
+        pass  # the process manager is gone already
+
+
+LAST_WORD_S = 0.5  # how long end_job leaves mpiexec to pass on a rank's last line
 _PARENT_DIED = signal.SIGUSR1  # what PR_SET_PDEATHSIG sends the child (SIGKILL would leave it no last word)
 
 
@@ -121,6 +147,7 @@ def watch_parent() -> None:
         sys.stderr.write(f"error: rank {launched_rank()} ({socket.gethostname()}, pid {os.getpid()}) lost its "
                          f"supervisor process (pid {parent}): it was killed; ending the job\n")
         sys.stderr.flush()
+        end_job(1)
         os._exit(1)
 
     if sys.platform.startswith("linux"):
