@@ -15,6 +15,8 @@ import sys
 
 from _mlx_lm_common import add_blas_args, dequantize_to_fp32, preload_blas
 
+LISTEN_BACKLOG = 2048
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
@@ -37,6 +39,13 @@ def main() -> None:
             return result
         return loaded
 
+    # http.server's listen backlog is socketserver's default of 5: 16 clients connecting at once
+    # overflow it, the kernel drops the handshakes it cannot queue, and those clients get
+    # "connection reset by peer" a minute later (seen as ListenOverflows in `nstat`). pipeline
+    # serve listens with a backlog of 2048 (pipeline/commands/serve.py); the same here, so that the
+    # two servers differ in their serving, not in their socket. mlx-lm's run() builds its
+    # ThreadingHTTPServer from this class, so the class attribute is the one it reads.
+    server.ThreadingHTTPServer.request_queue_size = LISTEN_BACKLOG
     server.load = in_fp32(server.load)
     server.sharded_load = in_fp32(server.sharded_load)
     rest = args.server_args[1:] if args.server_args[:1] == ["--"] else args.server_args

@@ -40,6 +40,8 @@ import common  # noqa: E402
 from bench_batch import TOPICS, run_batch  # noqa: E402
 
 ONE_THREAD = {"OPENBLAS_NUM_THREADS": "1"}
+LOG_LINES = 40  # of a server's log, shown and kept when a client fails
+CLIENT_ERRORS = (OSError, http.client.HTTPException, RuntimeError, ValueError)  # connection, protocol, status, JSON
 NAMES = ["Ada", "Bruno", "Chiara", "Dmitri", "Elif", "Farid", "Greta", "Hiro", "Ines", "Jonas", "Kofi", "Lena"]
 
 
@@ -94,6 +96,17 @@ class ServerProcess:
     def output(self) -> str:
         self.log.seek(0)
         return self.log.read()
+
+    def failure(self, what: str, error: BaseException) -> dict:
+        """A client's error, shown with the server's last log lines (why it failed is there, if it
+        knows), and kept for the JSON instead of ending the benchmark."""
+        tail = self.output().splitlines()[-LOG_LINES:]
+        exited = self.proc.poll()
+        message = f"{what}: {type(error).__name__}: {error}" + (f" (server exited with {exited})"
+                                                               if exited is not None else "")
+        print(f"  FAILED {message}\n  server's last {len(tail)} log lines:\n" +
+              "\n".join(f"    | {line}" for line in tail), flush=True)
+        return {"error": message, "server_log_tail": tail}
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -159,11 +172,24 @@ def stream_chat(server: ServerProcess, body: dict) -> dict:
             "cached_tokens": ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")}
 
 
+def caught(request, *args):
+    """`request(*args)`, or the client error it raised (one failed client must not stop the others)."""
+    try:
+        return request(*args)
+    except CLIENT_ERRORS as e:
+        return e
+
+
 def load_level(server: ServerProcess, clients: int, texts: list[str], max_tokens: int) -> dict:
-    """`clients` clients in a closed loop over `texts`; throughput and time to first token."""
+    """`clients` clients in a closed loop over `texts`; throughput and time to first token, or the
+    first error and how many requests failed."""
     bodies = [chat_body(server, [{"role": "user", "content": t}], max_tokens) for t in texts]
     with ThreadPoolExecutor(clients) as pool:
-        results = list(pool.map(lambda body: stream_chat(server, body), bodies))
+        results = list(pool.map(lambda body: caught(stream_chat, server, body), bodies))
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        return {**server.failure(f"{len(errors)} of {len(results)} requests at {clients} clients", errors[0]),
+                "failed_requests": len(errors)}
     tokens = sum(r["tokens"] for r in results)
     seconds = max(r["end"] for r in results) - min(r["start"] for r in results)
     ttfts = [r["ttft_s"] for r in results]
@@ -184,9 +210,13 @@ def serve_run(start, levels: list[int], max_tokens: int) -> dict:
     """One contender run: a fresh server, one warm-up request, then each level."""
     server = start()
     try:
-        stream_chat(server, chat_body(server, [{"role": "user", "content": "Say hi."}], 8))
+        warm = caught(stream_chat, server, chat_body(server, [{"role": "user", "content": "Say hi."}], 8))
+        if isinstance(warm, BaseException):
+            return server.failure("the warm-up request", warm)
         out = {}
         for clients, texts in level_texts(levels).items():
+            if server.proc.poll() is not None:  # it died at an earlier level: its error is recorded there
+                break
             result = load_level(server, clients, texts, max_tokens)
             out.update({f"{k}_c{clients}": v for k, v in result.items()})
         return out
@@ -213,13 +243,17 @@ def conversation_run(start, history_tokens: int, max_tokens: int) -> dict:
     """A chat whose history grows past `history_tokens`; each turn's time to first token."""
     server = start()
     try:
-        stream_chat(server, chat_body(server, [{"role": "user", "content": "Say hi."}], 8))
+        warm = caught(stream_chat, server, chat_body(server, [{"role": "user", "content": "Say hi."}], 8))
+        if isinstance(warm, BaseException):
+            return server.failure("the warm-up request", warm)
         messages, turns = [], []
         sentences = [s.strip() + "." for s in common.PROSE.split(".") if s.strip()]
         while not turns or turns[-1]["prompt_tokens"] < history_tokens:
             part = " ".join(sentences[len(turns) % len(sentences):] + sentences[:len(turns) % len(sentences)])
             messages.append({"role": "user", "content": f"Here is more of the chronicle: {part} What happens next?"})
-            result = stream_chat(server, chat_body(server, messages, max_tokens))
+            result = caught(stream_chat, server, chat_body(server, messages, max_tokens))
+            if isinstance(result, BaseException):
+                return {**server.failure(f"turn {len(turns) + 1} of the chat", result), "turns": turns}
             messages.append({"role": "assistant", "content": result["text"]})
             turns.append({k: result[k] for k in ("ttft_s", "prompt_tokens", "cached_tokens", "tokens")})
         return {"ttft_last": turns[-1]["ttft_s"], "prompt_tokens_last": turns[-1]["prompt_tokens"],
@@ -256,12 +290,21 @@ def main() -> None:
     keys = [f"{k}_c{c}" for c in levels for k in ("tok_s", "ttft_p50", "ttft_p99")]
     stats = {c: common.summarize_runs(rs, keys) for c, rs in runs.items()}
     ours, top = "pipeline serve, 2 ranks", f"c{levels[-1]}"
+    # A contender whose top level failed in every run has no median there, so no ratio
     ratios = {f"{ours} / {c}, {levels[-1]} clients, tok/s": stats[ours][f"tok_s_{top}"]["median"]
-              / stats[c][f"tok_s_{top}"]["median"] for c in stats if c != ours}
-    # Greedy texts: the server's against the batch job's, request by request
-    same = {f"c{c}": sum(common.same_text(a, b) for a, b in zip(runs[ours][0][f"texts_c{c}"],
-                                                                 runs["pipeline batch, 2 ranks"][0][f"texts_c{c}"]))
-            for c in levels}
+              / stats[c][f"tok_s_{top}"]["median"] for c in stats
+              if c != ours and stats[ours][f"tok_s_{top}"].get("median") and stats[c][f"tok_s_{top}"].get("median")}
+    failures = {c: [{k: v for k, v in r.items() if k.startswith(("error", "failed_requests"))} for r in rs]
+                for c, rs in runs.items() if any(k.startswith("error") for r in rs for k in r)}
+
+    def same_as_batch(contender: str) -> dict[str, int | None]:
+        """Greedy texts against the batch job's, request by request, in the first run (None: no texts)."""
+        batch, other = runs["pipeline batch, 2 ranks"][0], runs[contender][0]
+        return {f"c{c}": sum(common.same_text(a, b) for a, b in zip(other[f"texts_c{c}"], batch[f"texts_c{c}"]))
+                if f"texts_c{c}" in other and f"texts_c{c}" in batch else None for c in levels}
+
+    same = same_as_batch(ours)
+    same_mlx_lm = same_as_batch("mlx_lm.server, 1 process") if "mlx_lm.server, 1 process" in runs else None
 
     conversation = None
     if args.multi_turn:
@@ -278,11 +321,17 @@ def main() -> None:
         chat_runs = common.interleave(chat_contenders, args.runs, args.warmup, log=log)
         conversation = {"stats": {c: common.summarize_runs(rs, ["ttft_last"]) for c, rs in chat_runs.items()},
                         "runs_detail": chat_runs}
-        cold = conversation["stats"]["pipeline serve, --prefix-cache-gb 0"]["ttft_last"]["median"]
-        warm = conversation["stats"]["pipeline serve, prefix cache"]["ttft_last"]["median"]
-        ratios["last turn's time to first token, --prefix-cache-gb 0 / prefix cache"] = cold / warm
+        cold = conversation["stats"]["pipeline serve, --prefix-cache-gb 0"]["ttft_last"].get("median")
+        warm = conversation["stats"]["pipeline serve, prefix cache"]["ttft_last"].get("median")
+        if cold and warm:
+            ratios["last turn's time to first token, --prefix-cache-gb 0 / prefix cache"] = cold / warm
+        failures.update({f"chat: {c}": [{k: v for k, v in r.items() if k == "error"} for r in rs]
+                         for c, rs in chat_runs.items() if any("error" in r for r in rs)})
     for k, v in ratios.items():
         print(f"  {k}: {v:.2f}x")
+    print(f"  texts equal to the batch job's (requests per level): serve {same}, mlx_lm.server {same_mlx_lm}")
+    for c, errors in failures.items():
+        print(f"  FAILED runs of {c}: {errors}")
     for rs in runs.values():
         for r in rs:
             for key in [k for k in r if k.startswith("texts")]:
@@ -292,7 +341,7 @@ def main() -> None:
         "job and mlx_lm.server (1 process on the same 2 cores)", runs=args.runs, warmup=args.warmup,
         levels=levels, max_tokens=args.max_tokens, requests={c: requests_for(c) for c in levels},
         load_after=common.load_average(), stats=stats, ratios=ratios, same_text_serve_vs_batch=same,
-        conversation=conversation, runs_detail=runs)
+        same_text_mlx_lm_vs_batch=same_mlx_lm, failures=failures, conversation=conversation, runs_detail=runs)
     path = common.write_json("serve_load", payload)
 
     panels = 4 if conversation else 3
