@@ -48,6 +48,8 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
+from .private_folder import make_private_folder, unsafe_folder, writable_by_others
+
 ENV = "PIPELINE_BLAS"
 OPT_OUT = ("bundled", "off", "0", "none", "no")
 THREAD_ENV = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS")
@@ -206,53 +208,6 @@ def build_shim(path: Path, extra_flags: tuple[str, ...] = ()) -> None:
     raise ShimNotBuilt(f"{Path(compiler).name} could not compile it: {first}")
 
 
-def _writable_by_others(st: os.stat_result) -> str:
-    """Why another user could change a file or folder with this stat ("" if none can): it belongs
-    to someone other than us or root, or its group or everyone may write to it."""
-    import stat
-
-    if st.st_uid not in (os.geteuid(), 0):
-        return f"it belongs to user id {st.st_uid}"
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        who = "every user" if st.st_mode & stat.S_IWOTH else "its group"
-        return f"{who} may write to it (mode {stat.S_IMODE(st.st_mode):o})"
-    return ""
-
-
-def _unsafe_folder(folder: Path) -> str:
-    """Why code in `folder` could be replaced by another user ("" if it cannot): the folder itself
-    or a folder above it is theirs or writable by them. Above it, a sticky folder that others may
-    write to (/tmp) is fine: they cannot rename or remove what is ours in it."""
-    import stat
-
-    folder = Path(os.path.realpath(folder))
-    for place in (folder, *folder.parents):
-        try:
-            st = os.stat(place)
-        except FileNotFoundError:
-            continue  # removed meanwhile: what is above it still counts
-        why = _writable_by_others(st)
-        if why and not (place != folder and st.st_mode & stat.S_ISVTX and st.st_uid in (os.geteuid(), 0)):
-            return f"{place}: {why}"
-    return ""
-
-
-def _make_private_folder(folder: Path) -> None:
-    """Create `folder` and any missing folders above it, none writable by group or others (a user
-    private group's umask 002 would leave them group-writable and so refused)."""
-    missing = []
-    place = folder
-    while not place.exists() and place != place.parent:
-        missing.append(place)
-        place = place.parent
-    for place in reversed(missing):
-        try:
-            place.mkdir(mode=0o755)
-        except FileExistsError:
-            continue  # another rank made it first; its mode is checked like any other
-        place.chmod(0o755)  # mkdir's mode is cut by the umask, never widened; chmod sets it exactly
-
-
 def _shim_problem(why: str, fix: str) -> str:
     return (f"no BLAS shim ({why}): batch jobs multiply each sequence on its own and one-row products may "
             f"run slower; {fix}")
@@ -268,14 +223,14 @@ def _load_shim(blas: ctypes.CDLL) -> None:
         return  # a CBLAS without GEMV: nothing for the shim to send 1-row products to
     wanted = _shim_path()
     try:
-        _make_private_folder(wanted.parent)
+        make_private_folder(wanted.parent)
     except OSError as e:
         _state.problem = _shim_problem(f"cannot create {wanted.parent}: {e.strerror}",
                                        "set PIPELINE_CACHE to a folder of yours")
         return
     # Checked, built and loaded through the real path: a link above it cannot point elsewhere later.
     path = Path(os.path.realpath(wanted.parent)) / wanted.name
-    unsafe = _unsafe_folder(path.parent)
+    unsafe = unsafe_folder(path.parent)
     if unsafe:
         _state.problem = _shim_problem(f"refused {unsafe}",
                                        "chmod go-w that folder, or set PIPELINE_CACHE to a folder of yours")
@@ -296,7 +251,7 @@ def _load_shim(blas: ctypes.CDLL) -> None:
         return
     import stat
 
-    why = "it is not a regular file" if not stat.S_ISREG(st.st_mode) else _writable_by_others(st)
+    why = "it is not a regular file" if not stat.S_ISREG(st.st_mode) else writable_by_others(st)
     if why:
         _state.problem = _shim_problem(f"refused {path}: {why}", "delete it; it is rebuilt on the next run")
         return

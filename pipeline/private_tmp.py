@@ -4,8 +4,8 @@ On the CPU, `mx.compile` (RMSNorm, RoPE, SwiGLU in models/base.py; `nn.silu`) wr
 kernel's C++ source and shared library under $TMPDIR/mlx/<version>/cpu/ (/tmp by default) and loads
 a library it finds there: on a shared host, another user who made /tmp/mlx first could put a
 library there, and every rank would run it. So each rank points TMPDIR at $PIPELINE_CACHE/tmp,
-made and checked as the BLAS shim's folder is (blas.py), before anything compiles; where that
-folder is refused, TMPDIR stays and the job's warnings say why. It runs after MPI has started, so
+made and checked as the BLAS shim's folder is (private_folder.py), before anything compiles; where
+that folder is refused, TMPDIR stays and the job's warnings say why. It runs after MPI has started, so
 the MPI runtime's own session files stay where the launcher put them.
 """
 
@@ -25,14 +25,14 @@ def folder() -> Path:
 
 def use() -> str:
     """Point TMPDIR at the private folder; "" when done, else why not, for the job's warnings."""
-    from . import blas
+    from .private_folder import make_private_folder, unsafe_folder
 
     place = folder()
     try:
-        blas._make_private_folder(place)
+        make_private_folder(place)
     except OSError as e:
         return f"MLX compiles its kernels in the shared temporary folder ({place} cannot be made: {e})"
-    why = blas._unsafe_folder(place)
+    why = unsafe_folder(place)
     if why:
         return (f"MLX compiles its kernels in the shared temporary folder ({place} is refused: {why}); "
                 f"make it yours or set PIPELINE_CACHE")

@@ -39,7 +39,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import blas
+from . import blas, private_folder
 
 ENV = "PIPELINE_QMM"
 SOURCE = Path(__file__).with_name("qmm_kernels.cpp")
@@ -145,11 +145,11 @@ def load_extension(path: Path, build_if_missing: bool = True):
     import stat
 
     try:
-        blas._make_private_folder(path.parent)
+        private_folder.make_private_folder(path.parent)
     except OSError as e:
         raise NotBuilt(f"cannot create {path.parent}: {e.strerror}") from None
     path = Path(os.path.realpath(path.parent)) / path.name  # checked and loaded through the real path
-    unsafe = blas._unsafe_folder(path.parent)
+    unsafe = private_folder.unsafe_folder(path.parent)
     if unsafe:
         raise NotBuilt(f"refused {unsafe}")
     if build_if_missing and not path.exists():
@@ -161,7 +161,7 @@ def load_extension(path: Path, build_if_missing: bool = True):
         st = os.lstat(path)
     except OSError as e:
         raise NotBuilt(f"{path}: {e.strerror}") from None
-    why = "it is not a regular file" if not stat.S_ISREG(st.st_mode) else blas._writable_by_others(st)
+    why = "it is not a regular file" if not stat.S_ISREG(st.st_mode) else private_folder.writable_by_others(st)
     if why:
         raise NotBuilt(f"refused {path}: {why}")
     try:
@@ -247,7 +247,7 @@ def expected() -> bool:
     place = folder
     while not place.exists() and place != place.parent:
         place = place.parent
-    return not missing_tools() and not blas._unsafe_folder(place)
+    return not missing_tools() and not private_folder.unsafe_folder(place)
 
 
 def _kernels(x: mx.array) -> object:
