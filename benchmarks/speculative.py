@@ -54,7 +54,9 @@ PROMPTS = {
         "    return total\n",
     ],
     "open": [
-        "What is the capital of France? Answer in two sentences.",
+        # (was "What is the capital of France? Answer in two sentences.": its 7-token answer timed the
+        # first steps' warm-up, not decoding)
+        "Describe how a bicycle works.",
         "Explain why the sky is blue.",
         "Write a short poem about autumn.",
     ],
