@@ -22,7 +22,7 @@ from .models import family_for
 from .partition import LAYER_OVERHEAD_BYTES, balanced_counts, check_ranks, layer_ranges, parse_split
 from .plan import MemoryPlan, ModelBytes, held_and_dense, with_mtp
 from .stage import Stage
-from .transport import MlxTransport, MpiTransport
+from .transport import MlxTransport, MpiTransport, this_process
 from .weights import Checkpoint, available_memory_bytes, choose_dense, is_quantized, layer_nbytes, open_checkpoint
 
 
@@ -248,11 +248,12 @@ def make_transport(args: argparse.Namespace, comm):
     hosts = [host for host, _ in placement]
     watchdog = getattr(args, "watchdog", 0.0)
     own_core = cores.has_own_core(placement, comm.Get_rank())
+    processes = comm.allgather(this_process())  # a waiting rank notices a killed peer on its host
     if getattr(args, "transport", "mpi") == "mlx":
         from .mlx_group import init_group
 
-        return MlxTransport(comm, init_group(comm, args.mlx_backend), watchdog, hosts, own_core)
-    return MpiTransport(comm, watchdog, hosts, own_core)
+        return MlxTransport(comm, init_group(comm, args.mlx_backend), watchdog, hosts, own_core, processes)
+    return MpiTransport(comm, watchdog, hosts, own_core, processes)
 
 
 def peak_rss_bytes() -> int:

@@ -208,6 +208,24 @@ class PeerSilent(AbortJob):
     """A peer sent nothing for longer than the watchdog allows."""
 
 
+class PeerGone(AbortJob):
+    """A peer's process on this host has ended (killed) while this rank waited on it."""
+
+
+def this_process() -> tuple[str, str, int]:
+    """(kernel boot, pid namespace, pid) of this process: ranks whose first two match see each
+    other's pids, so a rank can tell that a peer on its host has died without waiting for the
+    watchdog (a launcher that does not end the job when one rank dies leaves the others waiting)."""
+    def read(how, path: str) -> str:
+        try:
+            return how(path)
+        except OSError:
+            return ""
+
+    boot = read(lambda p: open(p).read().strip(), "/proc/sys/kernel/random/boot_id")
+    return boot, read(os.readlink, "/proc/self/ns/pid"), os.getpid()
+
+
 class MpiTransport(Transport):
     """mpi4py point-to-point on buffers (no pickling on the hot path).
 
@@ -217,21 +235,29 @@ class MpiTransport(Transport):
     in a batch job's steady state each wait is a few ms, and waking from a sleep would add up
     to `max_sleep_s` to every hop (measured ~0.45 ms a hop, ~1.5% of a 2-rank batch job).
     The same loop is the watchdog: a wait longer than `watchdog_s` (0: none) aborts the job
-    with a message naming the silent peer.
+    with a message naming the silent peer. Given `processes` (each rank's `this_process()`), it also
+    checks every `PEER_CHECK_S` of a wait whether the peer, when it shares this host's pids, still
+    exists, and ends the job at once if not.
     """
 
     max_sleep_s = 0.0005
     inline_bytes = 1 << 20
     SHARED_CORE_SPIN_S = 0.0002  # a reply due in microseconds costs no sleep
     OWN_CORE_SPIN_S = 0.05
+    PEER_CHECK_S = 1.0
 
-    def __init__(self, comm, watchdog_s: float = 0.0, hosts: list[str] | None = None, own_core: bool = False):
+    def __init__(self, comm, watchdog_s: float = 0.0, hosts: list[str] | None = None, own_core: bool = False,
+                 processes: list[tuple[str, str, int]] | None = None):
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.watchdog_s = watchdog_s
         self.hosts = hosts  # host name of each rank, for messages
         self.spin_s = self.OWN_CORE_SPIN_S if own_core else self.SHARED_CORE_SPIN_S
+        # The pid of each rank whose pids this process sees (same kernel boot and pid namespace)
+        here = processes[self.rank][:2] if processes else None
+        self.local_pids = {r: p[2] for r, p in enumerate(processes or [])
+                           if r != self.rank and all(here) and p[:2] == here}
 
     def send(self, buf: np.ndarray, dest: int) -> None:
         # Not a blocking Send: a large message waits for the receiver, and a hung one must trip the watchdog.
@@ -246,6 +272,7 @@ class MpiTransport(Transport):
     def wait_for(self, request, peer: int, sending: bool) -> None:
         sleep = 0.0
         start = last = time.monotonic()
+        check_at = start + self.PEER_CHECK_S if peer in self.local_pids else math.inf
         spin_until = time.perf_counter() + self.spin_s
         while not request.Test():
             if time.perf_counter() < spin_until:
@@ -254,6 +281,10 @@ class MpiTransport(Transport):
             if sleep:
                 time.sleep(sleep)
             sleep = min(self.max_sleep_s, sleep * 2 or 0.00002)
+            if check_at != math.inf and time.monotonic() > check_at:
+                check_at = time.monotonic() + self.PEER_CHECK_S
+                if not _exists(self.local_pids[peer]):
+                    raise PeerGone(self.gone(peer))
             if self.watchdog_s:
                 now = time.monotonic()
                 if now - last > 1.0:  # this process was stopped (SIGSTOP, a suspended laptop): not the peer's fault
@@ -262,13 +293,27 @@ class MpiTransport(Transport):
                 if now - start > self.watchdog_s:
                     raise PeerSilent(self.silence(peer, sending))
 
-    def silence(self, peer: int, sending: bool = False) -> str:
-        def who(rank: int) -> str:
-            return f"rank {rank}" + (f" ({self.hosts[rank]})" if self.hosts else "")
+    def _who(self, rank: int) -> str:
+        return f"rank {rank}" + (f" ({self.hosts[rank]})" if self.hosts else "")
 
-        what = f"could not send to {who(peer)}" if sending else f"got nothing from {who(peer)}"
-        return (f"{who(self.rank)} {what} for {self.watchdog_s:g} s (--watchdog {self.watchdog_s:g}): "
+    def silence(self, peer: int, sending: bool = False) -> str:
+        what = f"could not send to {self._who(peer)}" if sending else f"got nothing from {self._who(peer)}"
+        return (f"{self._who(self.rank)} {what} for {self.watchdog_s:g} s (--watchdog {self.watchdog_s:g}): "
                 f"rank {peer} is hung or its link is down; aborting the job")
+
+    def gone(self, peer: int) -> str:
+        return (f"{self._who(self.rank)} was waiting on {self._who(peer)}, whose process (pid "
+                f"{self.local_pids[peer]}) has ended; aborting the job")
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # a process another user owns has that pid: not told apart from ours, so taken as alive
+    return True
 
 
 class MlxTransport(MpiTransport):
@@ -284,8 +329,9 @@ class MlxTransport(MpiTransport):
 
     inline_bytes = 0  # payloads always go by MLX
 
-    def __init__(self, comm, group, watchdog_s: float = 0.0, hosts: list[str] | None = None, own_core: bool = False):
-        super().__init__(comm, watchdog_s, hosts, own_core)
+    def __init__(self, comm, group, watchdog_s: float = 0.0, hosts: list[str] | None = None, own_core: bool = False,
+                 processes: list[tuple[str, str, int]] | None = None):
+        super().__init__(comm, watchdog_s, hosts, own_core, processes)
         self.group = group
         self._guard = _Deadline(self) if watchdog_s else None
 

@@ -337,6 +337,45 @@ def test_sigkill_of_a_rank_mid_job_then_rerun_gives_one_record_per_id(llama, cra
     assert_one_record_per_id(out, expected)
 
 
+def test_a_rank_left_waiting_on_a_killed_peer_ends_the_job(llama, crash_reference, tmp_path):
+    """Where nothing ends the job for it (no mpiexec clean-up, and a PMI the supervisor cannot ask
+    to abort: PMI_JOBID says so), the rank waiting on a killed peer on its host notices within
+    seconds that the peer's process is gone and ends the job, rather than waiting out --watchdog."""
+    inp, _ = crash_reference
+    out = tmp_path / "out.jsonl"
+    marker = uuid.uuid4().hex
+    args = ["batch", "--model", str(llama), "--input", str(inp), "--output", str(out), "--no-chat-template",
+            "--quiet", "--max-batch", "2"]
+    job = subprocess.Popen(["mpiexec", "-disable-auto-cleanup", "-n", "2", sys.executable, "-m", "pipeline", *args],
+                           cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, **ENV, "PYTHONPATH": str(REPO), "BATCH_TEST_MARKER": marker,
+                                "PMI_JOBID": "not-mpich"})
+    pids = {}
+    try:
+        pids = rank_pids(marker, 2)
+        deadline = time.monotonic() + 60
+        while (not out.exists() or out.read_text().count("\n") < 4) and time.monotonic() < deadline:
+            assert job.poll() is None, job.communicate()[1]
+            time.sleep(0.02)
+        os.kill(pids[1], signal.SIGKILL)
+        killed = time.monotonic()
+        try:
+            _, err = job.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("the job outlived the SIGKILL of a rank by 60 s") from None
+        ended_after = time.monotonic() - killed
+    finally:
+        if job.poll() is None:
+            job.kill()
+            for pid in pids.values():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+    assert ended_after < 20, f"the job ended {ended_after:.1f} s after the SIGKILL of rank 1"
+    assert job.returncode != 0
+    assert "rank 1 (" in err and "SIGKILL" in err, err
+    assert "rank 0 (" in err and "was waiting on rank 1 " in err and f"(pid {pids[1]}) has ended" in err, err
+
+
 def test_rerun_after_a_torn_last_line(llama, crash_reference, tmp_path):
     """A crash in the middle of writing a record leaves part of it: the rerun cuts it off and
     runs that request again, so it is neither lost nor recorded twice."""
