@@ -6,18 +6,21 @@ Contenders, interleaved run by run (each a fresh server or job per run; load exc
   pipeline serve, 2 ranks            as shipped (weights auto -> fp32, OpenBLAS + the shim, 1 BLAS thread per rank)
   pipeline batch, 2 ranks            the same requests as a JSONL job, --max-batch = the clients
   mlx_lm.server, 1 process           `import pipeline` first (our BLAS set-up), fp32 weights, 2 BLAS threads
-                                     (the same 2 cores), --decode-concurrency and --prompt-concurrency 16
+                                     (the same 2 cores), --decode-concurrency and --prompt-concurrency 16,
+                                     listen backlog 2048 as ours (http.server's 5 reset clients at 16)
 mlx_lm.server's --pipeline mode (under mlx.launch) is not among them: mlx-lm 0.32 refuses it for
 Llama-family models such as the default SmolLM2 ("The model does not support pipelining").
-Each client sends its requests one after another (a closed loop): clients x 2 requests per level
-(at least 4). Generated tok/s = completion tokens of all requests / time from the first request
+Each client (http.client on OpenAI's streaming chat-completions API, light on the shared cores)
+sends its requests one after another (a closed loop): clients x 2 requests per level (at least 4). Generated tok/s = completion tokens of all requests / time from the first request
 sent to the last token received; time to first token from sending to the first content chunk.
+A request that fails (connection reset, HTTP error) is recorded with the server's last log lines
+under "failures" in the JSON, and its level has no figures for that run.
 
 --multi-turn: a chat whose history grows to ~1000 tokens, 64 new tokens a turn; time to first
 token of each turn, `pipeline serve` with its prefix cache (the default) and with
 `--prefix-cache-gb 0`, and mlx_lm.server (its prompt cache).
 
-    python benchmarks/serve_load.py [--runs 3] [--warmup 1] [--levels 1,4,16] [--max-tokens 64]
+    python benchmarks/serve_load.py [--runs 5] [--warmup 1] [--levels 1,4,16] [--max-tokens 64]
                                     [--no-mlx-lm] [--multi-turn]
 """
 
