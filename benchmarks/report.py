@@ -266,7 +266,7 @@ def serve_load(p: dict) -> list[str]:
     """Per contender and number of clients: generated tok/s and time to first token (p50/p99)."""
     levels = p["levels"]
     out = [f"**Serving** (`benchmarks/serve_load.py`; default model, {p['max_tokens']} new tokens per request, "
-           f"streaming clients through the `openai` client; median ±half the spread of {p['runs']} runs; {header(p)}). "
+           f"clients streaming over the OpenAI API (http.client); median ±half the spread of {p['runs']} runs; {header(p)}). "
            f"![serve](results/serve_load.png)", "",
            "| contender | " + " | ".join(f"{n} client{'s' * (n > 1)}: tok/s, TTFT p50/p99 s" for n in levels) + " |",
            "| --- |" + " --- |" * len(levels)]
@@ -279,13 +279,20 @@ def serve_load(p: dict) -> list[str]:
         out.append(f"| {c} | " + " | ".join(cells) + " |")
     serve, peer = next((c for c in p["stats"] if "serve" in c), None), next((c for c in p["stats"] if "mlx" in c), None)
     if serve and peer:
-        per_level = {f"{serve} / {peer}, {n} client{'s' * (n > 1)}, tok/s":
-                     p["stats"][serve][f"tok_s_c{n}"]["median"] / p["stats"][peer][f"tok_s_c{n}"]["median"]
-                     for n in levels if p["stats"][peer].get(f"tok_s_c{n}") and p["stats"][serve].get(f"tok_s_c{n}")}
+        def median(c: str, n: int):
+            return (p["stats"][c].get(f"tok_s_c{n}") or {}).get("median")
+
+        per_level = {f"{serve} / {peer}, {n} client{'s' * (n > 1)}, tok/s": median(serve, n) / median(peer, n)
+                     for n in levels if median(serve, n) and median(peer, n)}
         out += ["", "- " + ratios(per_level)]
     same = p.get("same_text_serve_vs_batch") or {}
-    out += ["- texts of serve equal to batch's: " + ", ".join(f"{k[1:]} clients {v}" for k, v in same.items()),
-            "- " + ratios(p["ratios"])]
+    out += ["- texts of serve equal to batch's: " + ", ".join(f"{k[1:]} clients {v}" for k, v in same.items())]
+    same = p.get("same_text_mlx_lm_vs_batch") or {}
+    if same:
+        out += ["- texts of mlx_lm.server equal to batch's: " + ", ".join(f"{k[1:]} clients {v}" for k, v in same.items())]
+    if p.get("failures"):
+        out += [f"- failed requests (kept in the JSON with the server's log): {len(p['failures'])}"]
+    out += ["- " + ratios(p["ratios"])]
     conversation = (p.get("conversation") or {}).get("stats") or {}
     if conversation:
         out.append("- a chat growing to ~" + str(p.get("history_tokens", 1000)) + " tokens, last turn's time to first "
