@@ -36,7 +36,7 @@ STEPS = [
                      "--batch-new", "32", "--models", "smollm2,llama-1b-q4_0"], 2, 9),
     ("load_speed", ["load_speed.py"], 2, 10),
     ("gguf_load", ["gguf_load.py", "--skip-big"], 2, 3),
-    ("speculative", ["speculative.py"], 3, 12),
+    ("speculative", ["speculative.py"], 3, 15),
     ("serve_load", ["serve_load.py", "--multi-turn"], 2, 15),
     ("moe_memory", ["moe_memory.py"], None, 2),
 ]
