@@ -123,6 +123,11 @@ def baseline_rss_mib() -> float:
     return float(out.stdout.strip())
 
 
+def mib(size: str) -> float:
+    value, unit = size.split()
+    return float(value) * {"KiB": 2**-10, "MiB": 1.0, "GiB": 2**10}[unit]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=2)
@@ -140,10 +145,17 @@ def main() -> None:
         for label, extra in (("fp8 -> fp32", []), ("--quantize 8", ["--quantize", "8"]),
                              ("--quantize 4", ["--quantize", "4"])):
             line = run(folder, args.ranks, extra)
-            ranks = re.findall(r"r(\d+) (\d+) MiB \(owns (\d+)\)", line)
-            cells = ", ".join(f"r{r}: RSS {rss} MiB / owns {own} MiB = {int(rss) / max(int(own), 1):.2f}x "
-                              f"({(int(rss) - base) / max(int(own), 1):.2f}x above baseline)"
-                              for r, rss, own in ranks)
+            # the stats line: "peak RSS r0 172 MiB (weights 69.3 MiB + KV cache 5.2 MiB), r1 ..."
+            ranks = re.findall(r"r(\d+) ([\d.]+ [KMG]iB) \(weights ([\d.]+ [KMG]iB)(?: \+ KV cache ([\d.]+ [KMG]iB))?",
+                               line)
+            if not ranks:
+                raise SystemExit(f"no per-rank peak RSS in the stats line: {line}")
+            cells = []
+            for r, rss, weights, kv in ranks:
+                rss, own = mib(rss), mib(weights) + (mib(kv) if kv else 0.0)
+                cells.append(f"r{r}: RSS {rss:.0f} MiB / owns {own:.0f} MiB = {rss / max(own, 1):.2f}x "
+                             f"({(rss - base) / max(own, 1):.2f}x above baseline)")
+            cells = ", ".join(cells)
             print(f"{label:>14}: {cells}")
 
 
