@@ -291,19 +291,18 @@ def assert_one_record_per_id(out: Path, expected: dict) -> None:
     assert {r["id"]: r["text"] for r in records} == expected
 
 
-@pytest.mark.parametrize("victim", [1, 0])
-def test_sigkill_of_a_rank_mid_job_then_rerun_gives_one_record_per_id(llama, crash_reference, tmp_path, victim):
-    inp, expected = crash_reference
-    out = tmp_path / "out.jsonl"
+def kill_a_rank_mid_job(llama, inp: Path, out: Path, victim: int, **env: str):
+    """Start a 2-rank batch job under `mpiexec -disable-auto-cleanup`, SIGKILL rank `victim` once 4
+    records are out, and wait for the job to end: (its stderr, seconds from the kill to its end,
+    its exit status, the ranks' pids, the job's arguments). Without the launcher's clean-up the
+    job must end itself: the rank left behind would otherwise wait on the dead one for the whole
+    --watchdog (300 s)."""
     marker = uuid.uuid4().hex
     args = ["batch", "--model", str(llama), "--input", str(inp), "--output", str(out), "--no-chat-template",
             "--quiet", "--max-batch", "2"]
-    # -disable-auto-cleanup: mpiexec leaves the other rank running, as a launcher that does not clean
-    # up (or is slow to) would; the dead rank's supervisor must end the job itself, and at once: the
-    # rank left behind would otherwise wait on the dead one for the whole --watchdog (300 s).
     job = subprocess.Popen(["mpiexec", "-disable-auto-cleanup", "-n", "2", sys.executable, "-m", "pipeline", *args],
                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           env={**os.environ, **ENV, "PYTHONPATH": str(REPO), "BATCH_TEST_MARKER": marker})
+                           env={**os.environ, **ENV, "PYTHONPATH": str(REPO), "BATCH_TEST_MARKER": marker, **env})
     pids = {}
     try:
         pids = rank_pids(marker, 2)
@@ -325,7 +324,17 @@ def test_sigkill_of_a_rank_mid_job_then_rerun_gives_one_record_per_id(llama, cra
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
     assert ended_after < 20, f"the job ended {ended_after:.1f} s after the SIGKILL of rank {victim}"
-    assert job.returncode != 0
+    return err, job.returncode, pids, args
+
+
+@pytest.mark.parametrize("victim", [1, 0])
+def test_sigkill_of_a_rank_mid_job_then_rerun_gives_one_record_per_id(llama, crash_reference, tmp_path, victim):
+    """The dead rank's supervisor names it in one line and ends the job (PMI abort), and the rerun
+    resumes with one record per id."""
+    inp, expected = crash_reference
+    out = tmp_path / "out.jsonl"
+    err, returncode, _, args = kill_a_rank_mid_job(llama, inp, out, victim)
+    assert returncode != 0
     errors = [line for line in err.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and f"rank {victim}" in errors[0] and "SIGKILL" in errors[0], err
     done_before = out.read_text().count("\n")
@@ -342,36 +351,8 @@ def test_a_rank_left_waiting_on_a_killed_peer_ends_the_job(llama, crash_referenc
     to abort: PMI_JOBID says so), the rank waiting on a killed peer on its host notices within
     seconds that the peer's process is gone and ends the job, rather than waiting out --watchdog."""
     inp, _ = crash_reference
-    out = tmp_path / "out.jsonl"
-    marker = uuid.uuid4().hex
-    args = ["batch", "--model", str(llama), "--input", str(inp), "--output", str(out), "--no-chat-template",
-            "--quiet", "--max-batch", "2"]
-    job = subprocess.Popen(["mpiexec", "-disable-auto-cleanup", "-n", "2", sys.executable, "-m", "pipeline", *args],
-                           cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           env={**os.environ, **ENV, "PYTHONPATH": str(REPO), "BATCH_TEST_MARKER": marker,
-                                "PMI_JOBID": "not-mpich"})
-    pids = {}
-    try:
-        pids = rank_pids(marker, 2)
-        deadline = time.monotonic() + 60
-        while (not out.exists() or out.read_text().count("\n") < 4) and time.monotonic() < deadline:
-            assert job.poll() is None, job.communicate()[1]
-            time.sleep(0.02)
-        os.kill(pids[1], signal.SIGKILL)
-        killed = time.monotonic()
-        try:
-            _, err = job.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            raise AssertionError("the job outlived the SIGKILL of a rank by 60 s") from None
-        ended_after = time.monotonic() - killed
-    finally:
-        if job.poll() is None:
-            job.kill()
-            for pid in pids.values():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-    assert ended_after < 20, f"the job ended {ended_after:.1f} s after the SIGKILL of rank 1"
-    assert job.returncode != 0
+    err, returncode, pids, _ = kill_a_rank_mid_job(llama, inp, tmp_path / "out.jsonl", 1, PMI_JOBID="not-mpich")
+    assert returncode != 0
     assert "rank 1 (" in err and "SIGKILL" in err, err
     assert "rank 0 (" in err and "was waiting on rank 1 " in err and f"(pid {pids[1]}) has ended" in err, err
 
