@@ -331,7 +331,11 @@ static void column_block(const QMatrix &m, int64_t col, const float *const *rows
         const int64_t len = std::min<int64_t>(PANEL, m.k - k0);
         dequantize_panel<bits>(m, col, k0, len, buf);
         int64_t r = 0;
+        // Rows in fours, then a pair, then one: a tile of R rows keeps 4R chains of FMAs in flight, and
+        // one row's 4 chains wait on the FMA latency (2 rows took longer than 3, or 4, before the pair
+        // tile: a draft of one token verifies 2). Each row's chain is the same whatever the tile.
         for (; r + 4 <= nrows; r += 4) panel_tile<4>(rows + r, k0, len, buf, acc + r * COLS);
+        for (; r + 2 <= nrows; r += 2) panel_tile<2>(rows + r, k0, len, buf, acc + r * COLS);
         for (; r < nrows; r++) panel_tile<1>(rows + r, k0, len, buf, acc + r * COLS);
     }
     for (int64_t r = 0; r < nrows; r++)
@@ -345,9 +349,12 @@ struct Task {
 };
 
 /* Below this many multiply-adds a product runs on one thread: waking the others costs more than
-   they save (a 576 x 1536 4-bit matrix is 0.44 MB, ~40 us on one core), and on a loaded host one
-   descheduled thread stalls the whole product for a time slice. */
-constexpr int64_t THREADED_MIN_WORK = int64_t(1) << 21;
+   they save. Measured on 2 cores (SmolLM2's 576-wide 4-bit matrices, one row: 0.3-0.9 M multiply-adds,
+   100-200 us on one core, unpack-bound): a threshold of 2^21 kept decode's products on one thread
+   (30 tok/s); 2^16 spreads them (44-46 tok/s), 2^18 in between (43). On a host loaded by other
+   work a descheduled thread stalls a product for a time slice; our own ranks' share of the cores
+   (g_threads) already leaves one thread per core. */
+constexpr int64_t THREADED_MIN_WORK = int64_t(1) << 16;
 
 static void run_tasks(const std::vector<Task> &tasks, const std::vector<QMatrix> &mats,
                       const std::vector<int64_t> &order, const std::vector<const float *> &xrows,
