@@ -367,9 +367,11 @@ def is_optimized() -> bool:
 
 def describe() -> str:
     """One phrase for the stats line, e.g. 'OpenBLAS 0.3.21 (1 thread: 2 ranks/host)', and which
-    kernels ran the quantized products where there were any (qmm.py)."""
+    kernels ran the quantized products where there were any (qmm.py) and the attention (attention.py)."""
     quantized = sys.modules["pipeline.qmm"].describe() if "pipeline.qmm" in sys.modules else ""
-    return _describe_library() + (f"; quantized products: {quantized}" if quantized else "")
+    attention = sys.modules["pipeline.attention"].describe() if "pipeline.attention" in sys.modules else ""
+    return (_describe_library() + (f"; quantized products: {quantized}" if quantized else "")
+            + (f"; attention: {attention}" if attention else ""))
 
 
 def _describe_library() -> str:

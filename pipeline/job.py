@@ -158,6 +158,8 @@ def load_stage(args: argparse.Namespace, plan: Plan, rank: int, progress: bool, 
     stage = Stage.load(plan.config, plan.checkpoint, plan.ranges[rank], has_ends=rank == 0,
                        dtype=getattr(mx, args.dtype), requantize=args.requantize, progress=progress,
                        dense=dense, head_rows=head_rows)
+    if getattr(args, "dtype", "float32") == "float32":
+        qmm.load()  # the kernels' extension (attention, quantized products): built now, not at the first token
     if rank == 0 and getattr(args, "draft", "none") == "mtp":
         from .models.mtp import load_mtp
 

@@ -43,6 +43,9 @@ from . import blas, private_folder
 
 ENV = "PIPELINE_QMM"
 SOURCE = Path(__file__).with_name("qmm_kernels.cpp")
+# compiled with it into the one extension: the cached attention (models/base.py) and what both share
+SOURCES = (SOURCE, SOURCE.with_name("attention_kernels.cpp"))
+HEADERS = (SOURCE.with_name("kernels_common.h"),)
 MODULE = "pipeline_qmm"
 NB_DOMAIN = "mlx"  # mlx.core's nanobind domain: types are shared only within one domain
 BITS = (2, 3, 4, 5, 6, 8)
@@ -91,7 +94,7 @@ def extension_path(extra_flags: tuple[str, ...] = ()) -> Path:
     """Where this machine's build lives: keyed by the source, CPU, MLX, nanobind, Python and flags."""
     from .default_model import cache_root
 
-    key = b"\0".join([SOURCE.read_bytes(), blas._cpu_signature().encode(), mx.__version__.encode(),
+    key = b"\0".join([*(f.read_bytes() for f in SOURCES + HEADERS), blas._cpu_signature().encode(), mx.__version__.encode(),
                       _nanobind().__version__.encode(), sys.version.encode(), " ".join(FLAGS + extra_flags).encode()])
     digest = hashlib.sha256(key).hexdigest()[:12]
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
@@ -111,7 +114,7 @@ def build(path: Path, extra_flags: tuple[str, ...] = ()) -> None:
     command = [compiler, *FLAGS, *extra_flags, f"-DNB_DOMAIN={NB_DOMAIN}",
                f"-I{nanobind.include_dir()}", f"-I{nb_dir / 'ext' / 'robin_map' / 'include'}",
                f"-I{sysconfig.get_paths()['include']}", f"-I{mlx_dir / 'include'}",
-               str(SOURCE), str(Path(nanobind.source_dir()) / "nb_combined.cpp"),
+               *map(str, SOURCES), str(Path(nanobind.source_dir()) / "nb_combined.cpp"),
                f"-L{mlx_dir / 'lib'}", "-lmlx", f"-Wl,-rpath,{mlx_dir / 'lib'}"]
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -121,7 +124,7 @@ def build(path: Path, extra_flags: tuple[str, ...] = ()) -> None:
             if result.returncode != 0:
                 errors = result.stderr.decode(errors="replace")
                 first = next((line.strip() for line in errors.splitlines() if "error" in line), "") or errors[:200]
-                raise NotBuilt(f"{Path(compiler).name} could not compile {SOURCE.name}: {first}")
+                raise NotBuilt(f"{Path(compiler).name} could not compile pipeline's kernels: {first}")
             out.chmod(0o755)  # whatever the umask: a library others may write to would be refused
             os.replace(out, path)  # atomic: ranks building at once each publish a whole file
     except (OSError, subprocess.SubprocessError) as e:

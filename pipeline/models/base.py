@@ -10,6 +10,7 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
+from .. import attention
 from ..config import ModelConfig
 from ..errors import UserError
 
@@ -179,6 +180,11 @@ class KVCache:
         self.offset = 0
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self.append(keys, values)
+        return self.keys[..., :self.offset, :], self.values[..., :self.offset, :]
+
+    def append(self, keys: mx.array, values: mx.array) -> None:
+        """Add new positions [1, kv heads, new, d]; `keys` / `values` then hold them (and room after)."""
         previous = self.offset
         new = keys.shape[2]
         if self.keys is None or previous + new > self.keys.shape[2]:
@@ -194,7 +200,6 @@ class KVCache:
         self.offset += new
         self.keys[..., previous:self.offset, :] = keys
         self.values[..., previous:self.offset, :] = values
-        return self.keys[..., :self.offset, :], self.values[..., :self.offset, :]
 
     def prefix(self, length: int) -> "KVCache":
         """A new cache holding this one's first `length` positions (the arrays are not changed:
@@ -261,21 +266,30 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if last_only:  # queries at the last positions, keys at all
-            q = self.rope(q[:, :, None], offset=offsets[last])[:, :, 0].transpose(1, 0, 2)
-            k = self.rope(k[:, :, None], offset=offsets)[:, :, 0].transpose(1, 0, 2)
+            q = self.rope(q[:, :, None], offset=offsets[last])[:, :, 0]
+            k = self.rope(k[:, :, None], offset=offsets)[:, :, 0]
         else:
             # q and k of every token rotated in one RoPE call, each token at its own position (on CPU
             # a call costs ~40 us whatever its size; a token's rotation is the same either way).
-            qk = self.rope(mx.concatenate([q, k], axis=1)[:, :, None], offset=offsets)
-            qk = qk[:, :, 0].transpose(1, 0, 2)  # -> [heads + kv heads, T, head_dim]
-            q, k = qk[:self.n_heads], qk[self.n_heads:]
-        v = v.transpose(1, 0, 2)
-        outputs = []
-        for i, ((begin, end), cache) in enumerate(zip(segments(lengths), caches)):
+            qk = self.rope(mx.concatenate([q, k], axis=1)[:, :, None], offset=offsets)[:, :, 0]
+            q, k = qk[:, :self.n_heads], qk[:, self.n_heads:]  # [tokens, heads, head_dim]
+        k, v = k.transpose(1, 0, 2), v.transpose(1, 0, 2)  # head-major, as the caches hold them
+        rows = [e - b for b, e in kept] if last_only else list(lengths)
+        kernel = attention.kernel(q, (self.head_dim,))
+        if kernel is not None:  # every sequence in one operation (pipeline/attention.py)
+            for (begin, end), cache in zip(segments(lengths), caches):
+                cache.append(k[None, :, begin:end], v[None, :, begin:end])
+            out = attention.cached_attention(kernel, q, [c.keys for c in caches], [c.values for c in caches], rows,
+                                             [c.offset for c in caches], self.scale)
+            return self.o_proj(out)[None]
+        attention.note_fallback()
+        q = q.transpose(1, 0, 2)
+        outputs, qb = [], 0
+        for (begin, end), cache, t in zip(segments(lengths), caches, rows):
             ks, vs = cache.update_and_fetch(k[None, :, begin:end], v[None, :, begin:end])
-            qb, qe = kept[i] if last_only else (begin, end)
-            out = attend(q[None, :, qb:qe], ks, vs, self.scale, cache.offset - (qe - qb))
+            out = attend(q[None, :, qb:qb + t], ks, vs, self.scale, cache.offset - t)
             outputs.append(out.squeeze(0))  # [heads, t, head_dim]: back to token-major once, for all
+            qb += t
         out = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=1)
         return self.o_proj(out.transpose(1, 0, 2).reshape(out.shape[1], -1))[None]
 
@@ -319,8 +333,8 @@ def segments(lengths: list[int]) -> list[tuple[int, int]]:
     return bounds
 
 
-# A few new tokens appended to a sequence's cache (a speculative draft being verified) are attended
-# one query at a time, each over the keys up to its own position: the very computation that
+# MLX's path (pipeline's kernel, attention.py, rounds each query alone in any chunk): a few new tokens
+# appended to a sequence's cache (a speculative draft being verified) are attended one query at a time, each over the keys up to its own position: the very computation that
 # decoding them one by one does, so verifying never changes a result. Attention over the whole
 # chunk at once with a causal mask sums over a longer, masked row, which rounds differently.
 EXACT_POSITIONS_MAX = 16

@@ -1,0 +1,60 @@
+"""Attention of a step's new tokens over their sequences' KV caches: pipeline's kernel for every
+sequence of the step in one MLX operation (attention_kernels.cpp, compiled into the quantized
+products' extension by qmm.py), or MLX's scaled_dot_product_attention per sequence where the kernel
+is absent.
+
+On CPU, MLX's attention is a chain of small ops, and a batch ran it once per sequence and layer: a
+16-sequence decode step of SmolLM2 spent 65 of its 155 ms there (111 ms with the kernel). The kernel also rounds each query the same
+whatever shares the call (its opening comment says how), so a query attended alone, in a prompt's
+chunk or in a verified draft gives the same bits.
+
+The kernel takes float32 queries, keys and values whose head sizes are multiples of 16 on the CPU
+device; anything else, `PIPELINE_ATTENTION=0`, or no extension (qmm.py says why) goes to MLX.
+"""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+
+from . import qmm
+
+ENV = "PIPELINE_ATTENTION"
+_used = {"pipeline": 0, "mlx": 0}
+
+
+def kernel(q: mx.array, head_dims: tuple[int, ...]):
+    """The extension if it computes this attention (float32 on the CPU, head sizes multiples of 16),
+    else None."""
+    if os.environ.get(ENV, "").strip().lower() in ("0", "off", "no", "none"):
+        return None
+    module = qmm._kernels(q)
+    if module is None or not hasattr(module, "cached_attention") or any(d % 16 for d in head_dims):
+        return None
+    return module
+
+
+def cached_attention(module, q: mx.array, keys: list[mx.array], values: list[mx.array], rows: list[int],
+                     key_lengths: list[int], scale: float) -> mx.array:
+    """q [sum(rows), heads, dk]: sequence i's rows[i] new tokens, packed in order; keys[i] / values[i]
+    its cache buffers [1, kv heads, capacity, d] holding key_lengths[i] positions (its new tokens'
+    last). Returns [sum(rows), heads * dv], token-major, each token attending causally."""
+    begin = [0]
+    for n in rows:
+        begin.append(begin[-1] + n)
+    _used["pipeline"] += 1
+    return module.cached_attention(q, keys, values, begin, key_lengths, scale)
+
+
+def note_fallback() -> None:
+    _used["mlx"] += 1
+
+
+def describe() -> str:
+    """The stats line's phrase for attention ("" if this process ran none)."""
+    if not _used["pipeline"] and not _used["mlx"]:
+        return ""
+    if _used["pipeline"]:
+        return "pipeline's kernel" + (", some MLX's" if _used["mlx"] else "")
+    return "MLX's"

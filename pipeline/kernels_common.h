@@ -1,0 +1,94 @@
+/* What pipeline's CPU kernels (qmm_kernels.cpp, attention_kernels.cpp) share: 16-lane float vectors
+ * whose arithmetic rounds the same with AVX-512 (one register) and AVX2 (two), the one summation
+ * tree of their lanes, the rank's thread count, and row-contiguous copies of MLX arrays. */
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "mlx/allocator.h"
+#include "mlx/array.h"
+
+namespace mx = mlx::core;
+
+inline int g_threads = 1;  // the BLAS threads of this rank (pipeline.blas.num_threads())
+
+/* ---- vectors -------------------------------------------------------------------------------------- */
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+
+inline v16 load16(const float *p) {
+    v16 v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+}
+
+inline void store16(float *p, v16 v) { std::memcpy(p, &v, sizeof v); }
+
+/* acc + a*b lane by lane, one rounding where the CPU has FMA (built with -ffp-contract=off, so the
+   compiler fuses nothing on its own). */
+inline v16 fma16(v16 a, v16 b, v16 acc) {
+#if defined(__AVX512F__)
+    return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)acc);
+#elif defined(__FMA__)
+    v8 a2[2], b2[2], c2[2];
+    std::memcpy(a2, &a, 64);
+    std::memcpy(b2, &b, 64);
+    std::memcpy(c2, &acc, 64);
+    c2[0] = (v8)_mm256_fmadd_ps((__m256)a2[0], (__m256)b2[0], (__m256)c2[0]);
+    c2[1] = (v8)_mm256_fmadd_ps((__m256)a2[1], (__m256)b2[1], (__m256)c2[1]);
+    v16 out;
+    std::memcpy(&out, c2, 64);
+    return out;
+#else
+    return acc + a * b;
+#endif
+}
+
+inline v16 splat(float s) {
+#if defined(__AVX512F__)
+    return (v16)_mm512_set1_ps(s);
+#else
+    return v16{s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s};
+#endif
+}
+
+/* The one summation tree of the 16 lanes. */
+inline float lanes_sum(v16 acc) {
+    float t[16];
+    std::memcpy(t, &acc, sizeof t);
+    float a[8], b[4];
+    for (int i = 0; i < 8; i++) a[i] = t[i] + t[i + 8];
+    for (int i = 0; i < 4; i++) b[i] = a[i] + a[i + 4];
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+/* A row-contiguous copy of `a` (its strides may be anything, broadcasts included), or `a` itself. */
+inline mx::array contiguous(const mx::array &a, std::vector<mx::array> &keep) {
+    if (a.flags().row_contiguous) return a;
+    mx::array out(mx::allocator::malloc(a.nbytes()), a.shape(), a.dtype());
+    const size_t item = a.itemsize();
+    const int nd = a.ndim();
+    const uint8_t *src = a.data<uint8_t>();
+    uint8_t *dst = out.data<uint8_t>();
+    std::vector<int64_t> idx(nd, 0);
+    for (size_t i = 0; i < a.size(); i++) {
+        int64_t offset = 0;
+        for (int d = 0; d < nd; d++) offset += idx[d] * a.strides()[d];
+        std::memcpy(dst + i * item, src + offset * item, item);
+        for (int d = nd - 1; d >= 0; d--) {
+            if (++idx[d] < a.shape(d)) break;
+            idx[d] = 0;
+        }
+    }
+    keep.push_back(out);
+    return out;
+}

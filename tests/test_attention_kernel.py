@@ -1,0 +1,165 @@
+"""pipeline's attention kernel (pipeline/attention_kernels.cpp through pipeline/attention.py) against an
+independent truth: causal softmax attention over each sequence's cache in float64 with numpy. Then
+the property batch jobs, prefix-cache hits and speculative verification rely on: a query's output
+does not depend on what else shares the call (other rows of its chunk, other sequences, threads,
+the cache buffer's spare room), to the bit. And the models' attention through it against MLX's."""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from pipeline import attention, qmm
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    state = qmm.load()
+    if state.module is None:
+        if not qmm.missing_tools() and os.environ.get(qmm.ENV) is None:
+            pytest.fail(f"pipeline's kernels should build here: {state.why_not}")
+        pytest.skip(f"no kernels: {state.why_not}")
+    return state.module
+
+
+def reference(q, keys, values, rows, key_len, scale):
+    """float64 attention, and beside each output sum_j p_j |v_j| (its natural scale)."""
+    out, size = [], []
+    r0 = 0
+    for k, v, t, n in zip(keys, values, rows, key_len):
+        rep = q.shape[1] // k.shape[0]
+        for i in range(t):
+            m = n - t + i + 1  # keys the query at this position sees
+            o, s = [], []
+            for h in range(q.shape[1]):
+                scores = k[h // rep, :m].astype(np.float64) @ q[r0 + i, h].astype(np.float64) * scale
+                p = np.exp(scores - scores.max())
+                p /= p.sum()
+                o.append(p @ v[h // rep, :m].astype(np.float64))
+                s.append(p @ np.abs(v[h // rep, :m]).astype(np.float64))
+            out.append(np.concatenate(o))
+            size.append(np.concatenate(s))
+        r0 += t
+    return np.array(out), np.array(size)
+
+
+def random_batch(rng, heads, kv_heads, dk, dv, shapes, spare=13, peak=3.0):
+    """Sequences of (new rows, cached positions incl. them) in buffers with spare room past the end;
+    queries scaled by `peak` so that softmaxes are far from uniform."""
+    keys = [rng.standard_normal((kv_heads, n + spare, dk)).astype(np.float32) for _, n in shapes]
+    values = [rng.standard_normal((kv_heads, n + spare, dv)).astype(np.float32) for _, n in shapes]
+    q = (rng.standard_normal((sum(t for t, _ in shapes), heads, dk)) * peak).astype(np.float32)
+    return q, keys, values
+
+
+def run(kernels, q, keys, values, rows, key_len, scale, threads=2):
+    qmm.set_threads(threads)
+    begin = np.concatenate([[0], np.cumsum(rows)]).astype(int).tolist()
+    out = kernels.cached_attention(mx.array(q), [mx.array(k)[None] for k in keys], [mx.array(v)[None] for v in values],
+                                   begin, list(key_len), scale)
+    return np.array(out)
+
+
+# Error of one output over its float64 value, relative to sum_j p_j |v_j|: a score rounds ~5 times
+# (dk / 16 FMAs per lane, the lane tree, the scale), exp16 is within 2 ulp, the weighted sum once
+# per position. Measured: at most 1.0e-6 over the cases below; a key too many or too few, a wrong
+# head or a wrong scale is off by order 1e-2 or more.
+RELATIVE_TOLERANCE = 2e-6
+
+CASES = {
+    "grouped heads, decode and chunks": (9, 3, 64, 64, [(1, 37), (5, 200), (1, 1), (17, 17), (3, 16)]),
+    "8 heads on one kv head": (8, 1, 128, 128, [(1, 300), (4, 4)]),
+    "6 heads per kv head (a tile of 4, then 2)": (12, 2, 32, 32, [(2, 33), (1, 64)]),
+    "keys and values of different sizes (MLA)": (4, 1, 96, 64, [(3, 50), (1, 7)]),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_matches_float64_reference(kernels, case):
+    heads, kv_heads, dk, dv, shapes = CASES[case]
+    rng = np.random.default_rng(len(case))
+    q, keys, values = random_batch(rng, heads, kv_heads, dk, dv, shapes)
+    rows, key_len = [t for t, _ in shapes], [n for _, n in shapes]
+    scale = dk ** -0.5
+    got = run(kernels, q, keys, values, rows, key_len, scale)
+    want, size = reference(q, keys, values, rows, key_len, scale)
+    assert got.shape == want.shape
+    assert np.max(np.abs(got - want) / size) < RELATIVE_TOLERANCE
+
+
+def test_each_query_rounds_the_same_whatever_shares_the_call(kernels):
+    """A query alone (decoding), in its chunk (prefill, a draft being verified), among other
+    sequences (a batch), with one thread or two, and over a cache with more spare room: same bits."""
+    heads, kv_heads, dk, dv = 9, 3, 64, 64
+    shapes = [(1, 40), (6, 90), (1, 300), (20, 20)]
+    rng = np.random.default_rng(3)
+    q, keys, values = random_batch(rng, heads, kv_heads, dk, dv, shapes)
+    rows, key_len = [t for t, _ in shapes], [n for _, n in shapes]
+    together = run(kernels, q, keys, values, rows, key_len, 0.125)
+    assert np.array_equal(together, run(kernels, q, keys, values, rows, key_len, 0.125, threads=1))
+    r0 = 0
+    for k, v, t, n in zip(keys, values, rows, key_len):
+        chunk = run(kernels, q[r0:r0 + t], [k], [v], [t], [n], 0.125)
+        assert np.array_equal(chunk, together[r0:r0 + t])
+        roomier = [np.concatenate([k, np.ones_like(k)], axis=1)], [np.concatenate([v, np.ones_like(v)], axis=1)]
+        assert np.array_equal(run(kernels, q[r0:r0 + t], *roomier, [t], [n], 0.125), chunk)
+        for i in range(t):  # each position alone, its cache holding only what it sees
+            alone = run(kernels, q[r0 + i:r0 + i + 1], [k], [v], [1], [n - t + i + 1], 0.125)
+            assert np.array_equal(alone[0], together[r0 + i])
+        r0 += t
+
+
+def test_strided_inputs(kernels):
+    """Queries as a view of a wider array (q of a fused q/k RoPE) and caches as prefix views of a
+    bigger buffer (a prefix-cache fork) read the same numbers as contiguous copies."""
+    rng = np.random.default_rng(5)
+    qk = mx.array(rng.standard_normal((7, 12, 64)).astype(np.float32))
+    q_view = qk[:, :9]
+    buffer = mx.array(rng.standard_normal((1, 3, 256, 64)).astype(np.float32))
+    values = mx.array(rng.standard_normal((1, 3, 256, 64)).astype(np.float32))
+    qmm.set_threads(2)
+    got = kernels.cached_attention(q_view, [buffer[:, :, :100]], [values[:, :, :100]], [0, 7], [100], 0.125)
+    copies = kernels.cached_attention(mx.array(np.array(q_view)), [mx.array(np.array(buffer[:, :, :100]))],
+                                      [mx.array(np.array(values[:, :, :100]))], [0, 7], [100], 0.125)
+    assert np.array_equal(np.array(got), np.array(copies))
+
+
+def test_bad_calls_are_refused(kernels):
+    q = mx.zeros((2, 4, 64))
+    k = mx.zeros((1, 2, 8, 64))
+    with pytest.raises(ValueError, match="key_len"):
+        kernels.cached_attention(q, [k], [k], [0, 2], [9], 0.125)  # more keys than the cache holds
+    with pytest.raises(ValueError, match="multiples of 16"):
+        kernels.cached_attention(mx.zeros((2, 4, 40)), [mx.zeros((1, 2, 8, 40))], [mx.zeros((1, 2, 8, 40))],
+                                 [0, 2], [4], 0.125)
+    with pytest.raises(ValueError, match="kv heads"):
+        kernels.cached_attention(mx.zeros((2, 3, 64)), [k], [k], [0, 2], [4], 0.125)
+
+
+def test_model_attention_matches_mlx_fallback(kernels, monkeypatch):
+    """A layer's attention through the kernel (every sequence in one call) against MLX's per-sequence
+    path (PIPELINE_ATTENTION=0) on a batch of a prompt chunk and decoding sequences."""
+    from pipeline.config import ModelConfig
+    from pipeline.models.base import Attention, KVCache
+
+    config = ModelConfig.from_dict({"model_type": "llama", "hidden_size": 256, "num_attention_heads": 8,
+                                    "num_key_value_heads": 2, "intermediate_size": 512, "num_hidden_layers": 1,
+                                    "vocab_size": 100, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+                                    "max_position_embeddings": 4096})
+    mx.random.seed(0)
+    layer = Attention(config)
+    outputs = {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv(attention.ENV, setting)
+        caches = [KVCache() for _ in range(3)]
+        rng = np.random.default_rng(0)
+        prompt = mx.array(rng.standard_normal((1, 50, 256)).astype(np.float32) * 4)
+        layer(prompt[:, :30], caches[:1], [30])
+        layer(prompt[:, 30:50], caches[1:2], [20])
+        step = mx.array(rng.standard_normal((1, 1 + 10 + 1, 256)).astype(np.float32) * 4)
+        outputs[setting] = np.array(layer(step, caches, [1, 10, 1]))
+    scale = np.abs(outputs["0"]).max()
+    assert np.max(np.abs(outputs["1"] - outputs["0"])) < 1e-5 * scale
