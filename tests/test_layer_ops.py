@@ -1,5 +1,7 @@
-"""The compiled pieces of a layer (models/base.py) against the MLX operations they replace:
-bit for bit, so that compiling them changed no result (greedy texts stay what they were)."""
+"""The compiled pieces of a layer (models/base.py) against the MLX operations they replace: bit for
+bit, so that compiling them changed no result (greedy texts stay what they were). pipeline's RoPE
+kernel (layer_kernels.cpp) is bit for bit MLX's rope too; its RMSNorm kernel sums in its own order,
+so it is held to a float64 reference and to rounding each row the same whatever shares the call."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
+from pipeline import layer_kernels, qmm
 from pipeline.models import base
 
 SCALINGS = {
@@ -44,6 +47,9 @@ def test_rope_equals_mlx_rope(dtype, traditional, scaling, dims, features):
         x = mx.array(rng.normal(0, 4, (tokens, heads, 1, features)).astype(np.float32)).astype(dtype)
         offset = mx.array(rng.integers(0, 100_000, tokens), dtype=mx.int32)
         assert_identical(rope(x, offset), fast_rope(rope, x, offset))
+        # the layers' call: q and k of each token in one rotation (pipeline's kernel for float32)
+        q, k = x[:, : heads // 2 + 1, 0], x[:, heads // 2 + 1:, 0]
+        assert_identical(rope.rotate([q, k], offset), fast_rope(rope, x, offset)[:, :, 0])
     x = mx.array(rng.normal(0, 4, (1, 2, 7, features)).astype(np.float32)).astype(dtype)
     assert_identical(rope(x, 3), fast_rope(rope, x, 3))  # a run of positions from an int offset
 
@@ -63,13 +69,47 @@ def test_layers_of_a_step_share_the_angles():
     assert moved.tolist() == [11, 12] and ropes[0]._angles(moved, mx.float32)[0] is not angles[0][0]
 
 
-@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=str)
-def test_rms_norm_and_swiglu_equal_mlx(dtype):
+def test_swiglu_equals_mlx():
     rng = np.random.default_rng(1)
-    norm = base.RMSNorm(96, eps=1e-5)
-    norm.weight = mx.array(rng.normal(1, 0.3, 96).astype(np.float32)).astype(dtype)
-    for rows in (1, 3, 64):
-        x = mx.array(rng.normal(0, 3, (1, rows, 96)).astype(np.float32)).astype(dtype)
-        assert_identical(norm(x), nn.RMSNorm.__call__(norm, x))
-        gate, up = (mx.array(rng.normal(0, 3, (rows, 160)).astype(np.float32)).astype(dtype) for _ in range(2))
-        assert_identical(base.swiglu(gate, up), nn.silu(gate) * up)
+    for dtype in (mx.float32, mx.bfloat16):
+        for rows in (1, 3, 64):
+            gate, up = (mx.array(rng.normal(0, 3, (rows, 160)).astype(np.float32)).astype(dtype) for _ in range(2))
+            assert_identical(base.swiglu(gate, up), nn.silu(gate) * up)
+
+
+def test_rms_norm_equals_mlx_where_compiled(monkeypatch):
+    """bfloat16 activations, or the kernels turned off: MLX's rms_norm compiled, bit for bit."""
+    rng = np.random.default_rng(1)
+    for dtype, kernels in ((mx.bfloat16, "1"), (mx.float32, "0")):
+        monkeypatch.setenv(layer_kernels.ENV, kernels)
+        norm = base.RMSNorm(96, eps=1e-5)
+        norm.weight = mx.array(rng.normal(1, 0.3, 96).astype(np.float32)).astype(dtype)
+        for rows in (1, 3, 64):
+            x = mx.array(rng.normal(0, 3, (1, rows, 96)).astype(np.float32)).astype(dtype)
+            assert_identical(norm(x), nn.RMSNorm.__call__(norm, x))
+
+
+# Error of the kernel's RMSNorm over float64, relative to |x * weight| / rms: the sum of squares rounds
+# once per 16 features per lane and 4 times over the lanes, the scale twice, the product twice.
+# Measured: at most 2.4e-7; a mean over n - 1 or a dropped tail is off by 1e-3 or more.
+RMS_TOLERANCE = 3e-7
+
+
+def test_rms_norm_kernel_matches_float64_and_rounds_each_row_alone():
+    if layer_kernels.kernel(mx.zeros((1,))) is None:
+        pytest.skip(f"no kernels: {qmm.load().why_not or 'turned off'}")
+    rng = np.random.default_rng(2)
+    for n in (96, 576, 100):  # 100: a tail past the 16-lane vectors
+        norm = base.RMSNorm(n, eps=1e-5)
+        weight = rng.normal(1, 0.3, n).astype(np.float32)
+        norm.weight = mx.array(weight)
+        x = rng.normal(0, 3, (64, n)).astype(np.float32)
+        x[5] *= 1e-3  # a row where eps matters
+        got = np.array(norm(mx.array(x)))
+        x64 = x.astype(np.float64)
+        rms = np.sqrt((x64 ** 2).mean(axis=1, keepdims=True) + 1e-5)
+        want = x64 / rms * weight
+        assert np.max(np.abs(got - want) / (np.abs(x64 * weight) / rms + 1e-30)) < RMS_TOLERANCE
+        for r in (0, 5, 63):  # each row alone, and among others at another place
+            assert np.array_equal(np.array(norm(mx.array(x[r:r + 1])))[0], got[r])
+        assert np.array_equal(np.array(norm(mx.array(x[::-1].copy())))[::-1], got)

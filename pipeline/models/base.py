@@ -10,7 +10,7 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from .. import attention
+from .. import attention, layer_kernels
 from ..config import ModelConfig
 from ..errors import UserError
 
@@ -57,9 +57,13 @@ def swiglu(gate: mx.array, up: mx.array) -> mx.array:
 
 
 class RMSNorm(nn.RMSNorm):
-    """nn.RMSNorm (same parameter, same results), compiled."""
+    """nn.RMSNorm (same parameter): pipeline's kernel (layer_kernels.py) for float32 on the CPU, else
+    compiled (the same results as MLX's)."""
 
     def __call__(self, x: mx.array) -> mx.array:
+        kernel = layer_kernels.kernel(x)
+        if kernel is not None and self["weight"].dtype == mx.float32:
+            return kernel.rms_norm(x, self["weight"], self.eps)
         return _compiled_rms_norm(self.eps)(x, self["weight"])
 
 
@@ -101,6 +105,17 @@ class RoPE(nn.Module):
             return x * self.attention_factor if self.attention_factor != 1.0 else x
         cos, sin = self._angles(offset, x.dtype)
         return _compiled_rotation(self.dims, self.traditional, self.attention_factor)(x, cos, sin)
+
+    def rotate(self, parts: list[mx.array], offset: mx.array) -> mx.array:
+        """parts: [tokens, heads_i, features] arrays (a token's queries, its keys), token t at position
+        offset[t]: their rotations side by side, [tokens, sum(heads_i), features]. One operation
+        with pipeline's kernel (layer_kernels.py); else MLX's, through __call__."""
+        kernel = layer_kernels.kernel(parts[0])
+        if kernel is not None and all(p.dtype == mx.float32 for p in parts):
+            cos, sin = self._angles(offset, mx.float32)
+            return kernel.rope(parts, cos, sin, self.dims, self.traditional, self.attention_factor)
+        x = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
+        return self(x[:, :, None], offset=offset)[:, :, 0]
 
     def _angles(self, offset: mx.array, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
         """cos and sin of each token's angles, [tokens, 1, 1, dims / 2], as mx.fast.rope's CPU code
@@ -266,12 +281,11 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if last_only:  # queries at the last positions, keys at all
-            q = self.rope(q[:, :, None], offset=offsets[last])[:, :, 0]
-            k = self.rope(k[:, :, None], offset=offsets)[:, :, 0]
+            q, k = self.rope.rotate([q], offsets[last]), self.rope.rotate([k], offsets)
         else:
             # q and k of every token rotated in one RoPE call, each token at its own position (on CPU
             # a call costs ~40 us whatever its size; a token's rotation is the same either way).
-            qk = self.rope(mx.concatenate([q, k], axis=1)[:, :, None], offset=offsets)[:, :, 0]
+            qk = self.rope.rotate([q, k], offsets)
             q, k = qk[:, :self.n_heads], qk[:, self.n_heads:]  # [tokens, heads, head_dim]
         k, v = k.transpose(1, 0, 2), v.transpose(1, 0, 2)  # head-major, as the caches hold them
         rows = [e - b for b, e in kept] if last_only else list(lengths)

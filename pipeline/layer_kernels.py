@@ -1,0 +1,27 @@
+"""RMSNorm and RoPE's rotation as one MLX operation each (layer_kernels.cpp, compiled into the
+quantized products' extension by qmm.py), where that extension is loaded and the activations are
+float32 on the CPU; MLX's compiled ops otherwise (models/base.py).
+
+MLX dispatches each node of a graph alone, at a few microseconds each on CPU, and these steps were
+several nodes each: a compiled RMSNorm took 24 us a call, and a small model's decode step calls it
+61 times. layer_kernels.cpp's opening comment says what each computes and why a row rounds the
+same whatever else shares the call. `PIPELINE_LAYER_KERNELS=0` turns them off.
+"""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+
+from . import qmm
+
+ENV = "PIPELINE_LAYER_KERNELS"
+
+
+def kernel(x: mx.array):
+    """The extension if it takes these activations (float32 on the CPU), else None."""
+    if os.environ.get(ENV, "").strip().lower() in ("0", "off", "no", "none"):
+        return None
+    module = qmm._kernels(x)
+    return module if module is not None and hasattr(module, "rms_norm") else None
