@@ -47,6 +47,29 @@ def cached_attention(module, q: mx.array, keys: list[mx.array], values: list[mx.
     return module.cached_attention(q, keys, values, begin, key_lengths, scale)
 
 
+def attend_and_append(module, q: mx.array, new_keys: mx.array, new_values: mx.array, caches: list, rows: list[int],
+                      lengths: list[int], scale: float) -> mx.array:
+    """The step's new keys and values [sum(lengths), kv heads, d] (sequence i's lengths[i] tokens, packed
+    in order) into each sequence's cache (base.KVCache), then `cached_attention` of q over them, all in
+    one MLX operation: the caches' buffers are updated in place where nothing else holds them (as MLX's
+    slice updates do), else copied."""
+    for cache, n in zip(caches, lengths):
+        cache.reserve(n, new_keys.shape[1], new_keys.shape[2], new_values.shape[2], new_keys.dtype)
+    q_begin, new_begin = [0], [0]
+    for t, n in zip(rows, lengths):
+        q_begin.append(q_begin[-1] + t)
+        new_begin.append(new_begin[-1] + n)
+    offsets = [cache.offset for cache in caches]
+    _used["pipeline"] += 1
+    outs = module.attend_and_append(q, new_keys, new_values, [c.keys for c in caches], [c.values for c in caches],
+                                    q_begin, new_begin, offsets, scale)
+    count = len(caches)
+    for i, (cache, n) in enumerate(zip(caches, lengths)):
+        cache.keys, cache.values = outs[1 + i], outs[1 + count + i]
+        cache.offset += n
+    return outs[0]
+
+
 def note_fallback() -> None:
     _used["mlx"] += 1
 

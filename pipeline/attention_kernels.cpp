@@ -139,27 +139,59 @@ static void attend_row(const float *q_row, int64_t q_head, int rep, int64_t g, c
 constexpr int64_t THREADED_MIN_WORK = int64_t(1) << 16;
 
 /* Inputs: q [rows, heads, dk] (any strides but the last), then each sequence's keys, then each one's
-   values ([..., kv heads, positions, d], positions past key_len unused). Output [rows, heads * dv]. */
-class CachedAttention : public mx::UnaryPrimitive {
+   values ([..., kv heads, positions, d], positions past key_len unused). Output [rows, heads * dv].
+   Appending (attend_and_append): the inputs also hold the step's new keys and values after q
+   ([new rows, kv heads, d], sequence s's rows new_begin[s]..new_begin[s+1]), and the outputs after
+   the attention are each cache with them written at positions offset[s]..: the cache's buffer itself
+   where nothing else holds it (as MLX's slice update donates it), else a copy. One operation then
+   does a step's whole KV cache work for every sequence, where the slice updates were 6 nodes per
+   sequence and layer. */
+class CachedAttention : public mx::Primitive {
    public:
-    CachedAttention(mx::Stream stream, std::vector<int64_t> q_begin, std::vector<int64_t> key_len, float scale)
-        : mx::UnaryPrimitive(stream), q_begin_(std::move(q_begin)), key_len_(std::move(key_len)), scale_(scale) {}
+    CachedAttention(mx::Stream stream, std::vector<int64_t> q_begin, std::vector<int64_t> key_len, float scale,
+                    std::vector<int64_t> new_begin = {})
+        : mx::Primitive(stream), q_begin_(std::move(q_begin)), key_len_(std::move(key_len)), scale_(scale),
+          new_begin_(std::move(new_begin)) {}
 
-    void eval_cpu(const std::vector<mx::array> &inputs, mx::array &out) override {
-        out.set_data(mx::allocator::malloc(out.nbytes()));
+    void eval_cpu(const std::vector<mx::array> &inputs, std::vector<mx::array> &outputs) override {
+        const size_t nseq = key_len_.size();
+        const bool appends = !new_begin_.empty();
+        const size_t first_cache = appends ? 3 : 1;
+        outputs[0].set_data(mx::allocator::malloc(outputs[0].nbytes()));
+        std::vector<char> copy(appends ? 2 * nseq : 0, 0);
+        for (size_t i = 0; i < copy.size(); i++) {
+            const mx::array &in = inputs[first_cache + i];
+            mx::array &out = outputs[1 + i];
+            // The buffer is updated in place when no other array shares it (a view, such as a prefix-cache
+            // fork's, shares it). MLX's own test, is_donatable(), also wants this node to hold the input's
+            // only reference, never true with several outputs (each holds the inputs). Whoever else holds
+            // this very array sees its positions below the offset unchanged: only positions past it,
+            // unused until now, are written.
+            const auto &data = in.data_shared_ptr();
+            if (data.use_count() == 1 && data->is_owned() && in.flags().row_contiguous &&
+                in.buffer_size() == out.nbytes()) {
+                out.copy_shared_buffer(in);
+            } else {
+                out.set_data(mx::allocator::malloc(out.nbytes()));
+                copy[i] = 1;
+            }
+        }
         auto &encoder = mx::cpu::get_command_encoder(stream());
         for (auto &a : inputs) encoder.set_input_array(a);
-        encoder.set_output_array(out);
-        encoder.dispatch([inputs, out, q_begin = q_begin_, key_len = key_len_, scale = scale_]() mutable {
+        for (auto &a : outputs) encoder.set_output_array(a);
+        encoder.dispatch([inputs, outputs, copy, q_begin = q_begin_, key_len = key_len_, scale = scale_,
+                          new_begin = new_begin_, first_cache, appends]() mutable {
             std::vector<mx::array> keep;
             const size_t nseq = key_len.size();
             mx::array q = inputs[0];
             if (q.strides().back() != 1) q = contiguous(q, keep);
             const int64_t heads = q.shape(1), dk = q.shape(2);
+            if (appends) write_new_positions(inputs, outputs, copy, new_begin, key_len, first_cache, keep);
             std::vector<Cache> caches(nseq);
             int64_t kv_heads = 0, dv = 0, work = 0, longest = 0;
             for (size_t s = 0; s < nseq; s++) {
-                mx::array k = inputs[1 + s], v = inputs[1 + nseq + s];
+                mx::array k = appends ? outputs[1 + s] : inputs[1 + s];
+                mx::array v = appends ? outputs[1 + nseq + s] : inputs[1 + nseq + s];
                 if (k.strides().back() != 1) k = contiguous(k, keep);
                 if (v.strides().back() != 1) v = contiguous(v, keep);
                 const int nd = k.ndim();
@@ -173,7 +205,6 @@ class CachedAttention : public mx::UnaryPrimitive {
                 longest = std::max(longest, key_len[s]);
             }
             const int rep = int(heads / kv_heads);
-            // tasks: (sequence, row, kv head), longest rows first for the dynamic schedule
             struct Task {
                 int64_t seq, row, g;
             };
@@ -183,7 +214,7 @@ class CachedAttention : public mx::UnaryPrimitive {
                     for (int64_t g = 0; g < kv_heads; g++) tasks.push_back(Task{int64_t(s), r, g});
             const float *qd = q.data<float>();
             const int64_t q_row = q.strides()[0], q_head = q.strides()[1];
-            float *o = out.data<float>();
+            float *o = outputs[0].data<float>();
             const int64_t ntasks = int64_t(tasks.size());
             const bool threaded = g_threads > 1 && ntasks > 1 && work >= THREADED_MIN_WORK;
 #pragma omp parallel num_threads(g_threads) if (threaded)
@@ -202,30 +233,65 @@ class CachedAttention : public mx::UnaryPrimitive {
         });
     }
 
-    void eval_gpu(const std::vector<mx::array> &, mx::array &) override {
+    void eval_gpu(const std::vector<mx::array> &, std::vector<mx::array> &) override {
         throw std::runtime_error("pipeline's attention kernel runs on the CPU only");
     }
 
-    const char *name() const override { return "PipelineCachedAttention"; }
+    const char *name() const override { return new_begin_.empty() ? "PipelineCachedAttention" : "PipelineAttendAppend"; }
 
     bool is_equivalent(const mx::Primitive &other) const override {
         auto *o = dynamic_cast<const CachedAttention *>(&other);
-        return o && o->q_begin_ == q_begin_ && o->key_len_ == key_len_ && o->scale_ == scale_;
+        return o && o->q_begin_ == q_begin_ && o->key_len_ == key_len_ && o->scale_ == scale_ &&
+               o->new_begin_ == new_begin_;
     }
 
     std::vector<mx::Shape> output_shapes(const std::vector<mx::array> &inputs) override {
-        const size_t nseq = key_len_.size();
-        return {mx::Shape{inputs[0].shape(0), inputs[0].shape(1) * inputs[1 + nseq].shape(-1)}};
+        const size_t nseq = key_len_.size(), first_cache = new_begin_.empty() ? 1 : 3;
+        std::vector<mx::Shape> shapes{
+            mx::Shape{inputs[0].shape(0), inputs[0].shape(1) * inputs[first_cache + nseq].shape(-1)}};
+        if (!new_begin_.empty())
+            for (size_t i = 0; i < 2 * nseq; i++) shapes.push_back(inputs[first_cache + i].shape());
+        return shapes;
     }
 
    private:
+    /* Each cache output: the input's positions (copied where the buffer was not donated), then the
+       sequence's new keys or values at positions key_len - new rows, ... */
+    static void write_new_positions(const std::vector<mx::array> &inputs, std::vector<mx::array> &outputs,
+                                    const std::vector<char> &copy, const std::vector<int64_t> &new_begin,
+                                    const std::vector<int64_t> &key_len, size_t first_cache,
+                                    std::vector<mx::array> &keep) {
+        const size_t nseq = key_len.size();
+        for (size_t i = 0; i < 2 * nseq; i++) {
+            const size_t s = i % nseq;
+            mx::array &out = outputs[1 + i];
+            if (copy[i]) {
+                const mx::array whole = contiguous(inputs[first_cache + i], keep);
+                std::memcpy(out.data<float>(), whole.data<float>(), out.nbytes());
+            }
+            mx::array fresh = inputs[i < nseq ? 1 : 2];  // [new rows, kv heads, d]
+            if (fresh.strides().back() != 1) fresh = contiguous(fresh, keep);
+            const int nd = out.ndim();
+            const int64_t kv_heads = out.shape(nd - 3), d = out.shape(nd - 1);
+            const int64_t head_stride = out.shape(nd - 2) * d;  // out is row-contiguous
+            const int64_t rows = new_begin[s + 1] - new_begin[s], first = key_len[s] - rows;
+            float *od = out.data<float>();
+            const float *fd = fresh.data<float>();
+            for (int64_t r = 0; r < rows; r++)
+                for (int64_t g = 0; g < kv_heads; g++)
+                    std::memcpy(od + g * head_stride + (first + r) * d,
+                                fd + (new_begin[s] + r) * fresh.strides()[0] + g * fresh.strides()[1], d * sizeof(float));
+        }
+    }
+
     std::vector<int64_t> q_begin_, key_len_;
     float scale_;
+    std::vector<int64_t> new_begin_;
 };
 
-static mx::array cached_attention(const mx::array &q, const std::vector<mx::array> &keys,
-                                  const std::vector<mx::array> &values, const std::vector<int64_t> &q_begin,
-                                  const std::vector<int64_t> &key_len, float scale) {
+/* Refuses calls the kernel would read out of bounds for (one line, as a ValueError in Python). */
+static void check(const mx::array &q, const std::vector<mx::array> &keys, const std::vector<mx::array> &values,
+                  const std::vector<int64_t> &q_begin, const std::vector<int64_t> &key_len) {
     auto fail = [](const std::string &why) { throw std::invalid_argument("pipeline attention: " + why); };
     const size_t nseq = keys.size();
     if (nseq == 0 || values.size() != nseq || key_len.size() != nseq || q_begin.size() != nseq + 1)
@@ -248,17 +314,62 @@ static mx::array cached_attention(const mx::array &q, const std::vector<mx::arra
             fail("one sequence per keys/values array");
         if (rows < 0 || key_len[s] < rows || key_len[s] > k.shape(-2) || key_len[s] > v.shape(-2))
             fail("key_len must cover the sequence's new rows and fit its cache");
-        inputs.push_back(k);
     }
+}
+
+static mx::array cached_attention(const mx::array &q, const std::vector<mx::array> &keys,
+                                  const std::vector<mx::array> &values, const std::vector<int64_t> &q_begin,
+                                  const std::vector<int64_t> &key_len, float scale) {
+    check(q, keys, values, q_begin, key_len);
+    std::vector<mx::array> inputs{q};
+    for (const auto &k : keys) inputs.push_back(k);
     for (const auto &v : values) inputs.push_back(v);
-    return mx::array(mx::Shape{q.shape(0), heads * dv}, mx::float32,
-                     std::make_shared<CachedAttention>(mx::default_stream(mx::Device(mx::Device::cpu)), q_begin,
-                                                       key_len, scale),
-                     inputs);
+    return mx::array::make_arrays({mx::Shape{q.shape(0), q.shape(1) * values[0].shape(-1)}}, {mx::float32},
+                                  std::make_shared<CachedAttention>(mx::default_stream(mx::Device(mx::Device::cpu)),
+                                                                    q_begin, key_len, scale),
+                                  inputs)[0];
+}
+
+/* The step's new keys and values written into each sequence's cache (which must have room past
+   offsets[s] for them) and the queries attended over the result: [attention output, each cache's keys
+   after, each one's values after]. */
+static std::vector<mx::array> attend_and_append(const mx::array &q, const mx::array &new_keys,
+                                                const mx::array &new_values, const std::vector<mx::array> &keys,
+                                                const std::vector<mx::array> &values,
+                                                const std::vector<int64_t> &q_begin,
+                                                const std::vector<int64_t> &new_begin,
+                                                const std::vector<int64_t> &offsets, float scale) {
+    auto fail = [](const std::string &why) { throw std::invalid_argument("pipeline attention: " + why); };
+    const size_t nseq = keys.size();
+    if (new_begin.size() != nseq + 1 || offsets.size() != nseq) fail("new_begin of one more than the sequences, one offset each");
+    if (new_keys.ndim() != 3 || new_values.ndim() != 3 || new_keys.dtype() != mx::float32 ||
+        new_values.dtype() != mx::float32 || new_keys.shape(0) != new_values.shape(0) ||
+        new_begin[0] != 0 || new_begin[nseq] != new_keys.shape(0))
+        fail("new keys and values float32 [new rows, kv heads, d], spanned by new_begin");
+    std::vector<int64_t> key_len(nseq);
+    for (size_t s = 0; s < nseq; s++) {
+        key_len[s] = offsets[s] + new_begin[s + 1] - new_begin[s];
+        if (keys[s].ndim() < 3 || new_keys.shape(1) != keys[s].shape(-3) || new_keys.shape(2) != keys[s].shape(-1) ||
+            new_values.shape(1) != values[s].shape(-3) || new_values.shape(2) != values[s].shape(-1))
+            fail("new keys and values must fit the caches' heads and sizes");
+    }
+    check(q, keys, values, q_begin, key_len);
+    std::vector<mx::array> inputs{q, new_keys, new_values};
+    std::vector<mx::Shape> shapes{mx::Shape{q.shape(0), q.shape(1) * values[0].shape(-1)}};
+    for (const auto &k : keys) inputs.push_back(k), shapes.push_back(k.shape());
+    for (const auto &v : values) inputs.push_back(v), shapes.push_back(v.shape());
+    return mx::array::make_arrays(shapes, std::vector<mx::Dtype>(shapes.size(), mx::float32),
+                                  std::make_shared<CachedAttention>(mx::default_stream(mx::Device(mx::Device::cpu)),
+                                                                    q_begin, key_len, scale, new_begin),
+                                  inputs);
 }
 
 void register_attention(nb::module_ &m) {
     m.def("cached_attention", &cached_attention, nb::arg("q"), nb::arg("keys"), nb::arg("values"),
           nb::arg("q_begin"), nb::arg("key_len"), nb::arg("scale"),
           "q [rows, heads, dk] of several sequences' new tokens over their caches -> [rows, heads * dv], lazily");
+    m.def("attend_and_append", &attend_and_append, nb::arg("q"), nb::arg("new_keys"), nb::arg("new_values"),
+          nb::arg("keys"), nb::arg("values"), nb::arg("q_begin"), nb::arg("new_begin"), nb::arg("offsets"),
+          nb::arg("scale"),
+          "the step's new keys and values into each cache, then the attention: [out, keys after..., values after...]");
 }

@@ -163,3 +163,68 @@ def test_model_attention_matches_mlx_fallback(kernels, monkeypatch):
         outputs[setting] = np.array(layer(step, caches, [1, 10, 1]))
     scale = np.abs(outputs["0"]).max()
     assert np.max(np.abs(outputs["1"] - outputs["0"])) < 1e-5 * scale
+
+
+def test_attend_and_append_writes_each_cache_and_attends_as_after_it(kernels):
+    """One operation appends a step's keys and values to every sequence's cache and attends: the caches
+    after it hold what slice updates would write, nothing else moves, and the output is the attention
+    over the updated caches."""
+    from pipeline.models.base import KVCache
+
+    rng = np.random.default_rng(11)
+    kv_heads, d, heads = 2, 64, 6
+    lengths, cached = [1, 4, 1], [5, 0, 300]  # new tokens per sequence, positions cached before
+    caches, reference_k, reference_v = [], [], []
+    for n in cached:
+        cache = KVCache()
+        if n:
+            k0 = mx.array(rng.standard_normal((1, kv_heads, n, d)).astype(np.float32))
+            v0 = mx.array(rng.standard_normal((1, kv_heads, n, d)).astype(np.float32))
+            cache.append(k0, v0)
+            mx.eval(cache.keys, cache.values)
+        caches.append(cache)
+    new_k = rng.standard_normal((sum(lengths), kv_heads, d)).astype(np.float32)
+    new_v = rng.standard_normal((sum(lengths), kv_heads, d)).astype(np.float32)
+    q = (rng.standard_normal((sum(lengths), heads, d)) * 3).astype(np.float32)
+    begin = 0
+    for cache, n, c in zip(caches, lengths, cached):
+        old_k = np.array(cache.keys[..., :c, :]) if c else np.zeros((1, kv_heads, 0, d), np.float32)
+        old_v = np.array(cache.values[..., :c, :]) if c else np.zeros((1, kv_heads, 0, d), np.float32)
+        reference_k.append(np.concatenate([old_k, new_k[begin:begin + n].transpose(1, 0, 2)[None]], axis=2))
+        reference_v.append(np.concatenate([old_v, new_v[begin:begin + n].transpose(1, 0, 2)[None]], axis=2))
+        begin += n
+    qmm.set_threads(2)
+    out = attention.attend_and_append(kernels, mx.array(q), mx.array(new_k), mx.array(new_v), caches, lengths,
+                                      lengths, 0.125)
+    mx.eval(out)
+    for cache, k, v, n, c in zip(caches, reference_k, reference_v, lengths, cached):
+        assert cache.offset == c + n
+        assert np.array_equal(np.array(cache.keys[..., :cache.offset, :]), k)
+        assert np.array_equal(np.array(cache.values[..., :cache.offset, :]), v)
+    want = run(kernels, q, [k[0] for k in reference_k], [v[0] for v in reference_v], lengths,
+               [c + n for c, n in zip(cached, lengths)], 0.125)
+    assert np.array_equal(np.array(out), want)
+
+
+def test_appending_never_changes_a_fork_sharing_the_buffer(kernels):
+    """A prefix-cache fork is a view of its parent's buffer: appending to either must not write into
+    what the other holds, even where the parent first drops positions (rejected drafts) that the fork
+    still holds: the shared buffer is copied, not updated in place."""
+    from pipeline.models.base import KVCache
+
+    rng = np.random.default_rng(12)
+    parent = KVCache()
+    parent.append(mx.array(rng.standard_normal((1, 2, 10, 64)).astype(np.float32)),
+                  mx.array(rng.standard_normal((1, 2, 10, 64)).astype(np.float32)))
+    mx.eval(parent.keys, parent.values)
+    child = parent.prefix(10)
+    held = np.array(child.keys), np.array(child.values)
+    parent.offset -= 2  # two rejected positions: the next append writes position 8, which the fork holds
+    for cache in (parent, child):
+        step = [mx.array(rng.standard_normal((1, 2, 64)).astype(np.float32)) for _ in range(2)]
+        out = attention.attend_and_append(kernels, mx.array(rng.standard_normal((1, 4, 64)).astype(np.float32)),
+                                          *step, [cache], [1], [1], 0.125)
+        mx.eval(out, cache.keys, cache.values)
+    assert np.array_equal(np.array(child.keys[..., :10, :]), held[0])
+    assert np.array_equal(np.array(child.values[..., :10, :]), held[1])
+    assert parent.offset == 9 and child.offset == 11

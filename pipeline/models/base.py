@@ -201,20 +201,23 @@ class KVCache:
     def append(self, keys: mx.array, values: mx.array) -> None:
         """Add new positions [1, kv heads, new, d]; `keys` / `values` then hold them (and room after)."""
         previous = self.offset
-        new = keys.shape[2]
-        if self.keys is None or previous + new > self.keys.shape[2]:
-            grow = ((new + self.step - 1) // self.step) * self.step
-            B, H, _, _ = keys.shape
-            k_extra = mx.zeros((B, H, grow, keys.shape[3]), keys.dtype)
-            v_extra = mx.zeros((B, H, grow, values.shape[3]), values.dtype)
-            if self.keys is None:
-                self.keys, self.values = k_extra, v_extra
-            else:
-                self.keys = mx.concatenate([self.keys[..., :previous, :], k_extra], axis=2)
-                self.values = mx.concatenate([self.values[..., :previous, :], v_extra], axis=2)
-        self.offset += new
+        self.reserve(keys.shape[2], keys.shape[1], keys.shape[3], values.shape[3], keys.dtype)
+        self.offset += keys.shape[2]
         self.keys[..., previous:self.offset, :] = keys
         self.values[..., previous:self.offset, :] = values
+
+    def reserve(self, new: int, kv_heads: int, key_size: int, value_size: int, dtype: mx.Dtype) -> None:
+        """Room for `new` more positions past `offset`, grown `step` positions at a time."""
+        if self.keys is not None and self.offset + new <= self.keys.shape[2]:
+            return
+        grow = ((new + self.step - 1) // self.step) * self.step
+        k_extra = mx.zeros((1, kv_heads, grow, key_size), dtype)
+        v_extra = mx.zeros((1, kv_heads, grow, value_size), dtype)
+        if self.keys is None:
+            self.keys, self.values = k_extra, v_extra
+        else:
+            self.keys = mx.concatenate([self.keys[..., :self.offset, :], k_extra], axis=2)
+            self.values = mx.concatenate([self.values[..., :self.offset, :], v_extra], axis=2)
 
     def prefix(self, length: int) -> "KVCache":
         """A new cache holding this one's first `length` positions (the arrays are not changed:
@@ -287,16 +290,13 @@ class Attention(nn.Module):
             # a call costs ~40 us whatever its size; a token's rotation is the same either way).
             qk = self.rope.rotate([q, k], offsets)
             q, k = qk[:, :self.n_heads], qk[:, self.n_heads:]  # [tokens, heads, head_dim]
-        k, v = k.transpose(1, 0, 2), v.transpose(1, 0, 2)  # head-major, as the caches hold them
         rows = [e - b for b, e in kept] if last_only else list(lengths)
         kernel = attention.kernel(q, (self.head_dim,))
-        if kernel is not None:  # every sequence in one operation (pipeline/attention.py)
-            for (begin, end), cache in zip(segments(lengths), caches):
-                cache.append(k[None, :, begin:end], v[None, :, begin:end])
-            out = attention.cached_attention(kernel, q, [c.keys for c in caches], [c.values for c in caches], rows,
-                                             [c.offset for c in caches], self.scale)
+        if kernel is not None:  # every sequence's cache update and attention in one operation (attention.py)
+            out = attention.attend_and_append(kernel, q, k, v, caches, rows, lengths, self.scale)
             return self.o_proj(out)[None]
         attention.note_fallback()
+        k, v = k.transpose(1, 0, 2), v.transpose(1, 0, 2)  # head-major, as the caches hold them
         q = q.transpose(1, 0, 2)
         outputs, qb = [], 0
         for (begin, end), cache, t in zip(segments(lengths), caches, rows):
