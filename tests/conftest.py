@@ -104,6 +104,21 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
     return {kind: make_tiny_model(kind, root / kind) for kind in ("llama", "qwen3", "qwen2", "mistral")}
 
 
+@pytest.fixture(scope="module")
+def kernels():
+    """pipeline's kernels' extension (qmm.py: quantized products, attention, RMSNorm, RoPE), built once
+    per machine into the cache as a real run builds it. It must build where a compiler is present and
+    nobody turned it off; else the tests that need it skip."""
+    from pipeline import qmm
+
+    state = qmm.load()
+    if state.module is None:
+        if not qmm.missing_tools() and os.environ.get(qmm.ENV) is None:
+            pytest.fail(f"pipeline's kernels should build here: {state.why_not}")
+        pytest.skip(f"no kernels: {state.why_not}")
+    return state.module
+
+
 def load_stages(folder: Path, ranges, requantize=None, dtype=None) -> list:
     """One Stage per [start, end) range, as ranks would hold the model (stage 0 has the ends);
     floats in `dtype` (float32 unless given, as `--dtype`)."""

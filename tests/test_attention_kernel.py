@@ -6,23 +6,11 @@ the cache buffer's spare room), to the bit. And the models' attention through it
 
 from __future__ import annotations
 
-import os
-
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from pipeline import attention, qmm
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    state = qmm.load()
-    if state.module is None:
-        if not qmm.missing_tools() and os.environ.get(qmm.ENV) is None:
-            pytest.fail(f"pipeline's kernels should build here: {state.why_not}")
-        pytest.skip(f"no kernels: {state.why_not}")
-    return state.module
 
 
 def reference(q, keys, values, rows, key_len, scale):

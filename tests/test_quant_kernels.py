@@ -18,17 +18,6 @@ from pipeline import qmm
 SCALE_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    """The extension, built once per machine into the cache (as a real run builds it)."""
-    state = qmm.load()
-    if state.module is None:
-        if not qmm.missing_tools() and os.environ.get(qmm.ENV) is None:
-            pytest.fail(f"the quantized kernels should build here: {state.why_not}")
-        pytest.skip(f"no quantized kernels: {state.why_not}")
-    return state.module
-
-
 def quantized(rng, n: int, k: int, bits: int, group_size: int, scale_dtype: str, experts: int = 0):
     shape = (experts, n, k) if experts else (n, k)
     w, scales, biases = mx.quantize(mx.array(rng.standard_normal(shape).astype(np.float32)),
