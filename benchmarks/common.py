@@ -84,8 +84,10 @@ def git_commit() -> dict:
     def git(*args):
         return subprocess.run(["git", *args], capture_output=True, text=True, cwd=REPO).stdout.strip()
 
-    # The results a benchmark run writes are not code: a series of runs at one commit stays clean.
-    changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)benchmarks/results")
+    # The results a benchmark run writes, and the tables report.py makes of them, are not code: a series
+    # of runs at one commit stays clean.
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)benchmarks/results",
+                  ":(exclude)benchmarks/README.md")
     return {"commit": git("rev-parse", "HEAD"), "dirty": bool(changed)}
 
 
