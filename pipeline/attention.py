@@ -3,10 +3,11 @@ sequence of the step in one MLX operation (attention_kernels.cpp, compiled into 
 products' extension by qmm.py), or MLX's scaled_dot_product_attention per sequence where the kernel
 is absent.
 
-On CPU, MLX's attention is a chain of small ops, and a batch ran it once per sequence and layer: a
-16-sequence decode step of SmolLM2 spent 65 of its 155 ms there (111 ms with the kernel). The kernel also rounds each query the same
-whatever shares the call (its opening comment says how), so a query attended alone, in a prompt's
-chunk or in a verified draft gives the same bits.
+On CPU, MLX's attention is a chain of small ops, and a batch ran it once per sequence and layer,
+after six nodes per sequence to update its cache: a 16-sequence decode step of SmolLM2 took 155 ms,
+80 ms with the kernel doing both. The kernel also rounds each query the same whatever shares the
+call (its opening comment says how), so a query attended alone, in a prompt's chunk or in a
+verified draft gives the same bits.
 
 The kernel takes float32 queries, keys and values whose head sizes are multiples of 16 on the CPU
 device; anything else, `PIPELINE_ATTENTION=0`, or no extension (qmm.py says why) goes to MLX.
@@ -35,24 +36,13 @@ def kernel(q: mx.array, head_dims: tuple[int, ...]):
     return module
 
 
-def cached_attention(module, q: mx.array, keys: list[mx.array], values: list[mx.array], rows: list[int],
-                     key_lengths: list[int], scale: float) -> mx.array:
-    """q [sum(rows), heads, dk]: sequence i's rows[i] new tokens, packed in order; keys[i] / values[i]
-    its cache buffers [1, kv heads, capacity, d] holding key_lengths[i] positions (its new tokens'
-    last). Returns [sum(rows), heads * dv], token-major, each token attending causally."""
-    begin = [0]
-    for n in rows:
-        begin.append(begin[-1] + n)
-    _used["pipeline"] += 1
-    return module.cached_attention(q, keys, values, begin, key_lengths, scale)
-
-
 def attend_and_append(module, q: mx.array, new_keys: mx.array, new_values: mx.array, caches: list, rows: list[int],
                       lengths: list[int], scale: float) -> mx.array:
     """The step's new keys and values [sum(lengths), kv heads, d] (sequence i's lengths[i] tokens, packed
-    in order) into each sequence's cache (base.KVCache), then `cached_attention` of q over them, all in
-    one MLX operation: the caches' buffers are updated in place where nothing else holds them (as MLX's
-    slice updates do), else copied."""
+    in order) into each sequence's cache (base.KVCache), then the attention of q [sum(rows), heads, dk]
+    (sequence i's rows[i] queries, its last tokens) over them, causally, all in one MLX operation
+    returning [sum(rows), heads * dv]. The caches' buffers are updated in place where nothing else
+    holds them (as MLX's slice updates do), else copied."""
     for cache, n in zip(caches, lengths):
         cache.reserve(n, new_keys.shape[1], new_keys.shape[2], new_values.shape[2], new_keys.dtype)
     q_begin, new_begin = [0], [0]

@@ -347,10 +347,11 @@ def segments(lengths: list[int]) -> list[tuple[int, int]]:
     return bounds
 
 
-# MLX's path (pipeline's kernel, attention.py, rounds each query alone in any chunk): a few new tokens
-# appended to a sequence's cache (a speculative draft being verified) are attended one query at a time, each over the keys up to its own position: the very computation that
-# decoding them one by one does, so verifying never changes a result. Attention over the whole
-# chunk at once with a causal mask sums over a longer, masked row, which rounds differently.
+# MLX's path (pipeline's kernel, attention.py, rounds each query alone in any chunk): a few new
+# tokens appended to a sequence's cache (a speculative draft being verified) are attended one query
+# at a time, each over the keys up to its own position: the very computation that decoding them one
+# by one does, so verifying never changes a result. Attention over the whole chunk at once with a
+# causal mask sums over a longer, masked row, which rounds differently.
 EXACT_POSITIONS_MAX = 16
 
 
