@@ -15,11 +15,10 @@ device; anything else, `PIPELINE_ATTENTION=0`, or no extension (qmm.py says why)
 
 from __future__ import annotations
 
-import os
-
 import mlx.core as mx
 
 from . import qmm
+from .switches import turned_off
 
 ENV = "PIPELINE_ATTENTION"
 _used = {"pipeline": 0, "mlx": 0}
@@ -28,7 +27,7 @@ _used = {"pipeline": 0, "mlx": 0}
 def kernel(q: mx.array, head_dims: tuple[int, ...]):
     """The extension if it computes this attention (float32 on the CPU, head sizes multiples of 16),
     else None."""
-    if os.environ.get(ENV, "").strip().lower() in ("0", "off", "no", "none"):
+    if turned_off(ENV):
         return None
     module = qmm._kernels(q)
     if module is None or not hasattr(module, "cached_attention") or any(d % 16 for d in head_dims):

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .private_folder import make_private_folder, unsafe_folder, writable_by_others
+from .switches import turned_off
 
 ENV = "PIPELINE_BLAS"
 OPT_OUT = ("bundled", "off", "0", "none", "no")
@@ -215,7 +216,7 @@ def _shim_problem(why: str, fix: str) -> str:
 
 def _load_shim(blas: ctypes.CDLL) -> None:
     """Put the shim in front of `blas` in the global scope (see blas_shim.c), where it is safe to."""
-    if os.environ.get(SHIM_ENV, "").strip().lower() in ("0", "off", "no", "none"):
+    if turned_off(SHIM_ENV):
         return
     try:
         blas.cblas_sgemv  # noqa: B018

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import os
 
+from .switches import turned_off
+
 BIND_ENV = "PIPELINE_BIND"
 
 
@@ -89,7 +91,7 @@ def schedule_as_batch() -> bool:
 
 def _left_alone() -> bool:
     """PIPELINE_BIND=0 (or off/no/none): neither binding nor scheduling is touched."""
-    return os.environ.get(BIND_ENV, "").strip().lower() in ("0", "off", "no", "none")
+    return turned_off(BIND_ENV)
 
 
 def _threads() -> list[int]:

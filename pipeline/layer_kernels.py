@@ -10,18 +10,17 @@ same whatever else shares the call. `PIPELINE_LAYER_KERNELS=0` turns them off.
 
 from __future__ import annotations
 
-import os
-
 import mlx.core as mx
 
 from . import qmm
+from .switches import turned_off
 
 ENV = "PIPELINE_LAYER_KERNELS"
 
 
 def kernel(x: mx.array):
     """The extension if it takes these activations (float32 on the CPU), else None."""
-    if os.environ.get(ENV, "").strip().lower() in ("0", "off", "no", "none"):
+    if turned_off(ENV):
         return None
     module = qmm._kernels(x)
     return module if module is not None and hasattr(module, "rms_norm") else None

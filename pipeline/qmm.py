@@ -40,6 +40,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import blas, private_folder
+from .switches import turned_off
 
 ENV = "PIPELINE_QMM"
 SOURCE = Path(__file__).with_name("qmm_kernels.cpp")
@@ -181,7 +182,7 @@ def load_extension(path: Path, build_if_missing: bool = True):
 
 def _not_wanted() -> str:
     """Why this process does not try the kernels at all ("" if it does): opted out, or macOS."""
-    if os.environ.get(ENV, "").strip().lower() in ("0", "off", "no", "none"):
+    if turned_off(ENV):
         return f"{ENV}={os.environ[ENV]}"
     return "macOS: MLX's Metal kernels" if sys.platform == "darwin" else ""
 
