@@ -57,10 +57,25 @@ def abort_on_unhandled_exception(comm) -> None:
             text = "".join(traceback.format_exception(exc_type, exc, tb))
             print(f"pipeline: rank {comm.Get_rank()} on {socket.gethostname()} failed:\n{text}",
                   file=sys.stderr, end="")
-        sys.stderr.flush()
-        comm.Abort(1)
+        abort(comm)
 
     sys.excepthook = hook
+
+
+# How long a rank's last words get to reach mpiexec before MPI_Abort. MPICH's launcher kills every
+# process on an abort and can exit before forwarding what they had already written (seen under
+# load in CI: the job ended 0.3 s after its watchdog fired, with an empty stderr).
+LAST_WORDS_S = 0.2
+
+
+def abort(comm) -> None:
+    """End the whole job with status 1, after what this rank printed has had time to get out."""
+    import time
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    time.sleep(LAST_WORDS_S)
+    comm.Abort(1)
 
 
 class JobFailed(SystemExit):

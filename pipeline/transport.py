@@ -17,7 +17,7 @@ from typing import NamedTuple
 import mlx.core as mx
 import numpy as np
 
-from .mpi import AbortJob
+from .mpi import AbortJob, abort
 
 
 class Kind(IntEnum):
@@ -388,4 +388,4 @@ class _Deadline:
                     self.cond.wait(left)
                     continue
                 print(f"error: {self.transport.silence(self.source, self.sending)}", file=sys.stderr, flush=True)
-                self.transport.comm.Abort(1)
+                abort(self.transport.comm)
