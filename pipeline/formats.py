@@ -110,16 +110,18 @@ def adapt_tensors(names: list[str], tensors: dict, read: Callable[[str], mx.arra
                 yield from emit(f"{module}.{suffix}", array)
             continue
         array = read(name)
-        if name + "_scale_inv" in tensors:
-            array = dequantize_fp8(array, read(name + "_scale_inv"), dtype)
-        elif mx.issubdtype(array.dtype, mx.floating):
-            array = array.astype(mx.float32 if keep_float32 and keep_float32(name) else dtype)
-        if requantize and _requantizable(name, array, requantize.group_size):
-            q, s, b = mx.quantize(array, group_size=requantize.group_size, bits=requantize.bits)
+        scale_inv = read(name + "_scale_inv") if name + "_scale_inv" in tensors else None
+        held = mx.float32 if scale_inv is None and keep_float32 and keep_float32(name) else dtype
+        if requantize and _requantizable(name, array, requantize.group_size, fp8=scale_inv is not None):
+            q, s, b = _quantize(array, scale_inv, held, requantize)
             module = name[: -len(".weight")]
             for suffix, part in (("weight", q), ("scales", s), ("biases", b)):
                 yield from emit(f"{module}.{suffix}", part)
             continue
+        if scale_inv is not None:
+            array = dequantize_fp8(array, scale_inv, dtype)
+        elif mx.issubdtype(array.dtype, mx.floating):
+            array = array.astype(held)
         yield from emit(name, array)
     if experts:
         missing = ", ".join(f"{p}.experts.*.{proj}" for p, proj, _ in experts)
@@ -201,8 +203,20 @@ def _int4_pack_quantized(read, module: str, tensors: dict, dtype: mx.Dtype):
     return packed.view(mx.uint32), scale, -8 * scale
 
 
-def _requantizable(name: str, array: mx.array, group_size: int) -> bool:
-    """Matrices of linear layers and embeddings; not norms, biases or routers (too small and too
-    sensitive to be worth it)."""
+def _requantizable(name: str, array: mx.array, group_size: int, fp8: bool = False) -> bool:
+    """Matrices of linear layers and embeddings (float, or FP8 bytes with block scales); not norms,
+    biases or routers (too small and too sensitive to be worth it)."""
     return (name.endswith(".weight") and array.ndim >= 2 and array.shape[-1] % group_size == 0
-            and not name.endswith("mlp.gate.weight") and mx.issubdtype(array.dtype, mx.floating))
+            and not name.endswith("mlp.gate.weight") and (fp8 or mx.issubdtype(array.dtype, mx.floating)))
+
+
+def _quantize(array: mx.array, scale_inv: mx.array | None, dtype: mx.Dtype, requantize: Requantize):
+    """mx.quantize of the values held as `dtype` (FP8 bytes times their block scales): in one pass by
+    pipeline's kernel where it is built (requantize.py), else through MLX's graph; the same bits."""
+    from . import requantize as kernel
+
+    fused = kernel.quantize(array, requantize.bits, requantize.group_size, dtype, scale_inv)
+    if fused is not None:
+        return fused
+    array = dequantize_fp8(array, scale_inv, dtype) if scale_inv is not None else array.astype(dtype)
+    return mx.quantize(array, group_size=requantize.group_size, bits=requantize.bits)

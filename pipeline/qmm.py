@@ -44,8 +44,10 @@ from .switches import turned_off
 
 ENV = "PIPELINE_QMM"
 SOURCE = Path(__file__).with_name("qmm_kernels.cpp")
-# compiled with it into the one extension: the attention (attention.py), RMSNorm and RoPE (layer_kernels.py)
-SOURCES = (SOURCE, SOURCE.with_name("attention_kernels.cpp"), SOURCE.with_name("layer_kernels.cpp"))
+# compiled with it into the one extension: the attention (attention.py), RMSNorm and RoPE (layer_kernels.py),
+# re-quantization at load (requantize.py)
+SOURCES = (SOURCE, SOURCE.with_name("attention_kernels.cpp"), SOURCE.with_name("layer_kernels.cpp"),
+           SOURCE.with_name("requantize_kernels.cpp"))
 HEADERS = (SOURCE.with_name("kernels_common.h"),)
 MODULE = "pipeline_qmm"
 NB_DOMAIN = "mlx"  # mlx.core's nanobind domain: types are shared only within one domain

@@ -511,6 +511,7 @@ static void check(const mx::array &x, const mx::array &w, const mx::array &s, co
 
 void register_attention(nb::module_ &m);      // attention_kernels.cpp
 void register_layer_kernels(nb::module_ &m);  // layer_kernels.cpp
+void register_requantize(nb::module_ &m);     // requantize_kernels.cpp
 
 static mx::Stream cpu_stream() { return mx::default_stream(mx::Device(mx::Device::cpu)); }
 
@@ -559,4 +560,5 @@ NB_MODULE(pipeline_qmm, m) {
         "row r of x [rows, k] times expert experts[r] of w [experts, n, ...] -> [rows, n], lazily");
     register_attention(m);
     register_layer_kernels(m);
+    register_requantize(m);
 }
