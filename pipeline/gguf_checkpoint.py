@@ -282,10 +282,11 @@ class GGUFCheckpoint(Checkpoint):
         worst = largest = 0.0
         if entry.how == "exact":  # numpy only: pieces decode on the decoder's threads at once
             pool = self._decoder()
+            kernels = quants.repacker()
 
             def decode(piece: tuple[int, int]):
                 raw = self._read_bytes(tensor, *piece)
-                return raw.nbytes, quants.decode_exact(raw, tensor.ggml_type)
+                return raw.nbytes, quants.decode_exact(raw, tensor.ggml_type, kernels)
 
             pieces = self._pieces(tensor, self._workers if pool else 1)
             parts: dict[str, list] = {"weight": [], "scales": [], "biases": []}

@@ -150,11 +150,33 @@ def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
-def decode_exact(raw: np.ndarray, ggml_type: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+# GGML type -> its number, for the types pipeline's kernel repacks in one pass (requantize_kernels.cpp)
+REPACKED = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12}
+
+
+def repacker():
+    """The kernels' extension where it is built (it repacks REPACKED types in one pass, without the
+    GIL), else None: numpy does it. Called once before the decoding threads start."""
+    from . import qmm
+
+    module = qmm.load().module
+    return module if module is not None and hasattr(module, "gguf_repack") else None
+
+
+def decode_exact(raw: np.ndarray, ggml_type: str, kernels=None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """GGML rows (uint8 [rows, bytes per row]) -> MLX (packed uint32 weight, scales, biases or None),
     the arrays `mx.quantize` would give for the same values (see the module docstring); scales and
-    biases in fp16 for FP16_SCALES types, else float32."""
-    weight, scales, biases = _decode_exact(raw, ggml_type)
+    biases in fp16 for FP16_SCALES types, else float32. `kernels`: repacker()'s module, or None."""
+    if kernels is not None and ggml_type in REPACKED:
+        rows, bits = raw.shape[0], EXACT[ggml_type][0]
+        values = raw.shape[1] // {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 144}[ggml_type] * (
+            256 if ggml_type == "Q4_K" else 32)
+        packed = np.empty((rows, values * bits // 8), np.uint8)
+        scales, biases = np.empty((rows, values // 32), np.float32), np.empty((rows, values // 32), np.float32)
+        kernels.gguf_repack(np.ascontiguousarray(raw), REPACKED[ggml_type], packed, scales, biases)
+        weight = packed.view("<u4")
+    else:
+        weight, scales, biases = _decode_exact(raw, ggml_type)
     if ggml_type in FP16_SCALES:
         # exact: fp16 values, or fp16 times 8, 16 or 128 (only the exponent changes) unless that overflows,
         # where float32 keeps them (no real weights come near: d > 511)
