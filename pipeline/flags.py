@@ -82,8 +82,8 @@ def add_draft_args(parser: argparse.ArgumentParser) -> None:
                              "when the answer repeats the prompt: summaries, edits, code); mtp: DeepSeek's "
                              "multi-token-prediction module (in DeepSeek's own V3/R1/V3.1/V3.2 folders) on rank 0. "
                              "Greedy output is the same as without (default none)")
-    parser.add_argument("--draft-tokens", type=int, default=4, metavar="K",
-                        help=f"most tokens drafted per trip, 1 to {MAX_DRAFT_TOKENS} (default 4)")
+    parser.add_argument("--draft-tokens", type=int, default=8, metavar="K",
+                        help=f"most tokens drafted per trip, 1 to {MAX_DRAFT_TOKENS} (default 8)")
     parser.add_argument("--ngram-max", type=int, default=3, metavar="N",
                         help="longest suffix --draft ngram looks up (default 3)")
 
