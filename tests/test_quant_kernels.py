@@ -13,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from conftest import REPO
 from pipeline import qmm
 
 SCALE_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -227,3 +228,51 @@ def test_missing_python_headers_are_named_with_the_fix(monkeypatch, tmp_path):
         qmm.build(tmp_path / "never.so")
     (tmp_path / "Python.h").write_text("")
     assert qmm.missing_tools() == "" and qmm.problem() == ""
+
+
+AVX2_PROBE = r"""
+import sys, numpy as np
+import pipeline.blas
+import mlx.core as mx
+from pathlib import Path
+from pipeline import qmm
+if sys.argv[1] == "-":
+    module = qmm.load().module
+else:
+    path = Path(sys.argv[1]) / qmm.extension_path().name
+    qmm.build(path, ("-mno-avx512f",))
+    module = qmm.load_extension(path, build_if_missing=False)
+module.set_threads(2)
+rng = np.random.default_rng(0)
+out = {"isa": np.array(module.isa())}
+for bits, group in ((4, 32), (8, 64), (5, 128)):
+    w, s, b = mx.quantize(mx.array(rng.standard_normal((45, 640)).astype(np.float32)), group_size=group, bits=bits)
+    for rows in (1, 2, 3, 5, 9, 13, 17, 64):
+        x = mx.array(rng.standard_normal((rows, 640)).astype(np.float32))
+        out[f"qmm {bits} {group} {rows}"] = np.array(module.quantized_matmul(x, w, s, b, group, bits))
+fp8 = mx.array(rng.integers(0, 126, size=(256, 384), dtype=np.uint8))
+scales = mx.array(rng.uniform(0.01, 1, (2, 3)).astype(np.float32))
+for bits in (3, 4, 8):
+    for i, a in enumerate(module.requantize(fp8, scales, bits, 64, mx.float32)):
+        out[f"requantize {bits} {i}"] = np.array(a)
+np.savez(sys.argv[2], **out)
+"""
+
+
+@pytest.mark.skipif(qmm.missing_tools() != "" or os.environ.get(qmm.ENV) is not None, reason="no kernels here")
+def test_avx2_build_gives_the_same_bits(kernels, tmp_path):
+    """A CPU without AVX-512 gets the AVX2 build (two 8-lane halves per 16-lane vector): every product
+    path (1 row, 2-12 rows in registers, 6- and 4-row tiles, the sgemm path) and the re-quantization
+    kernel must give the AVX-512 build's bits. Builds the variant (~20 s)."""
+    if kernels.isa() != "AVX-512":
+        pytest.skip("this CPU has no AVX-512: nothing to compare the AVX2 build with")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for where, out in ((str(tmp_path), tmp_path / "avx2.npz"), ("-", tmp_path / "native.npz")):
+        result = subprocess.run([sys.executable, "-c", AVX2_PROBE, where, str(out)], capture_output=True, text=True,
+                                timeout=300, env=env, cwd=REPO)
+        assert result.returncode == 0, result.stderr
+    avx2, native = np.load(tmp_path / "avx2.npz"), np.load(tmp_path / "native.npz")
+    assert str(avx2["isa"]) == "AVX2" and str(native["isa"]) == "AVX-512"
+    for key in native.files:
+        if key != "isa":
+            assert np.array_equal(avx2[key].view(np.uint8), native[key].view(np.uint8)), key
