@@ -71,7 +71,7 @@ def _download_sdist(dest: Path, log: Path) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
     have = sorted(dest.glob("llama_cpp_python-*.tar.gz"))
     if not have:
-        _run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", "--no-build-isolation",
+        _run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
               "llama-cpp-python", "-d", str(dest)], log)
         have = sorted(dest.glob("llama_cpp_python-*.tar.gz"))
     if not have:
