@@ -24,7 +24,6 @@
 //     rows 1:   0.143 ms (pipeline 0.875 ms)     rows 16:  1.14 ms (pipeline 7.4 ms)
 //     rows 64:  5.12 ms  (pipeline 28.8 ms)      rows 512: 41.8 ms (OpenBLAS sgemm on float32 weights 101 ms)
 #include <immintrin.h>
-#include <omp.h>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -124,7 +123,15 @@ static void product(const Packed &p, const float *x, int M, float *out) {
 }
 
 int main(int argc, char **argv) {
+    if (argc < 4) {
+        fprintf(stderr, "usage: %s N K rows... (N a multiple of 16, K of 32)\n", argv[0]);
+        return 2;
+    }
     int N = atoi(argv[1]), K = atoi(argv[2]);
+    if (N <= 0 || K <= 0 || N % 16 || K % 32) {
+        fprintf(stderr, "error: N must be a multiple of 16 and K of 32, got %d and %d\n", N, K);
+        return 2;
+    }
     std::vector<int> Ms;
     for (int i = 3; i < argc; i++) Ms.push_back(atoi(argv[i]));
     int G = K / 32;
