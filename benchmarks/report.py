@@ -221,6 +221,10 @@ def vs_llamacpp(p: dict) -> list[str]:
     for model, r in p["models"].items():
         g = r["goals"]
         out.append(f"| {model} | {verdict(g['decode'])} | {verdict(g['prefill'])} | {verdict(g['batch'])} |")
+        if "goals_int8" in r:
+            g = r["goals_int8"]
+            out.append(f"| {model}, --int8-activations | {verdict(g['decode'])} | {verdict(g['prefill'])} | "
+                       f"{verdict(g['batch'])} |")
     out.append("")
     for model, r in p["models"].items():
         out.append(f"- {model}: " + ratios(r["ratios"]))

@@ -8,8 +8,9 @@ round kept apart), every run a fresh process:
 
 - single stream, 1 rank, 2 threads: llama.cpp `llama-bench -t 2` (pp512, tg128, and tg128 after a
   512-token context, which is what `generate` decodes after its prompt) vs `pipeline generate` on
-  1 rank with 2 BLAS threads, a 512-token prompt and 128 new tokens, weights held quantized and,
-  as a separate contender, dequantized to fp32;
+  1 rank with 2 BLAS threads, a 512-token prompt and 128 new tokens, weights held quantized (float32
+  products: `quantized`; int8 activations, as llama.cpp's: `int8`) and, as a separate contender,
+  dequantized to fp32;
 - a 16 x 64 batch (16 sequences, 32-token prompts each, 64 new tokens each): `llama-batched-bench
   -npl 16 -t 2` vs `pipeline batch` on 1 rank (2 BLAS threads) and on 2 one-core ranks
   (OPENBLAS_NUM_THREADS=1); generated tokens over the whole time, prompts included, on both sides;
@@ -17,7 +18,8 @@ round kept apart), every run a fresh process:
   the seconds to read the file's bytes (page cache warm), and llama.cpp's own load time.
 
 Peak RSS: pipeline's stats line per rank; llama.cpp's from wait4(). Goals, as ratios of medians
-with weights held quantized: decode >= 0.8x llama.cpp, prefill >= 1.0x, batch >= 1.0x.
+with weights held quantized (for each of `quantized` and `int8`): decode >= 0.8x llama.cpp,
+prefill >= 1.0x, batch >= 1.0x.
 
     python benchmarks/vs_llamacpp.py [--runs 3] [--quick] [--models smollm2,llama-1b-q4_0,llama-1b-q8_0]
     python benchmarks/vs_llamacpp.py --plot          # redraw the PNG from the JSON
@@ -206,9 +208,17 @@ def llama_bench(binary: Path, model: Path, threads: int, pp: int, tg: int, timeo
             "build": rows[0].get("build_commit"), "cpu_info": rows[0].get("cpu_info"), "n_threads": rows[0].get("n_threads")}
 
 
+def weights_flags(weights: str) -> list[str]:
+    """A contender's weight flags: quantized and fp32 are --weights-in-memory; int8 holds them quantized
+    with --int8-activations (int8 products, as llama.cpp's)."""
+    if weights == "int8":
+        return ["--weights-in-memory", "quantized", "--int8-activations"]
+    return ["--weights-in-memory", weights]
+
+
 def pipeline_generate(model: Path, prompt: str, tg: int, weights: str, threads: int, timeout: float) -> dict:
     cmd = ["mpiexec", "-n", "1", sys.executable, "-m", "pipeline", "generate", "--model", str(model), "--prompt", prompt,
-           "--no-chat-template", "--max-tokens", str(tg), "--weights-in-memory", weights]
+           "--no-chat-template", "--max-tokens", str(tg), *weights_flags(weights)]
     r = _run_rss(cmd, common.env_with_repo(OPENBLAS_NUM_THREADS=str(threads)), timeout)
     stats = common.parse_stats(r["stderr"])
     return {"prefill_tps": stats["prefill_tps"], "decode_tps": stats["decode_tps"], "ttft_s": stats["ttft_s"],
@@ -241,7 +251,7 @@ def pipeline_batch(model: Path, requests: Path, ranks: int, threads: int, weight
         out = Path(tmp) / "out.jsonl"
         cmd = ["mpiexec", "-n", str(ranks), sys.executable, "-m", "pipeline", "batch", "--model", str(model),
                "--input", str(requests), "--output", str(out), "--no-chat-template", "--quiet",
-               "--weights-in-memory", weights]
+               *weights_flags(weights)]
         r = _run_rss(cmd, common.env_with_repo(OPENBLAS_NUM_THREADS=str(threads)), timeout)
         results = [json.loads(l) for l in out.read_text().splitlines()]
     m = BATCH_SUMMARY.search(r["stderr"])
@@ -260,8 +270,9 @@ from pathlib import Path
 from pipeline.job import load_stage, peak_rss_bytes, plan_job
 from mpi4py import MPI
 comm = MPI.COMM_WORLD
-args = argparse.Namespace(model=Path(sys.argv[1]), split=None, dtype="float32", weights_in_memory=sys.argv[2],
-                          requantize=None, host_memory=None)
+args = argparse.Namespace(model=Path(sys.argv[1]), split=None, dtype="float32",
+                          weights_in_memory="quantized" if sys.argv[2] == "int8" else sys.argv[2],
+                          int8_activations=sys.argv[2] == "int8", requantize=None, host_memory=None)
 start = time.perf_counter()
 plan = plan_job(args, comm)
 stage = load_stage(args, plan, comm.Get_rank(), progress=False)
@@ -365,13 +376,13 @@ def ratios(stats: dict) -> dict:
     return out
 
 
-def verdicts(r: dict) -> dict:
-    """The goals on the quantized contenders: decode (same context), prefill, and batch (the better of
-    1 rank and 2 ranks, each stated)."""
+def verdicts(r: dict, weights: str = "quantized") -> dict:
+    """The goals on a contender holding its weights quantized (quantized, or int8): decode (same context),
+    prefill, and batch (the better of 1 rank and 2 ranks, each stated)."""
     q = r["ratios"]
-    decode = q.get("decode: quantized / llama.cpp (same context)")
-    prefill = q.get("prefill: quantized / llama.cpp")
-    batch = {k: v for k, v in q.items() if k.startswith("batch:") and "quantized" in k}
+    decode = q.get(f"decode: {weights} / llama.cpp (same context)")
+    prefill = q.get(f"prefill: {weights} / llama.cpp")
+    batch = {k: v for k, v in q.items() if k.startswith("batch:") and k.endswith(f" {weights} / llama.cpp")}
     best = max(batch.values()) if batch else None
     return {"decode": {"ratio": decode, "goal": GOALS["decode"], "met": decode is not None and decode >= GOALS["decode"]},
             "prefill": {"ratio": prefill, "goal": GOALS["prefill"], "met": prefill is not None and prefill >= GOALS["prefill"]},
@@ -382,7 +393,7 @@ def verdicts(r: dict) -> dict:
 # ---- plot ------------------------------------------------------------------------------------------------------
 
 def single_stream(contender: str) -> bool:
-    return contender in ("llama.cpp", "pipeline quantized", "pipeline fp32") or (
+    return contender in ("llama.cpp", "pipeline quantized", "pipeline int8", "pipeline fp32") or (
         contender.startswith("pipeline ") and not contender.startswith(("pipeline batch", "pipeline load")))
 
 
@@ -416,7 +427,9 @@ def main() -> None:
     parser.set_defaults(runs=3)
     parser.add_argument("--quick", action="store_true", help="a short smoke run: 1 round, no warm-up, pp128/tg32, 16 x 16")
     parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--weights", default="quantized,fp32", help="pipeline's --weights-in-memory contenders")
+    parser.add_argument("--weights", default="quantized,int8,fp32",
+                        help="pipeline's contenders: --weights-in-memory quantized or fp32, or int8 (quantized, "
+                             "--int8-activations)")
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--batch", type=int, default=16, help="sequences in the batch")
@@ -433,6 +446,8 @@ def main() -> None:
     for name in args.models.split(","):  # the JSON and PNG are rewritten after each model: a stopped run keeps what it had
         results[name] = bench_model(name, bins, args)
         results[name]["goals"] = verdicts(results[name])
+        if "int8" in args.weights.split(","):
+            results[name]["goals_int8"] = verdicts(results[name], "int8")
         for k, v in results[name]["ratios"].items():
             print(f"  {name}: {k} {v:.2f}x", flush=True)
         out = save(args, bins, build, results)

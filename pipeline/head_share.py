@@ -50,13 +50,9 @@ def head_share_rows(fraction: float, vocab_size: int) -> int:
 def head_columns(head: nn.Module, x: mx.array, begin: int, end: int) -> mx.array:
     """x @ rows [begin, end) of an LM head (a Linear, or an Embedding used as one), quantized or not:
     the logits of vocabulary entries [begin, end)."""
-    weight = head.weight[begin:end]
-    if "scales" in head:  # QuantizedLinear / QuantizedEmbedding
-        biases = head.get("biases")
-        return qmm.quantized_matmul(x, weight, head.scales[begin:end], None if biases is None else biases[begin:end],
-                                    transpose=True, group_size=head.group_size, bits=head.bits,
-                                    mode=getattr(head, "mode", "affine"))
-    return x @ weight.T
+    if "scales" in head:  # QuantizedLinear / QuantizedEmbedding (begin, end: multiples of STEP, whole int8 blocks)
+        return qmm.rows_product(head, x, begin, end)
+    return x @ head.weight[begin:end].T
 
 
 def returned_rows(model, last: mx.array, columns: int, groups: list[tuple[int, int]]) -> mx.array:

@@ -164,6 +164,10 @@ def load_stage(args: argparse.Namespace, plan: Plan, rank: int, progress: bool, 
         from .models.mtp import load_mtp
 
         stage.mtp = load_mtp(plan.config, plan.checkpoint, getattr(mx, args.dtype), args.requantize, dense, progress)
+    if getattr(args, "int8_activations", False):
+        for module in (stage.model, stage.mtp):
+            if module is not None:
+                qmm.use_int8(module)  # int8 products (int8_kernels.cpp); none without the kernels (stats line)
     return stage
 
 

@@ -557,6 +557,7 @@ static void check(const mx::array &x, const mx::array &w, const mx::array &s, co
 void register_attention(nb::module_ &m);      // attention_kernels.cpp
 void register_layer_kernels(nb::module_ &m);  // layer_kernels.cpp
 void register_requantize(nb::module_ &m);     // requantize_kernels.cpp
+void register_int8(nb::module_ &m);           // int8_kernels.cpp
 
 static mx::Stream cpu_stream() { return mx::default_stream(mx::Device(mx::Device::cpu)); }
 
@@ -606,4 +607,5 @@ NB_MODULE(pipeline_qmm, m) {
     register_attention(m);
     register_layer_kernels(m);
     register_requantize(m);
+    register_int8(m);
 }

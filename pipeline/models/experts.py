@@ -72,7 +72,7 @@ class QuantizedSwitchLinear(nn.Module):
         # pipeline's kernels (qmm.py) group the rows per expert themselves; MLX's where they do not apply
         return qmm.gather_qmm(x, self.weight, self.scales, self.get("biases"), rhs_indices=indices, transpose=True,
                               group_size=self.group_size, bits=self.bits, mode=self.mode,
-                              sorted_indices=sorted_indices)
+                              sorted_indices=sorted_indices, int8=getattr(self, "int8", False))
 
 
 class SwitchGLU(nn.Module):

@@ -1,0 +1,461 @@
+/* Quantized products with int8 activations (--int8-activations): MLX affine 4- and 8-bit weights times
+ * activations rounded to int8 per 32 inputs, the integer dot products done by AVX-512 VNNI (vpdpbusd),
+ * or by vpmaddubsw + vpmaddwd without it. llama.cpp multiplies its Q4/Q8 blocks this way; against
+ * pipeline's float32 kernels (qmm_kernels.cpp), which dequantize every weight to a float and spend
+ * one FMA on it, this is 5-6x faster on a Zen 4 core (benchmarks/probes/int8_vnni_qmm.cpp).
+ *
+ * The arithmetic. For each row of x and each chunk of 32 inputs: d = max|x| / 127,
+ * xq = rint(x / d) (as x * (1 / d), clamped to +-127), and sx = the chunk's sum of x (one fixed tree).
+ * A weight is w = s * q + b (s, b: its group's scale and bias), so the chunk's share of an output is
+ *     sum(w * x) ~ (s * d) * sum(q * xq) + b * sx
+ * where sum(q * xq) is an exact integer (|sum| < 2^24, so its float is exact too). Each output takes,
+ * chunk after chunk in order over k: acc = fma(float(isum), s * d, acc); acc = fma(b, sx, acc).
+ * The only error against float math is xq's rounding (at most d / 2 per input, relative ~1/254 of the
+ * chunk's largest input), not the weights'.
+ *
+ * Batch invariance. A row's xq, d and sx depend on that row alone; integer sums are exact in any
+ * order; the float steps per output are the fixed sequence above, in 16-lane vectors whose lanes are
+ * 16 output columns (no lane sums). So every output element has the same bits whatever the row
+ * count, the row's place, the threads, the ISA (VNNI, AVX-512 without it, AVX2 or scalar code),
+ * or the other rows' experts: batch jobs and verified drafts equal `generate`, at every row count
+ * (prefill chunks too, unlike the float32 path that hands them to the BLAS).
+ *
+ * The layout (int8_repack, once at load; same shapes and dtypes as MLX's, other order). Columns
+ * (weight rows) in blocks of 16 and inputs in chunks of 32; block cb, chunk c holds 4 * bits * 16
+ * bytes in steps of 64 bytes, byte 4 * col + i of step j being
+ *     4 bits: q[col][32c + 4j + i] in the low nibble, q[col][32c + 16 + 4j + i] in the high (j < 4);
+ *     8 bits: q[col][32c + 4j + i] (j < 8);
+ * so one vpdpbusd multiplies 16 columns x 4 inputs by one broadcast group of 4 int8 activations.
+ * Scales and biases: block cb, group g: its 16 columns' values side by side. Matrices need n % 16 == 0
+ * and k % 32 == 0 (qmm.py keeps the others on the float32 path).
+ */
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/transforms.h"
+#include "mlx/primitives.h"
+#include "mlx/stream.h"
+#include "mlx/types/half_types.h"
+
+#include "kernels_common.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+constexpr int BLOCK = 16;  // columns per block: the lanes of a vector
+constexpr int CHUNK = 32;  // inputs per activation scale
+
+constexpr int64_t chunk_bytes(int bits) { return int64_t(BLOCK) * CHUNK * bits / 8; }  // 256 or 512
+
+/* ---- activations --------------------------------------------------------------------------------- */
+
+struct QuantizedRows {
+    std::vector<int8_t> q;   // [rows, k]
+    std::vector<float> d;    // [rows, k / 32]
+    std::vector<float> sum;  // [rows, k / 32]
+};
+
+/* Row `r` of x (k inputs) into q/d/sum at the same row: per chunk d = max|x| / 127, xq = rint(x * (1/d)). */
+inline void quantize_row(const float *x, int64_t k, int8_t *q, float *d, float *sum) {
+    for (int64_t c = 0; c < k / CHUNK; c++) {
+        const float *v = x + c * CHUNK;
+        float amax = 0.0f;
+        for (int i = 0; i < CHUNK; i++) amax = std::max(amax, std::fabs(v[i]));
+        sum[c] = lanes_sum(load16(v) + load16(v + 16));  // lane-wise adds, then the one tree
+        const float scale = amax / 127.0f, inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
+        d[c] = scale;
+        for (int i = 0; i < CHUNK; i++)
+            q[c * CHUNK + i] = int8_t(std::clamp(std::nearbyint(v[i] * inverse), -127.0f, 127.0f));
+    }
+}
+
+/* ---- the integer dot products: 16 columns x 4 inputs per step --------------------------------------- */
+
+typedef uint8_t u8x64 __attribute__((vector_size(64)));
+
+inline u8x64 load64(const uint8_t *p) {
+    u8x64 v;
+    std::memcpy(&v, p, 64);
+    return v;
+}
+
+/* iacc[col] += sum over i < 4 of v[4 * col + i] * x4[i]: v 64 unsigned bytes, x4 4 signed bytes (from
+   -127 to 127). `nibbles`: every byte of v is < 16, so vpmaddubsw's int16 pair sums cannot saturate;
+   else a byte is split into its nibbles, 16 * (high sum) + low sum. Integer sums: exact on every path. */
+template <bool nibbles>
+inline void dot_step(i32x16 &iacc, u8x64 v, int32_t x4) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    iacc = (i32x16)_mm512_dpbusd_epi32((__m512i)iacc, (__m512i)v, _mm512_set1_epi32(x4));
+#elif defined(__AVX512BW__)
+    const __m512i x = _mm512_set1_epi32(x4), ones = _mm512_set1_epi16(1);
+    if constexpr (nibbles) {
+        iacc = (i32x16)_mm512_add_epi32((__m512i)iacc, _mm512_madd_epi16(_mm512_maddubs_epi16((__m512i)v, x), ones));
+    } else {
+        const __m512i lo = _mm512_madd_epi16(_mm512_maddubs_epi16((__m512i)(v & 15), x), ones);
+        const __m512i hi = _mm512_madd_epi16(_mm512_maddubs_epi16((__m512i)(v >> 4), x), ones);
+        iacc = (i32x16)_mm512_add_epi32((__m512i)iacc, _mm512_add_epi32(lo, _mm512_slli_epi32(hi, 4)));
+    }
+#elif defined(__AVX2__)
+    __m256i acc[2], w[2], w_lo[2], w_hi[2];
+    std::memcpy(acc, &iacc, 64);
+    std::memcpy(w, &v, 64);
+    const u8x64 lo_v = v & 15, hi_v = v >> 4;
+    std::memcpy(w_lo, &lo_v, 64);
+    std::memcpy(w_hi, &hi_v, 64);
+    const __m256i x = _mm256_set1_epi32(x4), ones = _mm256_set1_epi16(1);
+    for (int h = 0; h < 2; h++) {
+        if constexpr (nibbles) {
+            acc[h] = _mm256_add_epi32(acc[h], _mm256_madd_epi16(_mm256_maddubs_epi16(w[h], x), ones));
+        } else {
+            const __m256i lo = _mm256_madd_epi16(_mm256_maddubs_epi16(w_lo[h], x), ones);
+            const __m256i hi = _mm256_madd_epi16(_mm256_maddubs_epi16(w_hi[h], x), ones);
+            acc[h] = _mm256_add_epi32(acc[h], _mm256_add_epi32(lo, _mm256_slli_epi32(hi, 4)));
+        }
+    }
+    std::memcpy(&iacc, acc, 64);
+#else
+    int8_t x[4];
+    std::memcpy(x, &x4, 4);
+    for (int col = 0; col < BLOCK; col++)
+        for (int i = 0; i < 4; i++) iacc[col] += int32_t(v[4 * col + i]) * x[i];
+#endif
+}
+
+/* ---- the kernel ------------------------------------------------------------------------------------ */
+
+enum ScaleType { SCALE_F32 = 0, SCALE_F16 = 1, SCALE_BF16 = 2 };
+
+inline int scale_type_of(mx::Dtype t) {
+    if (t == mx::float16) return SCALE_F16;
+    if (t == mx::bfloat16) return SCALE_BF16;
+    if (t == mx::float32) return SCALE_F32;
+    throw std::invalid_argument("pipeline int8: scales must be float32, float16 or bfloat16");
+}
+
+/* 16 consecutive scales (or biases) as floats (each conversion exact). */
+inline v16 load_scales(const void *p, int type, int64_t i) {
+#if defined(__AVX512F__)
+    switch (type) {
+        case SCALE_F16:
+            return (v16)_mm512_cvtph_ps(_mm256_loadu_si256(static_cast<const __m256i *>(p) + i / 16));
+        case SCALE_BF16:
+            return (v16)_mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256(static_cast<const __m256i *>(p) + i / 16)), 16));
+        default: return load16(static_cast<const float *>(p) + i);
+    }
+#else
+    float f[16];
+    for (int l = 0; l < 16; l++) {
+        switch (type) {
+            case SCALE_F16: f[l] = static_cast<float>(static_cast<const mx::float16_t *>(p)[i + l]); break;
+            case SCALE_BF16: {
+                const uint32_t bits = uint32_t(static_cast<const uint16_t *>(p)[i + l]) << 16;
+                std::memcpy(&f[l], &bits, 4);
+                break;
+            }
+            default: f[l] = static_cast<const float *>(p)[i + l];
+        }
+    }
+    return load16(f);
+#endif
+}
+
+/* One repacked matrix (or one expert's). */
+struct PackedMatrix {
+    const uint8_t *codes;
+    const void *scales, *biases;
+    int scale_type;
+    int64_t n, k, groups;  // groups per row
+    int bits, group_size;
+};
+
+/* Output columns [16 * cb, 16 * cb + 16) of R rows: the arithmetic of the file's opening comment. */
+template <int bits, int R>
+void block_tile(const PackedMatrix &m, int64_t cb, const QuantizedRows &xq, const int64_t *rows, float *const *out) {
+    const int64_t chunks = m.k / CHUNK, per_group = m.group_size / CHUNK;
+    v16 acc[R] = {};
+    const uint8_t *codes = m.codes + cb * chunks * chunk_bytes(bits);
+    v16 s{}, b{};
+    for (int64_t c = 0; c < chunks; c++) {
+        if (c % per_group == 0) {
+            const int64_t at = (cb * m.groups + c / per_group) * BLOCK;
+            s = load_scales(m.scales, m.scale_type, at);
+            b = load_scales(m.biases, m.scale_type, at);
+        }
+        const uint8_t *w = codes + c * chunk_bytes(bits);
+        i32x16 iacc[R] = {};
+        if constexpr (bits == 4) {
+            for (int j = 0; j < 4; j++) {
+                const u8x64 v = load64(w + 64 * j), lo = v & 15, hi = v >> 4;
+                for (int r = 0; r < R; r++) {
+                    const int8_t *x = xq.q.data() + rows[r] * m.k + c * CHUNK;
+                    int32_t x_lo, x_hi;
+                    std::memcpy(&x_lo, x + 4 * j, 4);
+                    std::memcpy(&x_hi, x + 16 + 4 * j, 4);
+                    dot_step<true>(iacc[r], lo, x_lo);
+                    dot_step<true>(iacc[r], hi, x_hi);
+                }
+            }
+        } else {
+            for (int j = 0; j < 8; j++)
+                for (int r = 0; r < R; r++) {
+                    int32_t x4;
+                    std::memcpy(&x4, xq.q.data() + rows[r] * m.k + c * CHUNK + 4 * j, 4);
+                    dot_step<false>(iacc[r], load64(w + 64 * j), x4);
+                }
+        }
+        for (int r = 0; r < R; r++) {
+            const int64_t at = rows[r] * chunks + c;
+            const v16 sd = s * splat(xq.d[at]);
+            acc[r] = fma16(__builtin_convertvector(iacc[r], v16), sd, acc[r]);
+            acc[r] = fma16(b, splat(xq.sum[at]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) store16(out[r] + cb * BLOCK, acc[r]);
+}
+
+#if defined(__AVX512F__)
+constexpr int MAX_TILE = 8;  // 8 int32 + 8 float accumulators fit AVX-512's 32 registers
+#else
+constexpr int MAX_TILE = 4;
+#endif
+
+template <int bits>
+void column_block(const PackedMatrix &m, int64_t cb, const QuantizedRows &xq, const int64_t *rows, float *const *out,
+                  int64_t nrows) {
+    int64_t r = 0;
+#if defined(__AVX512F__)
+    for (; r + 8 <= nrows; r += 8) block_tile<bits, 8>(m, cb, xq, rows + r, out + r);
+#endif
+    for (; r + 4 <= nrows; r += 4) block_tile<bits, 4>(m, cb, xq, rows + r, out + r);
+    for (; r + 2 <= nrows; r += 2) block_tile<bits, 2>(m, cb, xq, rows + r, out + r);
+    for (; r < nrows; r++) block_tile<bits, 1>(m, cb, xq, rows + r, out + r);
+}
+
+constexpr int64_t ROW_BLOCK = 64;
+constexpr int64_t THREADED_MIN_WORK = int64_t(1) << 16;  // as qmm_kernels.cpp's (multiply-adds)
+
+struct Task {
+    int64_t expert, r0, r1, cb;
+};
+
+/* out[row] = x[row] @ expert(row)'s matrix.T for rows [0, rows): rows grouped by expert (a counting
+   sort, in order within a group), then column blocks x row blocks spread over the threads. */
+void product(const std::vector<PackedMatrix> &mats, const std::vector<int64_t> &expert_of, const float *x,
+             int64_t rows, float *out) {
+    const PackedMatrix &m0 = mats[0];
+    const int64_t k = m0.k, n = m0.n, experts = int64_t(mats.size());
+    QuantizedRows xq{std::vector<int8_t>(rows * k), std::vector<float>(rows * (k / CHUNK)),
+                     std::vector<float>(rows * (k / CHUNK))};
+    for (int64_t r = 0; r < rows; r++)
+        quantize_row(x + r * k, k, xq.q.data() + r * k, xq.d.data() + r * (k / CHUNK), xq.sum.data() + r * (k / CHUNK));
+    std::vector<int64_t> start(experts + 1, 0), order(rows);
+    for (int64_t r = 0; r < rows; r++) start[expert_of[r] + 1]++;
+    for (int64_t e = 0; e < experts; e++) start[e + 1] += start[e];
+    std::vector<int64_t> fill(start.begin(), start.end() - 1);
+    for (int64_t r = 0; r < rows; r++) order[fill[expert_of[r]]++] = r;
+    std::vector<float *> out_rows(rows);
+    for (int64_t i = 0; i < rows; i++) out_rows[i] = out + order[i] * n;
+    std::vector<Task> tasks;
+    for (int64_t e = 0; e < experts; e++)
+        for (int64_t r0 = start[e]; r0 < start[e + 1]; r0 += ROW_BLOCK)
+            for (int64_t cb = 0; cb < n / BLOCK; cb++)
+                tasks.push_back(Task{e, r0, std::min(start[e + 1], r0 + ROW_BLOCK), cb});
+    const int64_t ntasks = int64_t(tasks.size());
+    const bool threaded = g_threads > 1 && ntasks > 1 && rows * n * k >= THREADED_MIN_WORK;
+#pragma omp parallel for schedule(static) num_threads(g_threads) if (threaded)
+    for (int64_t t = 0; t < ntasks; t++) {
+        const Task &task = tasks[t];
+        const PackedMatrix &m = mats[task.expert];
+        if (m.bits == 4)
+            column_block<4>(m, task.cb, xq, order.data() + task.r0, out_rows.data() + task.r0, task.r1 - task.r0);
+        else
+            column_block<8>(m, task.cb, xq, order.data() + task.r0, out_rows.data() + task.r0, task.r1 - task.r0);
+    }
+}
+
+/* ---- the MLX operation ------------------------------------------------------------------------------ */
+
+/* Inputs: x [..., k] float32 ([rows, k] when gathered), the repacked w [(experts,) n, k * bits / 32] uint32,
+   scales and biases [(experts,) n, k / group_size], and when gathered an expert index per row. */
+class Int8Product : public mx::UnaryPrimitive {
+   public:
+    Int8Product(mx::Stream stream, int group_size, int bits, bool gathered)
+        : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits), gathered_(gathered) {}
+
+    void eval_cpu(const std::vector<mx::array> &inputs, mx::array &out) override {
+        out.set_data(mx::allocator::malloc(out.nbytes()));
+        auto &encoder = mx::cpu::get_command_encoder(stream());
+        for (auto &a : inputs) encoder.set_input_array(a);
+        encoder.set_output_array(out);
+        const int group_size = group_size_, bits = bits_;
+        const bool gathered = gathered_;
+        encoder.dispatch([inputs, out, group_size, bits, gathered]() mutable {
+            std::vector<mx::array> keep;
+            const mx::array x = contiguous(inputs[0], keep), w = contiguous(inputs[1], keep),
+                            s = contiguous(inputs[2], keep), b = contiguous(inputs[3], keep);
+            const int64_t k = x.shape(-1), rows = k ? int64_t(x.size()) / k : 0;
+            const int64_t n = w.shape(-2), experts = gathered ? w.shape(0) : 1;
+            if (rows == 0 || n == 0) return;
+            std::vector<int64_t> expert_of(rows, 0);
+            if (gathered) {
+                const mx::array idx = contiguous(inputs[4], keep);
+                for (int64_t r = 0; r < rows; r++) {
+                    const int64_t e = idx.dtype() == mx::uint32 ? int64_t(idx.data<uint32_t>()[r])
+                                                                : int64_t(idx.data<int32_t>()[r]);
+                    expert_of[r] = std::clamp<int64_t>(e, 0, experts - 1);  // as MLX's gather clamps
+                }
+            }
+            const int64_t matrix_bytes = n * w.shape(-1) * 4, groups = s.shape(-1);
+            std::vector<PackedMatrix> mats(experts);
+            for (int64_t e = 0; e < experts; e++)
+                mats[e] = PackedMatrix{w.data<uint8_t>() + e * matrix_bytes,
+                                       static_cast<const uint8_t *>(s.data<void>()) + e * n * groups * s.itemsize(),
+                                       static_cast<const uint8_t *>(b.data<void>()) + e * n * groups * b.itemsize(),
+                                       scale_type_of(s.dtype()), n, k, groups, bits, group_size};
+            product(mats, expert_of, x.data<float>(), rows, out.data<float>());
+        });
+    }
+
+    void eval_gpu(const std::vector<mx::array> &, mx::array &) override {
+        throw std::runtime_error("pipeline's int8 products run on the CPU only");
+    }
+
+    const char *name() const override { return gathered_ ? "PipelineInt8GatherQMM" : "PipelineInt8QMM"; }
+
+    bool is_equivalent(const mx::Primitive &other) const override {
+        auto *o = dynamic_cast<const Int8Product *>(&other);
+        return o && o->group_size_ == group_size_ && o->bits_ == bits_ && o->gathered_ == gathered_;
+    }
+
+    std::vector<mx::Shape> output_shapes(const std::vector<mx::array> &inputs) override {
+        mx::Shape shape = inputs[0].shape();
+        shape.back() = inputs[1].shape(-2);
+        return {shape};
+    }
+
+   private:
+    int group_size_, bits_;
+    bool gathered_;
+};
+
+void check(const mx::array &w, const mx::array &s, const mx::array &b, int group_size, int bits) {
+    auto fail = [](const std::string &why) { throw std::invalid_argument("pipeline int8: " + why); };
+    if (bits != 4 && bits != 8) fail("only 4- and 8-bit weights");
+    if (group_size != 32 && group_size != 64 && group_size != 128) fail("group size must be 32, 64 or 128");
+    if (w.dtype() != mx::uint32 || w.ndim() < 2 || w.ndim() > 3) fail("w must be packed uint32 [(experts,) n, ...]");
+    if (s.shape() != b.shape() || s.dtype() != b.dtype() || s.ndim() != w.ndim()) fail("scales and biases must match");
+    scale_type_of(s.dtype());
+    const int64_t n = w.shape(-2), k = w.shape(-1) * 32 / bits;
+    if (n % BLOCK || k % group_size || s.shape(-1) * group_size != k || s.shape(-2) != n)
+        fail("shapes do not fit (n must be a multiple of 16, k of the group size)");
+}
+
+/* w, scales, biases in MLX's layout -> the same arrays in the layout of the opening comment. */
+std::tuple<mx::array, mx::array, mx::array> int8_repack(mx::array w, mx::array s, mx::array b, int group_size,
+                                                        int bits) {
+    check(w, s, b, group_size, bits);
+    mx::eval({w, s, b});
+    std::vector<mx::array> keep;
+    w = contiguous(w, keep);
+    s = contiguous(s, keep);
+    b = contiguous(b, keep);
+    const int64_t n = w.shape(-2), k = w.shape(-1) * 32 / bits, experts = w.ndim() == 3 ? w.shape(0) : 1;
+    const int64_t row_bytes = k * bits / 8, groups = k / group_size, chunks = k / CHUNK, item = s.itemsize();
+    mx::array w2(mx::allocator::malloc(w.nbytes()), w.shape(), w.dtype());
+    mx::array s2(mx::allocator::malloc(s.nbytes()), s.shape(), s.dtype());
+    mx::array b2(mx::allocator::malloc(b.nbytes()), b.shape(), b.dtype());
+    const uint8_t *src = w.data<uint8_t>();
+    uint8_t *dst = w2.data<uint8_t>();
+    const int64_t blocks = experts * (n / BLOCK);
+#pragma omp parallel for schedule(static) num_threads(g_threads)
+    for (int64_t blk = 0; blk < blocks; blk++) {
+        const int64_t e = blk / (n / BLOCK), cb = blk % (n / BLOCK);
+        const uint8_t *rows = src + (e * n + cb * BLOCK) * row_bytes;  // the block's 16 rows, MLX's layout
+        auto q = [&](int col, int64_t i) -> uint8_t {             // q[col][i]
+            const uint8_t byte = rows[col * row_bytes + i * bits / 8];
+            return bits == 8 ? byte : ((i & 1) ? byte >> 4 : byte & 15);
+        };
+        uint8_t *out = dst + (e * n + cb * BLOCK) * row_bytes;  // a block's bytes stay where its rows were
+        for (int64_t c = 0; c < chunks; c++) {
+            uint8_t *chunk = out + c * chunk_bytes(bits);
+            for (int j = 0; j < bits; j++)
+                for (int col = 0; col < BLOCK; col++)
+                    for (int i = 0; i < 4; i++)
+                        chunk[64 * j + 4 * col + i] =
+                            bits == 8 ? q(col, c * CHUNK + 4 * j + i)
+                                      : uint8_t(q(col, c * CHUNK + 4 * j + i) | (q(col, c * CHUNK + 16 + 4 * j + i) << 4));
+        }
+        for (const auto &[from, to] : {std::pair{&s, &s2}, std::pair{&b, &b2}}) {
+            const uint8_t *in = from->data<uint8_t>() + (e * n + cb * BLOCK) * groups * item;
+            uint8_t *o = to->data<uint8_t>() + (e * n + cb * BLOCK) * groups * item;
+            for (int64_t g = 0; g < groups; g++)
+                for (int col = 0; col < BLOCK; col++)
+                    std::memcpy(o + (g * BLOCK + col) * item, in + (col * groups + g) * item, item);
+        }
+    }
+    return {w2, s2, b2};
+}
+
+mx::Stream cpu_stream() { return mx::default_stream(mx::Device(mx::Device::cpu)); }
+
+}  // namespace
+
+void register_int8(nb::module_ &m) {
+    m.def("int8_isa", []() {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+        return std::string("AVX-512 VNNI");
+#elif defined(__AVX512BW__)
+        return std::string("AVX-512BW");
+#elif defined(__AVX2__)
+        return std::string("AVX2");
+#else
+        return std::string("generic");
+#endif
+    });
+    m.def("int8_repack", &int8_repack, nb::arg("w"), nb::arg("scales"), nb::arg("biases"), nb::arg("group_size"),
+          nb::arg("bits"), "MLX affine 4/8-bit (w, scales, biases) -> the int8 products' layout (same shapes), now");
+    m.def(
+        "int8_matmul",
+        [](const mx::array &x, const mx::array &w, const mx::array &s, const mx::array &b, int group_size, int bits) {
+            check(w, s, b, group_size, bits);
+            if (w.ndim() != 2 || x.ndim() < 1 || x.dtype() != mx::float32 || x.shape(-1) != w.shape(-1) * 32 / bits)
+                throw std::invalid_argument("pipeline int8: x must be float32 [..., k] against w [n, k * bits / 32]");
+            mx::Shape shape = x.shape();
+            shape.back() = w.shape(0);
+            return mx::array(shape, mx::float32, std::make_shared<Int8Product>(cpu_stream(), group_size, bits, false),
+                             {x, w, s, b});
+        },
+        "x [..., k] float32 @ (repacked w).T with x rounded to int8 per 32 inputs -> [..., n], lazily");
+    m.def(
+        "int8_gather_qmm",
+        [](const mx::array &x, const mx::array &w, const mx::array &s, const mx::array &b, const mx::array &experts,
+           int group_size, int bits) {
+            check(w, s, b, group_size, bits);
+            if (w.ndim() != 3 || x.ndim() != 2 || x.dtype() != mx::float32 || x.shape(-1) != w.shape(-1) * 32 / bits)
+                throw std::invalid_argument("pipeline int8: x must be float32 [rows, k] against w [experts, n, ...]");
+            if (experts.ndim() != 1 || experts.shape(0) != x.shape(0) ||
+                (experts.dtype() != mx::uint32 && experts.dtype() != mx::int32))
+                throw std::invalid_argument("pipeline int8: one int32/uint32 expert index per row");
+            return mx::array(mx::Shape{x.shape(0), w.shape(1)}, mx::float32,
+                             std::make_shared<Int8Product>(cpu_stream(), group_size, bits, true),
+                             {x, w, s, b, experts});
+        },
+        "row r of x [rows, k] times expert experts[r] of the repacked w -> [rows, n], lazily");
+}

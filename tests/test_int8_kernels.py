@@ -1,0 +1,229 @@
+"""--int8-activations: pipeline/int8_kernels.cpp through pipeline/qmm.py. Against independent truths:
+  - numpy's float64 product of the dequantized weights (test_quant_kernels.dequantized_float64) and x,
+    within the bound that rounding x to int8 per 32 inputs allows (at most d / 2 per input);
+  - numpy's float64 model of the int8 arithmetic itself (x rounded as the kernel documents), to float
+    rounding: a wrong nibble, column, chunk, scale or sum is off by far more.
+Then the properties batch jobs rely on: a row's bits do not depend on the other rows (count, place,
+experts), at any row count, and every ISA path (VNNI, AVX-512 without it, AVX2) gives the same bits;
+and end to end, `generate` and `batch` print the same text with the flag, on 1 and 2 ranks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from conftest import REPO, make_tiny_model, mpiexec
+from pipeline import qmm
+from test_quant_kernels import SCALE_DTYPES, dequantized_float64, quantized
+
+
+def int8_rows(x: np.ndarray):
+    """x [rows, k] float32 as the kernel rounds it, by numpy alone: per chunk of 32, d = max|x| / 127,
+    xq = clip(rint(x * (1 / d)), -127, 127), and the chunk's sum of x (lanes i + i+16, then the
+    16-lane tree). Float32 operations throughout, as the kernel's."""
+    rows, k = x.shape
+    chunks = x.reshape(rows, k // 32, 32)
+    amax = np.abs(chunks).max(axis=-1)
+    d = (amax / np.float32(127)).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        inverse = np.where(d > 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+    xq = np.clip(np.rint(chunks * inverse[..., None]), -127, 127).astype(np.int64)
+    t = chunks[..., :16] + chunks[..., 16:]
+    a = t[..., :8] + t[..., 8:]
+    b = a[..., :4] + a[..., 4:]
+    sums = (b[..., 0] + b[..., 2]) + (b[..., 1] + b[..., 3])
+    return xq, d, sums
+
+
+def int8_reference(x: np.ndarray, w, scales, biases, bits: int, group_size: int):
+    """(float64 value of the kernel's arithmetic, the sum of its terms' magnitudes) for x @ w.T."""
+    unit = dequantized_float64(w, mx.ones_like(scales).astype(mx.float32), mx.zeros_like(biases).astype(mx.float32),
+                               bits, group_size).astype(np.int64)  # the q values
+    s = np.repeat(np.array(scales.astype(mx.float32)), group_size // 32, axis=-1)  # per chunk
+    b = np.repeat(np.array(biases.astype(mx.float32)), group_size // 32, axis=-1)
+    xq, d, sums = int8_rows(x)
+    n, k = unit.shape
+    isum = np.einsum("nck,rck->rnc", unit.reshape(n, k // 32, 32), xq)  # exact integers
+    sd = (s[None] * d[:, None, :]).astype(np.float32).astype(np.float64)  # s * d rounds once in float32
+    terms = isum * sd, b[None].astype(np.float64) * sums[:, None, :].astype(np.float64)
+    return (terms[0] + terms[1]).sum(-1), (np.abs(terms[0]) + np.abs(terms[1])).sum(-1)
+
+
+def rounding_bound(x: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """|x @ w.T - xq * d @ w.T| <= sum over chunks of d / 2 * sum |w| (float64 truth, no kernel model)."""
+    rows, k = x.shape
+    d = np.abs(x.reshape(rows, k // 32, 32)).max(-1) / 127
+    per_chunk = np.abs(weights).reshape(weights.shape[0], k // 32, 32).sum(-1)
+    return (d / 2) @ per_chunk.T
+
+
+def int8(kernels, w, scales, biases, group_size, bits):
+    return kernels.int8_repack(w, scales, biases, group_size, bits)
+
+
+# Float32 error of the kernel's own steps over their float64 value, relative to the sum of the terms'
+# magnitudes: two fused multiply-adds per chunk (one rounding each), s * d (one). Measured at most
+# 5.5e-8 over the shapes below; a wrong nibble, column, chunk or scale is off by order 1.
+RELATIVE_TOLERANCE = 1e-7
+
+
+@pytest.mark.parametrize("scale_dtype", SCALE_DTYPES)
+@pytest.mark.parametrize("group_size", (32, 64, 128))
+@pytest.mark.parametrize("bits", (4, 8))
+def test_int8_product_matches_float64_truth_and_model(kernels, bits, group_size, scale_dtype):
+    rng = np.random.default_rng(bits * 100 + group_size)
+    n, k = 48, 384  # three blocks of 16 columns, 12 chunks
+    w, scales, biases = quantized(rng, n, k, bits, group_size, scale_dtype)
+    x = (rng.standard_normal((7, k)) * rng.uniform(0.1, 10, (7, 1))).astype(np.float32)
+    x[3, :32] = 0  # a chunk of zeros: d = 0
+    got = np.array(kernels.int8_matmul(mx.array(x), *int8(kernels, w, scales, biases, group_size, bits), group_size,
+                                       bits)).astype(np.float64)
+    model, magnitude = int8_reference(x, w, scales, biases, bits, group_size)
+    assert np.max(np.abs(got - model) / magnitude) < RELATIVE_TOLERANCE
+    weights = dequantized_float64(w, scales, biases, bits, group_size)
+    truth = x.astype(np.float64) @ weights.T
+    assert np.all(np.abs(got - truth) <= rounding_bound(x, weights) * 1.001 + 1e-6 * magnitude)
+    assert np.max(np.abs(got - truth)) > 0  # activations were rounded: this is not the float32 path
+
+
+@pytest.mark.parametrize("bits,group_size", [(4, 32), (4, 128), (8, 64)])
+def test_each_row_rounds_the_same_whatever_shares_the_call(kernels, bits, group_size):
+    """Rows 1..80 (past the float32 path's BLAS limit: prefill chunks stay exact too), in various places:
+    a row's bits equal those it gets alone."""
+    rng = np.random.default_rng(5)
+    n, k, rows = 64, 256, 80
+    packed = int8(kernels, *quantized(rng, n, k, bits, group_size, "bfloat16"), group_size, bits)
+    x = mx.array(rng.standard_normal((rows, k)).astype(np.float32))
+    full = np.array(kernels.int8_matmul(x, *packed, group_size, bits))
+    for r in range(rows):
+        assert np.array_equal(np.array(kernels.int8_matmul(x[r:r + 1], *packed, group_size, bits))[0], full[r]), r
+    for count in range(1, rows + 1):
+        start = (count * 7) % (rows - count + 1)
+        part = np.array(kernels.int8_matmul(x[start:start + count], *packed, group_size, bits))
+        assert np.array_equal(part, full[start:start + count]), f"rows {start}..{start + count}"
+
+
+def test_gathered_rows_equal_their_expert_alone(kernels):
+    rng = np.random.default_rng(3)
+    experts, n, k, rows, bits, group_size = 5, 32, 256, 23, 4, 64
+    w, scales, biases = quantized(rng, n, k, bits, group_size, "float16", experts=experts)
+    packed = int8(kernels, w, scales, biases, group_size, bits)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    chosen = rng.integers(0, experts, rows).astype(np.uint32)
+    got = np.array(kernels.int8_gather_qmm(mx.array(x), *packed, mx.array(chosen), group_size, bits))
+    for r, e in enumerate(chosen):
+        alone = np.array(kernels.int8_matmul(mx.array(x[r:r + 1]), *(a[int(e)] for a in packed), group_size, bits))
+        assert np.array_equal(alone[0], got[r])
+        model, magnitude = int8_reference(x[r:r + 1], w[int(e)], scales[int(e)], biases[int(e)], bits, group_size)
+        assert np.max(np.abs(got[r] - model[0]) / magnitude[0]) < RELATIVE_TOLERANCE
+
+
+def test_use_int8_repacks_modules_in_place(kernels):
+    """Linear layers and a tied embedding: same shapes, products through the int8 path, lookups
+    unchanged; a layer whose rows are not whole blocks of 16 stays on the float32 path."""
+    mx.random.seed(0)
+    model = nn.Sequential(nn.Linear(64, 48), nn.Linear(64, 40), nn.Embedding(32, 64))
+    nn.quantize(model, group_size=32, bits=4)
+    qmm.use_in(model)
+    x = mx.random.normal((3, 64))
+    before = [model.layers[0](x), model.layers[1](x), model.layers[2].as_linear(x), model.layers[2](mx.array([1, 5]))]
+    shapes = [model.layers[0].weight.shape, model.layers[0].scales.shape]
+    assert qmm.use_int8(model) == 2
+    assert [model.layers[0].weight.shape, model.layers[0].scales.shape] == shapes
+    assert getattr(model.layers[0], "int8", False) and not getattr(model.layers[1], "int8", False)
+    after = [model.layers[0](x), model.layers[1](x), model.layers[2].as_linear(x), model.layers[2](mx.array([1, 5]))]
+    for i in (0, 2):  # int8: close, not equal
+        assert not np.array_equal(np.array(after[i]), np.array(before[i]))
+        assert np.allclose(np.array(after[i]), np.array(before[i]), atol=0.05 * float(mx.abs(before[i]).max()))
+    for i in (1, 3):  # untouched
+        assert np.array_equal(np.array(after[i]), np.array(before[i]))
+    # the LM head's share (head_share.py): rows [16, 32) of the tied embedding, whole blocks
+    assert np.array_equal(np.array(qmm.rows_product(model.layers[2], x, 16, 32)), np.array(after[2])[:, 16:32])
+
+
+VARIANT_PROBE = r"""
+import sys, numpy as np
+import pipeline.blas
+import mlx.core as mx
+from pathlib import Path
+from pipeline import qmm
+flags = tuple(sys.argv[3:])
+if sys.argv[1] == "-":
+    module = qmm.load().module
+else:
+    path = Path(sys.argv[1]) / qmm.extension_path(flags).name
+    qmm.build(path, flags)
+    module = qmm.load_extension(path, build_if_missing=False)
+module.set_threads(2)
+rng = np.random.default_rng(0)
+out = {"isa": np.array(module.int8_isa())}
+for bits, group in ((4, 32), (8, 64), (4, 128)):
+    w, s, b = mx.quantize(mx.array(rng.standard_normal((48, 640)).astype(np.float32)), group_size=group, bits=bits)
+    packed = module.int8_repack(w, s.astype(mx.bfloat16), b.astype(mx.bfloat16), group, bits)
+    for rows in (1, 2, 3, 5, 9, 13, 70):
+        x = mx.array((rng.standard_normal((rows, 640)) * 4).astype(np.float32))
+        out[f"int8 {bits} {group} {rows}"] = np.array(module.int8_matmul(x, *packed, group, bits))
+np.savez(sys.argv[2], **out)
+"""
+
+
+@pytest.mark.skipif(qmm.missing_tools() != "" or os.environ.get(qmm.ENV) is not None, reason="no kernels here")
+@pytest.mark.parametrize("flags,isa", [(("-mno-avx512vnni",), "AVX-512BW"), (("-mno-avx512f",), "AVX2")])
+def test_every_isa_gives_the_same_bits(kernels, tmp_path, flags, isa):
+    """A CPU without VNNI (vpmaddubsw + vpmaddwd), or without AVX-512 (AVX2): the integer sums are exact and
+    the float steps the same, so the bits equal this CPU's. Builds the variant (~25 s)."""
+    if kernels.int8_isa() != "AVX-512 VNNI":
+        pytest.skip(f"this CPU's int8 path is {kernels.int8_isa()}: nothing to compare the variant with")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for where, out in ((str(tmp_path), tmp_path / "variant.npz"), ("-", tmp_path / "native.npz")):
+        result = subprocess.run([sys.executable, "-c", VARIANT_PROBE, where, str(out), *flags], capture_output=True,
+                                text=True, timeout=300, env=env, cwd=REPO)
+        assert result.returncode == 0, result.stderr
+    variant, native = np.load(tmp_path / "variant.npz"), np.load(tmp_path / "native.npz")
+    assert str(variant["isa"]) == isa and str(native["isa"]) == "AVX-512 VNNI"
+    for key in native.files:
+        if key != "isa":
+            assert np.array_equal(variant[key].view(np.uint8), native[key].view(np.uint8)), key
+
+
+def test_int8_flag_needs_float32_activations(tmp_path):
+    result = mpiexec(1, "generate", "--model", str(tmp_path), "--prompt", "hi", "--int8-activations",
+                     "--dtype", "bfloat16")
+    assert result.returncode != 0
+    assert "--int8-activations needs --dtype float32" in result.stderr
+
+
+@pytest.mark.parametrize("kind", ["llama", "deepseek"])
+def test_generate_and_batch_agree_with_int8_on_1_and_2_ranks(kernels, tmp_path, kind):
+    """Quantized at load (--quantize 4 --group-size 32), the int8 path end to end: dense layers, the LM
+    head, and for DeepSeek V3 the gathered experts. Texts equal across rank counts and batch composition."""
+    from test_batch import ENV, PROMPTS, read_records, write_jsonl
+    from test_moe import make_deepseek
+
+    folder = tmp_path / kind
+    make_tiny_model("llama", folder) if kind == "llama" else make_deepseek(folder)
+    flags = ("--quantize", "4", "--group-size", "32", "--int8-activations", "--no-chat-template")
+    expected = {}
+    for i, prompt in enumerate(PROMPTS[:4]):
+        texts = []
+        for n in (1, 2):
+            result = mpiexec(n, "generate", "--model", str(folder), "--prompt", prompt, "--max-tokens", "12", *flags,
+                             env=ENV)
+            assert result.returncode == 0, result.stderr
+            assert "int8 activations" in result.stderr
+            texts.append(result.stdout)
+        assert texts[0] == texts[1], prompt
+        expected[i] = texts[0][:-1]
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": p, "max_tokens": 12} for i, p in enumerate(PROMPTS[:4])])
+    for n in (1, 2):
+        out = tmp_path / f"out{n}.jsonl"
+        result = mpiexec(n, "batch", "--model", str(folder), "--input", str(inp), "--output", str(out), "--quiet",
+                         *flags, env=ENV)
+        assert result.returncode == 0, result.stderr
+        assert {r["id"]: r["text"] for r in read_records(out)} == expected, f"{n} ranks"
