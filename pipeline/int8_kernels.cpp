@@ -16,8 +16,8 @@
  * Batch invariance. A row's xq, d and sx depend on that row alone; integer sums are exact in any
  * order; the float steps per output are the fixed sequence above, in 16-lane vectors whose lanes are
  * 16 output columns (no lane sums). So every output element has the same bits whatever the row
- * count, the row's place, the threads, the ISA (VNNI, AVX-512 without it, AVX2 or scalar code),
- * or the other rows' experts: batch jobs and verified drafts equal `generate`, at every row count
+ * count, the row's place, the threads, the x86 ISA (VNNI, AVX-512 without it, AVX2), or the other
+ * rows' experts (the generic code for other CPUs has no fused multiply-add: its own bits): batch jobs and verified drafts equal `generate`, at every row count
  * (prefill chunks too, unlike the float32 path that hands them to the BLAS).
  *
  * The layout (int8_repack, once at load; same shapes and dtypes as MLX's, other order). Columns
@@ -78,10 +78,14 @@ inline void quantize_row(const float *x, int64_t k, int8_t *q, float *d, float *
         float amax = 0.0f;
         for (int i = 0; i < CHUNK; i++) amax = std::max(amax, std::fabs(v[i]));
         sum[c] = lanes_sum(load16(v) + load16(v + 16));  // lane-wise adds, then the one tree
-        const float scale = amax / 127.0f, inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
+        const float scale = amax / 127.0f;
+        float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
+        if (!(inverse < INFINITY)) inverse = 0.0f;  // amax below ~4e-37 (or not finite): the chunk counts as zeros
         d[c] = scale;
-        for (int i = 0; i < CHUNK; i++)
-            q[c * CHUNK + i] = int8_t(std::clamp(std::nearbyint(v[i] * inverse), -127.0f, 127.0f));
+        for (int i = 0; i < CHUNK; i++) {
+            const float r = std::nearbyint(v[i] * inverse);
+            q[c * CHUNK + i] = r >= 127.0f ? 127 : r <= -127.0f ? -127 : r == r ? int8_t(r) : 0;  // NaN: 0
+        }
     }
 }
 
@@ -360,7 +364,8 @@ void check(const mx::array &w, const mx::array &s, const mx::array &b, int group
     if (bits != 4 && bits != 8) fail("only 4- and 8-bit weights");
     if (group_size != 32 && group_size != 64 && group_size != 128) fail("group size must be 32, 64 or 128");
     if (w.dtype() != mx::uint32 || w.ndim() < 2 || w.ndim() > 3) fail("w must be packed uint32 [(experts,) n, ...]");
-    if (s.shape() != b.shape() || s.dtype() != b.dtype() || s.ndim() != w.ndim()) fail("scales and biases must match");
+    if (s.shape() != b.shape() || s.dtype() != b.dtype() || s.ndim() != w.ndim() || (w.ndim() == 3 && s.shape(0) != w.shape(0)))
+        fail("scales and biases must match the weights");
     scale_type_of(s.dtype());
     const int64_t n = w.shape(-2), k = w.shape(-1) * 32 / bits;
     if (n % BLOCK || k % group_size || s.shape(-1) * group_size != k || s.shape(-2) != n)

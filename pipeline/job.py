@@ -164,10 +164,13 @@ def load_stage(args: argparse.Namespace, plan: Plan, rank: int, progress: bool, 
         from .models.mtp import load_mtp
 
         stage.mtp = load_mtp(plan.config, plan.checkpoint, getattr(mx, args.dtype), args.requantize, dense, progress)
-    if getattr(args, "int8_activations", False):
+    if getattr(args, "int8_activations", False):  # int8 products (int8_kernels.cpp); none without the kernels
+        config = plan.config
+        # the last rank's share of the LM head computes as rank 0's head does, or both stay float32
+        share = config.vocab_size % qmm.INT8_BLOCK == 0 and not (plan.dense and plan.dense[0])
         for module in (stage.model, stage.mtp):
             if module is not None:
-                qmm.use_int8(module)  # int8 products (int8_kernels.cpp); none without the kernels (stats line)
+                qmm.use_int8(module, tied_head=bool(config.tie_word_embeddings), head_share=share)
     return stage
 
 

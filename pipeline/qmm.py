@@ -361,6 +361,7 @@ def rows_product(module: nn.Module, x: mx.array, begin: int = 0, end: int | None
     layout where `use_int8` made one (an embedding keeps its own for lookups beside it; begin and end
     are then multiples of 16, whole blocks), else MLX's."""
     int8 = getattr(module, "int8", False)
+    assert not int8 or begin % INT8_BLOCK == 0 and (end is None or end % INT8_BLOCK == 0), (begin, end)
     prefix = "int8_" if int8 and "int8_weight" in module else ""
     rows = slice(begin, end)
     biases = module.get(prefix + "biases")
@@ -400,27 +401,35 @@ def int8_covers(module: nn.Module) -> bool:
             and module.bits in INT8_BITS and w.shape[-2] % INT8_BLOCK == 0)
 
 
-def use_int8(model: nn.Module) -> int:
+def use_int8(model: nn.Module, tied_head: bool = False, head_share: bool = True) -> int:
     """--int8-activations: repack the 4- and 8-bit weights of `model`'s quantized modules for the int8
     products (int8_kernels.cpp), in place, one module at a time: same shapes and bytes, another order,
-    and `module.int8` set so their products take the int8 path. A tied embedding keeps its MLX layout
-    for lookups and gains an int8 copy for its use as the LM head. Returns how many were repacked
-    (0 without the kernels: the stats line says why)."""
+    and `module.int8` set so their products take the int8 path. tied_head: the embedding is also the
+    LM head (tie_word_embeddings): it keeps its MLX layout for lookups and gains an int8 copy for the
+    head; an embedding that is not the head is left alone. head_share: the last rank's share of the
+    head (head_share.py) may take the int8 path; the caller says no where rank 0's head cannot (its
+    rows not whole blocks, or rank 0 dense), so that both compute the head the same way.
+    Returns how many were repacked (0 without the kernels: the stats line says why)."""
     from .models.experts import QuantizedSwitchLinear
 
     state = load()
     if state.module is None:
         return 0
     set_threads()
+    skip = set()
+    if not head_share and "head_share" in model:
+        skip.add(id(model["head_share"]))
     count = 0
     for module in model.modules():
         if not isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear)):
             continue
-        if getattr(module, "int8", False) or not int8_covers(module):
+        embedding = isinstance(module, nn.QuantizedEmbedding)
+        if (embedding and not tied_head) or id(module) in skip or getattr(module, "int8", False) \
+                or not int8_covers(module):
             continue
         w, s, b = state.module.int8_repack(module["weight"], module["scales"], module["biases"], module.group_size,
                                            module.bits)
-        prefix = "int8_" if isinstance(module, nn.QuantizedEmbedding) else ""
+        prefix = "int8_" if embedding else ""
         module[prefix + "weight"], module[prefix + "scales"], module[prefix + "biases"] = w, s, b
         module.int8 = True
         count += 1

@@ -134,7 +134,10 @@ def test_use_int8_repacks_modules_in_place(kernels):
     x = mx.random.normal((3, 64))
     before = [model.layers[0](x), model.layers[1](x), model.layers[2].as_linear(x), model.layers[2](mx.array([1, 5]))]
     shapes = [model.layers[0].weight.shape, model.layers[0].scales.shape]
-    assert qmm.use_int8(model) == 2
+    untied = nn.Sequential(nn.Embedding(32, 64))
+    nn.quantize(untied, group_size=32, bits=4)
+    assert qmm.use_int8(untied, tied_head=False) == 0 and "int8_weight" not in untied.layers[0]  # lookups only
+    assert qmm.use_int8(model, tied_head=True) == 2
     assert [model.layers[0].weight.shape, model.layers[0].scales.shape] == shapes
     assert getattr(model.layers[0], "int8", False) and not getattr(model.layers[1], "int8", False)
     after = [model.layers[0](x), model.layers[1](x), model.layers[2].as_linear(x), model.layers[2](mx.array([1, 5]))]
@@ -143,8 +146,10 @@ def test_use_int8_repacks_modules_in_place(kernels):
         assert np.allclose(np.array(after[i]), np.array(before[i]), atol=0.05 * float(mx.abs(before[i]).max()))
     for i in (1, 3):  # untouched
         assert np.array_equal(np.array(after[i]), np.array(before[i]))
-    # the LM head's share (head_share.py): rows [16, 32) of the tied embedding, whole blocks
+    # the LM head's share (head_share.py): rows [16, 32) of the tied embedding, whole blocks only
     assert np.array_equal(np.array(qmm.rows_product(model.layers[2], x, 16, 32)), np.array(after[2])[:, 16:32])
+    with pytest.raises(AssertionError):
+        qmm.rows_product(model.layers[2], x, 8, 24)
 
 
 VARIANT_PROBE = r"""
@@ -173,20 +178,24 @@ np.savez(sys.argv[2], **out)
 """
 
 
+ISA_ORDER = ["AVX2", "AVX-512BW", "AVX-512 VNNI"]  # each a subset of the next
+
+
 @pytest.mark.skipif(qmm.missing_tools() != "" or os.environ.get(qmm.ENV) is not None, reason="no kernels here")
 @pytest.mark.parametrize("flags,isa", [(("-mno-avx512vnni",), "AVX-512BW"), (("-mno-avx512f",), "AVX2")])
 def test_every_isa_gives_the_same_bits(kernels, tmp_path, flags, isa):
     """A CPU without VNNI (vpmaddubsw + vpmaddwd), or without AVX-512 (AVX2): the integer sums are exact and
-    the float steps the same, so the bits equal this CPU's. Builds the variant (~25 s)."""
-    if kernels.int8_isa() != "AVX-512 VNNI":
-        pytest.skip(f"this CPU's int8 path is {kernels.int8_isa()}: nothing to compare the variant with")
+    the float steps the same, so the bits equal this CPU's. Builds each variant below this CPU's (~25 s)."""
+    native_isa = kernels.int8_isa()
+    if native_isa not in ISA_ORDER or ISA_ORDER.index(native_isa) <= ISA_ORDER.index(isa):
+        pytest.skip(f"this CPU's int8 path is {native_isa}: the {isa} variant is not below it")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     for where, out in ((str(tmp_path), tmp_path / "variant.npz"), ("-", tmp_path / "native.npz")):
         result = subprocess.run([sys.executable, "-c", VARIANT_PROBE, where, str(out), *flags], capture_output=True,
                                 text=True, timeout=300, env=env, cwd=REPO)
         assert result.returncode == 0, result.stderr
     variant, native = np.load(tmp_path / "variant.npz"), np.load(tmp_path / "native.npz")
-    assert str(variant["isa"]) == isa and str(native["isa"]) == "AVX-512 VNNI"
+    assert str(variant["isa"]) == isa and str(native["isa"]) == native_isa
     for key in native.files:
         if key != "isa":
             assert np.array_equal(variant[key].view(np.uint8), native[key].view(np.uint8)), key
