@@ -4,7 +4,8 @@ Two kinds of prompts, through the model's chat template, greedy:
   (a) copy-heavy: repeat, correct or edit a given text (what prompt lookup is for)
   (b) open questions (nothing to look up: drafting must cost next to nothing)
 Contenders, interleaved run by run, each a fresh process, on the default model (SmolLM2-135M):
-  pipeline 1 rank / 2 ranks, --draft none and --draft ngram (acceptance and tokens per trip beside)
+  pipeline 1 rank / 2 ranks, --draft none and --draft ngram (acceptance and tokens per trip beside),
+      with float32 products and with --int8-activations ("int8": cheaper verified positions)
   mlx-lm+pipeline BLAS+fp32 weights: mlx-lm's stream_generate with exactly our BLAS set-up, in one
       process using the same cores (no draft: mlx-lm's speculation needs a smaller draft model with
       the same tokenizer, and none exists for SmolLM2-135M)
@@ -69,9 +70,12 @@ LOOKUP_DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, spee
 LOOKUP_COUNT = {key: re.compile(rf"{key}\s+= (\d+)") for key in ("n_predict", "n_drafted", "n_accept")}
 
 
-def run_pipeline(ranks: int, model: Path, prompt: str, max_tokens: int, draft: str) -> dict:
+VARIANTS = {"": (), " int8": ("--int8-activations",)}  # pipeline's contenders: float32 products, and int8 ones
+
+
+def run_pipeline(ranks: int, model: Path, prompt: str, max_tokens: int, draft: str, extra: tuple = ()) -> dict:
     cmd = ["mpiexec", "-n", str(ranks), sys.executable, "-m", "pipeline", "generate", "--model", str(model),
-           "--prompt", prompt, "--max-tokens", str(max_tokens), "--draft", draft]
+           "--prompt", prompt, "--max-tokens", str(max_tokens), "--draft", draft, *extra]
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=common.REPO, env=common.env_with_repo(),
                           timeout=1800)
@@ -158,9 +162,9 @@ def main() -> None:
             ids = tokenizer.prompt_ids(prompt)
             templated = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
             contenders = {
-                f"pipeline {n} rank{'s' * (n > 1)}, draft {d}":
-                    (lambda n=n, d=d: run_pipeline(n, model, prompt, args.max_tokens, d))
-                for n in (1, 2) for d in ("none", "ngram")}
+                f"pipeline {n} rank{'s' * (n > 1)}{v}, draft {d}":
+                    (lambda n=n, d=d, v=v: run_pipeline(n, model, prompt, args.max_tokens, d, VARIANTS[v]))
+                for v in VARIANTS for n in (1, 2) for d in ("none", "ngram")}
             contenders["mlx-lm+pipeline BLAS+fp32 weights"] = lambda: common.run_mlx_lm(
                 model, ids, args.max_tokens, openblas=False, dense=True, pipeline_blas=True)
             if lookup:
@@ -170,8 +174,9 @@ def main() -> None:
             runs = common.interleave(contenders, args.runs, args.warmup)
             texts = {c: rs[0].get("text") for c, rs in runs.items()}
             for n in (1, 2):
-                plain = f"pipeline {n} rank{'s' * (n > 1)}, draft none"
-                assert texts[plain.replace("none", "ngram")] == texts[plain], (kind, i, n)
+                for v in VARIANTS:
+                    plain = f"pipeline {n} rank{'s' * (n > 1)}{v}, draft none"
+                    assert texts[plain.replace("none", "ngram")] == texts[plain], (kind, i, n, v)
             alike = {c: starts_alike(texts[c], texts["pipeline 1 rank, draft none"]) for c in runs if "llama.cpp" in c}
             if alike:
                 print(f"  llama.cpp text starts like pipeline's: {alike}", flush=True)
@@ -182,9 +187,9 @@ def main() -> None:
                 "llamacpp_text_starts_like_pipeline": alike, "runs": runs}
 
     summary = {}
-    pairs = {f"{n} rank{'s' * (n > 1)}: ngram / none decode": (f"pipeline {n} rank{'s' * (n > 1)}, draft ngram",
-                                                               f"pipeline {n} rank{'s' * (n > 1)}, draft none")
-             for n in (1, 2)}
+    pairs = {f"{n} rank{'s' * (n > 1)}{v}: ngram / none decode": (f"pipeline {n} rank{'s' * (n > 1)}{v}, draft ngram",
+                                                                  f"pipeline {n} rank{'s' * (n > 1)}{v}, draft none")
+             for v in VARIANTS for n in (1, 2)}
     if lookup:
         pairs["llama.cpp: lookup / none decode"] = ("llama.cpp lookup", "llama.cpp none")
         pairs["pipeline 1 rank ngram / llama.cpp lookup decode"] = ("pipeline 1 rank, draft ngram", "llama.cpp lookup")
