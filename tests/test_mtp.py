@@ -275,6 +275,21 @@ def test_generate_with_mtp_equals_plain_on_1_2_3_ranks(mtp_model):
         assert stats and int(stats.group(1)) > 0, drafted.stderr
 
 
+def test_mtp_with_int8_products_equals_plain(mtp_model, kernels):
+    """--int8-activations (the module's own layer repacked too, the head shared with rank 0's model):
+    drafts on 2 ranks give the tokens of plain decoding on 1 rank with the same products."""
+    folder, _, _ = mtp_model
+    args = ("generate", "--model", str(folder), "--no-chat-template", "--prompt", TEXT, "--max-tokens", "24",
+            "--quantize", "8", "--group-size", "32", "--int8-activations")
+    plain = mpiexec(1, *args, "--draft", "none")
+    assert plain.returncode == 0, plain.stderr
+    drafted = mpiexec(2, *args, "--draft", "mtp", "--draft-tokens", "2")
+    assert drafted.returncode == 0, drafted.stderr
+    assert drafted.stdout == plain.stdout and "int8 activations" in drafted.stderr
+    stats = re.search(r"speculative: drafted (\d+), accepted (\d+)", drafted.stderr)
+    assert stats and int(stats.group(1)) > 0, drafted.stderr
+
+
 def test_batch_with_mtp_equals_batch_without(mtp_model, tmp_path):
     """Each sequence drafts with its own module cache inside the micro-batches: texts equal those
     without drafts on 2 and 3 ranks (head shared), and with the prefix cache (one at a time, so the
