@@ -275,11 +275,8 @@ void product(const std::vector<PackedMatrix> &mats, const std::vector<int64_t> &
                      std::vector<float>(rows * (k / CHUNK))};
     for (int64_t r = 0; r < rows; r++)
         quantize_row(x + r * k, k, xq.q.data() + r * k, xq.d.data() + r * (k / CHUNK), xq.sum.data() + r * (k / CHUNK));
-    std::vector<int64_t> start(experts + 1, 0), order(rows);
-    for (int64_t r = 0; r < rows; r++) start[expert_of[r] + 1]++;
-    for (int64_t e = 0; e < experts; e++) start[e + 1] += start[e];
-    std::vector<int64_t> fill(start.begin(), start.end() - 1);
-    for (int64_t r = 0; r < rows; r++) order[fill[expert_of[r]]++] = r;
+    const RowsByExpert by_expert = rows_by_expert(expert_of, experts);
+    const std::vector<int64_t> &start = by_expert.start, &order = by_expert.order;
     std::vector<float *> out_rows(rows);
     for (int64_t i = 0; i < rows; i++) out_rows[i] = out + order[i] * n;
     std::vector<Task> tasks;
@@ -323,15 +320,7 @@ class Int8Product : public mx::UnaryPrimitive {
             const int64_t k = x.shape(-1), rows = k ? int64_t(x.size()) / k : 0;
             const int64_t n = w.shape(-2), experts = gathered ? w.shape(0) : 1;
             if (rows == 0 || n == 0) return;
-            std::vector<int64_t> expert_of(rows, 0);
-            if (gathered) {
-                const mx::array idx = contiguous(inputs[4], keep);
-                for (int64_t r = 0; r < rows; r++) {
-                    const int64_t e = idx.dtype() == mx::uint32 ? int64_t(idx.data<uint32_t>()[r])
-                                                                : int64_t(idx.data<int32_t>()[r]);
-                    expert_of[r] = std::clamp<int64_t>(e, 0, experts - 1);  // as MLX's gather clamps
-                }
-            }
+            const std::vector<int64_t> expert_of = experts_of_rows(gathered ? &inputs[4] : nullptr, rows, experts, keep);
             const int64_t matrix_bytes = n * w.shape(-1) * 4, groups = s.shape(-1);
             std::vector<PackedMatrix> mats(experts);
             for (int64_t e = 0; e < experts; e++)

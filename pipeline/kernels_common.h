@@ -92,3 +92,35 @@ inline mx::array contiguous(const mx::array &a, std::vector<mx::array> &keep) {
     keep.push_back(out);
     return out;
 }
+
+/* ---- gathered products (mixture-of-experts) -------------------------------------------------------- */
+
+/* Each row's expert from uint32 or int32 `indices` (nullptr: one matrix, all 0), clamped to
+   [0, experts) as MLX's gather clamps. */
+inline std::vector<int64_t> experts_of_rows(const mx::array *indices, int64_t rows, int64_t experts,
+                                            std::vector<mx::array> &keep) {
+    std::vector<int64_t> expert_of(rows, 0);
+    if (indices == nullptr) return expert_of;
+    const mx::array idx = contiguous(*indices, keep);
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t e = idx.dtype() == mx::uint32 ? int64_t(idx.data<uint32_t>()[r]) : int64_t(idx.data<int32_t>()[r]);
+        expert_of[r] = std::clamp<int64_t>(e, 0, experts - 1);
+    }
+    return expert_of;
+}
+
+/* The rows grouped by expert, in order within a group (a counting sort): expert e's rows are
+   order[start[e]] .. order[start[e + 1] - 1]. */
+struct RowsByExpert {
+    std::vector<int64_t> start, order;
+};
+
+inline RowsByExpert rows_by_expert(const std::vector<int64_t> &expert_of, int64_t experts) {
+    const int64_t rows = int64_t(expert_of.size());
+    RowsByExpert out{std::vector<int64_t>(experts + 1, 0), std::vector<int64_t>(rows)};
+    for (int64_t r = 0; r < rows; r++) out.start[expert_of[r] + 1]++;
+    for (int64_t e = 0; e < experts; e++) out.start[e + 1] += out.start[e];
+    std::vector<int64_t> fill(out.start.begin(), out.start.end() - 1);
+    for (int64_t r = 0; r < rows; r++) out.order[fill[expert_of[r]]++] = r;
+    return out;
+}

@@ -472,15 +472,7 @@ class QuantizedProduct : public mx::UnaryPrimitive {
             const int64_t k = x.shape(-1), rows = k ? int64_t(x.size()) / k : 0;
             const int64_t n = w.shape(-2), experts = gathered ? w.shape(0) : 1;
             if (rows == 0 || n == 0) return;
-            std::vector<int64_t> expert_of(rows, 0);
-            if (gathered) {
-                const mx::array idx = contiguous(inputs[4], keep);
-                for (int64_t r = 0; r < rows; r++) {
-                    int64_t e = idx.dtype() == mx::uint32 ? int64_t(idx.data<uint32_t>()[r])
-                                                          : int64_t(idx.data<int32_t>()[r]);
-                    expert_of[r] = std::clamp<int64_t>(e, 0, experts - 1);  // as MLX's gather clamps
-                }
-            }
+            const std::vector<int64_t> expert_of = experts_of_rows(gathered ? &inputs[4] : nullptr, rows, experts, keep);
             std::vector<QMatrix> mats(experts);
             const int64_t row_bytes = w.shape(-1) * 4, groups = s.shape(-1);
             for (int64_t e = 0; e < experts; e++)
@@ -498,12 +490,8 @@ class QuantizedProduct : public mx::UnaryPrimitive {
                 xrows[r] = permuted.data() + r * k;
                 orows[r] = o + r * n;
             }
-            // rows grouped by expert, in order within a group (a counting sort)
-            std::vector<int64_t> start(experts + 1, 0), order(rows);
-            for (int64_t r = 0; r < rows; r++) start[expert_of[r] + 1]++;
-            for (int64_t e = 0; e < experts; e++) start[e + 1] += start[e];
-            std::vector<int64_t> fill(start.begin(), start.end() - 1);
-            for (int64_t r = 0; r < rows; r++) order[fill[expert_of[r]]++] = r;
+            const RowsByExpert by_expert = rows_by_expert(expert_of, experts);
+            const std::vector<int64_t> &start = by_expert.start, &order = by_expert.order;
             std::vector<Task> tasks;
             const int64_t blocks = (n + COLS - 1) / COLS;
             for (int64_t e = 0; e < experts; e++)

@@ -230,21 +230,28 @@ def test_missing_python_headers_are_named_with_the_fix(monkeypatch, tmp_path):
     assert qmm.missing_tools() == "" and qmm.problem() == ""
 
 
-AVX2_PROBE = r"""
+VARIANT_PROBE = r"""
 import sys, numpy as np
 import pipeline.blas
 import mlx.core as mx
 from pathlib import Path
 from pipeline import qmm
+flags = tuple(sys.argv[3:])  # the variant's compiler flags
 if sys.argv[1] == "-":
     module = qmm.load().module
 else:
-    path = Path(sys.argv[1]) / qmm.extension_path().name
-    qmm.build(path, ("-mno-avx512f",))
+    path = Path(sys.argv[1]) / qmm.extension_path(flags).name
+    qmm.build(path, flags)
     module = qmm.load_extension(path, build_if_missing=False)
 module.set_threads(2)
 rng = np.random.default_rng(0)
-out = {"isa": np.array(module.isa())}
+out = {"isa": np.array(module.isa()), "int8 isa": np.array(module.int8_isa())}
+for bits, group in ((4, 32), (8, 64), (4, 128)):  # int8 products (tests/test_int8_kernels.py)
+    w, s, b = mx.quantize(mx.array(rng.standard_normal((48, 640)).astype(np.float32)), group_size=group, bits=bits)
+    packed = module.int8_repack(w, s.astype(mx.bfloat16), b.astype(mx.bfloat16), group, bits)
+    for rows in (1, 2, 3, 5, 9, 13, 70):
+        x = mx.array((rng.standard_normal((rows, 640)) * 4).astype(np.float32))
+        out[f"int8 {bits} {group} {rows}"] = np.array(module.int8_matmul(x, *packed, group, bits))
 for bits, group in ((4, 32), (8, 64), (5, 128)):
     w, s, b = mx.quantize(mx.array(rng.standard_normal((45, 640)).astype(np.float32)), group_size=group, bits=bits)
     for rows in (1, 2, 3, 5, 9, 13, 17, 64):
@@ -259,20 +266,30 @@ np.savez(sys.argv[2], **out)
 """
 
 
+def variant_and_native(tmp_path, flags: tuple[str, ...]):
+    """The probe's outputs from a build with `flags` (built into tmp_path, ~20 s) and from this CPU's."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for where, out in ((str(tmp_path), tmp_path / "variant.npz"), ("-", tmp_path / "native.npz")):
+        result = subprocess.run([sys.executable, "-c", VARIANT_PROBE, where, str(out), *flags], capture_output=True,
+                                text=True, timeout=300, env=env, cwd=REPO)
+        assert result.returncode == 0, result.stderr
+    return np.load(tmp_path / "variant.npz"), np.load(tmp_path / "native.npz")
+
+
+def assert_same_bits(variant, native, prefix: str = "") -> None:
+    keys = [key for key in native.files if "isa" not in key and key.startswith(prefix)]
+    assert keys
+    for key in keys:
+        assert np.array_equal(variant[key].view(np.uint8), native[key].view(np.uint8)), key
+
+
 @pytest.mark.skipif(qmm.missing_tools() != "" or os.environ.get(qmm.ENV) is not None, reason="no kernels here")
 def test_avx2_build_gives_the_same_bits(kernels, tmp_path):
     """A CPU without AVX-512 gets the AVX2 build (two 8-lane halves per 16-lane vector): every product
-    path (1 row, 2-12 rows in registers, 6- and 4-row tiles, the sgemm path) and the re-quantization
-    kernel must give the AVX-512 build's bits. Builds the variant (~20 s)."""
+    path (1 row, 2-12 rows in registers, 6- and 4-row tiles, the sgemm path), the re-quantization
+    kernel and the int8 products (vpmaddubsw in two halves) must give the AVX-512 build's bits."""
     if kernels.isa() != "AVX-512":
         pytest.skip("this CPU has no AVX-512: nothing to compare the AVX2 build with")
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    for where, out in ((str(tmp_path), tmp_path / "avx2.npz"), ("-", tmp_path / "native.npz")):
-        result = subprocess.run([sys.executable, "-c", AVX2_PROBE, where, str(out)], capture_output=True, text=True,
-                                timeout=300, env=env, cwd=REPO)
-        assert result.returncode == 0, result.stderr
-    avx2, native = np.load(tmp_path / "avx2.npz"), np.load(tmp_path / "native.npz")
-    assert str(avx2["isa"]) == "AVX2" and str(native["isa"]) == "AVX-512"
-    for key in native.files:
-        if key != "isa":
-            assert np.array_equal(avx2[key].view(np.uint8), native[key].view(np.uint8)), key
+    avx2, native = variant_and_native(tmp_path, ("-mno-avx512f",))
+    assert str(avx2["isa"]) == "AVX2" and str(native["isa"]) == "AVX-512" and str(avx2["int8 isa"]) == "AVX2"
+    assert_same_bits(avx2, native)
