@@ -363,10 +363,11 @@ def rows_product(module: nn.Module, x: mx.array, begin: int = 0, end: int | None
     int8 = getattr(module, "int8", False)
     assert not int8 or begin % INT8_BLOCK == 0 and (end is None or end % INT8_BLOCK == 0), (begin, end)
     prefix = "int8_" if int8 and "int8_weight" in module else ""
-    rows = slice(begin, end)
-    biases = module.get(prefix + "biases")
-    return quantized_matmul(x, module[prefix + "weight"][rows], module[prefix + "scales"][rows],
-                            None if biases is None else biases[rows], transpose=True, group_size=module.group_size,
+    weight, scales, biases = module[prefix + "weight"], module[prefix + "scales"], module.get(prefix + "biases")
+    if begin or end is not None:  # a slice is a node of the graph: none for the whole matrix (every layer's call)
+        weight, scales = weight[begin:end], scales[begin:end]
+        biases = None if biases is None else biases[begin:end]
+    return quantized_matmul(x, weight, scales, biases, transpose=True, group_size=module.group_size,
                             bits=module.bits, mode=getattr(module, "mode", "affine"), int8=int8)
 
 
