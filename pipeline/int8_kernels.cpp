@@ -143,15 +143,6 @@ inline void dot_step(i32x16 &iacc, u8x64 v, int32_t x4) {
 
 /* ---- the kernel ------------------------------------------------------------------------------------ */
 
-enum ScaleType { SCALE_F32 = 0, SCALE_F16 = 1, SCALE_BF16 = 2 };
-
-inline int scale_type_of(mx::Dtype t) {
-    if (t == mx::float16) return SCALE_F16;
-    if (t == mx::bfloat16) return SCALE_BF16;
-    if (t == mx::float32) return SCALE_F32;
-    throw std::invalid_argument("pipeline int8: scales must be float32, float16 or bfloat16");
-}
-
 /* 16 consecutive scales (or biases) as floats (each conversion exact). */
 inline v16 load_scales(const void *p, int type, int64_t i) {
 #if defined(__AVX512F__)
@@ -165,17 +156,7 @@ inline v16 load_scales(const void *p, int type, int64_t i) {
     }
 #else
     float f[16];
-    for (int l = 0; l < 16; l++) {
-        switch (type) {
-            case SCALE_F16: f[l] = static_cast<float>(static_cast<const mx::float16_t *>(p)[i + l]); break;
-            case SCALE_BF16: {
-                const uint32_t bits = uint32_t(static_cast<const uint16_t *>(p)[i + l]) << 16;
-                std::memcpy(&f[l], &bits, 4);
-                break;
-            }
-            default: f[l] = static_cast<const float *>(p)[i + l];
-        }
-    }
+    for (int l = 0; l < 16; l++) f[l] = scale_at(p, type, i + l);
     return load16(f);
 #endif
 }
@@ -234,17 +215,11 @@ void block_tile(const PackedMatrix &m, int64_t cb, const QuantizedRows &xq, cons
     for (int r = 0; r < R; r++) store16(out[r] + cb * BLOCK, acc[r]);
 }
 
-#if defined(__AVX512F__)
-constexpr int MAX_TILE = 8;  // 8 int32 + 8 float accumulators fit AVX-512's 32 registers
-#else
-constexpr int MAX_TILE = 4;
-#endif
-
 template <int bits>
 void column_block(const PackedMatrix &m, int64_t cb, const QuantizedRows &xq, const int64_t *rows, float *const *out,
                   int64_t nrows) {
     int64_t r = 0;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__)  // 8 int32 + 8 float accumulators fit AVX-512's 32 registers
     for (; r + 8 <= nrows; r += 8) block_tile<bits, 8>(m, cb, xq, rows + r, out + r);
 #endif
     for (; r + 4 <= nrows; r += 4) block_tile<bits, 4>(m, cb, xq, rows + r, out + r);

@@ -12,8 +12,11 @@
 #include <immintrin.h>
 #endif
 
+#include <stdexcept>
+
 #include "mlx/allocator.h"
 #include "mlx/array.h"
+#include "mlx/types/half_types.h"
 
 namespace mx = mlx::core;
 
@@ -91,6 +94,31 @@ inline mx::array contiguous(const mx::array &a, std::vector<mx::array> &keep) {
     }
     keep.push_back(out);
     return out;
+}
+
+/* ---- quantized weights' scales and biases ----------------------------------------------------------- */
+
+enum ScaleType { SCALE_F32 = 0, SCALE_F16 = 1, SCALE_BF16 = 2 };
+
+inline int scale_type_of(mx::Dtype t) {
+    if (t == mx::float16) return SCALE_F16;
+    if (t == mx::bfloat16) return SCALE_BF16;
+    if (t == mx::float32) return SCALE_F32;
+    throw std::invalid_argument("pipeline_qmm: scales must be float32, float16 or bfloat16");
+}
+
+/* Scale (or bias) i of an array of `type`, as a float (every conversion exact). */
+inline float scale_at(const void *p, int type, int64_t i) {
+    switch (type) {
+        case SCALE_F16: return static_cast<float>(static_cast<const mx::float16_t *>(p)[i]);
+        case SCALE_BF16: {
+            const uint32_t bits = uint32_t(static_cast<const uint16_t *>(p)[i]) << 16;
+            float f;
+            std::memcpy(&f, &bits, 4);
+            return f;
+        }
+        default: return static_cast<const float *>(p)[i];
+    }
 }
 
 /* ---- gathered products (mixture-of-experts) -------------------------------------------------------- */

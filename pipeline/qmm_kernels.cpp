@@ -81,21 +81,6 @@ static inline i32x16 widen_bytes(const uint8_t *p) {
 
 /* ---- the layout ------------------------------------------------------------------------------------ */
 
-enum ScaleType { SCALE_F32 = 0, SCALE_F16 = 1, SCALE_BF16 = 2 };
-
-static inline float scale_at(const void *p, int type, int64_t i) {
-    switch (type) {
-        case SCALE_F16: return static_cast<float>(static_cast<const mx::float16_t *>(p)[i]);
-        case SCALE_BF16: {
-            uint32_t bits = uint32_t(static_cast<const uint16_t *>(p)[i]) << 16;
-            float f;
-            std::memcpy(&f, &bits, 4);
-            return f;
-        }
-        default: return static_cast<const float *>(p)[i];
-    }
-}
-
 /* One matrix (or one expert's): row n's packed bytes start at w + n * row_bytes. */
 struct QMatrix {
     const uint8_t *w;
@@ -435,13 +420,6 @@ static void blas_product(const QMatrix &m, const float *x, int64_t rows, float *
 }
 
 /* ---- the MLX operation --------------------------------------------------------------------------- */
-
-static int scale_type_of(mx::Dtype t) {
-    if (t == mx::float16) return SCALE_F16;
-    if (t == mx::bfloat16) return SCALE_BF16;
-    if (t == mx::float32) return SCALE_F32;
-    throw std::invalid_argument("pipeline_qmm: scales must be float32, float16 or bfloat16");
-}
 
 /* x [..., k] times n weight rows: [..., n]. */
 static mx::Shape product_shape(const mx::array &x, const mx::array &w) {
