@@ -295,8 +295,7 @@ def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
     state = load()
     if int8:
         state.used["int8"] += 1
-        out = state.module.int8_matmul(x.astype(mx.float32), w, scales, biases, group_size, bits)
-        return out.astype(x.dtype)
+        return _in_dtype_of(x, state.module.int8_matmul(_float32(x), w, scales, biases, group_size, bits))
     kernels = _kernels(x)
     if kernels is not None and covers(w, scales, biases, group_size, bits, mode, transpose):
         if w.ndim == 2:
@@ -309,6 +308,15 @@ def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
     state.used["mlx"] += 1
     return mx.quantized_matmul(x, w, scales, biases, transpose=transpose, group_size=group_size, bits=bits,
                                mode=mode)
+
+
+def _float32(x: mx.array) -> mx.array:
+    """x as the int8 kernels take it (--dtype float32 already is: an astype would add a node anyway)."""
+    return x if x.dtype == mx.float32 else x.astype(mx.float32)
+
+
+def _in_dtype_of(x: mx.array, out: mx.array) -> mx.array:
+    return out if x.dtype == out.dtype else out.astype(x.dtype)
 
 
 def gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None = None,
@@ -328,8 +336,7 @@ def gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | No
         flat_x = mx.broadcast_to(x, (*batch, rows, k)).reshape(-1, k)
         experts = mx.broadcast_to(rhs_indices[..., None], (*batch, rows)).reshape(-1).astype(mx.uint32)
         if int8:
-            out = kernels.int8_gather_qmm(flat_x.astype(mx.float32), w, scales, biases, experts, group_size,
-                                          bits).astype(x.dtype)
+            out = _in_dtype_of(x, kernels.int8_gather_qmm(_float32(flat_x), w, scales, biases, experts, group_size, bits))
         else:
             out = kernels.gather_qmm(flat_x, w, scales, biases, experts, group_size, bits)
         return out.reshape(*batch, rows, w.shape[1])
