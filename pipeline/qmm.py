@@ -411,7 +411,8 @@ def int8_covers(module: nn.Module) -> bool:
 
 def use_int8(model: nn.Module, tied_head: bool = False, head_share: bool = True) -> int:
     """--int8-activations: repack the 4- and 8-bit weights of `model`'s quantized modules for the int8
-    products (int8_kernels.cpp), in place, one module at a time: same shapes and bytes, another order,
+    products (int8_kernels.cpp), in place, one module at a time: same shapes, another order (float32 scales
+    holding float16 values, a GGUF's, become float16: fewer bytes a token, same numbers),
     and `module.int8` set so their products take the int8 path. tied_head: the embedding is also the
     LM head (tie_word_embeddings): it keeps its MLX layout for lookups and gains an int8 copy for the
     head; an embedding that is not the head is left alone. head_share: the last rank's share of the

@@ -201,3 +201,23 @@ def test_generate_and_batch_agree_with_int8_on_1_and_2_ranks(kernels, tmp_path, 
                          *flags, env=ENV)
         assert result.returncode == 0, result.stderr
         assert {r["id"]: r["text"] for r in read_records(out)} == expected, f"{n} ranks"
+
+
+def test_float16_valued_scales_are_held_as_float16_with_the_same_products(kernels):
+    """GGUF's Q4_0/Q4_1/Q8_0 scales reach the repack as float32 holding float16 values: repacked, they are
+    float16 (half the bytes a token reads) and every product has the same bits; other float32 scales stay.
+    4096 x 1024 4-bit codes are 2 MiB: the repack puts them on a 2 MiB boundary (huge pages), which the
+    product must read from that offset."""
+    rng = np.random.default_rng(11)
+    n, k, bits, group_size = 4096, 1024, 4, 32
+    w, scales, biases = quantized(rng, n, k, bits, group_size, "float16")
+    as_float32 = int8(kernels, w, scales.astype(mx.float32), biases.astype(mx.float32), group_size, bits)
+    as_float16 = int8(kernels, w, scales, biases, group_size, bits)
+    assert as_float32[1].dtype == as_float32[2].dtype == mx.float16
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    got = np.array(kernels.int8_matmul(mx.array(x), *as_float32, group_size, bits))
+    assert np.array_equal(got, np.array(kernels.int8_matmul(mx.array(x), *as_float16, group_size, bits)))
+    model, magnitude = int8_reference(x, w, scales, biases, bits, group_size)
+    assert np.max(np.abs(got - model) / magnitude) < RELATIVE_TOLERANCE
+    nudged = scales.astype(mx.float32) * (1 + 2.0 ** -20)  # not float16 values
+    assert int8(kernels, w, nudged, biases.astype(mx.float32), group_size, bits)[1].dtype == mx.float32
