@@ -33,6 +33,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
 
 #include <algorithm>
 #include <cmath>
@@ -49,6 +50,7 @@
 #endif
 
 #include "mlx/backend/cpu/encoder.h"
+#include "mlx/backend/cpu/unary_ops.h"
 #include "mlx/ops.h"
 #include "mlx/transforms.h"
 #include "mlx/primitives.h"
@@ -239,43 +241,82 @@ constexpr int64_t ROW_BLOCK = 64;
    one thread: memory needs both cores). Those figures predate on_threads (kernels_common.h): the repack's
    OpenMP team on the Python thread had cut libgomp's spin-wait, so every threaded product paid a wake-up.
    Re-measured without it (decode ms a token, the fastest of 8 blocks of 32, 3 interleaved runs): SmolLM2 12.3-12.9 at 2^16 and 11.9-12.9
-   at 2^22, the 1B Llama 26.0-29.4 and 27.6-28.5: the same within this VM's noise. */
+   at 2^22, the 1B Llama 26.0-29.4 and 27.6-28.5: the same within this VM's noise. Alone, SmolLM2's 211
+   products of a token take 4.6-4.8 ms at 2^16 against 6.6-7.0 at 2^22, but not in a decode step, where the
+   Python thread building the next step's graph has the second core. */
 constexpr int64_t THREADED_MIN_WORK = int64_t(1) << 22;
 
 struct Task {
-    int64_t expert, r0, r1, cb;
+    int64_t part, expert, r0, r1, cb;
 };
+
+QuantizedRows quantized_rows(const float *x, int64_t rows, int64_t k) {
+    QuantizedRows xq{std::vector<int8_t>(rows * k), std::vector<float>(rows * (k / CHUNK)),
+                     std::vector<float>(rows * (k / CHUNK))};
+    for (int64_t r = 0; r < rows; r++)
+        quantize_row(x + r * k, k, xq.q.data() + r * k, xq.d.data() + r * (k / CHUNK), xq.sum.data() + r * (k / CHUNK));
+    return xq;
+}
+
+/* The tasks of one call over the threads. Part p's expert e is parts[p][e]; its output rows are
+   out_rows[p][i] for the rows order[i] (rows grouped by expert). */
+void run_tasks(const std::vector<Task> &tasks, const std::vector<const PackedMatrix *> &parts, const QuantizedRows &xq,
+               const std::vector<int64_t> &order, const std::vector<std::vector<float *>> &out_rows, int64_t work) {
+    const int64_t ntasks = int64_t(tasks.size());
+    const bool threaded = g_threads > 1 && ntasks > 1 && work >= THREADED_MIN_WORK;
+#pragma omp parallel for schedule(static) num_threads(g_threads) if (threaded)
+    for (int64_t t = 0; t < ntasks; t++) {
+        const Task &task = tasks[t];
+        const PackedMatrix &m = parts[task.part][task.expert];
+        float *const *out = out_rows[task.part].data() + task.r0;
+        if (m.bits == 4)
+            column_block<4>(m, task.cb, xq, order.data() + task.r0, out, task.r1 - task.r0);
+        else
+            column_block<8>(m, task.cb, xq, order.data() + task.r0, out, task.r1 - task.r0);
+    }
+}
 
 /* out[row] = x[row] @ expert(row)'s matrix.T for rows [0, rows): rows grouped by expert (a counting
    sort, in order within a group), then column blocks x row blocks spread over the threads. */
 void product(const std::vector<PackedMatrix> &mats, const std::vector<int64_t> &expert_of, const float *x,
              int64_t rows, float *out) {
-    const PackedMatrix &m0 = mats[0];
-    const int64_t k = m0.k, n = m0.n, experts = int64_t(mats.size());
-    QuantizedRows xq{std::vector<int8_t>(rows * k), std::vector<float>(rows * (k / CHUNK)),
-                     std::vector<float>(rows * (k / CHUNK))};
-    for (int64_t r = 0; r < rows; r++)
-        quantize_row(x + r * k, k, xq.q.data() + r * k, xq.d.data() + r * (k / CHUNK), xq.sum.data() + r * (k / CHUNK));
+    const int64_t k = mats[0].k, n = mats[0].n, experts = int64_t(mats.size());
+    const QuantizedRows xq = quantized_rows(x, rows, k);
     const RowsByExpert by_expert = rows_by_expert(expert_of, experts);
     const std::vector<int64_t> &start = by_expert.start, &order = by_expert.order;
-    std::vector<float *> out_rows(rows);
-    for (int64_t i = 0; i < rows; i++) out_rows[i] = out + order[i] * n;
+    std::vector<std::vector<float *>> out_rows(1, std::vector<float *>(rows));
+    for (int64_t i = 0; i < rows; i++) out_rows[0][i] = out + order[i] * n;
     std::vector<Task> tasks;
     for (int64_t e = 0; e < experts; e++)
         for (int64_t r0 = start[e]; r0 < start[e + 1]; r0 += ROW_BLOCK)
             for (int64_t cb = 0; cb < n / BLOCK; cb++)
-                tasks.push_back(Task{e, r0, std::min(start[e + 1], r0 + ROW_BLOCK), cb});
-    const int64_t ntasks = int64_t(tasks.size());
-    const bool threaded = g_threads > 1 && ntasks > 1 && rows * n * k >= THREADED_MIN_WORK;
-#pragma omp parallel for schedule(static) num_threads(g_threads) if (threaded)
-    for (int64_t t = 0; t < ntasks; t++) {
-        const Task &task = tasks[t];
-        const PackedMatrix &m = mats[task.expert];
-        if (m.bits == 4)
-            column_block<4>(m, task.cb, xq, order.data() + task.r0, out_rows.data() + task.r0, task.r1 - task.r0);
-        else
-            column_block<8>(m, task.cb, xq, order.data() + task.r0, out_rows.data() + task.r0, task.r1 - task.r0);
+                tasks.push_back(Task{0, e, r0, std::min(start[e + 1], r0 + ROW_BLOCK), cb});
+    run_tasks(tasks, {mats.data()}, xq, order, out_rows, rows * n * k);
+}
+
+/* outs[p] = x @ mats[p].T for several matrices of the same inputs (a layer's q, k and v; its gate and up):
+   x rounded once, every matrix's tasks in one pass over the threads. Each output element is computed as
+   `product` computes it alone (block_tile's steps do not depend on the other matrices): the same bits. */
+void products(const std::vector<PackedMatrix> &mats, const float *x, int64_t rows, const std::vector<float *> &outs) {
+    const int64_t k = mats[0].k;
+    const QuantizedRows xq = quantized_rows(x, rows, k);
+    std::vector<int64_t> order(rows);
+    for (int64_t i = 0; i < rows; i++) order[i] = i;
+    std::vector<const PackedMatrix *> parts;
+    std::vector<std::vector<float *>> out_rows;
+    std::vector<Task> tasks;
+    int64_t work = 0;
+    for (size_t p = 0; p < mats.size(); p++) {
+        const int64_t n = mats[p].n;
+        parts.push_back(&mats[p]);
+        out_rows.emplace_back(rows);
+        for (int64_t i = 0; i < rows; i++) out_rows[p][i] = outs[p] + i * n;
+        for (int64_t r0 = 0; r0 < rows; r0 += ROW_BLOCK)
+            for (int64_t cb = 0; cb < n / BLOCK; cb++)
+                tasks.push_back(Task{int64_t(p), 0, r0, std::min(rows, r0 + ROW_BLOCK), cb});
+        work += rows * n * k;
     }
+    run_tasks(tasks, parts, xq, order, out_rows, work);
 }
 
 /* ---- the MLX operation ------------------------------------------------------------------------------ */
@@ -333,6 +374,70 @@ class Int8Product : public mx::UnaryPrimitive {
    private:
     int group_size_, bits_;
     bool gathered_;
+};
+
+/* Several products of one x (see `products`), inputs x [rows, k] float32 then (w, scales, biases) per matrix,
+   all in the int8 layout with one group size and bit width: one output per matrix, or with `swiglu` (two
+   matrices, gate and up) the one output silu(gate) * up, computed as MLX computes it (its Sigmoid, then
+   two multiplies: models/base.py's swiglu), so the same bits as the three operations it replaces. */
+class Int8Products : public mx::Primitive {
+   public:
+    Int8Products(mx::Stream stream, int group_size, int bits, bool swiglu)
+        : mx::Primitive(stream), group_size_(group_size), bits_(bits), swiglu_(swiglu) {}
+
+    void eval_cpu(const std::vector<mx::array> &inputs, std::vector<mx::array> &outputs) override {
+        for (auto &out : outputs) out.set_data(mx::allocator::malloc(out.nbytes()));
+        auto &encoder = mx::cpu::get_command_encoder(stream());
+        const int group_size = group_size_, bits = bits_;
+        const bool swiglu = swiglu_;
+        encoder.dispatch([inputs, outputs, group_size, bits, swiglu]() mutable {
+            std::vector<mx::array> keep;
+            const mx::array x = contiguous(inputs[0], keep);
+            const int64_t k = x.shape(-1), rows = x.shape(0);
+            std::vector<PackedMatrix> mats;
+            for (size_t i = 1; i + 2 < inputs.size(); i += 3) {
+                const mx::array w = contiguous(inputs[i], keep), s = contiguous(inputs[i + 1], keep),
+                                b = contiguous(inputs[i + 2], keep);
+                mats.push_back(PackedMatrix{w.data<uint8_t>(), s.data<void>(), b.data<void>(), scale_type_of(s.dtype()),
+                                            w.shape(0), k, s.shape(-1), bits, group_size});
+            }
+            if (rows == 0) return;
+            if (!swiglu) {
+                std::vector<float *> outs;
+                for (auto &out : outputs) outs.push_back(out.data<float>());
+                products(mats, x.data<float>(), rows, outs);
+                return;
+            }
+            const int64_t size = rows * mats[0].n;
+            std::vector<float> up(size);
+            float *gate = outputs[0].data<float>();
+            products(mats, x.data<float>(), rows, {gate, up.data()});
+            mx::detail::Sigmoid sigmoid;
+            for (int64_t i = 0; i < size; i++) gate[i] = gate[i] * sigmoid(gate[i]) * up[i];
+        });
+    }
+
+    void eval_gpu(const std::vector<mx::array> &, std::vector<mx::array> &) override {
+        throw std::runtime_error("pipeline's int8 products run on the CPU only");
+    }
+
+    const char *name() const override { return swiglu_ ? "PipelineInt8SwiGLU" : "PipelineInt8Products"; }
+
+    bool is_equivalent(const mx::Primitive &other) const override {
+        auto *o = dynamic_cast<const Int8Products *>(&other);
+        return o && o->group_size_ == group_size_ && o->bits_ == bits_ && o->swiglu_ == swiglu_;
+    }
+
+    std::vector<mx::Shape> output_shapes(const std::vector<mx::array> &inputs) override {
+        std::vector<mx::Shape> shapes;
+        for (size_t i = 1; i < inputs.size(); i += 3) shapes.push_back(mx::Shape{inputs[0].shape(0), inputs[i].shape(0)});
+        if (swiglu_) shapes.resize(1);
+        return shapes;
+    }
+
+   private:
+    int group_size_, bits_;
+    bool swiglu_;
 };
 
 void check(const mx::array &w, const mx::array &s, const mx::array &b, int group_size, int bits) {
@@ -480,4 +585,39 @@ void register_int8(nb::module_ &m) {
                              {x, w, s, b, experts});
         },
         "row r of x [rows, k] times expert experts[r] of the repacked w -> [rows, n], lazily");
+    auto fused = [](const mx::array &x, const std::vector<mx::array> &ws, const std::vector<mx::array> &ss,
+                    const std::vector<mx::array> &bs, int group_size, int bits, bool swiglu) {
+        if (ws.empty() || ws.size() != ss.size() || ws.size() != bs.size() || (swiglu && ws.size() != 2))
+            throw std::invalid_argument("pipeline int8: one (w, scales, biases) per matrix (gate and up for swiglu)");
+        if (x.ndim() != 2 || x.dtype() != mx::float32)
+            throw std::invalid_argument("pipeline int8: x must be float32 [rows, k]");
+        std::vector<mx::array> inputs{x};
+        for (size_t i = 0; i < ws.size(); i++) {
+            check(ws[i], ss[i], bs[i], group_size, bits);
+            if (ws[i].ndim() != 2 || x.shape(-1) != ws[i].shape(-1) * 32 / bits ||
+                (swiglu && ws[i].shape(0) != ws[0].shape(0)))
+                throw std::invalid_argument("pipeline int8: every w must be [n, k * bits / 32] for x's k");
+            inputs.insert(inputs.end(), {ws[i], ss[i], bs[i]});
+        }
+        std::vector<mx::Shape> shapes;
+        for (auto &w : ws) shapes.push_back(mx::Shape{x.shape(0), w.shape(0)});
+        if (swiglu) shapes.resize(1);
+        const std::vector<mx::Dtype> dtypes(shapes.size(), mx::float32);
+        return mx::array::make_arrays(shapes, dtypes, std::make_shared<Int8Products>(cpu_stream(), group_size, bits, swiglu),
+                                      inputs);
+    };
+    m.def(
+        "int8_products",
+        [fused](const mx::array &x, const std::vector<mx::array> &ws, const std::vector<mx::array> &ss,
+                const std::vector<mx::array> &bs, int group_size, int bits) {
+            return fused(x, ws, ss, bs, group_size, bits, false);
+        },
+        "[x @ w.T for each repacked (w, scales, biases)], x [rows, k] rounded to int8 once, as one operation, lazily");
+    m.def(
+        "int8_swiglu",
+        [fused](const mx::array &x, const std::vector<mx::array> &ws, const std::vector<mx::array> &ss,
+                const std::vector<mx::array> &bs, int group_size, int bits) {
+            return fused(x, ws, ss, bs, group_size, bits, true)[0];
+        },
+        "silu(x @ gate.T) * (x @ up.T) for (gate, up) repacked, as models/base.py's swiglu rounds it, lazily");
 }

@@ -378,6 +378,38 @@ def rows_product(module: nn.Module, x: mx.array, begin: int = 0, end: int | None
                             bits=module.bits, mode=getattr(module, "mode", "affine"), int8=int8)
 
 
+def _int8_together(modules: list[nn.Module], x: mx.array) -> bool:
+    """Whether these Linears' products can be one int8 operation on x: each in the int8 layout (not an
+    embedding's copy), one group size and bit width, float32 2-D x."""
+    first = modules[0]
+    return (x.ndim == 2 and x.dtype == mx.float32
+            and all(getattr(m, "int8", False) and "int8_weight" not in m and m.group_size == first.group_size
+                    and m.bits == first.bits for m in modules))
+
+
+def products(modules: list[nn.Module], x: mx.array) -> list[mx.array]:
+    """[m(x) for m in modules] (a layer's q, k and v projections). With int8 products, one operation: x is
+    rounded once and MLX dispatches one node instead of one per product, each output the same bits."""
+    if not _int8_together(modules, x):
+        return [m(x) for m in modules]
+    state = load()
+    state.used["int8"] += len(modules)
+    outs = state.module.int8_products(x, [m["weight"] for m in modules], [m["scales"] for m in modules],
+                                      [m["biases"] for m in modules], modules[0].group_size, modules[0].bits)
+    return [out + m["bias"] if "bias" in m else out for m, out in zip(modules, outs)]
+
+
+def swiglu_product(gate: nn.Module, up: nn.Module, x: mx.array, swiglu) -> mx.array:
+    """swiglu(gate(x), up(x)). With int8 products and no Linear biases, one operation (int8_kernels.cpp's
+    Int8Products): the same bits as the three it replaces."""
+    if "bias" in gate or "bias" in up or not _int8_together([gate, up], x):
+        return swiglu(gate(x), up(x))
+    state = load()
+    state.used["int8"] += 2
+    return state.module.int8_swiglu(x, [gate["weight"], up["weight"]], [gate["scales"], up["scales"]],
+                                    [gate["biases"], up["biases"]], gate.group_size, gate.bits)
+
+
 _OURS = {nn.QuantizedLinear: QuantizedLinear, nn.QuantizedEmbedding: QuantizedEmbedding}
 
 

@@ -221,3 +221,56 @@ def test_float16_valued_scales_are_held_as_float16_with_the_same_products(kernel
     assert np.max(np.abs(got - model) / magnitude) < RELATIVE_TOLERANCE
     nudged = scales.astype(mx.float32) * (1 + 2.0 ** -20)  # not float16 values
     assert int8(kernels, w, nudged, biases.astype(mx.float32), group_size, bits)[1].dtype == mx.float32
+
+
+@pytest.mark.parametrize("rows", (1, 5, 70))
+def test_fused_products_and_swiglu_have_the_bits_of_the_products_alone(kernels, rows):
+    """A layer's q/k/v products as one operation, and gate/up with SwiGLU as one: each output element the
+    same bits as the separate products (and models/base.py's swiglu of them), gates from -100 to 100
+    (the sigmoid's saturated ends)."""
+    from pipeline.models.base import swiglu
+
+    rng = np.random.default_rng(rows)
+    k, bits, group_size = 256, 4, 64
+    mats = [int8(kernels, *quantized(rng, n, k, bits, group_size, "bfloat16"), group_size, bits) for n in (96, 32, 96)]
+    x = mx.array((rng.standard_normal((rows, k)) * rng.uniform(0.1, 30, (rows, 1))).astype(np.float32))
+    alone = [np.array(kernels.int8_matmul(x, *m, group_size, bits)) for m in mats]
+    together = kernels.int8_products(x, *[[m[i] for m in mats] for i in range(3)], group_size, bits)
+    for a, t in zip(alone, together):
+        assert np.array_equal(a, np.array(t))
+    gate, up = mats[0], mats[2]
+    assert np.abs(alone[0]).max() > 30  # past where the sigmoid rounds to 0 or 1
+    expected = np.array(swiglu(mx.array(alone[0]), mx.array(alone[2])))
+    got = np.array(kernels.int8_swiglu(x, [gate[0], up[0]], [gate[1], up[1]], [gate[2], up[2]], group_size, bits))
+    assert np.array_equal(expected, got)
+
+
+def test_layer_products_take_the_fused_operation_only_where_it_is_exact():
+    """qmm.products and qmm.swiglu_product on Linears: with int8 products, one operation with the bits of
+    each Linear called alone (Linear biases added after); dense or float32-kernel Linears, called alone."""
+    from pipeline.models.base import swiglu
+
+    mx.random.seed(4)
+    k = 128
+
+    def linears(widths: tuple[int, ...], bias: bool, form: str) -> list[nn.Module]:
+        model = nn.Sequential(*[nn.Linear(k, n, bias=bias) for n in widths])
+        for linear in model.layers:
+            linear.weight = mx.random.normal(linear.weight.shape)
+            if bias:
+                linear.bias = mx.random.normal(linear.bias.shape)
+        if form != "dense":
+            nn.quantize(model, group_size=32, bits=4)
+            qmm.use_in(model)
+        if form == "int8":
+            assert qmm.use_int8(model) == len(widths)
+        return list(model.layers)
+
+    x = mx.random.normal((3, k))
+    for bias in (False, True):
+        for form in ("dense", "quantized", "int8"):
+            modules = linears((64, 32, 32), bias, form)
+            for alone, together in zip([m(x) for m in modules], qmm.products(modules, x)):
+                assert np.array_equal(np.array(alone), np.array(together)), (bias, form)
+            gate, up = linears((64, 64), bias, form)
+            assert np.array_equal(np.array(swiglu(gate(x), up(x))), np.array(qmm.swiglu_product(gate, up, x, swiglu)))

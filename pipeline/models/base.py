@@ -10,7 +10,7 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from .. import attention, layer_kernels
+from .. import attention, layer_kernels, qmm
 from ..config import ModelConfig
 from ..errors import UserError
 
@@ -273,14 +273,16 @@ class Attention(nn.Module):
         being verified: see `kept_rows`)."""
         _, T, H = x.shape
         x = x.reshape(T, H)  # products of 2-D inputs: a 3-D one costs a flatten and an unflatten each
-        k = self.k_proj(x).reshape(T, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(T, self.n_kv_heads, self.head_dim)
         offsets = positions(lengths, caches)
         if last_only:
             last, kept = kept_rows(lengths, full)
-            q = self.q_proj(x[last]).reshape(kept[-1][1], self.n_heads, self.head_dim)
-        else:
-            q = self.q_proj(x).reshape(T, self.n_heads, self.head_dim)
+        if last_only and kept[-1][1] < T:  # queries of the kept rows only
+            k, v = self.k_proj(x), self.v_proj(x)
+            q = self.q_proj(x[last])
+        else:  # every row's query (decoding: the one row is the last): one operation with int8 products
+            q, k, v = qmm.products([self.q_proj, self.k_proj, self.v_proj], x)
+        q = q.reshape(q.shape[0], self.n_heads, self.head_dim)
+        k, v = k.reshape(T, self.n_kv_heads, self.head_dim), v.reshape(T, self.n_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if last_only:  # queries at the last positions, keys at all
@@ -384,7 +386,7 @@ class MLP(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         if x.ndim == 2:
-            return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+            return self.down_proj(qmm.swiglu_product(self.gate_proj, self.up_proj, x, swiglu))
         return self(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)  # 2-D products (see Attention)
 
 
