@@ -411,7 +411,9 @@ class PreNormBlock(nn.Module):
             attention = self.self_attn(self.input_layernorm(x), caches, lengths, last_only=last_only, full=full)
         else:
             attention = self.self_attn(self.input_layernorm(x), caches, lengths, last_only=last_only)
-        h = (x[:, kept_rows(lengths, full)[0]] if last_only else x) + attention
+        if last_only and attention.shape[1] < x.shape[1]:  # the kept rows' residuals (not a gather of all)
+            x = x[:, kept_rows(lengths, full)[0]]
+        h = x + attention
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
