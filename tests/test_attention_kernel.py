@@ -82,7 +82,7 @@ def test_each_query_rounds_the_same_whatever_shares_the_call(kernels):
     """A query alone (decoding), in its chunk (prefill, a draft being verified), among other
     sequences (a batch), with one thread or two, and over a cache with more spare room: same bits."""
     heads, kv_heads, dk, dv = 9, 3, 64, 64
-    shapes = [(1, 40), (6, 90), (1, 300), (20, 20)]
+    shapes = [(1, 40), (6, 90), (1, 300), (20, 20), (24, 400)]  # 18 M multiply-adds: two threads take it
     rng = np.random.default_rng(3)
     q, keys, values = random_batch(rng, heads, kv_heads, dk, dv, shapes)
     rows, key_len = [t for t, _ in shapes], [n for _, n in shapes]
