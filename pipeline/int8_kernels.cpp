@@ -175,6 +175,16 @@ struct PackedMatrix {
     int bits, group_size;
 };
 
+/* Matrix e (0 if not stacked) of row-contiguous repacked w [(experts,) n, k * bits / 32], scales and biases. */
+PackedMatrix packed_matrix(const mx::array &w, const mx::array &s, const mx::array &b, int64_t k, int bits,
+                           int group_size, int64_t e = 0) {
+    const int64_t n = w.shape(-2), groups = s.shape(-1);
+    return PackedMatrix{w.data<uint8_t>() + e * n * w.shape(-1) * 4,
+                        static_cast<const uint8_t *>(s.data<void>()) + e * n * groups * s.itemsize(),
+                        static_cast<const uint8_t *>(b.data<void>()) + e * n * groups * b.itemsize(),
+                        scale_type_of(s.dtype()), n, k, groups, bits, group_size};
+}
+
 /* Output columns [16 * cb, 16 * cb + 16) of R rows: the arithmetic of the file's opening comment. */
 template <int bits, int R>
 void block_tile(const PackedMatrix &m, int64_t cb, const QuantizedRows &xq, const int64_t *rows, float *const *out) {
@@ -343,13 +353,8 @@ class Int8Product : public mx::UnaryPrimitive {
             const int64_t n = w.shape(-2), experts = gathered ? w.shape(0) : 1;
             if (rows == 0 || n == 0) return;
             const std::vector<int64_t> expert_of = experts_of_rows(gathered ? &inputs[4] : nullptr, rows, experts, keep);
-            const int64_t matrix_bytes = n * w.shape(-1) * 4, groups = s.shape(-1);
-            std::vector<PackedMatrix> mats(experts);
-            for (int64_t e = 0; e < experts; e++)
-                mats[e] = PackedMatrix{w.data<uint8_t>() + e * matrix_bytes,
-                                       static_cast<const uint8_t *>(s.data<void>()) + e * n * groups * s.itemsize(),
-                                       static_cast<const uint8_t *>(b.data<void>()) + e * n * groups * b.itemsize(),
-                                       scale_type_of(s.dtype()), n, k, groups, bits, group_size};
+            std::vector<PackedMatrix> mats;
+            for (int64_t e = 0; e < experts; e++) mats.push_back(packed_matrix(w, s, b, k, bits, group_size, e));
             product(mats, expert_of, x.data<float>(), rows, out.data<float>());
         });
     }
@@ -398,8 +403,7 @@ class Int8Products : public mx::Primitive {
             for (size_t i = 1; i + 2 < inputs.size(); i += 3) {
                 const mx::array w = contiguous(inputs[i], keep), s = contiguous(inputs[i + 1], keep),
                                 b = contiguous(inputs[i + 2], keep);
-                mats.push_back(PackedMatrix{w.data<uint8_t>(), s.data<void>(), b.data<void>(), scale_type_of(s.dtype()),
-                                            w.shape(0), k, s.shape(-1), bits, group_size});
+                mats.push_back(packed_matrix(w, s, b, k, bits, group_size));
             }
             if (rows == 0) return;
             if (!swiglu) {

@@ -387,15 +387,20 @@ def _int8_together(modules: list[nn.Module], x: mx.array) -> bool:
                     and m.bits == first.bits for m in modules))
 
 
+def _int8_fused(kernel: str, modules: list[nn.Module], x: mx.array):
+    """The extension's fused int8 call `kernel` (int8_products, int8_swiglu) on these Linears' repacked weights."""
+    state = load()
+    state.used["int8"] += len(modules)
+    return getattr(state.module, kernel)(x, [m["weight"] for m in modules], [m["scales"] for m in modules],
+                                         [m["biases"] for m in modules], modules[0].group_size, modules[0].bits)
+
+
 def products(modules: list[nn.Module], x: mx.array) -> list[mx.array]:
     """[m(x) for m in modules] (a layer's q, k and v projections). With int8 products, one operation: x is
     rounded once and MLX dispatches one node instead of one per product, each output the same bits."""
     if not _int8_together(modules, x):
         return [m(x) for m in modules]
-    state = load()
-    state.used["int8"] += len(modules)
-    outs = state.module.int8_products(x, [m["weight"] for m in modules], [m["scales"] for m in modules],
-                                      [m["biases"] for m in modules], modules[0].group_size, modules[0].bits)
+    outs = _int8_fused("int8_products", modules, x)
     return [out + m["bias"] if "bias" in m else out for m, out in zip(modules, outs)]
 
 
@@ -404,10 +409,7 @@ def swiglu_product(gate: nn.Module, up: nn.Module, x: mx.array, swiglu) -> mx.ar
     Int8Products): the same bits as the three it replaces."""
     if "bias" in gate or "bias" in up or not _int8_together([gate, up], x):
         return swiglu(gate(x), up(x))
-    state = load()
-    state.used["int8"] += 2
-    return state.module.int8_swiglu(x, [gate["weight"], up["weight"]], [gate["scales"], up["scales"]],
-                                    [gate["biases"], up["biases"]], gate.group_size, gate.bits)
+    return _int8_fused("int8_swiglu", [gate, up], x)
 
 
 _OURS = {nn.QuantizedLinear: QuantizedLinear, nn.QuantizedEmbedding: QuantizedEmbedding}
