@@ -111,6 +111,7 @@ def _overlapped(stage: Stage, transport: Transport, sampler: Sampler, logits: mx
     has not run)."""
     model = stage.model
     pending = sampler.lazy(logits)
+    mx.async_eval(pending)  # where `logits` is not computed yet (one rank): it runs while the next step is built
     while True:
         following = None
         if more():
@@ -127,47 +128,61 @@ def _overlapped(stage: Stage, transport: Transport, sampler: Sampler, logits: mx
         pending = following
 
 
+def _plain_trip(stage: Stage, transport: Transport, token: int, rewind: int) -> mx.array:
+    """The logits after `token`, run without drafts (after dropping `rewind` rejected positions).
+    On one rank they stay lazy, so that the next step can be built while they are computed; on
+    several, rank 0's layers run and the ring is waited for, as in ring_forward."""
+    hidden = stage.model.embed(mx.array([[token]]))
+    if transport.size > 1:
+        hidden = ring_forward(stage, transport, hidden, rewind=rewind)
+    else:
+        stage.rewind([0], rewind)
+        hidden = stage.run_layers(hidden, evaluate=False, last_only=True)
+    return stage.model.logits(hidden[:, -1, :])[0]
+
+
 def _speculate(stage: Stage, transport: Transport, sampler: Sampler, drafter: NgramDrafter, token: int,
                history: list[int], take: Callable[[int], bool], room: Callable[[], int],
                overlap: bool = False) -> DraftStats:
     """Decode with drafts: each trip runs the last token and its drafts, keeps the drafts the
     model agrees with and its own next token, and tells every rank to drop the rest from its
-    caches with the next trip (rewind). overlap: while the drafter pauses (its back-off), decode as
-    without drafts, each step started before the token it follows is read (_overlapped), so an open
-    question, where drafts rarely land, is not slower than --draft none."""
+    caches with the next trip (rewind). overlap: while the drafter proposes nothing (no earlier
+    match, or its back-off), decode as without drafts, each step started before the token it
+    follows is read (_overlapped), so an open question, where drafts rarely land, is not slower
+    than --draft none. Whether to go on overlapping is asked of the tokens already read: a match
+    that only the pending token makes is drafted from one trip later."""
     model = stage.model
     stats = DraftStats()
     rewind = 0
-    ran = False  # after a pause: `token` is taken already and has still to run
+    ran = False  # after overlapped steps: `token` is taken already and has still to run
     while ran or not take(token):
         ran = False
         # Room for r more tokens: r - 1 drafts at most (the model adds one), and their positions in the cache.
         drafts = drafter.propose(history, room() - 1)
+        stats.trips += 1
+        if not drafts and overlap:
+            logits, rewind = _plain_trip(stage, transport, token, rewind), 0
+            taken = 0
+
+            def counted(t: int) -> bool:
+                nonlocal taken
+                taken += 1
+                return take(t)
+
+            # This trip's token, then one per overlapped step while nothing is proposed; the last one runs next.
+            stopped = _overlapped(stage, transport, sampler, logits, counted,
+                                  more=lambda: room() > 1 and not drafter.propose(history, room() - 1))
+            stats.trips, stats.tokens = stats.trips + taken - 1, stats.tokens + taken
+            if stopped:
+                return stats
+            token, ran = history[-1], True
+            continue
         hidden = ring_forward(stage, transport, model.embed(mx.array([[token, *drafts]])),
                               all_positions=bool(drafts), rewind=rewind)
         if getattr(drafter, "wants_hidden", False):  # the states of the positions run (of the drafts: kept as far as accepted)
             drafter.returned(model.norm(hidden[0]))
-        stats.trips += 1
         if not drafts:
-            logits, rewind = model.logits(hidden[:, -1, :])[0], 0
-            paused = drafter.pause() if overlap and hasattr(drafter, "pause") else 0
-            if paused:
-                taken = 0
-
-                def counted(t: int) -> bool:
-                    nonlocal taken
-                    taken += 1
-                    return take(t)
-
-                # paused + 1 tokens: this trip's, then one per overlapped step; the last one runs next.
-                stopped = _overlapped(stage, transport, sampler, logits, counted,
-                                      more=lambda: taken < paused and room() > 1)
-                stats.trips, stats.tokens = stats.trips + taken - 1, stats.tokens + taken
-                if stopped:
-                    return stats
-                token, ran = history[-1], True
-                continue
-            token = sampler(logits, history)
+            token, rewind = sampler(model.logits(hidden[:, -1, :])[0], history), 0
             stats.tokens += 1
             continue
         accepted, following = verify(sampler, model.logits(hidden[0]), drafts, history)

@@ -15,9 +15,10 @@ next token is drawn from p with the draft removed), so the output distribution i
 
 Drafts:
 - `NgramDrafter` (prompt lookup): the continuation of the most recent earlier occurrence of the
-  longest suffix (n = ngram_max down to 1) of prompt + output. Free to compute, and right often on
-  what people do with long prompts: summarize, edit, quote, repeat. When it keeps being wrong it
-  backs off, so an open question costs nearly nothing over plain decoding.
+  longest suffix (n = ngram_max down to ngram_min, 2 by default) of prompt + output. Free to
+  compute, and right often on what people do with long prompts: summarize, edit, quote, repeat.
+  While it has nothing to propose (no match, or backing off after misses) the engine decodes as
+  without drafts, overlapped, so an open question costs nearly nothing over plain decoding.
 - `MtpDrafter`: DeepSeek's multi-token-prediction module (models/mtp.py) on rank 0, fed the main
   model's final hidden state of every position the ring confirms (the prompt's too), drafts the
   next-but-one token, and K > 1 by repeating its step on its own output.
@@ -79,8 +80,9 @@ class NgramDrafter:
     DEEPEST_ODDS = 0.2
     wants_hidden = False
 
-    def __init__(self, draft_tokens: int, ngram_max: int = 3):
+    def __init__(self, draft_tokens: int, ngram_max: int = 3, ngram_min: int = 2):
         self.k, self.ngram_max = draft_tokens, ngram_max
+        self.ngram_min = min(ngram_min, ngram_max)
         self.tokens: list[int] = []
         self.indexed = 0  # n-grams ending before this position are in `last_seen`
         self.last_seen = [dict() for _ in range(ngram_max + 1)]  # [n]: n-gram -> position just after it
@@ -97,14 +99,14 @@ class NgramDrafter:
         # Index every n-gram that ends before the last token (the suffix itself is what we look up).
         while self.indexed < len(history) - 1:
             end = self.indexed + 1
-            for n in range(1, self.ngram_max + 1):
+            for n in range(self.ngram_min, self.ngram_max + 1):
                 if end >= n:
                     self.last_seen[n][tuple(history[end - n:end])] = end
             self.indexed = end
         k = min(self.k, limit, self.depth())
         if k <= 0:
             return []
-        for n in range(min(self.ngram_max, len(history) - 1), 0, -1):
+        for n in range(min(self.ngram_max, len(history) - 1), self.ngram_min - 1, -1):
             after = self.last_seen[n].get(tuple(history[-n:]))
             if after is not None:
                 return history[after:after + k]
@@ -118,12 +120,6 @@ class NgramDrafter:
         if self.recent <= self.DEEPEST_ODDS:
             return 1
         return max(1, int(math.log(self.DEEPEST_ODDS) / math.log(self.recent)))
-
-    def pause(self) -> int:
-        """The steps it will not draft now (its back-off), handed to the caller, which decodes them
-        without asking (engine._speculate overlaps them as plain decoding does)."""
-        steps, self.skip = self.skip, 0
-        return steps
 
     def observe(self, drafted: int, accepted: int) -> None:
         if not drafted:
@@ -207,10 +203,10 @@ class MtpDrafter:
         return model.embed_tokens.as_linear(state) if model.config.tie_word_embeddings else model.lm_head(state)
 
 
-def make_drafter(kind: str, draft_tokens: int, ngram_max: int, mtp=None, model=None):
+def make_drafter(kind: str, draft_tokens: int, ngram_max: int, ngram_min: int, mtp=None, model=None):
     """mtp, model: the MTP module and rank 0's slice, for kind "mtp" (job.load_stage loads it)."""
     if kind == "ngram":
-        return NgramDrafter(draft_tokens, ngram_max)
+        return NgramDrafter(draft_tokens, ngram_max, ngram_min)
     if kind == "mtp":
         return MtpDrafter(mtp, model, draft_tokens)
     return None
@@ -218,14 +214,15 @@ def make_drafter(kind: str, draft_tokens: int, ngram_max: int, mtp=None, model=N
 
 @dataclass(frozen=True)
 class DraftSettings:
-    """--draft, --draft-tokens, --ngram-max: each sequence of a batch or server drafts for itself."""
+    """--draft, --draft-tokens, --ngram-max, --ngram-min: each sequence of a batch or server drafts for itself."""
     kind: str = "none"
     tokens: int = 4
     ngram_max: int = 3
+    ngram_min: int = 2
 
     def drafter(self, stage=None):
         """A new sequence's drafter; stage: rank 0's (its MTP module, slice) for kind "mtp"."""
-        return make_drafter(self.kind, self.tokens, self.ngram_max, getattr(stage, "mtp", None),
+        return make_drafter(self.kind, self.tokens, self.ngram_max, self.ngram_min, getattr(stage, "mtp", None),
                             getattr(stage, "model", None))
 
 

@@ -191,7 +191,7 @@ def test_generate_and_batch_agree_with_int8_on_1_and_2_ranks(kernels, tmp_path, 
         assert texts[0] == texts[1], prompt
         if i == 0:  # speculative decoding verifies its drafts through the same products
             result = mpiexec(2, "generate", "--model", str(folder), "--prompt", prompt, "--max-tokens", "12", *flags,
-                             "--draft", "ngram", env=ENV)
+                             "--draft", "ngram", "--ngram-min", "1", env=ENV)
             assert result.returncode == 0 and result.stdout == texts[0], result.stderr
         expected[i] = texts[0][:-1]
     inp = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": p, "max_tokens": 12} for i, p in enumerate(PROMPTS[:4])])

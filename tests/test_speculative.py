@@ -72,31 +72,35 @@ def test_drafts_right_or_wrong_give_the_same_tokens_and_caches(tiny_models, righ
 
 
 class Pausing(Oracle):
-    """Wrong drafts on two steps of three and none on the third, where it pauses 3 steps (as the
-    n-gram drafter backs off): the engine decodes the pause as plain decoding does, overlapped."""
-
-    def __init__(self, *args):
-        super().__init__(*args)
-        self.paused = 0
+    """Wrong drafts for three tokens, then nothing to propose for three (as when the n-gram drafter
+    finds no match or backs off)."""
 
     def propose(self, history, limit):
-        return [] if (len(history) - self.prompt_len) % 3 == 0 else super().propose(history, limit)
-
-    def pause(self):
-        self.paused += 1
-        return 3
+        return [] if (len(history) - self.prompt_len) // 3 % 2 else super().propose(history, limit)
 
 
-def test_a_pause_in_drafting_decodes_the_same_tokens_and_caches(tiny_models):
+def test_a_pause_in_drafting_decodes_the_same_tokens_and_caches(tiny_models, monkeypatch):
+    """The stretches without drafts are decoded as plain decoding does, each step started before
+    the token it follows is read (engine._overlapped), and leave the same tokens and caches."""
+    import pipeline.engine as engine
+
+    started_early = []  # tokens whose step was started before the token before them was read
+    plain_overlapped = engine._overlapped
+
+    def counting(stage, transport, sampler, logits, take, more):
+        return plain_overlapped(stage, transport, sampler, logits, take,
+                                lambda: more() and (started_early.append(1) or True))
+
     folder = tiny_models["llama"]
     (stage,) = load_stages(folder, [(0, 4)])
     prompt = Tokenizer.from_folder(folder).prompt_ids(REPEAT, use_chat_template=False)
     plain, plain_caches = run(stage, folder, prompt, 40)
+    monkeypatch.setattr(engine, "_overlapped", counting)
     drafter = Pausing(plain.tokens, len(prompt), 4, 0)
     drafted, caches = run(stage, folder, prompt, 40, drafter)
     assert drafted.tokens == plain.tokens
     stats = drafted.draft  # every token but the prefill's came from a trip (overlapped ones included)
-    assert drafter.paused > 2 and stats.drafted > 0 and stats.tokens == stats.trips == 39
+    assert len(started_early) >= 10 and stats.drafted > 0 and stats.tokens == stats.trips == 39
     assert len(caches) == len(plain_caches)
     for (k, v), (pk, pv) in zip(caches, plain_caches):
         assert k.shape == pk.shape and np.array_equal(k, pk) and np.array_equal(v, pv)
@@ -108,7 +112,7 @@ def test_ngram_drafts_accept_on_a_repeating_prompt(tiny_models):
     tokenizer = Tokenizer.from_folder(folder)
     prompt = tokenizer.prompt_ids(" ".join([REPEAT] * 3), use_chat_template=False)
     plain, _ = run(stage, folder, prompt, 48)
-    drafted, _ = run(stage, folder, prompt, 48, NgramDrafter(4, 3))
+    drafted, _ = run(stage, folder, prompt, 48, NgramDrafter(4, 3, ngram_min=1))  # a random model repeats little
     assert drafted.tokens == plain.tokens
     assert drafted.draft.drafted > 0
 
@@ -121,7 +125,11 @@ def test_ngram_drafter_looks_up_the_longest_suffix_and_backs_off():
     assert d.propose(history, 10) == [8, 2, 3]  # the most recent "2 3 4" wins
     assert d.propose(history, 1) == [8]
     assert d.propose([5, 6, 7], 10) == []  # nothing seen twice
-    d = NgramDrafter(draft_tokens=3, ngram_max=2)
+    # One token seen before is too weak a match to draft from (on open questions 10% of such drafts
+    # landed), unless ngram_min says otherwise.
+    assert NgramDrafter(draft_tokens=3, ngram_max=3).propose([1, 2, 9, 1], 5) == []
+    assert NgramDrafter(draft_tokens=3, ngram_max=3, ngram_min=1).propose([1, 2, 9, 1], 5) == [2, 9, 1]
+    d = NgramDrafter(draft_tokens=3, ngram_max=2, ngram_min=1)
     for _ in range(NgramDrafter.MISSES_BEFORE_BACKOFF):
         d.observe(3, 0)
     assert d.propose([1, 2, 1], 5) == []  # backing off
@@ -181,9 +189,9 @@ def test_seeded_sampling_with_drafts_is_reproducible(tiny_models):
     (stage,) = load_stages(folder, [(0, 4)])
     prompt = Tokenizer.from_folder(folder).prompt_ids(" ".join([REPEAT] * 2), use_chat_template=False)
     sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=11)
-    a, _ = run(stage, folder, prompt, 32, NgramDrafter(4, 3), sampling)
-    b, _ = run(stage, folder, prompt, 32, NgramDrafter(4, 3), sampling)
-    assert a.tokens == b.tokens
+    a, _ = run(stage, folder, prompt, 32, NgramDrafter(4, 3, ngram_min=1), sampling)
+    b, _ = run(stage, folder, prompt, 32, NgramDrafter(4, 3, ngram_min=1), sampling)
+    assert a.tokens == b.tokens and a.draft.drafted > 0
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3])
@@ -192,7 +200,8 @@ def test_generate_with_ngram_drafts_equals_plain_on_every_rank_count(tiny_models
     args = ("generate", "--model", folder, "--no-chat-template", "--prompt", " ".join([REPEAT] * 3),
             "--max-tokens", "48")
     plain = mpiexec(ranks, *args, "--draft", "none")
-    drafted = mpiexec(ranks, *args, "--draft", "ngram", "--draft-tokens", "5")
+    # (--ngram-min 1: the tiny random model seldom repeats two tokens of the prompt in a row)
+    drafted = mpiexec(ranks, *args, "--draft", "ngram", "--draft-tokens", "5", "--ngram-min", "1")
     assert plain.returncode == 0 and drafted.returncode == 0, plain.stderr + drafted.stderr
     assert drafted.stdout == plain.stdout
     stats = re.search(r"speculative: drafted (\d+), accepted (\d+) .*tokens per trip, exact", drafted.stderr)
@@ -214,7 +223,8 @@ def test_batch_with_drafts_equals_batch_without(tiny_models, tmp_path):
     expected = {r["id"]: r["text"] for r in read_records(tmp_path / "plain.jsonl") if r["id"] != "sampled"}
     for n, extra in ((1, ()), (2, ()), (3, ("--head-share", "0.5"))):
         out = tmp_path / f"drafted{n}.jsonl"
-        result = batch(n, tiny_models["llama"], inp, out, "--no-chat-template", "--draft", "ngram", *extra)
+        result = batch(n, tiny_models["llama"], inp, out, "--no-chat-template", "--draft", "ngram", "--ngram-min", "1",
+                       *extra)
         assert result.returncode == 0, result.stderr
         records = {r["id"]: r for r in read_records(out)}
         assert {i: r["text"] for i, r in records.items() if i != "sampled"} == expected, n

@@ -73,7 +73,8 @@ def run(args: argparse.Namespace, comm) -> int:
         try:
             result = generate(stage, transport, tokenizer, prompt_ids, args.sampling, args.max_tokens,
                               stop=args.stop, on_text=write,
-                              drafter=make_drafter(args.draft, args.draft_tokens, args.ngram_max, stage.mtp, stage.model))
+                              drafter=make_drafter(args.draft, args.draft_tokens, args.ngram_max, args.ngram_min,
+                                                   stage.mtp, stage.model))
         finally:
             stop_ring(transport)
         write("\n")
