@@ -27,7 +27,8 @@ from common import cache_dir  # noqa: E402
 
 TARGETS = ("llama-bench", "llama-batched-bench")  # what vs_llamacpp.py runs: build()'s default
 LOOKUP = "llama-lookup"  # prompt lookup decoding (examples/lookup), what speculative.py runs
-KNOWN = (*TARGETS, LOOKUP)
+PERPLEXITY = "llama-perplexity"  # what int8_accuracy.py compares with
+KNOWN = (*TARGETS, LOOKUP, PERPLEXITY)
 CMAKE_OPTIONS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_USE_PREBUILT_UI=OFF",
                  "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_BUILD_TESTS=OFF",
                  # examples ON only declares their targets (llama-lookup is one); nothing builds unless asked for
