@@ -527,6 +527,11 @@ class GGUFFormat(_plan_format_base()):
     def is_fp8(self, p) -> bool:
         return False
 
+    def half_scales(self, p) -> bool:
+        """Q4_0, Q4_1 and Q8_0 blocks store float16 scales (and offsets): held exactly, they stay float16 values."""
+        info = self._info(p)
+        return info is not None and info.how == "exact" and all(t in ("Q4_0", "Q4_1", "Q8_0") for t in info.types)
+
     def disk_bytes(self, p) -> int:
         info = self._info(p)
         return info.disk if info is not None else 0

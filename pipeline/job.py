@@ -99,7 +99,8 @@ def plan_job(args: argparse.Namespace, comm, last_rank_head: float = 0.0) -> Pla
         counts = balanced_counts(per_layer, ranks, rank0_extra_bytes=ends, layer_overhead_bytes=LAYER_OVERHEAD_BYTES)
     dense = [False] * ranks
     if mode != "quantized" and is_quantized(checkpoint):
-        held, dense_held = held_and_dense(config, folder, getattr(args, "dtype", "float32"))
+        held, dense_held = held_and_dense(config, folder, getattr(args, "dtype", "float32"),
+                                          int8=bool(getattr(args, "int8_activations", False)))
         if getattr(args, "draft", "none") == "mtp":
             held, dense_held = with_mtp(held), with_mtp(dense_held)
         counts, dense = plan_weights_in_memory(mode, held, dense_held, counts, memory,

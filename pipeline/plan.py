@@ -402,6 +402,12 @@ class CheckpointFormat:
     # held as they are stored, as MLX's mxfp8 and mxfp4 (formats.py)
     mx: bool = False
     fp4_experts: bool = False
+    half_scales_stored: bool = False  # MLX folder: its scales and biases are float16 in the files
+
+    def half_scales(self, p: Param) -> bool:
+        """Whether the scales and biases of a tensor held MLX-quantized as the checkpoint stores it are
+        float16 values (the int8 repack then holds them as float16: qmm.use_int8)."""
+        return self.kind == "mlx" and self.half_scales_stored
 
     def mx_bits(self, p: Param) -> int | None:
         """4 or 8: a tensor held in MLX's mxfp4 / mxfp8 mode as stored (DeepSeek V4); else None."""
@@ -505,7 +511,7 @@ def checkpoint_format(config: ModelConfig, model: str | Path | None = None, quan
     raw = config.raw
     float_bytes = {"float32": 4, "float16": 2, "bfloat16": 2}.get(raw.get("torch_dtype") or raw.get("dtype"), 2)
     if config.quantization and "bits" in config.quantization:
-        return CheckpointFormat("mlx", float_bytes, config)
+        return CheckpointFormat("mlx", float_bytes, config, half_scales_stored=_scales_dtype(model) == "F16")
     q = raw.get("quantization_config") or {}
     method = q.get("quant_method")
     if not method:
@@ -530,6 +536,25 @@ def checkpoint_format(config: ModelConfig, model: str | Path | None = None, quan
                     f"MLX 'quantization')")
 
 
+def _scales_dtype(model: str | Path | None) -> str | None:
+    """The safetensors dtype of an MLX folder's first `.scales` tensor (from one file's header), or None."""
+    import json
+    import struct
+
+    if model is None or not Path(model).is_dir():
+        return None
+    for path in sorted(Path(model).glob("*.safetensors")):
+        try:
+            with open(path, "rb") as f:
+                header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+        except (OSError, ValueError, struct.error):
+            return None
+        for name, entry in header.items():
+            if name.endswith(".scales"):
+                return entry.get("dtype")
+    return None
+
+
 def _mx_bytes(shape: tuple[int, ...], bits: int) -> int:
     """MLX mxfp4 / mxfp8 of one tensor: uint32-packed values and one uint8 scale per 32, no biases."""
     rows, cols = math.prod(shape[:-1]), shape[-1]
@@ -552,6 +577,7 @@ class Precision:
     quantize: int | None = None
     group_size: int = 64
     dense: bool = False  # MLX-quantized weights dequantized to the dtype (generate --weights-in-memory)
+    int8: bool = False  # --int8-activations: 4- and 8-bit matrices repacked for the int8 products (qmm.use_int8)
 
     @property
     def dtype_bytes(self) -> int:
@@ -572,10 +598,26 @@ class Precision:
         if native and self.dense and self.checkpoint.kind in ("mlx", "gguf"):
             return p.numel * self.dtype_bytes
         if native:
-            return p.copies * _affine_bytes(p.shape, *native, self.dtype_bytes)
+            half = not p.is_embedding and self.int8_repacked(p, native[0]) and self.checkpoint.half_scales(p)
+            return p.copies * _affine_bytes(p.shape, *native, 2 if half else self.dtype_bytes)
         if self.requantized(p):
             return p.copies * _affine_bytes(p.shape, self.quantize, self.group_size, self.dtype_bytes)
         return p.numel * self.dtype_bytes
+
+    def int8_repacked(self, p: Param, bits: int) -> bool:
+        """Whether --int8-activations repacks this MLX-quantized matrix (qmm.int8_covers): 4 or 8 bits
+        in whole blocks of 16 rows. Its scales and biases become float16 where they are all float16
+        values, which the planner counts where the checkpoint stores them so (half_scales)."""
+        from .qmm import INT8_BITS, INT8_BLOCK
+
+        return self.int8 and self.dtype == "float32" and bits in INT8_BITS and p.shape[-2] % INT8_BLOCK == 0
+
+    def int8_head_copy(self, embedding: Param) -> int:
+        """The bytes of the int8 copy a tied, MLX-quantized embedding gains as the LM head (qmm.use_int8); 0 if none."""
+        native = self.checkpoint.native(embedding)
+        if self.dense or not native or not self.int8_repacked(embedding, native[0]):
+            return 0
+        return _affine_bytes(embedding.shape, *native, 2 if self.checkpoint.half_scales(embedding) else self.dtype_bytes)
 
     def requantized(self, p: Param) -> bool:
         return (bool(self.quantize) and p.is_matrix and not p.is_router and p.shape[-1] % self.group_size == 0
@@ -608,6 +650,9 @@ class Precision:
                          "per 32 values)")
         elif self.checkpoint.kind == "fp8" and not self.quantize:
             parts.append(f"FP8 weights dequantized to {name} at load (MLX has no FP8 matmul)")
+        if self.int8:
+            parts.append("--int8-activations: 4- and 8-bit matrices repacked (scales and biases float16 where "
+                         "stored so), a tied embedding held twice on rank 0 (its int8 copy is the head)")
         parts.append(f"other tensors {name} ({d} B)")
         return "; ".join(parts)
 
@@ -645,11 +690,18 @@ def model_bytes(arch: Architecture, precision: Precision) -> ModelBytes:
         active.append(sum(p.numel for p in params if not p.experts) + arch.top_k * sum(p.size for p in routed))
     ends = sum(b(p) for p in arch.ends)
     embedding = next(p for p in arch.ends if p.is_embedding)
-    head = [p for p in arch.ends if not p.is_embedding] + ([embedding] if arch.config.tie_word_embeddings else [])
-    head_read = sum(b(p) for p in head) + (0 if arch.config.tie_word_embeddings else b(embedding) // embedding.shape[0])
+    tied = arch.config.tie_word_embeddings
+    head = [p for p in arch.ends if not p.is_embedding] + ([embedding] if tied else [])
+    head_read = sum(b(p) for p in head) + (0 if tied else b(embedding) // embedding.shape[0])
     matrix = next((p for p in arch.ends if p.name.startswith("lm_head.")), embedding)
+    head_bytes = b(matrix)
+    copy = precision.int8_head_copy(embedding) if tied else 0
+    if copy:  # rank 0 holds the tied embedding twice: MLX's layout for lookups, int8's as the head
+        ends += copy
+        head_read += copy - b(embedding)
+        head_bytes = copy  # the last rank's share of the head (head_share.py) is cut from the int8 copy's layout
     mtp = sum(b(p) for p in arch.unused if not p.name.endswith(("embed_tokens.weight", "shared_head.head.weight")))
-    return ModelBytes(layers, ends, fixed, expert_bytes, experts, head_read, active, sum(p.numel for p in head), b(matrix),
+    return ModelBytes(layers, ends, fixed, expert_bytes, experts, head_read, active, sum(p.numel for p in head), head_bytes,
                       mtp)
 
 
@@ -662,11 +714,12 @@ def model_bytes_of(config: ModelConfig, model: str | Path, dtype: str = "float32
 
 
 def held_and_dense(config: ModelConfig, model: str | Path, dtype: str = "float32", quantize: int | None = None,
-                   group_size: int = 64) -> tuple[ModelBytes, ModelBytes]:
+                   group_size: int = 64, int8: bool = False) -> tuple[ModelBytes, ModelBytes]:
     """model_bytes_of packed and dequantized, the checkpoint's format read once (a GGUF's header
-    is parsed to learn it)."""
+    is parsed to learn it). int8: --int8-activations (its repack and head copy counted)."""
     checkpoint, arch = checkpoint_format(config, model, quantize, group_size), architecture(config)
-    return tuple(model_bytes(arch, Precision(checkpoint, dtype, quantize, group_size, dense)) for dense in (False, True))
+    return tuple(model_bytes(arch, Precision(checkpoint, dtype, quantize, group_size, dense, int8))
+                 for dense in (False, True))
 
 
 def layer_counts(mb: ModelBytes, ranks: int, memory_gib: list[float] | None = None) -> list[int]:
@@ -903,7 +956,8 @@ class MemoryPlan:
                                                 getattr(args, "group_size", None) or 64),
                               dtype=getattr(args, "dtype", "float32"),
                               quantize=getattr(args, "quantize", None),
-                              group_size=getattr(args, "group_size", None) or 64)
+                              group_size=getattr(args, "group_size", None) or 64,
+                              int8=bool(getattr(args, "int8_activations", False)))
         arch = architecture(config)
         mb, dense_mb = model_bytes(arch, precision), model_bytes(arch, replace(precision, dense=True))
         if getattr(args, "draft", "none") == "mtp":
@@ -1013,7 +1067,8 @@ def run_plan(args: argparse.Namespace) -> int:
     )
     precision = Precision(checkpoint_format(config, args.model, args.quantize, args.group_size), args.dtype,
                           args.quantize, args.group_size,
-                          dense=getattr(args, "weights_in_memory", "quantized") == "fp32")
+                          dense=getattr(args, "weights_in_memory", "quantized") == "fp32",
+                          int8=bool(getattr(args, "int8_activations", False)))
     acceptance = getattr(args, "draft_acceptance", None)
     if acceptance is not None and not 0 <= acceptance <= 1:
         raise UserError(f"--draft-acceptance must be in [0, 1], got {acceptance}")
