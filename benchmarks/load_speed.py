@@ -149,6 +149,7 @@ def _args(model: Path, flags: dict):
 
     quantize = flags.get("quantize")
     return argparse.Namespace(model=model, split=None, dtype=flags["dtype"], weights_in_memory="quantized",
+                              int8_activations=None,  # as generate decides it (int8 products by default on x86)
                               requantize=Requantize(quantize, 64) if quantize else None, host_memory=None)
 
 

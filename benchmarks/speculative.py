@@ -5,7 +5,8 @@ Two kinds of prompts, through the model's chat template, greedy:
   (b) open questions (nothing to look up: drafting must cost next to nothing)
 Contenders, interleaved run by run, each a fresh process, on the default model (SmolLM2-135M):
   pipeline 1 rank / 2 ranks, --draft none and --draft ngram (acceptance and tokens per trip beside),
-      with float32 products and with --int8-activations ("int8": cheaper verified positions)
+      with float32 products (--no-int8-activations) and int8 ones ("int8", the default on x86: cheaper
+      verified positions)
   mlx-lm+pipeline BLAS+fp32 weights: mlx-lm's stream_generate with exactly our BLAS set-up, in one
       process using the same cores (no draft: mlx-lm's speculation needs a smaller draft model with
       the same tokenizer, and none exists for SmolLM2-135M)
@@ -70,7 +71,8 @@ LOOKUP_DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, spee
 LOOKUP_COUNT = {key: re.compile(rf"{key}\s+= (\d+)") for key in ("n_predict", "n_drafted", "n_accept")}
 
 
-VARIANTS = {"": (), " int8": ("--int8-activations",)}  # pipeline's contenders: float32 products, and int8 ones
+# pipeline's contenders: float32 products (pipeline's float32 kernels), and int8 ones (the default on x86)
+VARIANTS = {"": ("--no-int8-activations",), " int8": ("--int8-activations",)}
 
 
 def run_pipeline(ranks: int, model: Path, prompt: str, max_tokens: int, draft: str, extra: tuple = ()) -> dict:

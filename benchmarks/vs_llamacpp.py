@@ -209,11 +209,12 @@ def llama_bench(binary: Path, model: Path, threads: int, pp: int, tg: int, timeo
 
 
 def weights_flags(weights: str) -> list[str]:
-    """A contender's weight flags: quantized and fp32 are --weights-in-memory; int8 holds them quantized
-    with --int8-activations (int8 products, as llama.cpp's)."""
+    """A contender's weight flags: int8 holds them quantized with int8 products (as llama.cpp's; the
+    default on x86), quantized with float32 products (--no-int8-activations: pipeline's float32
+    kernels), fp32 dequantized at load."""
     if weights == "int8":
         return ["--weights-in-memory", "quantized", "--int8-activations"]
-    return ["--weights-in-memory", weights]
+    return ["--weights-in-memory", weights, "--no-int8-activations"]
 
 
 def pipeline_generate(model: Path, prompt: str, tg: int, weights: str, threads: int, timeout: float) -> dict:

@@ -65,6 +65,8 @@ def plan_job(args: argparse.Namespace, comm, last_rank_head: float = 0.0) -> Pla
     the last rank holds besides its layers (batch, head_share.py), counted in its memory."""
     mode = getattr(args, "weights_in_memory", "quantized")
     # Collective, so before anything that can fail on one rank only.
+    if getattr(args, "int8_activations", False) is None:  # by default on where every rank can (qmm.int8_by_default)
+        args.int8_activations = all(comm.allgather(qmm.int8_by_default(None, getattr(args, "dtype", "float32"))))
     memory = fast_quantized = None
     if mode == "auto":
         gathered = comm.allgather((socket.gethostname(), available_memory_bytes(),

@@ -536,6 +536,13 @@ def checkpoint_format(config: ModelConfig, model: str | Path | None = None, quan
                     f"MLX 'quantization')")
 
 
+def _int8(args: argparse.Namespace) -> bool:
+    """--int8-activations as the job resolves it (on this machine, where the flag is not given)."""
+    from .qmm import int8_by_default
+
+    return int8_by_default(getattr(args, "int8_activations", False), getattr(args, "dtype", "float32"))
+
+
 def _scales_dtype(model: str | Path | None) -> str | None:
     """The safetensors dtype of an MLX folder's first `.scales` tensor (from one file's header), or None."""
     import json
@@ -957,7 +964,7 @@ class MemoryPlan:
                               dtype=getattr(args, "dtype", "float32"),
                               quantize=getattr(args, "quantize", None),
                               group_size=getattr(args, "group_size", None) or 64,
-                              int8=bool(getattr(args, "int8_activations", False)))
+                              int8=_int8(args))
         arch = architecture(config)
         mb, dense_mb = model_bytes(arch, precision), model_bytes(arch, replace(precision, dense=True))
         if getattr(args, "draft", "none") == "mtp":
@@ -1068,7 +1075,7 @@ def run_plan(args: argparse.Namespace) -> int:
     precision = Precision(checkpoint_format(config, args.model, args.quantize, args.group_size), args.dtype,
                           args.quantize, args.group_size,
                           dense=getattr(args, "weights_in_memory", "quantized") == "fp32",
-                          int8=bool(getattr(args, "int8_activations", False)))
+                          int8=_int8(args))
     acceptance = getattr(args, "draft_acceptance", None)
     if acceptance is not None and not 0 <= acceptance <= 1:
         raise UserError(f"--draft-acceptance must be in [0, 1], got {acceptance}")

@@ -43,9 +43,11 @@ def _synopsis_flags(synopsis: str) -> dict[str, bool]:
     whether it is required (outside brackets)."""
     flags = {}
     for bracketed, bare in re.findall(r"\[([^\]]*)\]|(\S+)", synopsis):
-        first = (bracketed or bare).split(" ")[0].split("|")[0]
-        if first.startswith("-"):
-            flags[first] = not bracketed
+        names = (bracketed or bare).split(" ")[0].split("|")
+        if names[0].startswith("-"):
+            flags[names[0]] = not bracketed
+            if names[1:2] == ["--no-" + names[0][2:]]:  # --flag|--no-flag: argparse's usage shows both
+                flags[names[1]] = not bracketed
     return flags
 
 

@@ -169,6 +169,26 @@ def test_int8_flag_needs_float32_activations(tmp_path):
     assert "--int8-activations needs --dtype float32" in result.stderr
 
 
+def test_int8_products_are_the_default_on_x86_and_can_be_turned_off(kernels, tmp_path):
+    """Without the flag, quantized weights take the int8 products where the CPU has AVX2 (and float32
+    products where --dtype is not float32, without an error); --no-int8-activations keeps float32 products."""
+    from pipeline import qmm
+
+    if not qmm.int8_by_default(None, "float32"):
+        pytest.skip("int8 products are not the default here (no AVX2, or no kernels)")
+    make_tiny_model("llama", tmp_path)
+    base = ("generate", "--model", str(tmp_path), "--prompt", "hi", "--max-tokens", "4", "--quantize", "4",
+            "--group-size", "32", "--no-chat-template")
+    stats = {}
+    for name, extra in (("default", ()), ("off", ("--no-int8-activations",)), ("bf16", ("--dtype", "bfloat16"))):
+        result = mpiexec(1, *base, *extra)
+        assert result.returncode == 0, result.stderr
+        stats[name] = result.stderr
+    assert "int8 activations" in stats["default"]
+    assert "int8 activations" not in stats["off"] and "pipeline's" in stats["off"]
+    assert "int8 activations" not in stats["bf16"]
+
+
 @pytest.mark.parametrize("kind", ["llama", "deepseek"])
 def test_generate_and_batch_agree_with_int8_on_1_and_2_ranks(kernels, tmp_path, kind):
     """Quantized at load (--quantize 4 --group-size 32), the int8 path end to end: dense layers, the LM

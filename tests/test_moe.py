@@ -372,8 +372,9 @@ def test_kimi_k2_end_to_end_on_two_ranks(kimi_k2):
     model = transformers.AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
     expected = greedy_transformers(model, ids, 24)
     assert len(set(expected)) >= 16, expected
+    # float32 products, as transformers computes: int8 activations (the default on x86) round differently
     result = mpiexec(2, "generate", "--model", str(folder), "--prompt", prompt, "--max-tokens", "24",
-                     "--no-chat-template")
+                     "--no-chat-template", "--no-int8-activations")
     assert result.returncode == 0, result.stderr
     assert result.stdout == tokenizer.decode(expected) + "\n"
 

@@ -25,9 +25,10 @@ def add_parser(commands) -> None:
     plan.add_argument("--weights-in-memory", choices=["quantized", "fp32"], default="quantized",
                       help="MLX-quantized weights held packed (default) or dequantized to --dtype, as generate "
                            "--weights-in-memory fp32 (or auto, where memory allows) holds them")
-    plan.add_argument("--int8-activations", action="store_true",
-                      help="plan for generate --int8-activations: 4- and 8-bit matrices repacked (float16 scales "
-                           "where the checkpoint stores them so), a tied embedding held twice on rank 0")
+    plan.add_argument("--int8-activations", action=argparse.BooleanOptionalAction, default=None,
+                      help="plan for int8 products, as generate holds them: 4- and 8-bit matrices repacked "
+                           "(float16 scales where the checkpoint stores them so), a tied embedding held twice "
+                           "on rank 0 (default: as generate decides it on this machine)")
     plan.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                       help="activation dtype, which unquantized weights and the KV cache are held in "
                            "(default float32, as generate)")

@@ -164,7 +164,7 @@ def _measure_slices(report: RankReport, folder: Path, args: argparse.Namespace) 
     report.num_layers = config.num_hidden_layers
     report.disk_layer_bytes, report.disk_ends_bytes = layer_nbytes(checkpoint, config.num_hidden_layers)
     report.held, report.dense_held = held_and_dense(config, folder, args.dtype, args.quantize, args.group_size,
-                                                    int8=args.int8_activations)
+                                                    int8=qmm.int8_by_default(args.int8_activations, args.dtype))
     if getattr(args, "draft", "none") == "mtp":  # the module on rank 0, as job.plan_job counts it
         from ..models.mtp import check_mtp, mtp_nbytes
         from ..plan import with_mtp
