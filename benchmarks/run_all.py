@@ -39,6 +39,7 @@ STEPS = [
     ("speculative", ["speculative.py"], 3, 15),
     ("serve_load", ["serve_load.py", "--multi-turn"], 2, 15),
     ("moe_memory", ["moe_memory.py"], None, 2),
+    ("int8_accuracy", ["int8_accuracy.py"], None, 1),
 ]
 
 
