@@ -493,7 +493,16 @@ static bool all_half_exact(const mx::array &a) {
     return true;
 }
 
-/* w, scales, biases in MLX's layout -> the same arrays in the layout of the opening comment. */
+/* The four low nibbles of x (bits 0-15) as the low nibbles of four bytes. */
+static inline uint32_t spread_nibbles(uint32_t x) {
+    return (x & 0xFu) | ((x & 0xF0u) << 4) | ((x & 0xF00u) << 8) | ((x & 0xF000u) << 12);
+}
+
+/* w, scales, biases in MLX's layout -> the same arrays in the layout of the opening comment. Word at a time:
+   in a row's 16 bytes of a chunk, byte m holds inputs 2m (low nibble) and 2m + 1, so inputs 4j..4j+3 are
+   its bytes 2j, 2j+1 and inputs 16+4j.. its bytes 8+2j, 9+2j. Measured on the 2-core Zen 4, an 8192 x 8192
+   4-bit group-32 matrix (33 MB, float16 scales): 91 ms a byte at a time in chunk order, 40 ms now (the
+   rows' prefetch below did most); a 1B Llama's use_int8 1.5 -> 0.85 s. */
 std::tuple<mx::array, mx::array, mx::array> int8_repack(mx::array w, mx::array s, mx::array b, int group_size,
                                                         int bits) {
     check(w, s, b, group_size, bits);
@@ -502,15 +511,13 @@ std::tuple<mx::array, mx::array, mx::array> int8_repack(mx::array w, mx::array s
     w = contiguous(w, keep);
     s = contiguous(s, keep);
     b = contiguous(b, keep);
-    if (s.dtype() == mx::float32 && all_half_exact(s) && all_half_exact(b)) {
-        s = contiguous(mx::astype(s, mx::float16), keep);
-        b = contiguous(mx::astype(b, mx::float16), keep);
-        mx::eval({s, b});
-    }
+    // float32 scales and biases that are all float16 values are held as float16 (converted while copied)
+    const bool to_half = s.dtype() == mx::float32 && all_half_exact(s) && all_half_exact(b);
+    const mx::Dtype held = to_half ? mx::float16 : s.dtype();
     const int64_t n = w.shape(-2), k = w.shape(-1) * 32 / bits, experts = w.ndim() == 3 ? w.shape(0) : 1;
     const int64_t row_bytes = k * bits / 8, groups = k / group_size, chunks = k / CHUNK, item = s.itemsize();
-    mx::array w2 = huge_page_array(w.shape(), w.dtype()), s2 = huge_page_array(s.shape(), s.dtype()),
-              b2 = huge_page_array(b.shape(), b.dtype());
+    mx::array w2 = huge_page_array(w.shape(), w.dtype()), s2 = huge_page_array(s.shape(), held),
+              b2 = huge_page_array(b.shape(), held);
     const uint8_t *src = w.data<uint8_t>();
     uint8_t *dst = w2.data<uint8_t>();
     const int64_t blocks = experts * (n / BLOCK);
@@ -518,26 +525,48 @@ std::tuple<mx::array, mx::array, mx::array> int8_repack(mx::array w, mx::array s
         for (int64_t blk = first; blk < last; blk++) {
             const int64_t e = blk / (n / BLOCK), cb = blk % (n / BLOCK);
             const uint8_t *rows = src + (e * n + cb * BLOCK) * row_bytes;  // the block's 16 rows, MLX's layout
-            auto q = [&](int col, int64_t i) -> uint8_t {             // q[col][i]
-                const uint8_t byte = rows[col * row_bytes + i * bits / 8];
-                return bits == 8 ? byte : ((i & 1) ? byte >> 4 : byte & 15);
-            };
             uint8_t *out = dst + (e * n + cb * BLOCK) * row_bytes;  // a block's bytes stay where its rows were
-            for (int64_t c = 0; c < chunks; c++) {
-                uint8_t *chunk = out + c * chunk_bytes(bits);
-                for (int j = 0; j < bits; j++)
-                    for (int col = 0; col < BLOCK; col++)
-                        for (int i = 0; i < 4; i++)
-                            chunk[64 * j + 4 * col + i] =
-                                bits == 8 ? q(col, c * CHUNK + 4 * j + i)
-                                          : uint8_t(q(col, c * CHUNK + 4 * j + i) | (q(col, c * CHUNK + 16 + 4 * j + i) << 4));
+            // The chunks of one 64-byte line of each row at a time: the block's 16 rows lie a power of two
+            // apart (4 KiB for k = 8192), all in one L1 set, so a line left for the next chunk is gone by then.
+            const int64_t per_line = 64 / (CHUNK * bits / 8);
+            for (int64_t c0 = 0; c0 < chunks; c0 += per_line)
+            for (int col = 0; col < BLOCK; col++) {
+                // 16 rows a power of two apart are 16 streams the hardware prefetcher does not follow: ask
+                // for each row's line 8 lines ahead (16 or 32 ahead: the same)
+                if (c0 + 8 * per_line < chunks)
+                    __builtin_prefetch(rows + col * row_bytes + (c0 + 8 * per_line) * CHUNK * bits / 8);
+                for (int64_t c = c0; c < std::min(chunks, c0 + per_line); c++) {
+                    uint8_t *chunk = out + c * chunk_bytes(bits);
+                    const uint8_t *r = rows + col * row_bytes + c * CHUNK * bits / 8;  // the row's chunk
+                    for (int j = 0; j < bits; j++) {
+                        uint32_t word;
+                        if (bits == 8) {
+                            std::memcpy(&word, r + 4 * j, 4);  // inputs 4j..4j+3
+                        } else {
+                            uint16_t low, high;
+                            std::memcpy(&low, r + 2 * j, 2);
+                            std::memcpy(&high, r + 8 + 2 * j, 2);
+                            word = spread_nibbles(low) | (spread_nibbles(high) << 4);
+                        }
+                        std::memcpy(chunk + 64 * j + 4 * col, &word, 4);
+                    }
+                }
             }
             for (const auto &[from, to] : {std::pair{&s, &s2}, std::pair{&b, &b2}}) {
                 const uint8_t *in = from->data<uint8_t>() + (e * n + cb * BLOCK) * groups * item;
-                uint8_t *o = to->data<uint8_t>() + (e * n + cb * BLOCK) * groups * item;
+                uint8_t *o = to->data<uint8_t>() + (e * n + cb * BLOCK) * groups * to->itemsize();
                 for (int64_t g = 0; g < groups; g++)
-                    for (int col = 0; col < BLOCK; col++)
-                        std::memcpy(o + (g * BLOCK + col) * item, in + (col * groups + g) * item, item);
+                    for (int col = 0; col < BLOCK; col++) {
+                        const uint8_t *value = in + (col * groups + g) * item;
+                        if (to_half) {
+                            float f;
+                            std::memcpy(&f, value, 4);
+                            const mx::float16_t h = static_cast<mx::float16_t>(f);
+                            std::memcpy(o + (g * BLOCK + col) * 2, &h, 2);
+                        } else {
+                            std::memcpy(o + (g * BLOCK + col) * item, value, item);
+                        }
+                    }
             }
         }
     });
