@@ -93,9 +93,9 @@ def add_draft_args(parser: argparse.ArgumentParser) -> None:
                         help=f"most tokens drafted per trip, 1 to {MAX_DRAFT_TOKENS} (default 8)")
     parser.add_argument("--ngram-max", type=int, default=3, metavar="N",
                         help="longest suffix --draft ngram looks up (default 3)")
-    parser.add_argument("--ngram-min", type=int, default=2, metavar="N",
-                        help="shortest suffix --draft ngram drafts from (default 2: a match of one token "
-                             "seldom continues)")
+    parser.add_argument("--ngram-min", type=int, default=None, metavar="N",
+                        help="shortest suffix --draft ngram drafts from (default 2, or --ngram-max if that is "
+                             "1: a match of one token seldom continues)")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -203,6 +203,8 @@ def validated_draft_args(args: argparse.Namespace) -> None:
         raise UserError(f"--draft-tokens must be from 1 to {MAX_DRAFT_TOKENS}, got {args.draft_tokens}")
     if args.ngram_max < 1:
         raise UserError(f"--ngram-max must be >= 1, got {args.ngram_max}")
+    if args.ngram_min is None:
+        args.ngram_min = min(2, args.ngram_max)
     if not 1 <= args.ngram_min <= args.ngram_max:
         raise UserError(f"--ngram-min must be from 1 to --ngram-max ({args.ngram_max}), got {args.ngram_min}")
 

@@ -86,7 +86,7 @@ def plan_job(args: argparse.Namespace, comm, last_rank_head: float = 0.0) -> Pla
     ranks, layers = comm.Get_size(), config.num_hidden_layers
     host_memory = None
     if getattr(args, "host_memory", None):
-        host_memory = MemoryPlan.for_job(config, args, ranks)
+        host_memory = MemoryPlan.for_job(config, args, ranks, folder)
     if args.split:
         counts = parse_split(args.split, layers, ranks)
     elif host_memory:

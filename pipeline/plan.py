@@ -957,9 +957,11 @@ class MemoryPlan:
     dtype_bytes: int  # of the KV cache
 
     @classmethod
-    def for_job(cls, config: ModelConfig, args: argparse.Namespace, ranks: int) -> "MemoryPlan":
+    def for_job(cls, config: ModelConfig, args: argparse.Namespace, ranks: int,
+                folder: Path | None = None) -> "MemoryPlan":
+        """folder: the model's, resolved (args.model is None for the default model)."""
         memory = parse_per_host(args.host_memory, "--host-memory", ranks, unit="ranks")
-        precision = Precision(checkpoint_format(config, args.model, getattr(args, "quantize", None),
+        precision = Precision(checkpoint_format(config, folder or args.model, getattr(args, "quantize", None),
                                                 getattr(args, "group_size", None) or 64),
                               dtype=getattr(args, "dtype", "float32"),
                               quantize=getattr(args, "quantize", None),

@@ -129,6 +129,21 @@ def test_ngram_drafter_looks_up_the_longest_suffix_and_backs_off():
     # landed), unless ngram_min says otherwise.
     assert NgramDrafter(draft_tokens=3, ngram_max=3).propose([1, 2, 9, 1], 5) == []
     assert NgramDrafter(draft_tokens=3, ngram_max=3, ngram_min=1).propose([1, 2, 9, 1], 5) == [2, 9, 1]
+
+
+def test_ngram_min_defaults_to_2_or_ngram_max():
+    """--ngram-min unset: 2, or 1 with --ngram-max 1 (which then still works); a bound above --ngram-max
+    is one error line."""
+    from pipeline import cli
+    from pipeline.errors import UserError
+
+    def parsed(*flags):
+        return cli._validated(cli.build_parser().parse_args(["generate", "--prompt", "x", "--draft", "ngram", *flags]))
+
+    assert parsed().ngram_min == 2
+    assert parsed("--ngram-max", "1").ngram_min == 1
+    with pytest.raises(UserError, match="--ngram-min must be from 1 to --ngram-max"):
+        parsed("--ngram-max", "2", "--ngram-min", "3")
     d = NgramDrafter(draft_tokens=3, ngram_max=2, ngram_min=1)
     for _ in range(NgramDrafter.MISSES_BEFORE_BACKOFF):
         d.observe(3, 0)
