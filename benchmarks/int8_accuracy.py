@@ -34,13 +34,11 @@ import common  # noqa: E402
 CONTENDERS = {"fp32": {"weights_in_memory": "fp32", "int8_activations": False},
               "quantized": {"weights_in_memory": "quantized", "int8_activations": False},
               "int8": {"weights_in_memory": "quantized", "int8_activations": True}}
+CHUNK = 512  # tokens a chunk, as llama-perplexity -c 512
 
 
 def text_file() -> Path:
     return Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"
-
-
-CHUNK = 512
 
 
 def score(flags: dict, ids: list[int]):

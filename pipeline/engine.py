@@ -128,19 +128,6 @@ def _overlapped(stage: Stage, transport: Transport, sampler: Sampler, logits: mx
         pending = following
 
 
-def _plain_trip(stage: Stage, transport: Transport, token: int, rewind: int) -> mx.array:
-    """The logits after `token`, run without drafts (after dropping `rewind` rejected positions).
-    On one rank they stay lazy, so that the next step can be built while they are computed; on
-    several, rank 0's layers run and the ring is waited for, as in ring_forward."""
-    hidden = stage.model.embed(mx.array([[token]]))
-    if transport.size > 1:
-        hidden = ring_forward(stage, transport, hidden, rewind=rewind)
-    else:
-        stage.rewind([0], rewind)
-        hidden = stage.run_layers(hidden, evaluate=False, last_only=True)
-    return stage.model.logits(hidden[:, -1, :])[0]
-
-
 def _speculate(stage: Stage, transport: Transport, sampler: Sampler, drafter: NgramDrafter, token: int,
                history: list[int], take: Callable[[int], bool], room: Callable[[], int],
                overlap: bool = False) -> DraftStats:
@@ -161,7 +148,9 @@ def _speculate(stage: Stage, transport: Transport, sampler: Sampler, drafter: Ng
         drafts = drafter.propose(history, room() - 1)
         stats.trips += 1
         if not drafts and overlap:
-            logits, rewind = _plain_trip(stage, transport, token, rewind), 0
+            # on one rank the trip stays lazy: the next step is built while it is computed
+            hidden = ring_forward(stage, transport, model.embed(mx.array([[token]])), rewind=rewind, evaluate=False)
+            logits, rewind = model.logits(hidden[:, -1, :])[0], 0
             taken = 0
 
             def counted(t: int) -> bool:

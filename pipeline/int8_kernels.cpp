@@ -529,26 +529,27 @@ std::tuple<mx::array, mx::array, mx::array> int8_repack(mx::array w, mx::array s
             // The chunks of one 64-byte line of each row at a time: the block's 16 rows lie a power of two
             // apart (4 KiB for k = 8192), all in one L1 set, so a line left for the next chunk is gone by then.
             const int64_t per_line = 64 / (CHUNK * bits / 8);
-            for (int64_t c0 = 0; c0 < chunks; c0 += per_line)
-            for (int col = 0; col < BLOCK; col++) {
-                // 16 rows a power of two apart are 16 streams the hardware prefetcher does not follow: ask
-                // for each row's line 8 lines ahead (16 or 32 ahead: the same)
-                if (c0 + 8 * per_line < chunks)
-                    __builtin_prefetch(rows + col * row_bytes + (c0 + 8 * per_line) * CHUNK * bits / 8);
-                for (int64_t c = c0; c < std::min(chunks, c0 + per_line); c++) {
-                    uint8_t *chunk = out + c * chunk_bytes(bits);
-                    const uint8_t *r = rows + col * row_bytes + c * CHUNK * bits / 8;  // the row's chunk
-                    for (int j = 0; j < bits; j++) {
-                        uint32_t word;
-                        if (bits == 8) {
-                            std::memcpy(&word, r + 4 * j, 4);  // inputs 4j..4j+3
-                        } else {
-                            uint16_t low, high;
-                            std::memcpy(&low, r + 2 * j, 2);
-                            std::memcpy(&high, r + 8 + 2 * j, 2);
-                            word = spread_nibbles(low) | (spread_nibbles(high) << 4);
+            for (int64_t c0 = 0; c0 < chunks; c0 += per_line) {
+                for (int col = 0; col < BLOCK; col++) {
+                    // 16 rows a power of two apart are 16 streams the hardware prefetcher does not follow: ask
+                    // for each row's line 8 lines ahead (16 or 32 ahead: the same)
+                    if (c0 + 8 * per_line < chunks)
+                        __builtin_prefetch(rows + col * row_bytes + (c0 + 8 * per_line) * CHUNK * bits / 8);
+                    for (int64_t c = c0; c < std::min(chunks, c0 + per_line); c++) {
+                        uint8_t *chunk = out + c * chunk_bytes(bits);
+                        const uint8_t *r = rows + col * row_bytes + c * CHUNK * bits / 8;  // the row's chunk
+                        for (int j = 0; j < bits; j++) {
+                            uint32_t word;
+                            if (bits == 8) {
+                                std::memcpy(&word, r + 4 * j, 4);  // inputs 4j..4j+3
+                            } else {
+                                uint16_t low, high;
+                                std::memcpy(&low, r + 2 * j, 2);
+                                std::memcpy(&high, r + 8 + 2 * j, 2);
+                                word = spread_nibbles(low) | (spread_nibbles(high) << 4);
+                            }
+                            std::memcpy(chunk + 64 * j + 4 * col, &word, 4);
                         }
-                        std::memcpy(chunk + 64 * j + 4 * col, &word, 4);
                     }
                 }
             }

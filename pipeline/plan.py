@@ -545,20 +545,18 @@ def _int8(args: argparse.Namespace) -> bool:
 
 def _scales_dtype(model: str | Path | None) -> str | None:
     """The safetensors dtype of an MLX folder's first `.scales` tensor (from one file's header), or None."""
-    import json
-    import struct
+    from .weights import _read_header
 
     if model is None or not Path(model).is_dir():
         return None
     for path in sorted(Path(model).glob("*.safetensors")):
         try:
-            with open(path, "rb") as f:
-                header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
-        except (OSError, ValueError, struct.error):
+            tensors = _read_header(path)
+        except (OSError, UserError):  # the loader reports a bad file; the planner only counts
             return None
-        for name, entry in header.items():
-            if name.endswith(".scales"):
-                return entry.get("dtype")
+        scales = next((info for name, info in tensors.items() if name.endswith(".scales")), None)
+        if scales is not None:
+            return scales.dtype
     return None
 
 

@@ -93,13 +93,16 @@ class Stage:
 
 
 def ring_forward(stage: Stage, transport: Transport, hidden: mx.array, seq_ids: list[int] = (0,),
-                 lengths: list[int] | None = None, all_positions: bool = False, rewind: int = 0) -> mx.array:
+                 lengths: list[int] | None = None, all_positions: bool = False, rewind: int = 0,
+                 evaluate: bool = True) -> mx.array:
     """Rank 0: run packed hidden states through every stage of the ring and get back each
     sequence's last position (all_positions: every position). rewind: drop that many positions
-    from the end of the sequences' caches first, on every rank (rejected speculative drafts)."""
+    from the end of the sequences' caches first, on every rank (rejected speculative drafts).
+    evaluate=False: on one rank the result stays lazy (on several, sending evaluates it anyway)."""
     lengths = [hidden.shape[1]] if lengths is None else lengths
     stage.rewind(seq_ids, rewind)
-    hidden = stage.run_layers(hidden, seq_ids, lengths, last_only=True, full=[all_positions] * len(lengths))
+    hidden = stage.run_layers(hidden, seq_ids, lengths, evaluate=evaluate, last_only=True,
+                              full=[all_positions] * len(lengths))
     return round_the_ring(transport, hidden, seq_ids, lengths, all_positions, rewind)
 
 
