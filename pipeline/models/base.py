@@ -443,6 +443,27 @@ def final_layer(layer: nn.Module, h: mx.array, caches: list, lengths: list[int],
     return mx.concatenate(parts, axis=1)
 
 
+def start_computing(h: mx.array) -> None:
+    """Hand a layer's output to MLX's compute thread while Python builds the next layers. MLX
+    keeps at most ~100 CPU operations in flight (10 tasks of 10 in its scheduler) and blocks
+    `eval`/`async_eval` until the rest have run, so a step handed over whole (a decode step of
+    SmolLM2 is ~330 operations) is mostly computed while Python waits, and an overlapped decode
+    loop hides its graph building behind only the step's last ~100 operations. Handed over layer
+    by layer, building and computing overlap throughout: SmolLM2's int8 decode on 1 rank x 2 CPUs
+    went from 111 to 128 tok/s. Only where this rank has a second CPU for them to overlap on: a
+    one-CPU rank gained nothing and its batch jobs lost ~2%. The values are the same."""
+    if _several_cpus():
+        mx.async_eval(h)
+
+
+@lru_cache(maxsize=None)
+def _several_cpus() -> bool:
+    """Asked at the first step, after job.share_cores has bound this rank to its CPUs."""
+    from ..cores import cpus_allowed
+
+    return len(cpus_allowed()) > 1
+
+
 class TransformerSlice(nn.Module):
     """The layers [start, end) of a decoder-only transformer, plus, on the first/last stage,
     the token embedding and the final norm + LM head, and with `head_rows` > 0 (the last rank of a
@@ -490,6 +511,7 @@ class TransformerSlice(nn.Module):
                 h = final_layer(layer, h, layer_caches, lengths, full)
             else:
                 h = layer(h, layer_caches, lengths)
+                start_computing(h)
         return h
 
     def logits(self, h: mx.array, vocab_end: int | None = None) -> mx.array:

@@ -48,7 +48,7 @@ import mlx.nn as nn
 from .. import qmm
 from ..config import ModelConfig
 from ..errors import UserError
-from .base import RoPE, TransformerSlice, kept_rows, positions, segments
+from .base import RoPE, TransformerSlice, kept_rows, positions, segments, start_computing
 from .experts import SwitchGLU
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -696,6 +696,7 @@ class Slice(TransformerSlice):
                                  full=full)
             if layer.index >= self.last_hash:
                 ids = None  # no hash-routed layer ahead
+            start_computing(streams)
         return (streams if ids is None else attach_ids(streams, ids))[None]
 
     def logits(self, h: mx.array, vocab_end: int | None = None) -> mx.array:
