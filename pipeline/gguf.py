@@ -150,6 +150,12 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, progr
     return out_dir
 
 
+# GGUF types that are d (q - 2^(bits - 1)): held exactly, their biases are -2^(bits - 1) times their scales,
+# which the int8 repack does not keep (int8_kernels.cpp). A converted folder lists such modules under this key.
+SYMMETRIC_TYPES = ("Q4_0", "Q8_0")
+SYMMETRIC_KEY = "pipeline_symmetric_modules"
+
+
 def folder_config(checkpoint) -> dict[str, Any]:
     """config.json of the converted folder: the checkpoint's config, its `architectures` entry, and an
     mlx-lm style `quantization`: the most common (bits, group) by default, modules held otherwise
@@ -157,7 +163,7 @@ def folder_config(checkpoint) -> dict[str, Any]:
     config = dict(checkpoint.config_dict)
     config["architectures"] = [HF_ARCHITECTURES[config["model_type"]]]
     modules: dict[str, dict | bool] = {}
-    scale_dtypes, float_dtypes = set(), []
+    scale_dtypes, float_dtypes, symmetric = set(), [], []
     for name, entry in checkpoint.tensors.items():
         module, _, part = name.rpartition(".")
         if part == "scales":
@@ -165,6 +171,8 @@ def folder_config(checkpoint) -> dict[str, Any]:
             modules[module] = {"group_size": lay.group_size, "bits": lay.bits,
                                **({"mode": lay.mode} if lay.mode != "affine" else {})}
             scale_dtypes.add(entry.dtype)
+            if entry.how == "exact" and all(t.ggml_type in SYMMETRIC_TYPES for t in entry.source):
+                symmetric.append(module)
         elif part == "weight" and entry.layout is None and len(entry.shape) >= 2:
             modules[module] = False
             float_dtypes.append(entry.dtype)
@@ -175,6 +183,8 @@ def folder_config(checkpoint) -> dict[str, Any]:
         quantization.update({module: m for module, m in sorted(modules.items()) if m != default})
         config["quantization"] = config["quantization_config"] = quantization
         config["torch_dtype"] = "float16" if scale_dtypes == {"F16"} else "float32"
+        if symmetric:  # for the planner (plan.CheckpointFormat.symmetric); other readers ignore the key
+            config[SYMMETRIC_KEY] = sorted(symmetric)
     elif float_dtypes:
         main = max(sorted(set(float_dtypes)), key=float_dtypes.count)
         config["torch_dtype"] = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}.get(main, "float32")

@@ -532,6 +532,13 @@ class GGUFFormat(_plan_format_base()):
         info = self._info(p)
         return info is not None and info.how == "exact" and all(t in ("Q4_0", "Q4_1", "Q8_0") for t in info.types)
 
+    def symmetric(self, p) -> bool:
+        """Q4_0 and Q8_0 are d (q - 8) and d (q - 128): held exactly, every bias is -2^(bits - 1) times its scale."""
+        info = self._info(p)
+        from .gguf import SYMMETRIC_TYPES
+
+        return info is not None and info.how == "exact" and all(t in SYMMETRIC_TYPES for t in info.types)
+
     def disk_bytes(self, p) -> int:
         info = self._info(p)
         return info.disk if info is not None else 0

@@ -166,10 +166,15 @@ inline v16 load_scales(const void *p, int type, int64_t i) {
 #endif
 }
 
+/* The bias of every group of a symmetric matrix, in units of its scale: codes q from 0 to 2^bits - 1 stand
+   for q - 2^(bits - 1) (GGUF's Q4_0 and Q8_0: w = d (q - 8), w = d (q - 128)). */
+constexpr float symmetric_offset(int bits) { return -float(1 << (bits - 1)); }
+
 /* One repacked matrix (or one expert's). */
 struct PackedMatrix {
     const uint8_t *codes;
-    const void *scales, *biases;
+    const void *scales, *biases;  // biases nullptr: a symmetric matrix, each bias `offset` times its scale
+    float offset;
     int scale_type;
     int64_t n, k, groups;  // groups per row
     int bits, group_size;
@@ -179,10 +184,11 @@ struct PackedMatrix {
 PackedMatrix packed_matrix(const mx::array &w, const mx::array &s, const mx::array &b, int64_t k, int bits,
                            int group_size, int64_t e = 0) {
     const int64_t n = w.shape(-2), groups = s.shape(-1);
+    const bool symmetric = b.shape(-1) == 0;
     return PackedMatrix{w.data<uint8_t>() + e * n * w.shape(-1) * 4,
                         static_cast<const uint8_t *>(s.data<void>()) + e * n * groups * s.itemsize(),
-                        static_cast<const uint8_t *>(b.data<void>()) + e * n * groups * b.itemsize(),
-                        scale_type_of(s.dtype()), n, k, groups, bits, group_size};
+                        symmetric ? nullptr : static_cast<const uint8_t *>(b.data<void>()) + e * n * groups * b.itemsize(),
+                        symmetric ? symmetric_offset(bits) : 0.0f, scale_type_of(s.dtype()), n, k, groups, bits, group_size};
 }
 
 /* Output columns [16 * cb, 16 * cb + 16) of R rows: the arithmetic of the file's opening comment. */
@@ -196,7 +202,7 @@ void block_tile(const PackedMatrix &m, int64_t cb, const QuantizedRows &xq, cons
         if (c % per_group == 0) {
             const int64_t at = (cb * m.groups + c / per_group) * BLOCK;
             s = load_scales(m.scales, m.scale_type, at);
-            b = load_scales(m.biases, m.scale_type, at);
+            b = m.biases ? load_scales(m.biases, m.scale_type, at) : s * splat(m.offset);  // exact: a power of two
         }
         const uint8_t *w = codes + c * chunk_bytes(bits);
         i32x16 iacc[R] = {};
@@ -449,7 +455,10 @@ void check(const mx::array &w, const mx::array &s, const mx::array &b, int group
     if (bits != 4 && bits != 8) fail("only 4- and 8-bit weights");
     if (group_size != 32 && group_size != 64 && group_size != 128) fail("group size must be 32, 64 or 128");
     if (w.dtype() != mx::uint32 || w.ndim() < 2 || w.ndim() > 3) fail("w must be packed uint32 [(experts,) n, ...]");
-    if (s.shape() != b.shape() || s.dtype() != b.dtype() || s.ndim() != w.ndim() || (w.ndim() == 3 && s.shape(0) != w.shape(0)))
+    mx::Shape no_offsets = s.shape();
+    no_offsets.back() = 0;  // a symmetric matrix's biases (see int8_repack)
+    if ((s.shape() != b.shape() && b.shape() != no_offsets) || s.dtype() != b.dtype() || s.ndim() != w.ndim() ||
+        (w.ndim() == 3 && s.shape(0) != w.shape(0)))
         fail("scales and biases must match the weights");
     scale_type_of(s.dtype());
     const int64_t n = w.shape(-2), k = w.shape(-1) * 32 / bits;
@@ -493,6 +502,16 @@ static bool all_half_exact(const mx::array &a) {
     return true;
 }
 
+/* Whether every bias is symmetric_offset(bits) times its group's scale, exactly. */
+static bool all_symmetric(const mx::array &s, const mx::array &b, int bits) {
+    const int type = scale_type_of(s.dtype());
+    const void *sp = s.data<void>(), *bp = b.data<void>();
+    const float offset = symmetric_offset(bits);
+    for (size_t i = 0; i < s.size(); i++)
+        if (scale_at(bp, type, int64_t(i)) != scale_at(sp, type, int64_t(i)) * offset) return false;
+    return true;
+}
+
 /* The four low nibbles of x (bits 0-15) as the low nibbles of four bytes. */
 static inline uint32_t spread_nibbles(uint32_t x) {
     return (x & 0xFu) | ((x & 0xF0u) << 4) | ((x & 0xF00u) << 8) | ((x & 0xF000u) << 12);
@@ -514,10 +533,15 @@ std::tuple<mx::array, mx::array, mx::array> int8_repack(mx::array w, mx::array s
     // float32 scales and biases that are all float16 values are held as float16 (converted while copied)
     const bool to_half = s.dtype() == mx::float32 && all_half_exact(s) && all_half_exact(b);
     const mx::Dtype held = to_half ? mx::float16 : s.dtype();
+    // biases that are all -2^(bits - 1) times their scales (GGUF's Q4_0, Q8_0) are not kept: the kernel
+    // makes each from its scale, the same float (a power of two times it), and a token reads 1/10 fewer bytes
+    const bool symmetric = all_symmetric(s, b, bits);
+    mx::Shape bias_shape = b.shape();
+    if (symmetric) bias_shape.back() = 0;
     const int64_t n = w.shape(-2), k = w.shape(-1) * 32 / bits, experts = w.ndim() == 3 ? w.shape(0) : 1;
     const int64_t row_bytes = k * bits / 8, groups = k / group_size, chunks = k / CHUNK, item = s.itemsize();
     mx::array w2 = huge_page_array(w.shape(), w.dtype()), s2 = huge_page_array(s.shape(), held),
-              b2 = huge_page_array(b.shape(), held);
+              b2 = huge_page_array(bias_shape, held);
     const uint8_t *src = w.data<uint8_t>();
     uint8_t *dst = w2.data<uint8_t>();
     const int64_t blocks = experts * (n / BLOCK);
@@ -554,6 +578,7 @@ std::tuple<mx::array, mx::array, mx::array> int8_repack(mx::array w, mx::array s
                 }
             }
             for (const auto &[from, to] : {std::pair{&s, &s2}, std::pair{&b, &b2}}) {
+                if (to->size() == 0) continue;  // a symmetric matrix's biases
                 const uint8_t *in = from->data<uint8_t>() + (e * n + cb * BLOCK) * groups * item;
                 uint8_t *o = to->data<uint8_t>() + (e * n + cb * BLOCK) * groups * to->itemsize();
                 for (int64_t g = 0; g < groups; g++)

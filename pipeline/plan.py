@@ -409,6 +409,14 @@ class CheckpointFormat:
         float16 values (the int8 repack then holds them as float16: qmm.use_int8)."""
         return self.kind == "mlx" and self.half_scales_stored
 
+    def symmetric(self, p: Param) -> bool:
+        """Whether every bias of a tensor held MLX-quantized as stored is -2^(bits - 1) times its scale
+        (the int8 repack then holds no biases: qmm.use_int8): in an MLX folder, the modules `convert`
+        listed so (a GGUF's Q4_0 and Q8_0); other folders are not assumed to be."""
+        from .gguf import SYMMETRIC_KEY
+
+        return self.kind == "mlx" and p.module in self.config.raw.get(SYMMETRIC_KEY, ())
+
     def mx_bits(self, p: Param) -> int | None:
         """4 or 8: a tensor held in MLX's mxfp4 / mxfp8 mode as stored (DeepSeek V4); else None."""
         if not self.mx or not p.is_matrix:
@@ -566,11 +574,11 @@ def _mx_bytes(shape: tuple[int, ...], bits: int) -> int:
     return rows * math.ceil(cols * bits / 32) * 4 + rows * math.ceil(cols / 32)
 
 
-def _affine_bytes(shape: tuple[int, ...], bits: int, group: int, scale_bytes: int) -> int:
+def _affine_bytes(shape: tuple[int, ...], bits: int, group: int, scale_bytes: int, biases: bool = True) -> int:
     """MLX affine quantization of one tensor: rows of uint32-packed values plus a scale and a bias
-    per group."""
+    per group (no biases: a symmetric matrix repacked for the int8 products)."""
     rows, cols = math.prod(shape[:-1]), shape[-1]
-    return rows * math.ceil(cols * bits / 32) * 4 + rows * math.ceil(cols / group) * 2 * scale_bytes
+    return rows * math.ceil(cols * bits / 32) * 4 + rows * math.ceil(cols / group) * (1 + biases) * scale_bytes
 
 
 @dataclass(frozen=True)
@@ -603,8 +611,10 @@ class Precision:
         if native and self.dense and self.checkpoint.kind in ("mlx", "gguf"):
             return p.numel * self.dtype_bytes
         if native:
-            half = not p.is_embedding and self.int8_repacked(p, native[0]) and self.checkpoint.half_scales(p)
-            return p.copies * _affine_bytes(p.shape, *native, 2 if half else self.dtype_bytes)
+            repacked = not p.is_embedding and self.int8_repacked(p, native[0])
+            half = repacked and self.checkpoint.half_scales(p)
+            return p.copies * _affine_bytes(p.shape, *native, 2 if half else self.dtype_bytes,
+                                            biases=not (repacked and self.checkpoint.symmetric(p)))
         if self.requantized(p):
             return p.copies * _affine_bytes(p.shape, self.quantize, self.group_size, self.dtype_bytes)
         return p.numel * self.dtype_bytes
@@ -622,7 +632,8 @@ class Precision:
         native = self.checkpoint.native(embedding)
         if self.dense or not native or not self.int8_repacked(embedding, native[0]):
             return 0
-        return _affine_bytes(embedding.shape, *native, 2 if self.checkpoint.half_scales(embedding) else self.dtype_bytes)
+        return _affine_bytes(embedding.shape, *native, 2 if self.checkpoint.half_scales(embedding) else self.dtype_bytes,
+                             biases=not self.checkpoint.symmetric(embedding))
 
     def requantized(self, p: Param) -> bool:
         return (bool(self.quantize) and p.is_matrix and not p.is_router and p.shape[-1] % self.group_size == 0
@@ -657,7 +668,8 @@ class Precision:
             parts.append(f"FP8 weights dequantized to {name} at load (MLX has no FP8 matmul)")
         if self.int8:
             parts.append("--int8-activations: 4- and 8-bit matrices repacked (scales and biases float16 where "
-                         "stored so), a tied embedding held twice on rank 0 (its int8 copy is the head)")
+                         "stored so, no biases for GGUF's Q4_0 and Q8_0), a tied embedding held twice on rank 0 "
+                         "(its int8 copy is the head)")
         parts.append(f"other tensors {name} ({d} B)")
         return "; ".join(parts)
 

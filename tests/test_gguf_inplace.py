@@ -12,6 +12,7 @@ elsewhere:
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -675,6 +676,12 @@ def test_smollm_gguf_generates_as_the_default_model():
     assert direct.returncode == 0, direct.stderr
     assert default.returncode == 0, default.stderr
     assert "Paris" in direct.stdout and direct.stdout == default.stdout
+    # What preflight plans per rank is what each holds, as read from the file (its Q8_0 embedding's int8
+    # head copy holds no biases: int8_kernels.cpp) as from the converted folder.
+    held = re.findall(r"r\d+ \d+ MiB \(weights ([\d.]+ MiB)", direct.stderr)
+    assert len(held) == 2 and held == re.findall(r"r\d+ \d+ MiB \(weights ([\d.]+ MiB)", default.stderr)
+    planned = mpiexec(2, "preflight", "--model", str(path), timeout=120)
+    assert re.findall(r"([\d.]+ MiB) quantized", planned.stdout + planned.stderr) == held, planned.stderr
 
 
 def _error_lines(result) -> list[str]:

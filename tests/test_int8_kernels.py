@@ -243,6 +243,33 @@ def test_float16_valued_scales_are_held_as_float16_with_the_same_products(kernel
     assert int8(kernels, w, nudged, biases.astype(mx.float32), group_size, bits)[1].dtype == mx.float32
 
 
+@pytest.mark.parametrize("bits", (4, 8))
+def test_symmetric_matrices_drop_their_biases_with_the_same_products(kernels, bits):
+    """Biases that are all -2^(bits - 1) times their scales (GGUF's Q4_0 and Q8_0) are not held after the
+    repack: the kernel makes each from its scale, and the products keep their bits. Against the same
+    matrix with one column's bias changed (so all are held): every other column is bit for bit the same;
+    and against the float64 model of the arithmetic."""
+    rng = np.random.default_rng(17 + bits)
+    n, k, group_size = 48, 256, 32
+    w, scales, _ = quantized(rng, n, k, bits, group_size, "float16")
+    biases = scales * -(2 ** (bits - 1))
+    symmetric = int8(kernels, w, scales.astype(mx.float32), biases.astype(mx.float32), group_size, bits)
+    assert symmetric[2].shape == (n, 0)  # no biases held
+    one_off = np.array(biases)
+    one_off[0, 0] *= 0.5
+    held = int8(kernels, w, scales, mx.array(one_off), group_size, bits)
+    assert held[2].shape == biases.shape
+    x = (rng.standard_normal((9, k)) * 3).astype(np.float32)
+    got = np.array(kernels.int8_matmul(mx.array(x), *symmetric, group_size, bits))
+    other = np.array(kernels.int8_matmul(mx.array(x), *held, group_size, bits))
+    assert np.array_equal(got[:, 1:], other[:, 1:]) and not np.array_equal(got[:, 0], other[:, 0])
+    model, magnitude = int8_reference(x, w, scales, biases, bits, group_size)
+    assert np.max(np.abs(got - model) / magnitude) < RELATIVE_TOLERANCE
+    fused = kernels.int8_products(mx.array(x), [symmetric[0]] * 2, [symmetric[1]] * 2, [symmetric[2]] * 2, group_size,
+                                  bits)
+    assert all(np.array_equal(np.array(f), got) for f in fused)
+
+
 @pytest.mark.parametrize("rows", (1, 5, 70))
 def test_fused_products_and_swiglu_have_the_bits_of_the_products_alone(kernels, rows):
     """A layer's q/k/v products as one operation, and gate/up with SwiGLU as one: each output element the
