@@ -19,6 +19,7 @@ from gguf import GGMLQuantizationType as QT
 from tokenizers import Tokenizer
 
 from pipeline import default_model
+from pipeline.default_model import DEFAULT_MODEL_NAME
 from pipeline.errors import UserError
 from pipeline.gguf import OutputExistsError, convert_gguf
 
@@ -463,10 +464,10 @@ def test_smollm_tokenizer_and_generation_config(smollm):
 def test_default_model_dir_is_reused(smollm, monkeypatch):
     monkeypatch.setenv("PIPELINE_CACHE", str(smollm["cache"]))
     assert default_model.cache_root() == smollm["cache"]
-    assert smollm["dir"] == smollm["cache"] / "models" / "SmolLM2-135M-Instruct-Q4_1"
+    assert smollm["dir"] == smollm["cache"] / "models" / DEFAULT_MODEL_NAME
     assert default_model.default_model_dir(progress=False) == smollm["dir"]
     assert (smollm["dir"] / "model.safetensors").stat().st_mtime_ns == smollm["mtime"]
-    assert [p.name for p in (smollm["cache"] / "models").iterdir()] == ["SmolLM2-135M-Instruct-Q4_1"]
+    assert [p.name for p in (smollm["cache"] / "models").iterdir()] == [DEFAULT_MODEL_NAME]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -516,7 +517,7 @@ def test_concurrent_callers_share_one_folder(tmp_path, monkeypatch):
     for t in threads:
         t.join()
     assert not errors
-    expected = tmp_path / "cache" / "models" / "SmolLM2-135M-Instruct-Q4_1"
+    expected = tmp_path / "cache" / "models" / DEFAULT_MODEL_NAME
     assert results == [expected, expected]
     assert (expected / "config.json").is_file()
-    assert os.listdir(tmp_path / "cache" / "models") == ["SmolLM2-135M-Instruct-Q4_1"]  # no temp folders left
+    assert os.listdir(tmp_path / "cache" / "models") == [DEFAULT_MODEL_NAME]  # no temp folders left
