@@ -191,6 +191,12 @@ PackedMatrix packed_matrix(const mx::array &w, const mx::array &s, const mx::arr
                         symmetric ? symmetric_offset(bits) : 0.0f, scale_type_of(s.dtype()), n, k, groups, bits, group_size};
 }
 
+#if defined(__AVX512F__)  // 8 (up to 9) int32 + float accumulators fit AVX-512's 32 registers
+constexpr int TILE = 8, MAX_TILE = 9;
+#else  // AVX2's 16: 4 rows a tile
+constexpr int TILE = 4, MAX_TILE = 4;
+#endif
+
 /* Output columns [16 * cb, 16 * cb + 16) of R rows: the arithmetic of the file's opening comment. */
 template <int bits, int R>
 void block_tile(const PackedMatrix &m, int64_t cb, const QuantizedRows &xq, const int64_t *rows, float *const *out) {
@@ -236,16 +242,25 @@ void block_tile(const PackedMatrix &m, int64_t cb, const QuantizedRows &xq, cons
     for (int r = 0; r < R; r++) store16(out[r] + cb * BLOCK, acc[r]);
 }
 
+/* One tile of R rows, 1 <= R <= MAX_TILE. */
+template <int bits, int R = 1>
+void tile_of(int64_t count, const PackedMatrix &m, int64_t cb, const QuantizedRows &xq, const int64_t *rows,
+             float *const *out) {
+    if constexpr (R < MAX_TILE) {
+        if (count != R) return tile_of<bits, R + 1>(count, m, cb, xq, rows, out);
+    }
+    block_tile<bits, R>(m, cb, xq, rows, out);
+}
+
+/* The rows in as few tiles as registers allow: each tile reads the block's weights once, so a 9-position
+   speculative trip (K = 8) or a 7-sequence decode step reads them once, not as 8 + 1 or 4 + 2 + 1 rows (the
+   1B Llama's weights come from memory each time). Every row's arithmetic is the same whatever its tile. */
 template <int bits>
 void column_block(const PackedMatrix &m, int64_t cb, const QuantizedRows &xq, const int64_t *rows, float *const *out,
                   int64_t nrows) {
     int64_t r = 0;
-#if defined(__AVX512F__)  // 8 int32 + 8 float accumulators fit AVX-512's 32 registers
-    for (; r + 8 <= nrows; r += 8) block_tile<bits, 8>(m, cb, xq, rows + r, out + r);
-#endif
-    for (; r + 4 <= nrows; r += 4) block_tile<bits, 4>(m, cb, xq, rows + r, out + r);
-    for (; r + 2 <= nrows; r += 2) block_tile<bits, 2>(m, cb, xq, rows + r, out + r);
-    for (; r < nrows; r++) block_tile<bits, 1>(m, cb, xq, rows + r, out + r);
+    for (; nrows - r > MAX_TILE; r += TILE) block_tile<bits, TILE>(m, cb, xq, rows + r, out + r);
+    if (r < nrows) tile_of<bits>(nrows - r, m, cb, xq, rows + r, out + r);
 }
 
 constexpr int64_t ROW_BLOCK = 64;
