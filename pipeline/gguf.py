@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from . import quants
 from .errors import UserError
 
 MAX_SHARD_BYTES = 2_000_000_000
@@ -150,9 +151,8 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, progr
     return out_dir
 
 
-# GGUF types that are d (q - 2^(bits - 1)): held exactly, their biases are -2^(bits - 1) times their scales,
-# which the int8 repack does not keep (int8_kernels.cpp). A converted folder lists such modules under this key.
-SYMMETRIC_TYPES = ("Q4_0", "Q8_0")
+# A converted folder lists under this key the modules held exactly from quants.SYMMETRIC_TYPES (their
+# biases -2^(bits - 1) times their scales, which the int8 repack does not keep), for the planner.
 SYMMETRIC_KEY = "pipeline_symmetric_modules"
 
 
@@ -171,7 +171,7 @@ def folder_config(checkpoint) -> dict[str, Any]:
             modules[module] = {"group_size": lay.group_size, "bits": lay.bits,
                                **({"mode": lay.mode} if lay.mode != "affine" else {})}
             scale_dtypes.add(entry.dtype)
-            if entry.how == "exact" and all(t.ggml_type in SYMMETRIC_TYPES for t in entry.source):
+            if entry.how == "exact" and all(t.ggml_type in quants.SYMMETRIC_TYPES for t in entry.source):
                 symmetric.append(module)
         elif part == "weight" and entry.layout is None and len(entry.shape) >= 2:
             modules[module] = False

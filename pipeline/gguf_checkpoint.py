@@ -529,15 +529,16 @@ class GGUFFormat(_plan_format_base()):
 
     def half_scales(self, p) -> bool:
         """Q4_0, Q4_1 and Q8_0 blocks store float16 scales (and offsets): held exactly, they stay float16 values."""
-        info = self._info(p)
-        return info is not None and info.how == "exact" and all(t in ("Q4_0", "Q4_1", "Q8_0") for t in info.types)
+        return self._held_exactly_from(p, ("Q4_0", "Q4_1", "Q8_0"))
 
     def symmetric(self, p) -> bool:
         """Q4_0 and Q8_0 are d (q - 8) and d (q - 128): held exactly, every bias is -2^(bits - 1) times its scale."""
-        info = self._info(p)
-        from .gguf import SYMMETRIC_TYPES
+        return self._held_exactly_from(p, quants.SYMMETRIC_TYPES)
 
-        return info is not None and info.how == "exact" and all(t in SYMMETRIC_TYPES for t in info.types)
+    def _held_exactly_from(self, p, types: tuple[str, ...]) -> bool:
+        """Whether `p` is held exactly as stored, from tensors of these GGML types only."""
+        info = self._info(p)
+        return info is not None and info.how == "exact" and all(t in types for t in info.types)
 
     def disk_bytes(self, p) -> int:
         info = self._info(p)

@@ -173,8 +173,7 @@ constexpr float symmetric_offset(int bits) { return -float(1 << (bits - 1)); }
 /* One repacked matrix (or one expert's). */
 struct PackedMatrix {
     const uint8_t *codes;
-    const void *scales, *biases;  // biases nullptr: a symmetric matrix, each bias `offset` times its scale
-    float offset;
+    const void *scales, *biases;  // biases nullptr: a symmetric matrix, each bias symmetric_offset(bits) x its scale
     int scale_type;
     int64_t n, k, groups;  // groups per row
     int bits, group_size;
@@ -188,7 +187,7 @@ PackedMatrix packed_matrix(const mx::array &w, const mx::array &s, const mx::arr
     return PackedMatrix{w.data<uint8_t>() + e * n * w.shape(-1) * 4,
                         static_cast<const uint8_t *>(s.data<void>()) + e * n * groups * s.itemsize(),
                         symmetric ? nullptr : static_cast<const uint8_t *>(b.data<void>()) + e * n * groups * b.itemsize(),
-                        symmetric ? symmetric_offset(bits) : 0.0f, scale_type_of(s.dtype()), n, k, groups, bits, group_size};
+                        scale_type_of(s.dtype()), n, k, groups, bits, group_size};
 }
 
 #if defined(__AVX512F__)  // 8 (up to 9) int32 + float accumulators fit AVX-512's 32 registers
@@ -208,7 +207,7 @@ void block_tile(const PackedMatrix &m, int64_t cb, const QuantizedRows &xq, cons
         if (c % per_group == 0) {
             const int64_t at = (cb * m.groups + c / per_group) * BLOCK;
             s = load_scales(m.scales, m.scale_type, at);
-            b = m.biases ? load_scales(m.biases, m.scale_type, at) : s * splat(m.offset);  // exact: a power of two
+            b = m.biases ? load_scales(m.biases, m.scale_type, at) : s * splat(symmetric_offset(bits));  // exact: a power of two
         }
         const uint8_t *w = codes + c * chunk_bytes(bits);
         i32x16 iacc[R] = {};

@@ -43,6 +43,9 @@ REQUANTIZED = {
 # Types whose MLX scales and biases fp16 holds exactly (d, m, or d times a power of two), kept in fp16;
 # the K-quants' d x sc_j needs float32.
 FP16_SCALES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+# 4- and 8-bit types that are d (q - 2^(bits - 1)): every bias is -2^(bits - 1) times its scale, which the
+# int8 repack does not keep (int8_kernels.cpp).
+SYMMETRIC_TYPES = ("Q4_0", "Q8_0")
 # Float types, read as they are (numpy dtype to read the bytes as; BF16 as raw uint16).
 FLOATS = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
 INTEGERS = {"I8": np.int8, "I16": np.int16, "I32": np.int32, "I64": np.int64}
