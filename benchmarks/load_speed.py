@@ -217,8 +217,13 @@ def run_read(spans: list, fresh: bool) -> dict:
 
 
 def run_load(form: str, model: Path) -> dict:
+    sys.path.insert(0, str(common.REPO))
+    from pipeline import huge_pages
+
     cmd = ["mpiexec", "-n", "1", sys.executable, __file__, "--worker", form, str(model)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=common.env_with_repo(), timeout=1800)
+    # the environment a `python -m pipeline` rank gets from its supervisor (huge_pages.py)
+    env = huge_pages.environment(common.env_with_repo())
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     if proc.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
     line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))

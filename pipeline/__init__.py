@@ -11,11 +11,14 @@ import os as _os  # noqa: E402
 _os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 # A rank started by mpiexec as `python -m pipeline ...` runs under a supervisor that names it
-# if a signal kills it (see supervise.py); this must happen before anything starts threads.
+# if a signal kills it (see supervise.py); this must happen before anything starts threads. The
+# supervisor, or a run without mpiexec starting itself again, gives the rank glibc's huge-page
+# tunable (huge_pages.py).
 from . import supervise as _supervise  # noqa: E402
 
 if _supervise.wanted():
     _supervise.supervise()
+_supervise.restart_with_huge_pages()
 _supervise.watch_parent()
 
 # Before anything imports mlx.core, which binds its BLAS symbols as it loads (see blas.py).

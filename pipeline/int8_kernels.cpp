@@ -505,6 +505,12 @@ static mx::array huge_page_array(const mx::Shape &shape, mx::Dtype dtype) {
     return out;
 }
 
+static size_t shape_size(const mx::Shape &shape) {
+    size_t size = 1;
+    for (auto d : shape) size *= size_t(d);
+    return size;
+}
+
 /* Whether every value of a float32 array is a float16 value. GGUF's Q4_0/Q4_1/Q8_0 scales and offsets are
    (times a power of two) float16 in the file and reach us as float32 under --dtype float32; held as
    float16 again they are the same numbers in half the bytes, and a one-row product reads every scale
@@ -531,16 +537,46 @@ static inline uint32_t spread_nibbles(uint32_t x) {
     return (x & 0xFu) | ((x & 0xF0u) << 4) | ((x & 0xF00u) << 8) | ((x & 0xF000u) << 12);
 }
 
+#if defined(__SSE2__)
+/* A 4-bit row's 16 bytes of a chunk -> its 4 words in the new order (see int8_repack): byte i < 8 holds
+   inputs 2i, 2i+1, byte 8 + i inputs 16 + 2i, 17 + 2i; new byte 2i is the low nibbles of bytes i and 8 + i,
+   new byte 2i + 1 their high nibbles: word j is inputs 4j..4j+3 in low nibbles beside 16+4j.. in high ones. */
+static inline __m128i block_words(const uint8_t *r) {
+    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i *>(r)), high = _mm_srli_si128(x, 8);
+    const __m128i low_nibbles = _mm_set1_epi8(0x0F), high_nibbles = _mm_set1_epi8(char(0xF0));
+    const __m128i lows = _mm_or_si128(_mm_and_si128(x, low_nibbles), _mm_and_si128(_mm_slli_epi16(high, 4), high_nibbles));
+    const __m128i highs = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(x, 4), low_nibbles), _mm_and_si128(high, high_nibbles));
+    return _mm_unpacklo_epi8(lows, highs);
+}
+
+/* Four rows' words j..j+3 (one row a register) -> line j + q holds word j + q of each, at columns col..col+3. */
+static inline void store_transposed(__m128i a, __m128i b, __m128i c, __m128i d, uint32_t *lines, int col) {
+    const __m128i ab_low = _mm_unpacklo_epi32(a, b), cd_low = _mm_unpacklo_epi32(c, d);
+    const __m128i ab_high = _mm_unpackhi_epi32(a, b), cd_high = _mm_unpackhi_epi32(c, d);
+    _mm_storeu_si128(reinterpret_cast<__m128i *>(lines + 0 * BLOCK + col), _mm_unpacklo_epi64(ab_low, cd_low));
+    _mm_storeu_si128(reinterpret_cast<__m128i *>(lines + 1 * BLOCK + col), _mm_unpackhi_epi64(ab_low, cd_low));
+    _mm_storeu_si128(reinterpret_cast<__m128i *>(lines + 2 * BLOCK + col), _mm_unpacklo_epi64(ab_high, cd_high));
+    _mm_storeu_si128(reinterpret_cast<__m128i *>(lines + 3 * BLOCK + col), _mm_unpackhi_epi64(ab_high, cd_high));
+}
+#endif
+
 /* w, scales, biases in MLX's layout -> the same arrays in the layout of the opening comment. Word at a time:
    in a row's 16 bytes of a chunk, byte m holds inputs 2m (low nibble) and 2m + 1, so inputs 4j..4j+3 are
-   its bytes 2j, 2j+1 and inputs 16+4j.. its bytes 8+2j, 9+2j. Measured on the 2-core Zen 4, an 8192 x 8192
-   4-bit group-32 matrix (33 MB, float16 scales): 91 ms a byte at a time in chunk order, 40 ms now (the
-   rows' prefetch below did most); a 1B Llama's use_int8 1.5 -> 0.85 s. */
+   its bytes 2j, 2j+1 and inputs 16+4j.. its bytes 8+2j, 9+2j. A block's 16 rows are first copied whole (one
+   sequential read, 16 consecutive rows) into a per-thread buffer that stays in L2, then rearranged from there
+   into the bytes the block came from, either in a new array or, with `in_place`, in w's own buffer: the
+   caller's word that nothing else reads w (a module's weight, replaced by the result). In place, loading
+   pays for no second copy of the weights in new memory: fresh pages cost more than the rearranging (page
+   faults, and on a VM the host's own first touch). Measured on the 2-core Zen 4, an 8192 x 8192 4-bit
+   matrix: 91 ms a byte at a time reading the 16 rows in place, 40 ms a word at a time with the rows
+   prefetched, XX ms through the block buffer. */
 std::tuple<mx::array, mx::array, mx::array> int8_repack(mx::array w, mx::array s, mx::array b, int group_size,
-                                                        int bits) {
+                                                        int bits, bool in_place) {
     check(w, s, b, group_size, bits);
     mx::eval({w, s, b});
     std::vector<mx::array> keep;
+    // only a buffer no other array shares (a view of it, the embedding a tied head is a copy of) is rewritten
+    in_place = in_place && w.flags().row_contiguous && w.data_shared_ptr().use_count() == 1;
     w = contiguous(w, keep);
     s = contiguous(s, keep);
     b = contiguous(b, keep);
@@ -554,46 +590,67 @@ std::tuple<mx::array, mx::array, mx::array> int8_repack(mx::array w, mx::array s
     if (symmetric) bias_shape.back() = 0;
     const int64_t n = w.shape(-2), k = w.shape(-1) * 32 / bits, experts = w.ndim() == 3 ? w.shape(0) : 1;
     const int64_t row_bytes = k * bits / 8, groups = k / group_size, chunks = k / CHUNK, item = s.itemsize();
-    mx::array w2 = huge_page_array(w.shape(), w.dtype()), s2 = huge_page_array(s.shape(), held),
-              b2 = huge_page_array(bias_shape, held);
+    // in place, scales and biases that keep their dtype are rearranged in their own buffers too, and new
+    // arrays come from plain malloc, whose big blocks are in huge pages already (the caller's word)
+    const auto own_or_new = [&](const mx::array &a, const mx::Shape &shape, mx::Dtype dtype) {
+        if (in_place && a.dtype() == dtype && a.shape() == shape && a.flags().row_contiguous &&
+            a.data_shared_ptr().use_count() == 1)
+            return a;
+        return in_place ? mx::array(mx::allocator::malloc(mx::size_of(dtype) * shape_size(shape)), shape, dtype)
+                        : huge_page_array(shape, dtype);
+    };
+    mx::array w2 = in_place ? w : huge_page_array(w.shape(), w.dtype());
+    mx::array s2 = own_or_new(s, s.shape(), held), b2 = own_or_new(b, bias_shape, held);
     const uint8_t *src = w.data<uint8_t>();
     uint8_t *dst = w2.data<uint8_t>();
     const int64_t blocks = experts * (n / BLOCK);
     on_threads(blocks, [&](int64_t first, int64_t last) {
+        std::vector<uint8_t> block_rows(BLOCK * row_bytes), block_scales(BLOCK * groups * item);
         for (int64_t blk = first; blk < last; blk++) {
             const int64_t e = blk / (n / BLOCK), cb = blk % (n / BLOCK);
-            const uint8_t *rows = src + (e * n + cb * BLOCK) * row_bytes;  // the block's 16 rows, MLX's layout
-            uint8_t *out = dst + (e * n + cb * BLOCK) * row_bytes;  // a block's bytes stay where its rows were
-            // The chunks of one 64-byte line of each row at a time: the block's 16 rows lie a power of two
-            // apart (4 KiB for k = 8192), all in one L1 set, so a line left for the next chunk is gone by then.
-            const int64_t per_line = 64 / (CHUNK * bits / 8);
-            for (int64_t c0 = 0; c0 < chunks; c0 += per_line) {
-                for (int col = 0; col < BLOCK; col++) {
-                    // 16 rows a power of two apart are 16 streams the hardware prefetcher does not follow: ask
-                    // for each row's line 8 lines ahead (16 or 32 ahead: the same)
-                    if (c0 + 8 * per_line < chunks)
-                        __builtin_prefetch(rows + col * row_bytes + (c0 + 8 * per_line) * CHUNK * bits / 8);
-                    for (int64_t c = c0; c < std::min(chunks, c0 + per_line); c++) {
-                        uint8_t *chunk = out + c * chunk_bytes(bits);
-                        const uint8_t *r = rows + col * row_bytes + c * CHUNK * bits / 8;  // the row's chunk
-                        for (int j = 0; j < bits; j++) {
-                            uint32_t word;
-                            if (bits == 8) {
-                                std::memcpy(&word, r + 4 * j, 4);  // inputs 4j..4j+3
-                            } else {
-                                uint16_t low, high;
-                                std::memcpy(&low, r + 2 * j, 2);
-                                std::memcpy(&high, r + 8 + 2 * j, 2);
-                                word = spread_nibbles(low) | (spread_nibbles(high) << 4);
-                            }
-                            std::memcpy(chunk + 64 * j + 4 * col, &word, 4);
-                        }
+            const int64_t at = (e * n + cb * BLOCK) * row_bytes;  // a block's bytes stay where its rows were
+            std::memcpy(block_rows.data(), src + at, BLOCK * row_bytes);
+            const uint8_t *rows = block_rows.data();  // the block's 16 rows, MLX's layout
+            uint8_t *out = dst + at;
+            for (int64_t c = 0; c < chunks; c++) {
+                const uint8_t *chunk_rows = rows + c * CHUNK * bits / 8;  // row col's chunk at col * row_bytes
+                uint32_t *lines = reinterpret_cast<uint32_t *>(out + c * chunk_bytes(bits));
+#if defined(__SSE2__)
+                for (int col = 0; col < BLOCK; col += 4) {  // four rows at a time: their words, transposed
+                    const uint8_t *r = chunk_rows + col * row_bytes;
+                    if (bits == 4) {
+                        store_transposed(block_words(r), block_words(r + row_bytes), block_words(r + 2 * row_bytes),
+                                         block_words(r + 3 * row_bytes), lines, col);
+                        continue;
+                    }
+                    for (int half = 0; half < 2; half++) {  // 8-bit: words 0-3, then 4-7, as stored
+                        auto load = [&](int q) { return _mm_loadu_si128(reinterpret_cast<const __m128i *>(r + q * row_bytes + 16 * half)); };
+                        store_transposed(load(0), load(1), load(2), load(3), lines + 4 * BLOCK * half, col);
                     }
                 }
+#else
+                for (int j = 0; j < bits; j++)
+                    for (int col = 0; col < BLOCK; col++) {
+                        const uint8_t *r = chunk_rows + col * row_bytes;
+                        uint32_t word;
+                        if (bits == 8) {
+                            std::memcpy(&word, r + 4 * j, 4);
+                        } else {
+                            uint16_t low, high;
+                            std::memcpy(&low, r + 2 * j, 2);
+                            std::memcpy(&high, r + 8 + 2 * j, 2);
+                            word = spread_nibbles(low) | (spread_nibbles(high) << 4);
+                        }
+                        lines[j * BLOCK + col] = word;
+                    }
+#endif
             }
             for (const auto &[from, to] : {std::pair{&s, &s2}, std::pair{&b, &b2}}) {
                 if (to->size() == 0) continue;  // a symmetric matrix's biases
-                const uint8_t *in = from->data<uint8_t>() + (e * n + cb * BLOCK) * groups * item;
+                // copied first: `to` may be `from` (in place)
+                std::memcpy(block_scales.data(), from->data<uint8_t>() + (e * n + cb * BLOCK) * groups * item,
+                            BLOCK * groups * item);
+                const uint8_t *in = block_scales.data();
                 uint8_t *o = to->data<uint8_t>() + (e * n + cb * BLOCK) * groups * to->itemsize();
                 for (int64_t g = 0; g < groups; g++)
                     for (int col = 0; col < BLOCK; col++) {
@@ -630,7 +687,9 @@ void register_int8(nb::module_ &m) {
 #endif
     });
     m.def("int8_repack", &int8_repack, nb::arg("w"), nb::arg("scales"), nb::arg("biases"), nb::arg("group_size"),
-          nb::arg("bits"), "MLX affine 4/8-bit (w, scales, biases) -> the int8 products' layout (same shapes), now");
+          nb::arg("bits"), nb::arg("in_place") = false,
+          "MLX affine 4/8-bit (w, scales, biases) -> the int8 products' layout (same shapes), now; in_place: "
+          "the weights rearranged in w's own buffer (nothing else may read w afterwards)");
     m.def(
         "int8_matmul",
         [](const mx::array &x, const mx::array &w, const mx::array &s, const mx::array &b, int group_size, int bits) {

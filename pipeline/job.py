@@ -14,7 +14,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from . import blas, cores, qmm
+from . import blas, cores, huge_pages, qmm
 from .config import ModelConfig
 from .errors import UserError
 from .memory import measured, rank_bytes
@@ -173,7 +173,10 @@ def load_stage(args: argparse.Namespace, plan: Plan, rank: int, progress: bool, 
         share = config.vocab_size % qmm.INT8_BLOCK == 0 and not (plan.dense and plan.dense[0])
         for module in (stage.model, stage.mtp):
             if module is not None:
-                qmm.use_int8(module, tied_head=bool(config.tie_word_embeddings), head_share=share)
+                # rearranged in the buffers they were read into where those are in huge pages (else
+                # the products would walk small pages: 1B Llama decode -5%), into new huge pages otherwise
+                qmm.use_int8(module, tied_head=bool(config.tie_word_embeddings), head_share=share,
+                             in_place=huge_pages.active())
     return stage
 
 

@@ -462,7 +462,7 @@ def int8_covers(module: nn.Module) -> bool:
             and module.bits in INT8_BITS and w.shape[-2] % INT8_BLOCK == 0)
 
 
-def use_int8(model: nn.Module, tied_head: bool = False, head_share: bool = True) -> int:
+def use_int8(model: nn.Module, tied_head: bool = False, head_share: bool = True, in_place: bool = False) -> int:
     """--int8-activations: repack the 4- and 8-bit weights of `model`'s quantized modules for the int8
     products (int8_kernels.cpp), in place, one module at a time: same shapes, another order (float32 scales
     holding float16 values, a GGUF's, become float16: fewer bytes a token, same numbers),
@@ -471,6 +471,8 @@ def use_int8(model: nn.Module, tied_head: bool = False, head_share: bool = True)
     head; an embedding that is not the head is left alone. head_share: the last rank's share of the
     head (head_share.py) may take the int8 path; the caller says no where rank 0's head cannot (its
     rows not whole blocks, or rank 0 dense), so that both compute the head the same way.
+    in_place: rearrange a layer's weights in their own buffer, so that loading pays for no second copy
+    in new memory; only for a caller that knows no graph built before still reads them (the loader).
     Returns how many were repacked (0 without the kernels: the stats line says why)."""
     from .models.experts import QuantizedSwitchLinear
 
@@ -489,8 +491,9 @@ def use_int8(model: nn.Module, tied_head: bool = False, head_share: bool = True)
         if (embedding and not tied_head) or id(module) in skip or getattr(module, "int8", False) \
                 or not int8_covers(module):
             continue
+        # a tied embedding keeps its layout for lookups: its head is a copy
         w, s, b = state.module.int8_repack(module["weight"], module["scales"], module["biases"], module.group_size,
-                                           module.bits)
+                                           module.bits, in_place=in_place and not embedding)
         prefix = "int8_" if embedding else ""
         module[prefix + "weight"], module[prefix + "scales"], module[prefix + "biases"] = w, s, b
         module.int8 = True

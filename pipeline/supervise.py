@@ -61,12 +61,28 @@ def wanted() -> bool:
             and os.environ.get("PIPELINE_SUPERVISE", "1") != "0")
 
 
+def restart_with_huge_pages() -> None:
+    """`python -m pipeline ...` run without mpiexec: start again (same pid, arguments and descriptors)
+    with glibc's huge-page tunable, read only at process start (huge_pages.py); under mpiexec the
+    supervisor gives it to the rank it starts. Returns where there is nothing to do."""
+    from . import huge_pages
+
+    argv = _command()
+    if argv is None or launched_rank() is not None or _CHILD in os.environ or not huge_pages.wanted():
+        return
+    if argv[:2] == ["-m", "pipeline"] and os.path.basename(sys.argv[0] or "") == "pipeline":
+        argv = [sys.argv[0], *sys.argv[1:]]  # the console script as itself: its help names it so
+    os.execve(sys.executable, [sys.executable, *argv], huge_pages.environment(dict(os.environ)))
+
+
 def supervise() -> None:
     """Run this rank as a child process and exit with its status (never returns)."""
     import subprocess
 
+    from . import huge_pages
+
     argv = _command()
-    env = {**os.environ, _CHILD: str(os.getpid())}
+    env = huge_pages.environment({**os.environ, _CHILD: str(os.getpid())})
     preexec = _die_with_parent if sys.platform.startswith("linux") else None
     child = subprocess.Popen([sys.executable, *argv], env=env, close_fds=False, preexec_fn=preexec)
     passed_on: set[int] = set()

@@ -90,6 +90,36 @@ def test_int8_product_matches_float64_truth_and_model(kernels, bits, group_size,
     assert np.max(np.abs(got - truth)) > 0  # activations were rounded: this is not the float32 path
 
 
+@pytest.mark.parametrize("gguf_like", (False, True))
+@pytest.mark.parametrize("experts", (0, 3))
+@pytest.mark.parametrize("bits,group_size", [(4, 32), (4, 128), (8, 64)])
+def test_repack_in_place_equals_a_copy_and_spares_shared_buffers(kernels, bits, group_size, experts, gguf_like):
+    """in_place (what loading asks for a layer's weights): the same arrays as a copy, written into the
+    arrays' own buffers; a buffer another array shares (here the whole of which w is a slice) is copied."""
+    rng = np.random.default_rng(11)
+    n, k = 64, 512
+    w, scales, biases = quantized(rng, n, k, bits, group_size, "float16", experts=experts)
+    if gguf_like:  # float32 scales holding float16 values and symmetric biases: held as float16, biases dropped
+        scales = scales.astype(mx.float32)
+        biases = scales * -(2 ** (bits - 1))
+    copied = int8(kernels, w, scales, biases, group_size, bits)
+    assert (copied[1].dtype == mx.float16 and copied[2].size == 0) == gguf_like
+    private = [mx.contiguous(a * 1) for a in (w, scales, biases)]  # buffers of their own
+    mx.eval(private)
+    rewritten = kernels.int8_repack(*private, group_size, bits, True)
+    for got, want, own in zip(rewritten, copied, private):
+        assert got.dtype == want.dtype and got.shape == want.shape and np.array_equal(np.array(got), np.array(want))
+        if own.dtype == want.dtype and own.shape == want.shape:
+            assert np.array_equal(np.array(own), np.array(want))  # in its own buffer
+    assert not np.array_equal(np.array(w), np.array(copied[0]))
+    whole = mx.concatenate([w, w], axis=-2)
+    mx.eval(whole)
+    before = np.array(whole)
+    part = whole[..., :n, :]  # row-contiguous, the buffer shared with `whole`
+    shared = kernels.int8_repack(part, mx.contiguous(scales * 1), mx.contiguous(biases * 1), group_size, bits, True)
+    assert np.array_equal(np.array(shared[0]), np.array(copied[0])) and np.array_equal(np.array(whole), before)
+
+
 @pytest.mark.parametrize("bits,group_size", [(4, 32), (4, 128), (8, 64)])
 def test_each_row_rounds_the_same_whatever_shares_the_call(kernels, bits, group_size):
     """Rows 1..80 (past the float32 path's BLAS limit: prefill chunks stay exact too), in various places:
