@@ -283,18 +283,22 @@ class GGUFCheckpoint(Checkpoint):
         if entry.how == "exact":  # numpy only: pieces decode on the decoder's threads at once
             pool = self._decoder()
             kernels = quants.repacker()
+            # every piece decodes its rows of the weight straight into the whole tensor's (no joining copy)
+            weight = np.empty((tensor.rows, tensor.cols * quants.EXACT[tensor.ggml_type][0] // 8), np.uint8)
 
             def decode(piece: tuple[int, int]):
-                raw = self._read_bytes(tensor, *piece)
-                return raw.nbytes, quants.decode_exact(raw, tensor.ggml_type, kernels)
+                row, rows = piece
+                raw = self._read_bytes(tensor, row, rows)
+                return raw.nbytes, quants.decode_exact(raw, tensor.ggml_type, kernels, weight[row:row + rows])
 
             pieces = self._pieces(tensor, self._workers if pool else 1)
-            parts: dict[str, list] = {"weight": [], "scales": [], "biases": []}
+            parts: dict[str, list] = {"weight": [weight.view("<u4")], "scales": [], "biases": []}
             for nbytes, decoded in (pool.map(decode, pieces) if pool else map(decode, pieces)):
                 self.bytes_read += nbytes
-                for part, array in zip(("weight", "scales", "biases"), decoded):
+                for part, array in zip(("scales", "biases"), decoded[1:]):
                     if array is not None:
                         parts[part].append(array)
+            del weight
             for part, chunks in parts.items():
                 if chunks:
                     array = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)  # (dtypes promoted alike)

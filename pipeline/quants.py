@@ -166,20 +166,26 @@ def repacker():
     return module if module is not None and hasattr(module, "gguf_repack") else None
 
 
-def decode_exact(raw: np.ndarray, ggml_type: str, kernels=None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+def decode_exact(raw: np.ndarray, ggml_type: str, kernels=None,
+                 weight_out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """GGML rows (uint8 [rows, bytes per row]) -> MLX (packed uint32 weight, scales, biases or None),
     the arrays `mx.quantize` would give for the same values (see the module docstring); scales and
-    biases in fp16 for FP16_SCALES types, else float32. `kernels`: repacker()'s module, or None."""
+    biases in fp16 for FP16_SCALES types, else float32. `kernels`: repacker()'s module, or None.
+    weight_out: C-contiguous uint8 [rows, packed bytes per row] the weight is written into (a slice of
+    the whole tensor's, so that its pieces need no joining); the weight returned is a view of it."""
     if kernels is not None and ggml_type in REPACKED:
         rows, bits = raw.shape[0], EXACT[ggml_type][0]
         values = raw.shape[1] // {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 144}[ggml_type] * (
             256 if ggml_type == "Q4_K" else 32)
-        packed = np.empty((rows, values * bits // 8), np.uint8)
+        packed = np.empty((rows, values * bits // 8), np.uint8) if weight_out is None else weight_out
         scales, biases = np.empty((rows, values // 32), np.float32), np.empty((rows, values // 32), np.float32)
         kernels.gguf_repack(np.ascontiguousarray(raw), REPACKED[ggml_type], packed, scales, biases)
         weight = packed.view("<u4")
     else:
         weight, scales, biases = _decode_exact(raw, ggml_type)
+        if weight_out is not None:
+            weight_out[...] = np.ascontiguousarray(weight).view(np.uint8).reshape(weight_out.shape)
+            weight = weight_out.view("<u4")
     if ggml_type in FP16_SCALES:
         # exact: fp16 values, or fp16 times 8, 16 or 128 (only the exponent changes) unless that overflows,
         # where float32 keeps them (no real weights come near: d > 511)
