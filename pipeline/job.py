@@ -158,25 +158,27 @@ def load_stage(args: argparse.Namespace, plan: Plan, rank: int, progress: bool, 
     """This rank's layers of the planned split, held as the weight flags say; on rank 0 with
     --draft mtp, DeepSeek's MTP module too (it reads rank 0's embedding, head and final states)."""
     dense = bool(plan.dense and plan.dense[rank])
+    int8 = bool(getattr(args, "int8_activations", False))
+    # rearranged in the buffers they were read into where those are in huge pages (else the products
+    # would walk small pages: 1B Llama decode -5%), into new huge pages otherwise
+    in_place = huge_pages.active()
     stage = Stage.load(plan.config, plan.checkpoint, plan.ranges[rank], has_ends=rank == 0,
                        dtype=getattr(mx, args.dtype), requantize=args.requantize, progress=progress,
-                       dense=dense, head_rows=head_rows)
+                       dense=dense, head_rows=head_rows, int8_in_place=in_place if int8 else None)
     if getattr(args, "dtype", "float32") == "float32":
         qmm.load()  # the kernels' extension (attention, quantized products): built now, not at the first token
     if rank == 0 and getattr(args, "draft", "none") == "mtp":
         from .models.mtp import load_mtp
 
         stage.mtp = load_mtp(plan.config, plan.checkpoint, getattr(mx, args.dtype), args.requantize, dense, progress)
-    if getattr(args, "int8_activations", False):  # int8 products (int8_kernels.cpp); none without the kernels
+    if int8:  # int8 products (int8_kernels.cpp); none without the kernels
         config = plan.config
         # the last rank's share of the LM head computes as rank 0's head does, or both stay float32
         share = config.vocab_size % qmm.INT8_BLOCK == 0 and not (plan.dense and plan.dense[0])
-        for module in (stage.model, stage.mtp):
+        for module in (stage.model, stage.mtp):  # what was not repacked while loading: the head, MTP
             if module is not None:
-                # rearranged in the buffers they were read into where those are in huge pages (else
-                # the products would walk small pages: 1B Llama decode -5%), into new huge pages otherwise
                 qmm.use_int8(module, tied_head=bool(config.tie_word_embeddings), head_share=share,
-                             in_place=huge_pages.active())
+                             in_place=in_place)
     return stage
 
 

@@ -74,9 +74,11 @@ class Prefetch:
 
 def load_tensors(checkpoint, names: list[str], dtype: mx.Dtype, requantize: Requantize | None = None,
                  keep_float32: Callable[[str], bool] | None = None, progress: bool = False,
-                 desc: str = "loading") -> dict[str, mx.array]:
+                 desc: str = "loading",
+                 after_group: Callable[[dict[str, mx.array], list[str]], None] | None = None) -> dict[str, mx.array]:
     """The arrays our modules hold for the checkpoint tensors `names` (through the format adapters),
-    evaluated, under the adapters' checkpoint-style names."""
+    evaluated, under the adapters' checkpoint-style names. after_group(weights, names): called with
+    each group's names once evaluated, while the next group is read; it may replace their arrays."""
     from tqdm import tqdm
 
     order = sorted(names, key=lambda name: checkpoint.spans(name)[0][:2])  # file order: sequential reads
@@ -103,16 +105,20 @@ def load_tensors(checkpoint, names: list[str], dtype: mx.Dtype, requantize: Requ
     streams = load_streams()
     weights: dict[str, mx.array] = {}
     group: list[mx.array] = []
-    in_flight: tuple[list[mx.array], int] = ([], 0)
+    group_names: list[str] = []
+    in_flight: tuple[list[mx.array], list[str], int] = ([], [], 0)
     evaluated = 0  # bytes read for the arrays evaluated or being evaluated
 
     def flush() -> None:
-        nonlocal group, in_flight, evaluated
+        nonlocal group, group_names, in_flight, evaluated
         mx.async_eval(group)
-        previous, previous_bytes = in_flight
+        previous, previous_names, previous_bytes = in_flight
         mx.eval(previous)  # one group converts while the next is built
+        in_flight, group, group_names = (group, group_names, read_bytes - evaluated), [], []
+        previous.clear()
+        if after_group is not None and previous_names:
+            after_group(weights, previous_names)  # while the group just handed over reads
         bar.update(previous_bytes)
-        in_flight, group = (group, read_bytes - evaluated), []
         evaluated = read_bytes
 
     # Loading makes short-lived tensors (bytes before a cast, floats before re-quantization): a
@@ -133,6 +139,7 @@ def load_tensors(checkpoint, names: list[str], dtype: mx.Dtype, requantize: Requ
             name, array = item
             weights[name] = array
             group.append(array)
+            group_names.append(name)
             if read_bytes - evaluated >= GROUP_BYTES * len(streams):
                 prefetch.advance(read_bytes)
                 flush()

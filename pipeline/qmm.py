@@ -502,6 +502,77 @@ def use_int8(model: nn.Module, tied_head: bool = False, head_share: bool = True,
     return count
 
 
+class Int8WhileLoading:
+    """use_int8 for the decoder layers' matrices while the rest of the rank's tensors are still being read
+    (loading.load_tensors calls it with each group of tensors once evaluated, while the next group
+    reads): a cold load then takes about the longer of reading and repacking, not their sum. Layers
+    only: the embedding, the LM head and its share (whose rows are cut from the loaded head) and
+    DeepSeek's MTP module are repacked by use_int8 afterwards, which skips what was done here, as are
+    the matrices of a module that reads them again after loading (`after_load`: DeepSeek's attention).
+    in_place as use_int8's (nothing else holds the freshly read arrays)."""
+
+    def __init__(self, model: nn.Module, in_place: bool):
+        self.modules = dict(model.named_modules())
+        self.in_place = in_place
+        self.ready: set[str] = set()  # checkpoint names evaluated so far
+        self.repacked: set[str] = set()  # module paths
+        self.no_biases: dict[str, mx.array] = {}  # path -> the empty biases of a symmetric matrix
+
+    def __call__(self, weights: dict, local_names: dict[str, str]) -> None:
+        """weights: the loaded arrays by checkpoint name; local_names: the group just evaluated, each
+        checkpoint name with its parameter path in the model."""
+        state = load()
+        if state.module is None:
+            return
+        self.ready.update(local_names)
+        candidates = {}  # module path -> its weight, scales and biases (checkpoint names)
+        for name, local in local_names.items():
+            stem, _, part = name.rpartition(".")
+            if part in ("weight", "scales", "biases") and local.startswith("layers."):
+                candidates[local.rpartition(".")[0]] = tuple(f"{stem}.{p}" for p in ("weight", "scales", "biases"))
+        for path, triple in candidates.items():
+            if path in self.repacked or not all(n in self.ready and n in weights for n in triple):
+                continue  # the rest comes in a later group
+            layout = self._layout(path, *(weights[n] for n in triple))
+            if layout is None:
+                continue
+            set_threads()
+            biases = weights[triple[2]]
+            repacked = state.module.int8_repack(*(weights[n] for n in triple), *layout, in_place=self.in_place)
+            if repacked[2].shape != biases.shape:  # a symmetric matrix's biases are not held (int8_repack):
+                self.no_biases[path] = repacked[2]  # loading checks their shape, so a stand-in goes in first
+                repacked = (*repacked[:2], mx.broadcast_to(mx.zeros((1,) * biases.ndim, biases.dtype), biases.shape))
+            for n, array in zip(triple, repacked):
+                weights[n] = array
+            self.repacked.add(path)
+
+    def _layout(self, path: str, w: mx.array, scales: mx.array, biases: mx.array) -> tuple[int, int] | None:
+        """(group size, bits) where this module's matrix takes the int8 layout (as int8_covers), else None."""
+        from .models.experts import SwitchLinear
+
+        module, parent = self.modules.get(path), self.modules.get(path.rpartition(".")[0])
+        if not isinstance(module, (nn.Linear, SwitchLinear)) or w.dtype != mx.uint32 or w.ndim != module.weight.ndim:
+            return None
+        if hasattr(parent, "after_load"):  # its weights are read again after loading (DeepSeek's kv_b_proj)
+            return None
+        inputs = module.weight.shape[-1]
+        if inputs % 32 or scales.shape[-1] == 0 or inputs % scales.shape[-1] or (w.shape[-1] * 32) % inputs:
+            return None
+        group_size, bits = inputs // scales.shape[-1], w.shape[-1] * 32 // inputs
+        if bits * inputs != w.shape[-1] * 32 or bits not in INT8_BITS or w.shape[-2] % INT8_BLOCK \
+                or not covers(w, scales, biases, group_size, bits, "affine"):
+            return None
+        return group_size, bits
+
+    def mark(self, model: nn.Module) -> None:
+        """After the arrays are in `model` (its modules now quantized): the repacked ones take the int8 path."""
+        modules = dict(model.named_modules())
+        for path in self.repacked:
+            modules[path].int8 = True
+            if path in self.no_biases:
+                modules[path]["biases"] = self.no_biases[path]
+
+
 def describe() -> str:
     """The stats line's phrase for quantized products ("" if this process ran none)."""
     state = _state

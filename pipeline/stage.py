@@ -29,13 +29,17 @@ class Stage:
     @classmethod
     def load(cls, config: ModelConfig, checkpoint: Checkpoint, layers: tuple[int, int],
              has_ends: bool, dtype: mx.Dtype, requantize: Requantize | None = None,
-             progress: bool = False, dense: bool = False, head_rows: int = 0) -> "Stage":
+             progress: bool = False, dense: bool = False, head_rows: int = 0,
+             int8_in_place: bool | None = None) -> "Stage":
         """dense: hold MLX-quantized weights dequantized to `dtype` (--weights-in-memory).
-        head_rows: also hold the LM head's last rows (the last rank of a batch job, head_share.py)."""
+        head_rows: also hold the LM head's last rows (the last rank of a batch job, head_share.py).
+        int8_in_place: not None, the layers' quantized matrices take the int8 layout while loading
+        (weights.load_slice)."""
         family = family_for(config)
         slice_class = getattr(family, "Slice", TransformerSlice)  # DeepSeek V4: its residual streams
         model = slice_class(config, family.DecoderLayer, layers[0], layers[1], has_ends, head_rows)
-        names = load_slice(model, checkpoint, dtype, requantize, progress=progress)
+        names = load_slice(model, checkpoint, dtype, requantize, progress=progress,
+                           int8_in_place=None if dense else int8_in_place)
         if dense:
             dequantize_slice(model, dtype)
         return cls(model, names)

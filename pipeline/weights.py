@@ -336,11 +336,23 @@ def layer_nbytes(checkpoint: Checkpoint, num_layers: int) -> tuple[list[int], in
 
 
 def load_slice(model: nn.Module, checkpoint: Checkpoint, dtype: mx.Dtype,
-               requantize: Requantize | None = None, progress: bool = False) -> list[str]:
+               requantize: Requantize | None = None, progress: bool = False, int8_in_place: bool | None = None
+               ) -> list[str]:
     """Load this rank's tensors into `model` (a TransformerSlice), floats cast to `dtype`,
     through the format adapters (expert stacking, FP8, INT4, re-quantization).
+    int8_in_place: not None, the layers' quantized matrices take the int8 layout as they are read
+    (qmm.Int8WhileLoading; True: in the buffers they were read into).
     Returns the checkpoint names read, so callers (and tests) can see exactly what was loaded."""
     from .loading import load_tensors
+
+    after_group = int8 = None
+    if int8_in_place is not None:
+        from .qmm import Int8WhileLoading
+
+        int8 = Int8WhileLoading(model, int8_in_place)
+
+        def after_group(weights: dict, names: list[str]) -> None:
+            int8(weights, {name: local_name(name, model.start) for name in names})
 
     names = owned_tensor_names(checkpoint, model.start, model.end, model.has_ends)
     if model.head_rows:  # the last rank's share of the LM head (head_share.py), and the final norm
@@ -348,11 +360,14 @@ def load_slice(model: nn.Module, checkpoint: Checkpoint, dtype: mx.Dtype,
         names = sorted(set(names) | set(head_tensor_names(checkpoint, model.config)) | set(norm))
     weights = {local_name(name, model.start): array
                for name, array in load_tensors(checkpoint, names, dtype, requantize,
-                                               getattr(model, "keeps_float32", None), progress).items()}
+                                               getattr(model, "keeps_float32", None), progress,
+                                               after_group=after_group).items()}
     checkpoint.loaded(names)
     if model.head_rows:
         _keep_head_rows(weights, model.head_rows, _head_prefix(model.config).removeprefix("model."))
     fill_module(model, weights, f"weights in {checkpoint.folder}")
+    if int8 is not None:
+        int8.mark(model)
     return names
 
 

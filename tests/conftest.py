@@ -134,6 +134,46 @@ def load_stages(folder: Path, ranges, requantize=None, dtype=None) -> list:
             for i, r in enumerate(ranges)]
 
 
+def int8_loaded_both_ways(checkpoint, in_place: bool, requantize=None):
+    """One stage of layers 0-3 loaded twice, its quantized matrices repacked for the int8 products after
+    the load (use_int8 alone), and while loading (qmm.Int8WhileLoading, `in_place` as the loader asks)
+    then use_int8 for the rest: (after, during, the module paths repacked while loading).
+    `checkpoint`: a callable giving a fresh checkpoint."""
+    import mlx.core as mx
+
+    from pipeline import qmm
+    from pipeline.stage import Stage
+
+    if qmm.load().module is None:
+        pytest.skip("int8 products need pipeline's kernels")
+    stages, early = [], set()
+    for int8_in_place in (None, in_place):
+        source = checkpoint()
+        stage = Stage.load(source.model_config(), source, (0, 4), has_ends=True, dtype=mx.float32,
+                           requantize=requantize, int8_in_place=int8_in_place)
+        early = {path for path, m in stage.model.named_modules() if getattr(m, "int8", False)}
+        assert int8_in_place is not None or not early
+        qmm.use_int8(stage.model, in_place=in_place)
+        stages.append(stage)
+    return stages[0], stages[1], early
+
+
+def assert_same_parameters(expected, got) -> None:
+    """The same parameters, bit for bit, and the same modules on the int8 path."""
+    import numpy as np
+    from mlx.utils import tree_flatten
+
+    def int8(model):
+        return {path for path, m in model.named_modules() if getattr(m, "int8", False)}
+
+    assert int8(expected) == int8(got)
+    theirs, ours = dict(tree_flatten(expected.parameters())), dict(tree_flatten(got.parameters()))
+    assert theirs.keys() == ours.keys()
+    for name, array in theirs.items():
+        assert array.dtype == ours[name].dtype and array.shape == ours[name].shape, name
+        assert np.array_equal(np.array(array), np.array(ours[name])), name
+
+
 def forward(stages: list, token_ids: list[int]):
     """Logits of every position (as float32): token ids through a chain of stages, in process."""
     import mlx.core as mx

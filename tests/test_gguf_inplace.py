@@ -23,7 +23,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from conftest import REPO, assert_far_from_uniform, forward, long_prompt, make_tiny_model, mpiexec, write_tokenizer
+from conftest import (REPO, assert_far_from_uniform, assert_same_parameters, forward, int8_loaded_both_ways, long_prompt,
+                      make_tiny_model, mpiexec, write_tokenizer)
 from pipeline import quants
 from pipeline.errors import UserError
 from pipeline.gguf_checkpoint import GGUFCheckpoint
@@ -521,6 +522,19 @@ DENSE_CASES = {
     "qwen3-mxfp4": ("qwen3", "qwen3", {"attn_q.": QT.MXFP4, "attn_k.": QT.BF16, "attn_v": QT.MXFP4,
                                         "attn_output": QT.Q8_0, "ffn": QT.MXFP4, "token_embd": QT.Q4_K}, 5e-5),
 }
+
+
+@pytest.mark.parametrize("in_place", (False, True))
+def test_int8_while_loading_holds_what_repacking_after_loading_does(tmp_path, vocab, in_place):
+    """GGUF's exact types repacked for the int8 products as they are read hold what repacking after the
+    load holds, symmetric Q4_0 / Q8_0 (no biases held) among them."""
+    arch, kind, types, _ = DENSE_CASES["qwen2-legacy-quants"]
+    written = write_model(tmp_path / "m.gguf", _transformers(kind, _qwen2(tmp_path / "hf")), arch, _by_kind(types),
+                          vocab=vocab)
+    after, during, early = int8_loaded_both_ways(lambda: GGUFCheckpoint(written["files"][0], None), in_place)
+    assert {"layers.0.self_attn.v_proj", "layers.0.mlp.gate_proj", "layers.3.self_attn.o_proj"} <= early  # Q4_0, Q8_0, Q4_1
+    assert during.model.layers[0].self_attn.v_proj.biases.size == 0 < during.model.layers[0].self_attn.o_proj.biases.size
+    assert_same_parameters(after.model, during.model)
 
 
 @pytest.mark.parametrize("case", DENSE_CASES)

@@ -13,8 +13,9 @@ import transformers
 from mlx.utils import tree_flatten
 from safetensors.torch import load_file, save_file
 
-from conftest import (INIT_STD, REPO, ROPE_WINDOW, VOCAB_SIZE, assert_bfloat16_close, assert_far_from_uniform, forward,
-                      fp8_blocks, greedy_ours, greedy_transformers, load_stages, long_prompt, mpiexec, write_tokenizer)
+from conftest import (INIT_STD, REPO, ROPE_WINDOW, VOCAB_SIZE, assert_bfloat16_close, assert_same_parameters, assert_far_from_uniform, forward,
+                      fp8_blocks, greedy_ours, greedy_transformers, int8_loaded_both_ways, load_stages, long_prompt,
+                      mpiexec, write_tokenizer)
 from pipeline.config import ModelConfig
 from pipeline.formats import Requantize
 from pipeline.models.deepseek_v3 import MoEGate
@@ -377,6 +378,24 @@ def test_kimi_k2_end_to_end_on_two_ranks(kimi_k2):
                      "--no-chat-template", "--no-int8-activations")
     assert result.returncode == 0, result.stderr
     assert result.stdout == tokenizer.decode(expected) + "\n"
+
+
+@pytest.mark.parametrize("in_place", (False, True))
+def test_int8_while_loading_holds_what_repacking_after_loading_does(fp8_model, in_place):
+    """Layers repacked for the int8 products as they are read (qmm.Int8WhileLoading, in new buffers or
+    in place) hold the same arrays as repacking after the whole load (use_int8), experts (stacked as
+    they arrive) included; DeepSeek's kv_b_proj, read again after loading into w_uk / w_uv, is left
+    to use_int8 with the rest of its attention module (its after_load would dequantize the int8 layout
+    as MLX's)."""
+    from pipeline.weights import Checkpoint
+
+    folder = fp8_model[0]
+    after, during, early = int8_loaded_both_ways(lambda: Checkpoint(folder), in_place,
+                                                 requantize=Requantize(bits=4, group_size=32))
+    assert "layers.1.mlp.switch_mlp.gate_proj" in early and "layers.0.mlp.up_proj" in early
+    assert not any("self_attn" in path for path in early)  # the module with after_load: all left to use_int8
+    assert getattr(during.model.layers[2].self_attn.o_proj, "int8", False)
+    assert_same_parameters(after.model, during.model)
 
 
 def test_mlx_quantized_moe_folder(tmp_path):
