@@ -142,6 +142,11 @@ static void attend_row(const float *q_row, int64_t q_head, int rep, int64_t g, c
    (prefill the same, ~900 tok/s); the 1B Llama's decode (32 heads, 1.35 M) 34-37 tok/s either way.
    Prompt chunks and batches of many sequences are far above it. */
 constexpr int64_t THREADED_MIN_WORK = int64_t(1) << 22;
+/* ... and this many where a sequence has several query rows (a speculative draft being verified): there
+   Python waits for the result rather than building the next step, and the rows are the whole step's
+   work. SmolLM2 int8, 1 rank x 2 threads, a 300-token cache, a trip of 9 / 5 positions: 24.3-26.3 ->
+   20.2-21.2 ms / 16.1-17.7 -> 14.8-15.6 ms; one position the same. */
+constexpr int64_t THREADED_MIN_WORK_DRAFTS = int64_t(1) << 20;
 
 /* Inputs: q [rows, heads, dk] (any strides but the last), then each sequence's keys, then each one's
    values ([..., kv heads, positions, d], positions past key_len unused). Output [rows, heads * dv].
@@ -193,7 +198,7 @@ class CachedAttention : public mx::Primitive {
             const int64_t heads = q.shape(1), dk = q.shape(2);
             if (appends) write_new_positions(inputs, outputs, copy, new_begin, key_len, first_cache, keep);
             std::vector<Cache> caches(nseq);
-            int64_t kv_heads = 0, dv = 0, work = 0, longest = 0;
+            int64_t kv_heads = 0, dv = 0, work = 0, longest = 0, most_rows = 0;
             for (size_t s = 0; s < nseq; s++) {
                 mx::array k = appends ? outputs[1 + s] : inputs[1 + s];
                 mx::array v = appends ? outputs[1 + nseq + s] : inputs[1 + nseq + s];
@@ -207,6 +212,7 @@ class CachedAttention : public mx::Primitive {
                                   int64_t(v.strides()[v.ndim() - 2]), key_len[s]};
                 const int64_t rows = q_begin[s + 1] - q_begin[s];
                 work += rows * key_len[s] * heads * (dk + dv);
+                most_rows = std::max(most_rows, rows);
                 longest = std::max(longest, key_len[s]);
             }
             const int rep = int(heads / kv_heads);
@@ -221,7 +227,8 @@ class CachedAttention : public mx::Primitive {
             const int64_t q_row = q.strides()[0], q_head = q.strides()[1];
             float *o = outputs[0].data<float>();
             const int64_t ntasks = int64_t(tasks.size());
-            const bool threaded = g_threads > 1 && ntasks > 1 && work >= THREADED_MIN_WORK;
+            const bool threaded = g_threads > 1 && ntasks > 1 &&
+                                  work >= (most_rows > 1 ? THREADED_MIN_WORK_DRAFTS : THREADED_MIN_WORK);
 #pragma omp parallel num_threads(g_threads) if (threaded)
             {
                 std::vector<float> scores(HEADS_PER_TILE * ((longest + 15) / 16 * 16));
