@@ -106,20 +106,18 @@ def load_tensors(checkpoint, names: list[str], dtype: mx.Dtype, requantize: Requ
 
     streams = load_streams()
     weights: dict[str, mx.array] = {}
-    group: list[mx.array] = []
-    group_names: list[str] = []
-    in_flight: tuple[list[mx.array], list[str], int] = ([], [], 0)
+    group: list[str] = []  # names of the tensors whose graphs are being built
+    in_flight: tuple[list[str], int] = ([], 0)
     evaluated = 0  # bytes read for the arrays evaluated or being evaluated
 
     def flush() -> None:
-        nonlocal group, group_names, in_flight, evaluated
-        mx.async_eval(group)
-        previous, previous_names, previous_bytes = in_flight
-        mx.eval(previous)  # one group converts while the next is built
-        in_flight, group, group_names = (group, group_names, read_bytes - evaluated), [], []
-        previous.clear()
-        if after_group is not None and previous_names:
-            after_group(weights, previous_names)  # while the group just handed over reads
+        nonlocal group, in_flight, evaluated
+        mx.async_eval([weights[name] for name in group])
+        previous, previous_bytes = in_flight
+        mx.eval([weights[name] for name in previous])  # one group converts while the next is built
+        in_flight, group = (group, read_bytes - evaluated), []
+        if after_group is not None and previous:
+            after_group(weights, previous)  # while the group just handed over reads
         bar.update(previous_bytes)
         evaluated = read_bytes
 
@@ -140,8 +138,7 @@ def load_tensors(checkpoint, names: list[str], dtype: mx.Dtype, requantize: Requ
                 break
             name, array = item
             weights[name] = array
-            group.append(array)
-            group_names.append(name)
+            group.append(name)
             if read_bytes - evaluated >= GROUP_BYTES * len(streams):
                 prefetch.advance(read_bytes)
                 flush()

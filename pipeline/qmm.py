@@ -453,13 +453,19 @@ INT8_BLOCK = 16  # columns per block of the int8 layout (int8_kernels.cpp)
 
 
 def int8_covers(module: nn.Module) -> bool:
-    """Whether a quantized module's weights can take the int8 layout: MLX affine 4 or 8 bits, whole
-    blocks of 16 weight rows (a multiple of 32 inputs follows from the group sizes)."""
+    """Whether a quantized module's weights can take the int8 layout (int8_fits)."""
     w = module.get("weight")
     return (w is not None and module.get("scales") is not None
-            and covers(w, module["scales"], module.get("biases"), module.group_size, module.bits,
-                       getattr(module, "mode", "affine"))
-            and module.bits in INT8_BITS and w.shape[-2] % INT8_BLOCK == 0)
+            and int8_fits(w, module["scales"], module.get("biases"), module.group_size, module.bits,
+                          getattr(module, "mode", "affine")))
+
+
+def int8_fits(w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int, bits: int,
+              mode: str = "affine") -> bool:
+    """Whether these arrays can take the int8 layout: MLX affine 4 or 8 bits, whole blocks of 16 weight
+    rows (a multiple of 32 inputs follows from the group sizes)."""
+    return (covers(w, scales, biases, group_size, bits, mode) and bits in INT8_BITS
+            and w.shape[-2] % INT8_BLOCK == 0)
 
 
 def use_int8(model: nn.Module, tied_head: bool = False, head_share: bool = True, in_place: bool = False) -> int:
@@ -549,20 +555,15 @@ class Int8WhileLoading:
     def _layout(self, path: str, w: mx.array, scales: mx.array, biases: mx.array) -> tuple[int, int] | None:
         """(group size, bits) where this module's matrix takes the int8 layout (as int8_covers), else None."""
         from .models.experts import SwitchLinear
+        from .weights import packed_layout
 
         module, parent = self.modules.get(path), self.modules.get(path.rpartition(".")[0])
         if not isinstance(module, (nn.Linear, SwitchLinear)) or w.dtype != mx.uint32 or w.ndim != module.weight.ndim:
             return None
         if hasattr(parent, "after_load"):  # its weights are read again after loading (DeepSeek's kv_b_proj)
             return None
-        inputs = module.weight.shape[-1]
-        if inputs % 32 or scales.shape[-1] == 0 or inputs % scales.shape[-1] or (w.shape[-1] * 32) % inputs:
-            return None
-        group_size, bits = inputs // scales.shape[-1], w.shape[-1] * 32 // inputs
-        if bits * inputs != w.shape[-1] * 32 or bits not in INT8_BITS or w.shape[-2] % INT8_BLOCK \
-                or not covers(w, scales, biases, group_size, bits, "affine"):
-            return None
-        return group_size, bits
+        layout = packed_layout(module.weight.shape[-1], w.shape[-1], scales.shape[-1])
+        return layout if layout is not None and int8_fits(w, scales, biases, *layout) else None
 
     def mark(self, model: nn.Module) -> None:
         """After the arrays are in `model` (its modules now quantized): the repacked ones take the int8 path."""

@@ -387,6 +387,18 @@ def fill_module(module: nn.Module, weights: dict[str, mx.array], what: str) -> N
     mx.eval(module.parameters())
 
 
+def packed_layout(in_features: int, packed: int, scale_columns: int) -> tuple[int, int] | None:
+    """(group size, bits) of an MLX-quantized matrix of `in_features` inputs held as `packed` uint32 and
+    `scale_columns` scales a row; None where no MLX quantization gives those shapes."""
+    if scale_columns <= 0:
+        return None
+    group_size, bits = in_features // scale_columns, packed * 32 // in_features
+    if (group_size * scale_columns != in_features or bits * in_features != packed * 32
+            or group_size not in _QUANT_GROUPS or bits not in _QUANT_BITS):
+        return None
+    return group_size, bits
+
+
 def _quantize_like(model: nn.Module, weights: dict[str, mx.array]) -> None:
     """Swap Linear/Embedding/SwitchLinear modules for quantized ones where the loaded tensors
     are MLX-quantized (a `.scales` beside a packed uint32 `.weight`). Group size and bits
@@ -402,14 +414,14 @@ def _quantize_like(model: nn.Module, weights: dict[str, mx.array]) -> None:
             continue
         in_features = module.weight.shape[-1]
         packed = weights[path + ".weight"].shape[-1]
-        group_size, bits = in_features // scales.shape[-1], packed * 32 // in_features
-        # e8m0 byte scales, no biases: MLX's mxfp4 / mxfp8 (a GGUF's MXFP4, DeepSeek V4's FP4 and FP8)
-        mode = "affine" if path + ".biases" in weights else {4: "mxfp4", 8: "mxfp8"}.get(bits, "affine")
-        if (group_size * scales.shape[-1] != in_features or bits * in_features != packed * 32
-                or group_size not in _QUANT_GROUPS or bits not in _QUANT_BITS):
+        layout = packed_layout(in_features, packed, scales.shape[-1])
+        if layout is None:
             # The module's input width comes from config.json; the packed shapes fit no MLX layout of it.
             raise ValueError(f"{path}.weight is packed as {packed} uint32 with {scales.shape[-1]} scales per row, "
                              f"which no MLX quantization of {in_features} inputs (from config.json) gives")
+        group_size, bits = layout
+        # e8m0 byte scales, no biases: MLX's mxfp4 / mxfp8 (a GGUF's MXFP4, DeepSeek V4's FP4 and FP8)
+        mode = "affine" if path + ".biases" in weights else {4: "mxfp4", 8: "mxfp8"}.get(bits, "affine")
         settings[path] = {"group_size": group_size, "bits": bits, "mode": mode}
     if settings:
         nn.quantize(model, class_predicate=lambda path, _: settings.get(path, False))
