@@ -265,6 +265,9 @@ def random_model(name: str, shape: dict, bits: int | None = 4, group_size: int =
     (never in the repository). Weights are N(0, 0.02) like a fresh init; norms 1."""
     import mlx.core as mx
 
+    sys.path.insert(0, str(REPO))
+    from pipeline import safetensors_file
+
     folder = cache_dir() / "bench-models" / name
     if (folder / "config.json").is_file():
         return folder
@@ -317,7 +320,10 @@ def random_model(name: str, shape: dict, bits: int | None = 4, group_size: int =
         add(p + "input_layernorm.weight", (h,), s, norm=True)
         add(p + "post_attention_layernorm.weight", (h,), s, norm=True)
     for file, arrays in tensors.items():
-        mx.save_safetensors(str(tmp / file), arrays, metadata={"format": "mlx"})
+        if bits:  # as mlx-lm writes them: tensors at any offset
+            mx.save_safetensors(str(tmp / file), arrays, metadata={"format": "mlx"})
+        else:  # as the `safetensors` library writes Hugging Face's: each aligned to its element size
+            safetensors_file.save(tmp / file, arrays, metadata={"format": "pt"})
     if shards > 1:
         (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
     (tmp / "config.json").write_text(json.dumps(config, indent=2))

@@ -53,7 +53,7 @@ FORMATS = {
 def model_path(form: str) -> Path:
     shape = common.LLAMA_1B
     if form in ("bf16", "bf16-as-bf16"):
-        return common.random_model("llama-1b-bf16", shape, bits=None, shards=3)
+        return common.random_model("llama-1b-bf16-aligned", shape, bits=None, shards=3)  # as safetensors writes
     if form == "mlx4":
         return common.llama_1b()
     if form == "fp8":

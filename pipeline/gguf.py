@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from . import quants
+from . import quants, safetensors_file
 from .errors import UserError
 
 MAX_SHARD_BYTES = 2_000_000_000
@@ -218,7 +218,7 @@ def _write_weights(checkpoint, out_dir: Path, progress: bool, desc: str) -> None
                 weight_map[name] = file_name
                 total_size += arrays[name].nbytes
                 bar.update(1)
-            mx.save_safetensors(str(out_dir / file_name), arrays, metadata={"format": "mlx"})
+            safetensors_file.save(out_dir / file_name, arrays, metadata={"format": "mlx"})  # mappable
             del arrays
     checkpoint.loaded(names)
     if len(shards) > 1:

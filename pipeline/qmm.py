@@ -50,9 +50,11 @@ from .switches import turned_off
 ENV = "PIPELINE_QMM"
 SOURCE = Path(__file__).with_name("qmm_kernels.cpp")
 # compiled with it into the one extension: the attention (attention.py), RMSNorm and RoPE (layer_kernels.py),
-# re-quantization at load (requantize.py), int8 products (--int8-activations, below)
+# re-quantization at load (requantize.py), int8 products (--int8-activations, below), weight files
+# mapped without a copy (mapped_files.py)
 SOURCES = (SOURCE, SOURCE.with_name("attention_kernels.cpp"), SOURCE.with_name("layer_kernels.cpp"),
-           SOURCE.with_name("requantize_kernels.cpp"), SOURCE.with_name("int8_kernels.cpp"))
+           SOURCE.with_name("requantize_kernels.cpp"), SOURCE.with_name("int8_kernels.cpp"),
+           SOURCE.with_name("mapped_files.cpp"))
 HEADERS = (SOURCE.with_name("kernels_common.h"),)
 MODULE = "pipeline_qmm"
 NB_DOMAIN = "mlx"  # mlx.core's nanobind domain: types are shared only within one domain

@@ -524,6 +524,7 @@ void register_attention(nb::module_ &m);      // attention_kernels.cpp
 void register_layer_kernels(nb::module_ &m);  // layer_kernels.cpp
 void register_requantize(nb::module_ &m);     // requantize_kernels.cpp
 void register_int8(nb::module_ &m);           // int8_kernels.cpp
+void register_mapped(nb::module_ &m);         // mapped_files.cpp
 
 static mx::Stream cpu_stream() { return mx::default_stream(mx::Device(mx::Device::cpu)); }
 
@@ -574,4 +575,5 @@ NB_MODULE(pipeline_qmm, m) {
     register_layer_kernels(m);
     register_requantize(m);
     register_int8(m);
+    register_mapped(m);
 }

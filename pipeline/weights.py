@@ -3,7 +3,8 @@
 We parse the safetensors headers ourselves (an 8-byte header length, a JSON header of
 name -> dtype/shape/byte range, then raw bytes) to index every tensor, check each file holds
 the bytes its header promises (naming the file when one is truncated), and split layers by
-bytes. The bytes themselves are read by MLX (`mx.load`, lazily: at evaluation, straight into
+bytes. The bytes themselves are mapped (mapped_files.py: arrays over the page cache's pages, no
+copy), or where that is not available read by MLX (`mx.load`, lazily: at evaluation, straight into
 the array's own memory, and only for the arrays evaluated), so a rank reads exactly its
 tensors' bytes with no copy in between; loading.py evaluates them in groups.
 """
@@ -71,6 +72,7 @@ class Checkpoint:
                     self.tensors[name] = info
         self.tensors = canonical_tensors(self.tensors)
         self._lazy: dict[tuple, dict[str, mx.array] | None] = {}  # (file, stream) -> mx.load's arrays
+        self._mapped: bool | None = None  # whether read() maps the files (known at the first read)
 
     def _weight_files(self) -> dict[Path, set[str] | None]:
         """Each weight file with the names the index assigns to it (None: all it holds)."""
@@ -104,9 +106,20 @@ class Checkpoint:
         self._lazy.clear()  # closes the files
 
     def read(self, name: str) -> mx.array:
-        """The tensor as stored (BF16 as bfloat16, FP8 and ue8m0 as uint8 bytes), lazily: its bytes
-        are read when it is evaluated, on the stream current now."""
+        """The tensor as stored (BF16 as bfloat16, FP8 and ue8m0 as uint8 bytes): over its file's
+        mapped pages (mapped_files.py), else lazily: its bytes read when it is evaluated, on the
+        stream current now."""
         info = self.tensors[name]
+        if self._mapped is None:
+            from . import mapped_files
+
+            self._mapped = mapped_files.available()
+        if self._mapped and info.dtype != "F64":  # F64 is read as float32
+            from .mapped_files import mapped_array
+
+            array = mapped_array(info.file, info.begin, info.shape, _DTYPES[info.dtype][1])
+            if array is not None:
+                return array
         key = (info.file, str(mx.default_stream(mx.cpu)))  # str: a Stream hashes by object, not by value
         if key not in self._lazy:
             try:  # the header only: nothing is read until an array is evaluated
