@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from . import quants, safetensors_file
+from . import quants
 from .errors import UserError
 
 MAX_SHARD_BYTES = 2_000_000_000
@@ -193,8 +193,9 @@ def folder_config(checkpoint) -> dict[str, Any]:
 
 def _write_weights(checkpoint, out_dir: Path, progress: bool, desc: str) -> None:
     """Every tensor, read as a rank would read it, into `model.safetensors` (or shards plus an index)."""
-    import mlx.core as mx
     from tqdm import tqdm
+
+    from . import safetensors_file
 
     names = sorted(checkpoint.tensors)
     shards: list[list[str]] = [[]]  # planned first (sizes are known up front) so files get their final names
@@ -218,7 +219,7 @@ def _write_weights(checkpoint, out_dir: Path, progress: bool, desc: str) -> None
                 weight_map[name] = file_name
                 total_size += arrays[name].nbytes
                 bar.update(1)
-            safetensors_file.save(out_dir / file_name, arrays, metadata={"format": "mlx"})  # mappable
+            safetensors_file.save(out_dir / file_name, arrays, metadata={"format": "mlx"})  # mappable (mapped_files.py)
             del arrays
     checkpoint.loaded(names)
     if len(shards) > 1:

@@ -111,6 +111,14 @@ def test_mlx_imported_first_is_reported_not_hidden():
     assert not out["optimized"] and "imported before pipeline" in out["describe"], out
 
 
+def test_importing_pipeline_leaves_mlx_to_the_blas_set_up():
+    """`import pipeline` loads the BLAS before anything imports mlx.core: no module it imports may
+    import mlx.core at its top (gguf.py's writer once did, and every rank ran the netlib BLAS)."""
+    code = "import sys, pipeline; print('mlx.core' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=clean_env(), timeout=120)
+    assert out.stdout.strip() == "False", out.stderr
+
+
 def test_threads_share_the_host_cores(monkeypatch):
     from pipeline import blas
 
