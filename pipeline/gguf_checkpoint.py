@@ -18,8 +18,10 @@ What llama.cpp's converter changed from the Hugging Face checkpoint is undone he
 
 from __future__ import annotations
 
+import mmap
 import re
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,6 +126,8 @@ class GGUFCheckpoint(Checkpoint):
         self._requantized: list[tuple[str, str, int, int, float, float]] = []  # what loaded() reports
         self.bytes_read = 0  # tensor bytes read so far (what each rank reads, for tests and benchmarks)
         self._pool: ThreadPoolExecutor | None | bool = None  # the decoder's threads (False: one CPU)
+        self._maps: dict[Path, mmap.mmap] = {}  # each file mapped once, read-only (_read_bytes)
+        self._maps_lock = threading.Lock()
         self._index()
 
     # -- the index ---------------------------------------------------------------------------------------------
@@ -222,11 +226,25 @@ class GGUFCheckpoint(Checkpoint):
 
     def _read_bytes(self, tensor: GGUFTensor, row: int, rows: int) -> np.ndarray:
         """Rows [row, row + rows) of `tensor` as raw bytes, uint8 [rows, bytes per row] (any thread:
-        the caller counts them in `bytes_read`)."""
+        the caller counts them in `bytes_read`): a read-only view of the file's mapped pages (no copy
+        in new memory: the decoders read the page cache), or read into new memory with PIPELINE_MMAP=0."""
+        from . import mapped_files
+        from .switches import turned_off
+
         row_bytes = tensor.nbytes // tensor.rows
+        begin, size = tensor.begin + row * row_bytes, rows * row_bytes
+        if not turned_off(mapped_files.ENV):
+            with self._maps_lock:
+                if tensor.file not in self._maps:
+                    with open(tensor.file, "rb") as f:
+                        self._maps[tensor.file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                mapped = self._maps[tensor.file]
+            if begin + size > len(mapped):
+                raise UserError(f"{tensor.file} is truncated or corrupt (tensor {tensor.name}): download it again")
+            return np.frombuffer(mapped, np.uint8, size, begin).reshape(rows, row_bytes)
         buffer = np.empty((rows, row_bytes), np.uint8)
         with open(tensor.file, "rb") as f:
-            f.seek(tensor.begin + row * row_bytes)
+            f.seek(begin)
             got = f.readinto(memoryview(buffer).cast("B"))
         if got != buffer.nbytes:
             raise UserError(f"{tensor.file} is truncated or corrupt (tensor {tensor.name}): download it again")
@@ -283,8 +301,11 @@ class GGUFCheckpoint(Checkpoint):
         if entry.how == "exact":  # numpy only: pieces decode on the decoder's threads at once
             pool = self._decoder()
             kernels = quants.repacker()
-            # every piece decodes its rows of the weight straight into the whole tensor's (no joining copy)
-            weight = np.empty((tensor.rows, tensor.cols * quants.EXACT[tensor.ggml_type][0] // 8), np.uint8)
+            # every piece decodes its rows of the weight straight into the whole tensor's (no joining copy),
+            # which is MLX's own buffer (numpy writes through a view of it: no copy into MLX afterwards)
+            held = mx.zeros((tensor.rows, tensor.cols * quants.EXACT[tensor.ggml_type][0] // 8), mx.uint8)
+            mx.eval(held)
+            weight = np.asarray(held)
 
             def decode(piece: tuple[int, int]):
                 row, rows = piece
@@ -299,6 +320,10 @@ class GGUFCheckpoint(Checkpoint):
                     if array is not None:
                         parts[part].append(array)
             del weight
+            if not entry.unpermute_heads:  # else its rows are reordered below, into a copy
+                arrays["weight"] = held.view(mx.uint32).reshape(*lead, -1)
+                parts["weight"].clear()
+            del held
             for part, chunks in parts.items():
                 if chunks:
                     array = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)  # (dtypes promoted alike)
@@ -330,6 +355,7 @@ class GGUFCheckpoint(Checkpoint):
         if self._pool:
             self._pool.shutdown()
         self._pool = None
+        self._maps.clear()  # each mapping closes with the last view of it
         if not self._requantized:
             return
         by_kind: dict[tuple[str, int, int], list[str]] = {}

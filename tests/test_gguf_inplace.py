@@ -229,6 +229,26 @@ def test_exact_types_load_bit_for_bit(tmp_path, qtype):
     assert np.abs(truth).max() > 0  # not an all-zero tensor
 
 
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_K, QT.Q6_K, QT.F16], ids=lambda t: t.name)
+def test_gguf_bytes_come_from_the_mapped_file(tmp_path, monkeypatch, qtype):
+    """The decoders read the file's mapped pages (read-only views, no copy) and load what a read into
+    new memory (PIPELINE_MMAP=0) loads, exact types, re-quantized ones and floats alike."""
+    rng = np.random.default_rng(7)
+    raw = random_blocks(qtype, 48, 512, rng) if qtype != QT.F16 else rng.normal(size=(48, 512)).astype(np.float16)
+    path = write_single(tmp_path / "t.gguf", "blk.0.ffn_up.weight", raw, qtype, 512)
+    module = "model.layers.0.mlp.up_proj"
+    loaded = {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv("PIPELINE_MMAP", setting)
+        loaded[setting], checkpoint = load_tensor(path, module)
+        tensor = checkpoint.tensors[f"{module}.weight"].source[0]
+        piece = checkpoint._read_bytes(tensor, 2, 3)
+        assert piece.shape == (3, tensor.nbytes // tensor.rows)
+        assert piece.flags.owndata == piece.flags.writeable == (setting == "0")
+        assert checkpoint.bytes_read == tensor.nbytes
+    assert np.array_equal(loaded["1"], loaded["0"])
+
+
 @pytest.mark.parametrize("qtype,default_bits", [(QT.Q6_K, 8), (QT.Q3_K, 4), (QT.Q2_K, 4), (QT.IQ4_NL, 4),
                                                 (QT.IQ4_XS, 4), (QT.IQ2_XXS, 4)], ids=lambda v: getattr(v, "name", v))
 def test_other_types_are_requantized_within_the_reported_error(tmp_path, qtype, default_bits):
