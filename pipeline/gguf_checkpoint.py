@@ -189,11 +189,15 @@ class GGUFCheckpoint(Checkpoint):
         return ModelConfig.from_dict(self.config_dict)
 
     def read(self, name: str):
-        import mlx.core as mx
-
         if name in self._pending:
             return self._pending.pop(name)
-        entry = self.tensors[name]
+        array = self._read(self.tensors[name], name)
+        self._release(self.tensors[name].source)
+        return array
+
+    def _read(self, entry: Entry, name: str):
+        import mlx.core as mx
+
         if entry.how in ("exact", "requantized"):
             module = name.rsplit(".", 1)[0]
             arrays = self._read_quantized(entry)
@@ -219,6 +223,17 @@ class GGUFCheckpoint(Checkpoint):
             array = unpermute_rows(array, entry.unpermute_heads)
         result = mx.array(array)
         return result.view(mx.bfloat16) if tensor.ggml_type == "BF16" else result
+
+    def _release(self, tensors) -> None:
+        """Drops the mapped pages of tensors just decoded from this process (they stay in the page cache):
+        a rank's resident memory then counts what it holds, not the file's pages too."""
+        for t in tensors:
+            mapped = self._maps.get(t.file)
+            if mapped is not None and hasattr(mmap, "MADV_DONTNEED"):
+                first = -(-t.begin // mmap.PAGESIZE) * mmap.PAGESIZE
+                last = (t.begin + t.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+                if last > first:
+                    mapped.madvise(mmap.MADV_DONTNEED, first, last - first)
 
     def spans(self, name: str) -> list[tuple[Path, int, int]]:
         """The byte ranges (file, begin, end) reading `name` reads: its GGUF tensors'."""

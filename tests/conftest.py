@@ -265,6 +265,19 @@ def greedy_ours(stage, folder: Path, prompt_ids: list[int], max_tokens: int):
                     SamplingParams(), max_tokens)
 
 
+def mapped_bytes(path: Path) -> int:
+    """Bytes of `path` this process has mapped in memory (/proc/self/smaps: Rss of its mappings)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:  # a mapping's first line: address range, ..., path
+                inside = len(fields) >= 6 and fields[5] == str(path)
+            elif inside and fields[0] == "Rss:":
+                total += int(fields[1]) * 1024
+    return total
+
+
 def mpiexec(n: int, *args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run `mpiexec -n N python -m pipeline ARGS` from the repository root."""
     full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}

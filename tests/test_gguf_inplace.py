@@ -24,7 +24,7 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 from conftest import (REPO, assert_far_from_uniform, assert_same_parameters, forward, int8_loaded_both_ways, long_prompt,
-                      make_tiny_model, mpiexec, write_tokenizer)
+                      make_tiny_model, mapped_bytes, mpiexec, write_tokenizer)
 from pipeline import quants
 from pipeline.errors import UserError
 from pipeline.gguf_checkpoint import GGUFCheckpoint
@@ -234,7 +234,7 @@ def test_gguf_bytes_come_from_the_mapped_file(tmp_path, monkeypatch, qtype):
     """The decoders read the file's mapped pages (read-only views, no copy) and load what a read into
     new memory (PIPELINE_MMAP=0) loads, exact types, re-quantized ones and floats alike."""
     rng = np.random.default_rng(7)
-    raw = random_blocks(qtype, 48, 512, rng) if qtype != QT.F16 else rng.normal(size=(48, 512)).astype(np.float16)
+    raw = random_blocks(qtype, 512, 512, rng) if qtype != QT.F16 else rng.normal(size=(512, 512)).astype(np.float16)
     path = write_single(tmp_path / "t.gguf", "blk.0.ffn_up.weight", raw, qtype, 512)
     module = "model.layers.0.mlp.up_proj"
     loaded = {}
@@ -246,6 +246,9 @@ def test_gguf_bytes_come_from_the_mapped_file(tmp_path, monkeypatch, qtype):
         assert piece.shape == (3, tensor.nbytes // tensor.rows)
         assert piece.flags.owndata == piece.flags.writeable == (setting == "0")
         assert checkpoint.bytes_read == tensor.nbytes
+        # once decoded, its pages leave this process (the next read maps them again)
+        del piece
+        assert mapped_bytes(path) < 64 * 1024 < tensor.nbytes
     assert np.array_equal(loaded["1"], loaded["0"])
 
 

@@ -17,7 +17,7 @@ import torch
 from mlx.utils import tree_flatten
 from safetensors.torch import load_file, save_file
 
-from conftest import fp8_blocks
+from conftest import fp8_blocks, mapped_bytes
 
 from pipeline.config import ModelConfig
 from pipeline.formats import Requantize
@@ -111,7 +111,7 @@ def test_a_rank_reads_only_its_own_tensors(tmp_path, monkeypatch, mapped):
     shard = max(path.stat().st_size for path in checkpoint.files)
     before = _bytes_read()
     params = loaded(folder, layers=(3, 4), has_ends=False, dtype=mx.bfloat16 if mapped else mx.float32)
-    read = _mapped_bytes(shard_path) if mapped else _bytes_read() - before
+    read = mapped_bytes(shard_path) if mapped else _bytes_read() - before
     truth = load_file(str(shard_path))
     np.testing.assert_array_equal(as_numpy(params["model.layers.3.mlp.up_proj.weight"]),
                                   truth["model.layers.3.mlp.up_proj.weight"].float().numpy())
@@ -132,19 +132,6 @@ def test_each_file_header_is_parsed_once_per_stream(tmp_path):
         arrays += [checkpoint.read(name) for name in list(checkpoint.tensors)[:5]]
     mx.eval(arrays)
     assert len(checkpoint._lazy) <= len(checkpoint.files) + 5
-
-
-def _mapped_bytes(path: Path) -> int:
-    """Bytes of `path` this process has mapped in memory (/proc/self/smaps: Rss of its mappings)."""
-    total, inside = 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            fields = line.split()
-            if "-" in fields[0] and len(fields) >= 5:  # a mapping's first line: address range, ..., path
-                inside = len(fields) >= 6 and fields[5] == str(path)
-            elif inside and fields[0] == "Rss:":
-                total += int(fields[1]) * 1024
-    return total
 
 
 def _bytes_read() -> int:
