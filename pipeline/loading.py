@@ -11,6 +11,9 @@ busy of one CPU stream per core the rank may use (MLX's CPU operations run on on
 while the next group's graph is built, and freed temporaries are reused from a bounded cache
 instead of being faulted in again.
 
+Where pipeline's kernels' extension is built (Linux, CPU), a tensor is not read at all but mapped
+(mapped_files.py): held as stored it stays on the page cache's pages, and a conversion reads from them.
+
 With a cold page cache the reading itself overlaps the conversions: `posix_fadvise(WILLNEED)`
 asks the kernel to read the next PREFETCH_BYTES of the rank's byte ranges in the background.
 A caller's `after_group` sees each group once evaluated, while the next one reads (the int8

@@ -1,5 +1,5 @@
 """The environment switches that turn one of pipeline's parts off (PIPELINE_BLAS_SHIM,
-PIPELINE_QMM, PIPELINE_ATTENTION, PIPELINE_LAYER_KERNELS, PIPELINE_BIND): one spelling of "off"."""
+PIPELINE_QMM, PIPELINE_ATTENTION, PIPELINE_LAYER_KERNELS, PIPELINE_BIND, PIPELINE_MMAP): one spelling of "off"."""
 
 from __future__ import annotations
 
