@@ -5,8 +5,8 @@
  * read itself (a 2.15 GB bf16 folder in the page cache: reading it 0.3-0.45 s, mapping all its pages
  * 0.03 s). llama.cpp maps its GGUF files the same way by default.
  *
- * How: each file is mapped once, whole, MAP_PRIVATE (a write, which nothing should make, copies the page
- * instead of changing the file); an array's MLX buffer is not owned by MLX's allocator (allocator::Data
+ * How: each file is mapped once, whole, read-only (MAP_PRIVATE, PROT_READ: a writable private mapping
+ * would count against the commit limit); an array's MLX buffer is not owned by MLX's allocator (allocator::Data
  * with our deleter), so MLX never donates it to an operation's output, and our in-place repack leaves it
  * alone (it checks is_owned()). Each array keeps its file's mapping alive; when it dies its own pages are
  * dropped from this process (MADV_DONTNEED: they stay in the page cache), so a weight replaced after
@@ -79,7 +79,10 @@ std::shared_ptr<Mapping> map_file(const std::string &path, size_t need) {
         close(fd);
         throw std::runtime_error(path + " is shorter than its header says");
     }
-    void *base = mmap(nullptr, st.st_size, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
+    // read-only: a writable private mapping would count the whole file against the commit limit (a file
+    // larger than RAM + swap, or strict overcommit, would fail); nothing writes here (MLX and our in-place
+    // paths leave buffers they do not own alone)
+    void *base = mmap(nullptr, st.st_size, PROT_READ, MAP_PRIVATE | MAP_NORESERVE, fd, 0);
     const int e = errno;
     close(fd);  // the mapping keeps the file
     if (base == MAP_FAILED) throw std::runtime_error(path + ": mmap: " + std::strerror(e));
@@ -116,6 +119,7 @@ mx::array mapped_array(const std::string &path, int64_t offset, const std::vecto
         (void)sink;
     }
     mx::allocator::Buffer buffer(data - header_bytes());
+    if (buffer.raw_ptr() != data) throw std::runtime_error("this MLX build's buffers cannot wrap mapped pages");
     auto deleter = [mapping, data, nbytes](mx::allocator::Buffer) {
         auto [pages, length] = inner_pages(data, data + nbytes);
         if (length) madvise(pages, length, MADV_DONTNEED);  // out of this process; still in the page cache

@@ -3,6 +3,7 @@ files mappable (safetensors_file.py): same values as a read into new memory, no 
 nothing written back, mappings gone with their arrays."""
 
 import gc
+import json
 
 import mlx.core as mx
 import numpy as np
@@ -122,3 +123,21 @@ def test_a_stage_loads_the_same_mapped_or_read(tiny_models, mapping, monkeypatch
         del mapped, read, theirs, ours
         gc.collect()
     assert mapping.mapped_files() == 0
+
+
+def test_a_file_larger_than_memory_maps(tmp_path, mapping):
+    """A mapping is read-only: a writable private one counts the whole file against the kernel's commit
+    limit, and a shard larger than RAM + swap (a 64 GiB sparse file here) would not map at all."""
+    size = 64 << 30
+    small = np.arange(4, dtype=np.float32)
+    header = json.dumps({"t": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+                         "big": {"dtype": "U8", "shape": [size], "data_offsets": [16, 16 + size]}}).encode()
+    header += b" " * (-(8 + len(header)) % 8)
+    path = tmp_path / "model.safetensors"
+    with open(path, "wb") as f:
+        f.write(len(header).to_bytes(8, "little") + header + small.tobytes())
+        f.truncate(8 + len(header) + 16 + size)  # sparse: no disk used
+    before = mapping.mapped_files()
+    t = Checkpoint(tmp_path).read("t")
+    assert mapping.mapped_files() == before + 1
+    assert np.array_equal(np.array(t), small)
