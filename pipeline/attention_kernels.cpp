@@ -177,9 +177,7 @@ class CachedAttention : public mx::Primitive {
             // only reference, never true with several outputs (each holds the inputs). Whoever else holds
             // this very array sees its positions below the offset unchanged: only positions past it,
             // unused until now, are written.
-            const auto &data = in.data_shared_ptr();
-            if (data.use_count() == 1 && data->is_owned() && in.flags().row_contiguous &&
-                in.buffer_size() == out.nbytes()) {
+            if (sole_owned_buffer(in) && in.flags().row_contiguous && in.buffer_size() == out.nbytes()) {
                 out.copy_shared_buffer(in);
             } else {
                 out.set_data(mx::allocator::malloc(out.nbytes()));

@@ -576,8 +576,7 @@ std::tuple<mx::array, mx::array, mx::array> int8_repack(mx::array w, mx::array s
     std::vector<mx::array> keep;
     // only a buffer no other array shares (a view of it, the embedding a tied head is a copy of) and MLX's
     // allocator owns is rewritten
-    in_place = in_place && w.flags().row_contiguous && w.data_shared_ptr().use_count() == 1 &&
-               w.data_shared_ptr()->is_owned();  // not a mapped file's pages (mapped_files.cpp)
+    in_place = in_place && w.flags().row_contiguous && sole_owned_buffer(w);
     w = contiguous(w, keep);
     s = contiguous(s, keep);
     b = contiguous(b, keep);
@@ -594,8 +593,7 @@ std::tuple<mx::array, mx::array, mx::array> int8_repack(mx::array w, mx::array s
     // in place, scales and biases that keep their dtype are rearranged in their own buffers too, and new
     // arrays come from plain malloc, whose big blocks are in huge pages already (the caller's word)
     const auto own_or_new = [&](const mx::array &a, const mx::Shape &shape, mx::Dtype dtype) {
-        if (in_place && a.dtype() == dtype && a.shape() == shape && a.flags().row_contiguous &&
-            a.data_shared_ptr().use_count() == 1 && a.data_shared_ptr()->is_owned())
+        if (in_place && a.dtype() == dtype && a.shape() == shape && a.flags().row_contiguous && sole_owned_buffer(a))
             return a;
         return in_place ? mx::array(mx::allocator::malloc(mx::size_of(dtype) * shape_size(shape)), shape, dtype)
                         : huge_page_array(shape, dtype);

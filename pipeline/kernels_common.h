@@ -23,6 +23,12 @@ namespace mx = mlx::core;
 
 inline int g_threads = 1;  // the BLAS threads of this rank (pipeline.blas.num_threads())
 
+/* Whether `a` is its buffer's only holder and MLX's allocator owns that buffer (not a mapped file's pages,
+   mapped_files.cpp): a buffer an operation may rewrite in place. */
+inline bool sole_owned_buffer(const mx::array &a) {
+    return a.data_shared_ptr().use_count() == 1 && a.data_shared_ptr()->is_owned();
+}
+
 /* f(begin, end) over [0, n) split into g_threads contiguous parts, on plain threads: for work done on
    the caller's thread (at load), not inside an MLX operation. OpenMP is kept to MLX's CPU worker,
    which runs every operation: libgomp counts the threads of every master's team, and one more team

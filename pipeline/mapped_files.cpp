@@ -68,16 +68,15 @@ std::shared_ptr<Mapping> map_file(const std::string &path, size_t need) {
         close(fd);
         throw std::runtime_error(path + ": " + std::strerror(e));
     }
+    if (need > size_t(st.st_size)) {
+        close(fd);
+        throw std::runtime_error(path + " is shorter than its header says");
+    }
     const auto key = std::make_pair(st.st_dev, st.st_ino);
     std::lock_guard<std::mutex> guard(g_lock);
     if (auto live = g_mappings[key].lock(); live && live->length == size_t(st.st_size)) {
         close(fd);
-        if (need > live->length) throw std::runtime_error(path + " is shorter than its header says");
         return live;
-    }
-    if (need > size_t(st.st_size)) {
-        close(fd);
-        throw std::runtime_error(path + " is shorter than its header says");
     }
     // read-only: a writable private mapping would count the whole file against the commit limit (a file
     // larger than RAM + swap, or strict overcommit, would fail); nothing writes here (MLX and our in-place
