@@ -129,8 +129,10 @@ mx::array mapped_array(const std::string &path, int64_t offset, const std::vecto
 }  // namespace
 
 void register_mapped(nb::module_ &m) {
+    // without the GIL: populating a cold tensor's pages is a disk read, during which the loader's other
+    // Python threads (a GGUF's decoders, the progress bar) go on
     m.def("mapped_array", &mapped_array, nb::arg("path"), nb::arg("offset"), nb::arg("shape"), nb::arg("dtype"),
-          "bytes [offset, offset + size) of a file as an array, without a copy (mapped_files.cpp)");
+          nb::call_guard<nb::gil_scoped_release>(), "bytes [offset, offset + size) of a file as an array, without a copy (mapped_files.cpp)");
     m.def("mapped_files", []() {
         std::lock_guard<std::mutex> guard(g_lock);
         int64_t live = 0;

@@ -25,6 +25,9 @@ ALIGN = 8
 
 def save(path: Path, arrays: dict[str, mx.array], metadata: dict[str, str] | None = None) -> None:
     """Write `arrays` to `path` (any tensors, evaluated one at a time as they are written)."""
+    unsupported = sorted(f"{name} ({a.dtype})" for name, a in arrays.items() if a.dtype not in DTYPES)
+    if unsupported:  # float64 and complex: MLX's CPU cannot compute in them, nothing of ours writes them
+        raise ValueError(f"safetensors_file.save: no safetensors dtype for {', '.join(unsupported)}")
     order = sorted(arrays, key=lambda name: (-arrays[name].dtype.size, name))
     header: dict = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
@@ -39,5 +42,7 @@ def save(path: Path, arrays: dict[str, mx.array], metadata: dict[str, str] | Non
         f.write(text)
         for name in order:
             a = arrays[name]
+            if a.size == 0:  # nothing to write (and an empty shape cannot be cast to bytes)
+                continue
             raw = a.view(mx.uint16) if a.dtype == mx.bfloat16 else a  # numpy has no bfloat16: its bits
             f.write(memoryview(np.ascontiguousarray(np.array(raw, copy=False))).cast("B"))

@@ -12,6 +12,7 @@ tensors' bytes with no copy in between; loading.py evaluates them in groups.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -184,14 +185,25 @@ def _read_header(path: Path) -> dict[str, TensorInfo]:
             raise UserError(f"{path} is corrupt (unreadable safetensors header): download it again") from None
     data_start = 8 + header_len
     tensors = {}
+    if not isinstance(header, dict):
+        raise UserError(f"{path} is corrupt (its safetensors header is not a JSON object): download it again")
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        if entry.get("dtype") not in _DTYPES:
-            raise UserError(f"{path}: tensor {name} has unsupported dtype {entry.get('dtype')}")
-        begin, end = entry["data_offsets"]
-        tensors[name] = TensorInfo(path, entry["dtype"], tuple(entry["shape"]),
-                                   data_start + begin, data_start + end, name)
+        if not isinstance(entry, dict) or entry.get("dtype") not in _DTYPES:
+            raise UserError(f"{path}: tensor {name} has unsupported dtype "
+                            f"{entry.get('dtype') if isinstance(entry, dict) else entry!r}")
+        shape, offsets = entry.get("shape"), entry.get("data_offsets")
+        # every field checked: a mapped tensor (mapped_files.py) is exactly the bytes its header names, so a
+        # header whose shape and byte range disagree would read its neighbour's bytes where mx.load refused
+        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
+                and isinstance(offsets, list) and len(offsets) == 2
+                and all(isinstance(o, int) and o >= 0 for o in offsets) and offsets[0] <= offsets[1]
+                and offsets[1] - offsets[0] == math.prod(shape) * np.dtype(_DTYPES[entry["dtype"]][0]).itemsize):
+            raise UserError(f"{path} is corrupt (tensor {name}: shape {shape} does not fit its byte range "
+                            f"{offsets}): download it again")
+        begin, end = offsets
+        tensors[name] = TensorInfo(path, entry["dtype"], tuple(shape), data_start + begin, data_start + end, name)
     if tensors and max(t.end for t in tensors.values()) > size:
         raise UserError(f"{path} is truncated or corrupt ({size} bytes, header needs "
                         f"{max(t.end for t in tensors.values())}): download it again")

@@ -141,3 +141,77 @@ def test_a_file_larger_than_memory_maps(tmp_path, mapping):
     t = Checkpoint(tmp_path).read("t")
     assert mapping.mapped_files() == before + 1
     assert np.array_equal(np.array(t), small)
+
+
+def test_writer_writes_empty_tensors_and_refuses_what_safetensors_cannot_hold(tmp_path):
+    arrays = {"empty": mx.zeros((0, 4)), "scalar": mx.array(2.5), "w": mx.arange(6, dtype=mx.float32).reshape(2, 3)}
+    safetensors_file.save(tmp_path / "m.safetensors", arrays)
+    loaded = mx.load(str(tmp_path / "m.safetensors"))
+    assert all(_same(loaded[name], a) for name, a in arrays.items())
+    with pytest.raises(ValueError, match=r"no safetensors dtype for x \(mlx.core.complex64\)"):
+        safetensors_file.save(tmp_path / "c.safetensors", {"x": mx.array([1 + 2j]), "w": arrays["w"]})
+
+
+def _file_with_header(path, header: dict, data: bytes) -> None:
+    text = json.dumps(header).encode()
+    text += b" " * (-(8 + len(text)) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + data)
+
+
+@pytest.mark.parametrize("bad", [{"shape": [3, 4]},  # 48 bytes claimed over a 32-byte range
+                                 {"shape": [-2, -4]},  # negative dimensions whose product fits
+                                 {"data_offsets": [32, 16]},  # a range that ends before it starts
+                                 {"shape": "2x4"}])
+def test_a_header_whose_shape_and_bytes_disagree_is_refused(tmp_path, mapping, bad):
+    """A tensor's shape must fill its byte range exactly: a mapped array is the bytes from its offset on,
+    so a corrupt header would otherwise hand out its neighbour's bytes (mx.load refused such a file)."""
+    from pipeline.errors import UserError
+
+    header = {"a": {"dtype": "F32", "shape": [2, 4], "data_offsets": [0, 32]},
+              "b": {"dtype": "F32", "shape": [4], "data_offsets": [32, 48]}}
+    data = np.arange(12, dtype=np.float32).tobytes()
+    _file_with_header(tmp_path / "model.safetensors", header, data)
+    assert _same(Checkpoint(tmp_path).read("a"), mx.arange(8, dtype=mx.float32).reshape(2, 4))  # the good file
+    header["a"].update(bad)
+    _file_with_header(tmp_path / "model.safetensors", header, data)
+    with pytest.raises(UserError, match=r"model.safetensors is corrupt \(tensor a: .*download it again"):
+        Checkpoint(tmp_path)
+
+
+def test_mapping_a_tensor_lets_other_python_threads_run(tmp_path, mapping):
+    """Populating a tensor's pages (a disk read when cold) runs without the GIL: the loader's other
+    threads (a GGUF's decoders, the bar) go on meanwhile."""
+    import os
+    import threading
+    import time
+
+    size = 512 << 20
+    path = tmp_path / "model.safetensors"
+    _file_with_header(path, {"t": {"dtype": "U8", "shape": [size], "data_offsets": [0, size]}}, b"")
+    with open(path, "r+b") as f:
+        f.truncate(f.seek(0, 2) + size)
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    offset = Checkpoint(tmp_path).tensors["t"].begin
+    counts, stop = [0], threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            counts[0] += 1
+
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    try:
+        while counts[0] < 1000:  # running
+            pass
+        start, at_start = time.perf_counter(), counts[0]
+        time.sleep(0.05)  # the spinner alone: its pace
+        pace = (counts[0] - at_start) / (time.perf_counter() - start)
+        start, at_start = time.perf_counter(), counts[0]
+        array = mapped_files.mapped_array(path, offset, (size,), mx.uint8)
+        seconds, spun = time.perf_counter() - start, counts[0] - at_start
+    finally:
+        stop.set()
+        spinner.join()
+    assert array is not None and array.size == size
+    # holding the GIL, the spinner would get at most a switch interval (5 ms) of the call's 0.05-0.4 s
+    assert spun > 0.5 * pace * seconds, (spun, pace, seconds)
