@@ -178,9 +178,13 @@ def decode_exact(raw: np.ndarray, ggml_type: str, kernels=None,
         values = raw.shape[1] // {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 144}[ggml_type] * (
             256 if ggml_type == "Q4_K" else 32)
         packed = np.empty((rows, values * bits // 8), np.uint8) if weight_out is None else weight_out
-        scales, biases = np.empty((rows, values // 32), np.float32), np.empty((rows, values // 32), np.float32)
-        kernels.gguf_repack(np.ascontiguousarray(raw), REPACKED[ggml_type], packed, scales, biases)
-        weight = packed.view("<u4")
+        raw = np.ascontiguousarray(raw)
+        # fp16 straight from the kernel (the rule below); float32 where a bias overflows it
+        for dtype in ((np.float16, np.float32) if ggml_type in FP16_SCALES else (np.float32,)):
+            scales, biases = np.empty((rows, values // 32), dtype), np.empty((rows, values // 32), dtype)
+            if kernels.gguf_repack(raw, REPACKED[ggml_type], packed, scales, biases):
+                break
+        return packed.view("<u4"), scales, biases
     else:
         weight, scales, biases = _decode_exact(raw, ggml_type)
         if weight_out is not None:

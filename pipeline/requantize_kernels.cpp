@@ -41,6 +41,10 @@
 
 #include "kernels_common.h"
 
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
+
 namespace nb = nanobind;
 
 static constexpr int FP8_BLOCK = 128;
@@ -294,25 +298,74 @@ static std::vector<mx::array> requantize(const mx::array &w, const std::optional
  * loader's decoding threads, without the GIL. */
 
 static inline float half_at(const uint8_t *p) {
+#if defined(__F16C__)
+    uint16_t bits;
+    std::memcpy(&bits, p, 2);
+    return _cvtsh_ss(bits);
+#else
     mx::float16_t h;
     std::memcpy(&h, p, 2);
     return static_cast<float>(h);
+#endif
 }
 
 /* The 16 bytes of MLX 4-bit codes for 32 values, value v from GGML's nibble block: byte i holds
-   value i (low nibble) and value i + 16 (high). MLX byte j holds values 2j (low) and 2j + 1 (high). */
+   value i (low nibble) and value i + 16 (high). MLX byte j holds values 2j (low) and 2j + 1 (high), so
+   MLX byte j < 8 is the low nibbles of GGML bytes 2j, 2j + 1 and byte 8 + j their high nibbles: in each
+   16-bit word w of the block, (w & 0xF) | (w >> 4 & 0xF0) and (w >> 4 & 0xF) | (w >> 8 & 0xF0). */
 static inline void repack_nibbles(const uint8_t *qs, uint8_t *out) {
+#if defined(__SSE2__)
+    const __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i *>(qs)), low = _mm_set1_epi16(0x0F),
+                  high = _mm_set1_epi16(0xF0);
+    const __m128i lows = _mm_or_si128(_mm_and_si128(w, low), _mm_and_si128(_mm_srli_epi16(w, 4), high));
+    const __m128i highs = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(w, 4), low), _mm_and_si128(_mm_srli_epi16(w, 8), high));
+    _mm_storeu_si128(reinterpret_cast<__m128i *>(out), _mm_packus_epi16(lows, highs));
+#else
     uint8_t v[32];
     for (int i = 0; i < 16; i++) v[i] = qs[i] & 15, v[i + 16] = qs[i] >> 4;
     for (int j = 0; j < 16; j++) out[j] = uint8_t(v[2 * j] | (v[2 * j + 1] << 4));
+#endif
 }
 
 enum GgufType { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12 };  // GGML's type numbers
 
-static void gguf_repack(nb::ndarray<const uint8_t, nb::ndim<2>, nb::c_contig> raw, int type,
+/* Scales and biases out as float32, or as float16 (Q4_0, Q4_1, Q8_0, whose values are the file's fp16
+   numbers or one times a power of two: exact unless it overflows): half the bytes, no conversion pass
+   after. The rule is quants.decode_exact's: float16 unless a bias overflows it. */
+struct ScaleOut {
+    void *data;
+    bool half;
+    bool finite = true;  // half: every value stored is finite
+    inline void put(int64_t i, float value) {
+        if (!half) {
+            static_cast<float *>(data)[i] = value;
+            return;
+        }
+#if defined(__F16C__)
+        const uint16_t h = _cvtss_sh(value, _MM_FROUND_TO_NEAREST_INT);  // one instruction: 3x the pass's speed
+#else
+        uint16_t h;
+        const mx::float16_t converted = static_cast<mx::float16_t>(value);
+        std::memcpy(&h, &converted, 2);
+#endif
+        finite = finite && (h & 0x7C00) != 0x7C00;  // not inf or NaN
+        static_cast<uint16_t *>(data)[i] = h;
+    }
+};
+
+static ScaleOut scale_out(nb::ndarray<nb::ndim<2>, nb::c_contig> &a, const char *name) {
+    const bool is_float = a.dtype().code == uint8_t(nb::dlpack::dtype_code::Float) && a.dtype().lanes == 1;
+    if (is_float && a.dtype().bits == 32) return {a.data(), false};
+    if (is_float && a.dtype().bits == 16) return {a.data(), true};
+    throw std::invalid_argument(std::string("pipeline gguf_repack: ") + name + " must be float32 or float16");
+}
+
+/* Returns false where float16 biases were asked for and one overflows it (a Q8_0 scale over 511 makes a
+   bias past float16's range): the caller decodes those rows again into float32. */
+static bool gguf_repack(nb::ndarray<const uint8_t, nb::ndim<2>, nb::c_contig> raw, int type,
                         nb::ndarray<uint8_t, nb::ndim<2>, nb::c_contig> weight,
-                        nb::ndarray<float, nb::ndim<2>, nb::c_contig> scales,
-                        nb::ndarray<float, nb::ndim<2>, nb::c_contig> biases) {
+                        nb::ndarray<nb::ndim<2>, nb::c_contig> scales,
+                        nb::ndarray<nb::ndim<2>, nb::c_contig> biases) {
     const int block = type == Q4_0 ? 18 : type == Q4_1 ? 20 : type == Q8_0 ? 34 : type == Q4_K ? 144 : 0;
     const int values = type == Q4_K ? 256 : 32, bits = type == Q8_0 ? 8 : 4;
     if (!block) throw std::invalid_argument("pipeline gguf_repack: Q4_0, Q4_1, Q8_0 or Q4_K only");
@@ -321,27 +374,28 @@ static void gguf_repack(nb::ndarray<const uint8_t, nb::ndim<2>, nb::c_contig> ra
         scales.shape(0) != rows || biases.shape(0) != rows || int64_t(scales.shape(1)) != groups ||
         int64_t(biases.shape(1)) != groups)
         throw std::invalid_argument("pipeline gguf_repack: output shapes do not fit the rows");
+    ScaleOut s = scale_out(scales, "scales"), b = scale_out(biases, "biases");
     for (int64_t r = 0; r < rows; r++) {
         const uint8_t *in = raw.data() + r * raw.shape(1);
         uint8_t *w = weight.data() + r * weight.shape(1);
-        float *s = scales.data() + r * groups, *b = biases.data() + r * groups;
+        const int64_t at = r * groups;
         for (int64_t k = 0; k < blocks; k++, in += block) {
             switch (type) {
                 case Q4_0: {  // w = d (q - 8)
                     const float d = half_at(in);
                     repack_nibbles(in + 2, w + 16 * k);
-                    s[k] = d, b[k] = d * -8.0f;
+                    s.put(at + k, d), b.put(at + k, d * -8.0f);
                     break;
                 }
                 case Q4_1: {  // w = d q + m
                     repack_nibbles(in + 4, w + 16 * k);
-                    s[k] = half_at(in), b[k] = half_at(in + 2);
+                    s.put(at + k, half_at(in)), b.put(at + k, half_at(in + 2));
                     break;
                 }
                 case Q8_0: {  // w = d q, q int8: MLX's code is q + 128 (the top bit flipped), bias -128 d
                     const float d = half_at(in);
                     for (int i = 0; i < 32; i++) w[32 * k + i] = in[2 + i] ^ 0x80;
-                    s[k] = d, b[k] = d * -128.0f;
+                    s.put(at + k, d), b.put(at + k, d * -128.0f);
                     break;
                 }
                 case Q4_K: {  // w = (d sc_j) q - dmin m_j per 32-value sub-block j
@@ -357,14 +411,15 @@ static void gguf_repack(nb::ndarray<const uint8_t, nb::ndim<2>, nb::c_contig> ra
                         uint8_t *out = w + 16 * (8 * k + j);
                         for (int i = 0; i < 16; i++)
                             out[i] = uint8_t(((chunk[2 * i] >> shift) & 15) | (((chunk[2 * i + 1] >> shift) & 15) << 4));
-                        s[8 * k + j] = d * float(scale);
-                        b[8 * k + j] = -(dmin * float(min));
+                        s.put(at + 8 * k + j, d * float(scale));
+                        b.put(at + 8 * k + j, -(dmin * float(min)));
                     }
                     break;
                 }
             }
         }
     }
+    return b.finite;
 }
 
 void register_requantize(nb::module_ &m) {
@@ -373,5 +428,6 @@ void register_requantize(nb::module_ &m) {
           "mx.quantize(w as dtype) (w float, or FP8 bytes times their 128x128 block scales), lazily");
     m.def("gguf_repack", &gguf_repack, nb::arg("raw"), nb::arg("type"), nb::arg("weight"), nb::arg("scales"),
           nb::arg("biases"), nb::call_guard<nb::gil_scoped_release>(),
-          "GGUF rows (uint8 [rows, bytes]) of GGML type number `type` -> MLX codes (bytes), float32 scales, biases");
+          "GGUF rows (uint8 [rows, bytes]) of GGML type number `type` -> MLX codes (bytes), scales and biases (float32, "
+          "or float16: False if a bias overflowed it)");
 }

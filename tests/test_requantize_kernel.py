@@ -88,22 +88,27 @@ def test_bad_arguments_are_refused(kernels):
         kernels.requantize(mx.zeros((4, 48)), None, 4, 32, mx.float32)
 
 
+@pytest.mark.parametrize("scale_range", [3, 6e-5, 20000])  # ordinary, fp16 subnormals, biases past fp16 (Q4_0, Q8_0)
 @pytest.mark.parametrize("ggml_type", ["Q4_0", "Q4_1", "Q8_0", "Q4_K"])
-def test_gguf_blocks_repack_as_numpy_does(kernels, ggml_type):
+def test_gguf_blocks_repack_as_numpy_does(kernels, ggml_type, scale_range):
     """The one-pass repacking of GGUF rows equals quants.py's numpy decoding (itself checked against
     gguf's own dequantizer in test_gguf_inplace.py), on random blocks with finite fp16 scales, over
-    several rows of several blocks each, 8 rows at once and 1 row alone."""
+    several rows of several blocks each, 8 rows at once and 1 row alone: the same codes, and the same
+    scales and biases, fp16 where numpy holds them so (float32 where a bias would overflow fp16)."""
     from pipeline import quants
 
     size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 144}[ggml_type]
     rng = np.random.default_rng(3)
     raw = rng.integers(0, 256, size=(8, 3, size), dtype=np.uint8)
     halves = 2 if ggml_type in ("Q4_1", "Q4_K") else 1
-    raw[..., : 2 * halves] = rng.uniform(-3, 3, size=(8, 3, halves)).astype(np.float16).view(np.uint8)
+    scales = rng.uniform(-scale_range, scale_range, size=(8, 3, halves))
+    raw[..., : 2 * halves] = scales.astype(np.float16).view(np.uint8)
     raw = raw.reshape(8, -1)
     for rows in (raw, raw[5:6]):
         want = quants.decode_exact(rows, ggml_type)
         got = quants.decode_exact(rows, ggml_type, kernels)
+        if ggml_type in quants.FP16_SCALES:  # the case each range is for
+            assert want[1].dtype == (np.float32 if scale_range > 8188 and ggml_type != "Q4_1" else np.float16)
         for part, g, w in zip(("weight", "scales", "biases"), got, want):
             assert g.dtype == w.dtype and g.shape == w.shape, part
             np.testing.assert_array_equal(g.view(np.uint8), w.view(np.uint8), err_msg=f"{ggml_type} {part}")
