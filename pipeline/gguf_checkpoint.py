@@ -128,6 +128,7 @@ class GGUFCheckpoint(Checkpoint):
         self._pool: ThreadPoolExecutor | None | bool = None  # the decoder's threads (False: one CPU)
         self._maps: dict[Path, mmap.mmap] = {}  # each file mapped once, read-only (_read_bytes)
         self._maps_lock = threading.Lock()
+        self._huge: set[str] = set()  # weights decoded into buffers of their own in huge pages (in_huge_pages)
         self._index()
 
     # -- the index ---------------------------------------------------------------------------------------------
@@ -235,6 +236,11 @@ class GGUFCheckpoint(Checkpoint):
                 if last > first:
                     mapped.madvise(mmap.MADV_DONTNEED, first, last - first)
 
+    def in_huge_pages(self, name: str) -> bool:
+        """Whether the weight `name` (read already) was decoded into a buffer of its own in huge pages."""
+        entry = self.tensors.get(name)
+        return entry is not None and entry.source[0].name in self._huge
+
     def spans(self, name: str) -> list[tuple[Path, int, int]]:
         """The byte ranges (file, begin, end) reading `name` reads: its GGUF tensors'."""
         return [(t.file, t.begin, t.begin + t.nbytes) for t in self.tensors[name].source]
@@ -317,9 +323,17 @@ class GGUFCheckpoint(Checkpoint):
             pool = self._decoder()
             kernels = quants.repacker()
             # every piece decodes its rows of the weight straight into the whole tensor's (no joining copy),
-            # which is MLX's own buffer (numpy writes through a view of it: no copy into MLX afterwards)
-            held = mx.zeros((tensor.rows, tensor.cols * quants.EXACT[tensor.ggml_type][0] // 8), mx.uint8)
-            mx.eval(held)
+            # which is MLX's own buffer (numpy writes through a view of it: no copy into MLX afterwards), with
+            # the kernels one in huge pages, uninitialized: the int8 repack may then rearrange it in place
+            # (in_huge_pages) rather than copy it into new huge pages
+            held_shape = (tensor.rows, tensor.cols * quants.EXACT[tensor.ggml_type][0] // 8)
+            if kernels is not None and hasattr(kernels, "huge_page_array"):
+                held = kernels.huge_page_array(list(held_shape), mx.uint8)
+                if not entry.unpermute_heads:  # else its rows are reordered into a copy below
+                    self._huge.add(entry.source[0].name)
+            else:
+                held = mx.zeros(held_shape, mx.uint8)
+                mx.eval(held)
             weight = np.asarray(held)
 
             def decode(piece: tuple[int, int]):

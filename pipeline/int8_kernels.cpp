@@ -690,6 +690,13 @@ void register_int8(nb::module_ &m) {
           "MLX affine 4/8-bit (w, scales, biases) -> the int8 products' layout (same shapes), now; in_place: "
           "the weights rearranged in w's own buffer (nothing else may read w afterwards)");
     m.def(
+        "huge_page_array", [](const std::vector<int> &shape, mx::Dtype dtype) {
+            return huge_page_array(mx::Shape(shape.begin(), shape.end()), dtype);
+        },
+        nb::arg("shape"), nb::arg("dtype"),
+        "an uninitialized array in transparent huge pages where the kernel allows (a decoder fills it; the int8 "
+        "repack may then rearrange it in place)");
+    m.def(
         "int8_matmul",
         [](const mx::array &x, const mx::array &w, const mx::array &s, const mx::array &b, int group_size, int bits) {
             check(w, s, b, group_size, bits);

@@ -40,6 +40,7 @@ import sysconfig
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -517,9 +518,10 @@ class Int8WhileLoading:
     only: the embedding, the LM head and its share (whose rows are cut from the loaded head) and
     DeepSeek's MTP module are repacked by use_int8 afterwards, which skips what was done here, as are
     the matrices of a module that reads them again after loading (`after_load`: DeepSeek's attention).
-    in_place as use_int8's (nothing else holds the freshly read arrays)."""
+    in_place(weight's checkpoint name): as use_int8's, per matrix (nothing else holds the freshly read
+    arrays; a GGUF's weights decoded into huge pages are rearranged there whatever the rank's malloc does)."""
 
-    def __init__(self, model: nn.Module, in_place: bool):
+    def __init__(self, model: nn.Module, in_place: Callable[[str], bool]):
         self.modules = dict(model.named_modules())
         self.in_place = in_place
         self.ready: set[str] = set()  # checkpoint names evaluated so far
@@ -546,7 +548,7 @@ class Int8WhileLoading:
                 continue
             set_threads()
             biases = weights[triple[2]]
-            repacked = state.module.int8_repack(*(weights[n] for n in triple), *layout, in_place=self.in_place)
+            repacked = state.module.int8_repack(*(weights[n] for n in triple), *layout, in_place=self.in_place(triple[0]))
             if repacked[2].shape != biases.shape:  # a symmetric matrix's biases are not held (int8_repack):
                 self.no_biases[path] = repacked[2]  # loading checks their shape, so a stand-in goes in first
                 repacked = (*repacked[:2], mx.broadcast_to(mx.zeros((1,) * biases.ndim, biases.dtype), biases.shape))

@@ -102,6 +102,11 @@ class Checkpoint:
 
         return ModelConfig.from_folder(self.folder)
 
+    def in_huge_pages(self, name: str) -> bool:
+        """Whether the tensor `name` (read already) is in a buffer of its own in huge pages (a GGUF's decoded
+        weights): the int8 repack then keeps it there, in place."""
+        return False
+
     def loaded(self, names: list[str]) -> None:
         """Called once a rank has loaded `names` (a GGUF reports what it re-quantized)."""
         self._lazy.clear()  # closes the files
@@ -377,7 +382,7 @@ def load_slice(model: nn.Module, checkpoint: Checkpoint, dtype: mx.Dtype,
     if int8_in_place is not None:
         from .qmm import Int8WhileLoading
 
-        int8 = Int8WhileLoading(model, int8_in_place)
+        int8 = Int8WhileLoading(model, lambda name: int8_in_place or checkpoint.in_huge_pages(name))
 
         def after_group(weights: dict, names: list[str]) -> None:
             int8(weights, {name: local_name(name, model.start) for name in names})

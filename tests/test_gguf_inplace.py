@@ -858,3 +858,40 @@ def test_convert_writes_what_the_file_loads_as(tmp_path, vocab):
     assert config["architectures"] == ["DeepseekV3ForCausalLM"] and config["quantization"]["group_size"] == 32
     direct, _, _ = ours(written["files"][0])
     assert np.array_equal(forward(load_stages(folder, ((0, 4),)), LONG_PROMPT), direct)
+
+
+def test_gguf_weights_are_repacked_where_they_were_decoded(tmp_path, vocab, monkeypatch):
+    """Even where the rank's own buffers are not in huge pages (the loader asks for copies), a GGUF weight
+    decoded into a huge-page buffer of its own is rearranged for the int8 products in that buffer: no
+    second copy in new memory. Same parameters as repacking after the load (the test above)."""
+    import mlx.core as mx
+
+    from pipeline import qmm
+
+    arch, kind, types, _ = DENSE_CASES["qwen2-legacy-quants"]
+    written = write_model(tmp_path / "m.gguf", _transformers(kind, _qwen2(tmp_path / "hf")), arch, _by_kind(types),
+                          vocab=vocab)
+    module = qmm.load().module
+    if module is None or not hasattr(module, "huge_page_array"):
+        pytest.skip("int8 products need pipeline's kernels")
+    calls = []
+    repack = module.int8_repack
+
+    def address(a):
+        return np.asarray(a.view(mx.uint8)).ctypes.data
+
+    def recording(w, s, b, group_size, bits, in_place=False):
+        before = address(w)
+        out = repack(w, s, b, group_size, bits, in_place=in_place)
+        calls.append((in_place, address(out[0]) == before))
+        return out
+
+    from pipeline.stage import Stage
+
+    checkpoint = GGUFCheckpoint(written["files"][0], None)
+    monkeypatch.setattr(module, "int8_repack", recording)
+    stage = Stage.load(checkpoint.model_config(), checkpoint, (0, 4), has_ends=True, dtype=mx.float32,
+                       int8_in_place=False)
+    early = [path for path, m in stage.model.named_modules() if getattr(m, "int8", False)]
+    assert len(early) == len(calls) == 4 * 3, (early, calls)  # the Q4_0, Q8_0, Q4_1 matrices, while loading
+    assert all(in_place and same for in_place, same in calls), calls
