@@ -590,13 +590,13 @@ std::tuple<mx::array, mx::array, mx::array> int8_repack(mx::array w, mx::array s
     if (symmetric) bias_shape.back() = 0;
     const int64_t n = w.shape(-2), k = w.shape(-1) * 32 / bits, experts = w.ndim() == 3 ? w.shape(0) : 1;
     const int64_t row_bytes = k * bits / 8, groups = k / group_size, chunks = k / CHUNK, item = s.itemsize();
-    // in place, scales and biases that keep their dtype are rearranged in their own buffers too, and new
-    // arrays come from plain malloc, whose big blocks are in huge pages already (the caller's word)
+    // in place, scales and biases that keep their dtype are rearranged in their own buffers too; new arrays
+    // are in huge pages either way (in place does not say the rank's malloc is: a GGUF's weights decoded into
+    // huge pages of their own are rearranged in place, their float32 scales become new float16 ones)
     const auto own_or_new = [&](const mx::array &a, const mx::Shape &shape, mx::Dtype dtype) {
         if (in_place && a.dtype() == dtype && a.shape() == shape && a.flags().row_contiguous && sole_owned_buffer(a))
             return a;
-        return in_place ? mx::array(mx::allocator::malloc(mx::size_of(dtype) * shape_size(shape)), shape, dtype)
-                        : huge_page_array(shape, dtype);
+        return huge_page_array(shape, dtype);
     };
     mx::array w2 = in_place ? w : huge_page_array(w.shape(), w.dtype());
     mx::array s2 = own_or_new(s, s.shape(), held), b2 = own_or_new(b, bias_shape, held);

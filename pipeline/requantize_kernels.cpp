@@ -426,8 +426,9 @@ void register_requantize(nb::module_ &m) {
     m.def("requantize", &requantize, nb::arg("w"), nb::arg("block_scales").none(), nb::arg("bits"),
           nb::arg("group_size"), nb::arg("dtype"),
           "mx.quantize(w as dtype) (w float, or FP8 bytes times their 128x128 block scales), lazily");
-    m.def("gguf_repack", &gguf_repack, nb::arg("raw"), nb::arg("type"), nb::arg("weight"), nb::arg("scales"),
-          nb::arg("biases"), nb::call_guard<nb::gil_scoped_release>(),
+    // outputs .noconvert(): a converted (copied) output would be written and lost
+    m.def("gguf_repack", &gguf_repack, nb::arg("raw"), nb::arg("type"), nb::arg("weight").noconvert(),
+          nb::arg("scales").noconvert(), nb::arg("biases").noconvert(), nb::call_guard<nb::gil_scoped_release>(),
           "GGUF rows (uint8 [rows, bytes]) of GGML type number `type` -> MLX codes (bytes), scales and biases (float32, "
           "or float16: False if a bias overflowed it)");
 }

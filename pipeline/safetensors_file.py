@@ -16,10 +16,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-# MLX dtype -> safetensors dtype
+# MLX dtype -> safetensors dtype: the ones pipeline's reader takes (weights._DTYPES)
 DTYPES = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.uint32: "U32", mx.int32: "I32",
-          mx.int64: "I64", mx.uint8: "U8", mx.int8: "I8", mx.uint16: "U16", mx.int16: "I16", mx.bool_: "BOOL",
-          mx.uint64: "U64"}
+          mx.int64: "I64", mx.uint8: "U8", mx.int8: "I8", mx.bool_: "BOOL"}
 ALIGN = 8
 
 

@@ -195,7 +195,7 @@ def _read_header(path: Path) -> dict[str, TensorInfo]:
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        if not isinstance(entry, dict) or entry.get("dtype") not in _DTYPES:
+        if not isinstance(entry, dict) or not isinstance(entry.get("dtype"), str) or entry["dtype"] not in _DTYPES:
             raise UserError(f"{path}: tensor {name} has unsupported dtype "
                             f"{entry.get('dtype') if isinstance(entry, dict) else entry!r}")
         shape, offsets = entry.get("shape"), entry.get("data_offsets")

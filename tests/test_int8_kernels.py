@@ -120,6 +120,22 @@ def test_repack_in_place_equals_a_copy_and_spares_shared_buffers(kernels, bits, 
     assert np.array_equal(np.array(shared[0]), np.array(copied[0])) and np.array_equal(np.array(whole), before)
 
 
+def test_scales_made_anew_in_place_are_in_huge_pages(kernels):
+    """In place rewrites the weight in its buffer; scales that change dtype (a GGUF's float32 scales
+    holding float16 values) are new arrays, which start on a 2 MiB boundary (huge_page_array) as a copy's
+    do: in place does not say the rank's malloc gives huge pages (a GGUF's weights decoded into huge pages
+    of their own are repacked in place whatever malloc does)."""
+    rng = np.random.default_rng(2)
+    n, k, group_size = 4096, 8192, 32  # float16 scales of 2 MiB
+    w, scales, _ = quantized(rng, n, k, 4, group_size, "float16")
+    scales = mx.contiguous(scales.astype(mx.float32))
+    biases = mx.contiguous(scales * -8)
+    mx.eval(scales, biases)
+    w2, s2, b2 = kernels.int8_repack(w, scales, biases, group_size, 4, True)
+    assert s2.dtype == mx.float16 and s2.nbytes >= 2 << 20 and b2.size == 0
+    assert np.asarray(s2.view(mx.uint8)).ctypes.data % (2 << 20) == 0
+
+
 @pytest.mark.parametrize("bits,group_size", [(4, 32), (4, 128), (8, 64)])
 def test_each_row_rounds_the_same_whatever_shares_the_call(kernels, bits, group_size):
     """Rows 1..80 (past the float32 path's BLAS limit: prefill chunks stay exact too), in various places:

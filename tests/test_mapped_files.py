@@ -161,7 +161,8 @@ def _file_with_header(path, header: dict, data: bytes) -> None:
 @pytest.mark.parametrize("bad", [{"shape": [3, 4]},  # 48 bytes claimed over a 32-byte range
                                  {"shape": [-2, -4]},  # negative dimensions whose product fits
                                  {"data_offsets": [32, 16]},  # a range that ends before it starts
-                                 {"shape": "2x4"}])
+                                 {"shape": "2x4"},
+                                 {"dtype": ["F32"]}])
 def test_a_header_whose_shape_and_bytes_disagree_is_refused(tmp_path, mapping, bad):
     """A tensor's shape must fill its byte range exactly: a mapped array is the bytes from its offset on,
     so a corrupt header would otherwise hand out its neighbour's bytes (mx.load refused such a file)."""
@@ -174,7 +175,8 @@ def test_a_header_whose_shape_and_bytes_disagree_is_refused(tmp_path, mapping, b
     assert _same(Checkpoint(tmp_path).read("a"), mx.arange(8, dtype=mx.float32).reshape(2, 4))  # the good file
     header["a"].update(bad)
     _file_with_header(tmp_path / "model.safetensors", header, data)
-    with pytest.raises(UserError, match=r"model.safetensors is corrupt \(tensor a: .*download it again"):
+    with pytest.raises(UserError, match=r"model.safetensors(: tensor a has unsupported dtype| is corrupt \(tensor a: .*"
+                                        r"download it again)"):
         Checkpoint(tmp_path)
 
 
@@ -184,6 +186,9 @@ def test_mapping_a_tensor_lets_other_python_threads_run(tmp_path, mapping):
     import os
     import threading
     import time
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two CPUs: the spinner and the page work")
 
     size = 512 << 20
     path = tmp_path / "model.safetensors"
@@ -213,5 +218,6 @@ def test_mapping_a_tensor_lets_other_python_threads_run(tmp_path, mapping):
         stop.set()
         spinner.join()
     assert array is not None and array.size == size
-    # holding the GIL, the spinner would get at most a switch interval (5 ms) of the call's 0.05-0.4 s
-    assert spun > 0.5 * pace * seconds, (spun, pace, seconds)
+    # holding the GIL, the spinner would get at most a switch interval (5 ms) of the call's 0.05-0.4 s (measured:
+    # 0.05 of its pace); without, most of it (0.6-1.0), less where the kernel's page work shares its CPU
+    assert spun > 0.2 * pace * seconds, (spun, pace, seconds)
