@@ -128,7 +128,6 @@ class GGUFCheckpoint(Checkpoint):
         self._pool: ThreadPoolExecutor | None | bool = None  # the decoder's threads (False: one CPU)
         self._maps: dict[Path, mmap.mmap] = {}  # each file mapped once, read-only (_read_bytes)
         self._maps_lock = threading.Lock()
-        self._huge: set[str] = set()  # weights decoded into buffers of their own in huge pages (in_huge_pages)
         self._index()
 
     # -- the index ---------------------------------------------------------------------------------------------
@@ -237,9 +236,16 @@ class GGUFCheckpoint(Checkpoint):
                     mapped.madvise(mmap.MADV_DONTNEED, first, last - first)
 
     def in_huge_pages(self, name: str) -> bool:
-        """Whether the weight `name` (read already) was decoded into a buffer of its own in huge pages."""
+        """Whether the weight `name` is decoded into a buffer of its own in huge pages."""
         entry = self.tensors.get(name)
-        return entry is not None and entry.source[0].name in self._huge
+        return entry is not None and self._decoded_in_huge_pages(entry)
+
+    @staticmethod
+    def _decoded_in_huge_pages(entry: Entry) -> bool:
+        """An exact weight with the kernels, unless its rows are reordered into a copy after decoding."""
+        kernels = quants.repacker()
+        return (entry.how == "exact" and not entry.unpermute_heads and kernels is not None
+                and hasattr(kernels, "huge_page_array"))
 
     def spans(self, name: str) -> list[tuple[Path, int, int]]:
         """The byte ranges (file, begin, end) reading `name` reads: its GGUF tensors'."""
@@ -323,14 +329,12 @@ class GGUFCheckpoint(Checkpoint):
             pool = self._decoder()
             kernels = quants.repacker()
             # every piece decodes its rows of the weight straight into the whole tensor's (no joining copy),
-            # which is MLX's own buffer (numpy writes through a view of it: no copy into MLX afterwards), with
-            # the kernels one in huge pages, uninitialized: the int8 repack may then rearrange it in place
+            # which is MLX's own buffer (numpy writes through a view of it: no copy into MLX afterwards), where
+            # it is kept one in huge pages, uninitialized: the int8 repack may then rearrange it in place
             # (in_huge_pages) rather than copy it into new huge pages
             held_shape = (tensor.rows, tensor.cols * quants.EXACT[tensor.ggml_type][0] // 8)
-            if kernels is not None and hasattr(kernels, "huge_page_array"):
+            if self._decoded_in_huge_pages(entry):
                 held = kernels.huge_page_array(list(held_shape), mx.uint8)
-                if not entry.unpermute_heads:  # else its rows are reordered into a copy below
-                    self._huge.add(entry.source[0].name)
             else:
                 held = mx.zeros(held_shape, mx.uint8)
                 mx.eval(held)

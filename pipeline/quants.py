@@ -185,11 +185,10 @@ def decode_exact(raw: np.ndarray, ggml_type: str, kernels=None,
             if kernels.gguf_repack(raw, REPACKED[ggml_type], packed, scales, biases):
                 break
         return packed.view("<u4"), scales, biases
-    else:
-        weight, scales, biases = _decode_exact(raw, ggml_type)
-        if weight_out is not None:
-            weight_out[...] = np.ascontiguousarray(weight).view(np.uint8).reshape(weight_out.shape)
-            weight = weight_out.view("<u4")
+    weight, scales, biases = _decode_exact(raw, ggml_type)
+    if weight_out is not None:
+        weight_out[...] = np.ascontiguousarray(weight).view(np.uint8).reshape(weight_out.shape)
+        weight = weight_out.view("<u4")
     if ggml_type in FP16_SCALES:
         # exact: fp16 values, or fp16 times 8, 16 or 128 (only the exponent changes) unless that overflows,
         # where float32 keeps them (no real weights come near: d > 511)
