@@ -37,7 +37,7 @@ def main() -> None:
     else:
         import mlx.core as mx
 
-        from pipeline.transport import Kind, MpiTransport
+        from pipeline.cluster.transport import Kind, MpiTransport
 
         transport = MpiTransport(comm)
         hidden_states = mx.random.normal((1, tokens, hidden))

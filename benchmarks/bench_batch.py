@@ -93,7 +93,7 @@ def main() -> None:
     args = parser.parse_args()
 
     sys.path.insert(0, str(common.REPO))
-    from pipeline.tokenizer import Tokenizer
+    from pipeline.checkpoints.tokenizer import Tokenizer
 
     model = common.default_model()
     texts = prompts(args.requests)

@@ -30,12 +30,12 @@ BASELINE = ("import resource, json, pipeline, mlx.core as mx, mlx.nn, mpi4py.MPI
 def owned_bytes(folder: Path, ranks: int, mode: str) -> list[int]:
     """Bytes of weights each rank holds, split exactly as `plan_job` splits them."""
     sys.path.insert(0, str(common.REPO))
-    from pipeline.config import ModelConfig
-    from pipeline.job import plan_weights_in_memory
-    from pipeline.memory import rank_bytes
-    from pipeline.partition import balanced_counts, layer_ranges
-    from pipeline.plan import model_bytes_of
-    from pipeline.weights import Checkpoint, layer_nbytes
+    from pipeline.models.config import ModelConfig
+    from pipeline.runtime.job import plan_weights_in_memory
+    from pipeline.planner.memory import rank_bytes
+    from pipeline.planner.partition import balanced_counts, layer_ranges
+    from pipeline.planner.plan import model_bytes_of
+    from pipeline.checkpoints.weights import Checkpoint, layer_nbytes
 
     config = ModelConfig.from_folder(folder)
     per_layer, ends = layer_nbytes(Checkpoint(folder), config.num_hidden_layers)

@@ -220,7 +220,7 @@ def run_mlx_lm(model: Path, prompt_ids: list[int], max_tokens: int, *, openblas:
 
 def prompt_ids(model: Path, text: str) -> list[int]:
     sys.path.insert(0, str(REPO))
-    from pipeline.tokenizer import Tokenizer
+    from pipeline.checkpoints.tokenizer import Tokenizer
 
     return Tokenizer.from_folder(model).prompt_ids(text, use_chat_template=False)
 
@@ -247,7 +247,7 @@ def cache_dir() -> Path:
 def default_model() -> Path:
     """The default SmolLM2-135M-Instruct (Q4_1 GGUF -> MLX 4-bit, group 32), converted once."""
     sys.path.insert(0, str(REPO))
-    from pipeline.default_model import default_model_dir
+    from pipeline.checkpoints.default_model import default_model_dir
 
     return default_model_dir(progress=False)
 
@@ -266,7 +266,7 @@ def random_model(name: str, shape: dict, bits: int | None = 4, group_size: int =
     import mlx.core as mx
 
     sys.path.insert(0, str(REPO))
-    from pipeline import safetensors_file
+    from pipeline.checkpoints import safetensors_file
 
     folder = cache_dir() / "bench-models" / name
     if (folder / "config.json").is_file():
@@ -344,8 +344,8 @@ def llama_1b() -> Path:
 
 def param_count(folder: Path) -> int:
     sys.path.insert(0, str(REPO))
-    from pipeline.config import ModelConfig
-    from pipeline.plan import architecture, count_params
+    from pipeline.models.config import ModelConfig
+    from pipeline.planner.plan import architecture, count_params
 
     return count_params(architecture(ModelConfig.from_folder(folder))).total
 

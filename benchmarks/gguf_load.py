@@ -38,7 +38,7 @@ def worker(model: str) -> None:
 
     from mpi4py import MPI
 
-    from pipeline.job import load_stage, peak_rss_bytes, plan_job
+    from pipeline.runtime.job import load_stage, peak_rss_bytes, plan_job
 
     comm = MPI.COMM_WORLD
     args = argparse.Namespace(model=Path(model), split=None, dtype="float32", weights_in_memory="quantized",
@@ -146,7 +146,7 @@ def main() -> None:
     parser.add_argument("--skip-big", action="store_true")
     args = parser.parse_args()
     sys.path.insert(0, str(common.REPO))
-    from pipeline.default_model import find_default_gguf
+    from pipeline.checkpoints.default_model import find_default_gguf
 
     gguf_file, folder = find_default_gguf(), common.default_model()
     contenders = {}

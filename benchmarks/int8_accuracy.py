@@ -47,7 +47,7 @@ def score(flags: dict, ids: list[int]):
     import numpy as np
 
     from pipeline import cli
-    from pipeline.job import load_stage, plan_job
+    from pipeline.runtime.job import load_stage, plan_job
 
     args = cli._validated(cli.build_parser().parse_args(["generate", "--prompt", "x"]))
     for key, value in flags.items():
@@ -75,7 +75,7 @@ def llamacpp_perplexity(text: Path) -> tuple[float | None, str]:
     import subprocess
 
     import llamacpp_build
-    from pipeline.default_model import find_default_gguf
+    from pipeline.checkpoints.default_model import find_default_gguf
 
     found = llamacpp_build.cached_binaries((llamacpp_build.PERPLEXITY,))
     if not found:
@@ -93,11 +93,12 @@ def main() -> int:
     args = parser.parse_args()
     import numpy as np
 
-    from pipeline import mpi, private_tmp
+    from pipeline.cluster import mpi
+    from pipeline.util import private_tmp
 
     mpi.use_the_launchers_mpi()
     private_tmp.use()
-    from pipeline.tokenizer import Tokenizer
+    from pipeline.checkpoints.tokenizer import Tokenizer
 
     model = common.default_model()
     text = text_file().read_text()

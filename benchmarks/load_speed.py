@@ -145,7 +145,7 @@ def _cpu_seconds() -> float:
 def _args(model: Path, flags: dict):
     import argparse
 
-    from pipeline.formats import Requantize
+    from pipeline.checkpoints.formats import Requantize
 
     quantize = flags.get("quantize")
     return argparse.Namespace(model=model, split=None, dtype=flags["dtype"], weights_in_memory="quantized",
@@ -157,7 +157,7 @@ def worker(form: str, model: str) -> None:
     """One rank's load (as generate's), reported as one JSON line."""
     from mpi4py import MPI
 
-    from pipeline.job import load_stage, peak_rss_bytes, plan_job
+    from pipeline.runtime.job import load_stage, peak_rss_bytes, plan_job
 
     comm = MPI.COMM_WORLD
     args = _args(Path(model), FORMATS[form][1])
@@ -174,7 +174,7 @@ def worker(form: str, model: str) -> None:
 def spans_of(form: str, model: Path) -> list[tuple[str, int, int]]:
     """The byte ranges one rank (of one) reads: its tensors', in file order."""
     sys.path.insert(0, str(common.REPO))
-    from pipeline.weights import open_checkpoint, owned_tensor_names
+    from pipeline.checkpoints.weights import open_checkpoint, owned_tensor_names
 
     checkpoint = open_checkpoint(model)
     config = checkpoint.model_config()
@@ -218,7 +218,7 @@ def run_read(spans: list, fresh: bool) -> dict:
 
 def run_load(form: str, model: Path) -> dict:
     sys.path.insert(0, str(common.REPO))
-    from pipeline import huge_pages
+    from pipeline.util import huge_pages
 
     cmd = ["mpiexec", "-n", "1", sys.executable, __file__, "--worker", form, str(model)]
     # the environment a `python -m pipeline` rank gets from its supervisor (huge_pages.py)

@@ -150,8 +150,8 @@ def main() -> None:
     args = parser.parse_args()
     model = common.default_model()
     sys.path.insert(0, str(common.REPO))
-    from pipeline.default_model import find_default_gguf
-    from pipeline.tokenizer import Tokenizer
+    from pipeline.checkpoints.default_model import find_default_gguf
+    from pipeline.checkpoints.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_folder(model)
     lookup, build = (None, "--no-llamacpp") if args.no_llamacpp else llamacpp_lookup()

@@ -55,7 +55,7 @@ BATCH_RSS = re.compile(r"r(\d+) (\d+) MiB")
 
 def smollm2_gguf() -> Path:
     sys.path.insert(0, str(common.REPO))
-    from pipeline.default_model import find_default_gguf
+    from pipeline.checkpoints.default_model import find_default_gguf
 
     return find_default_gguf()
 
@@ -268,7 +268,7 @@ def pipeline_batch(model: Path, requests: Path, ranks: int, threads: int, weight
 LOAD_WORKER = """
 import sys, time, argparse, json
 from pathlib import Path
-from pipeline.job import load_stage, peak_rss_bytes, plan_job
+from pipeline.runtime.job import load_stage, peak_rss_bytes, plan_job
 from mpi4py import MPI
 comm = MPI.COMM_WORLD
 args = argparse.Namespace(model=Path(sys.argv[1]), split=None, dtype="float32",

@@ -41,8 +41,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from pipeline.errors import UserError  # noqa: E402
-from pipeline.hostfile import Host, check_slots, read_hostfile  # noqa: E402
+from pipeline.util.errors import UserError  # noqa: E402
+from pipeline.cluster.hostfile import Host, check_slots, read_hostfile  # noqa: E402
 
 FORWARD_PREFIXES = ("PIPELINE_", "MLX_", "JACCL_", "HF_", "MPI4PY_", "TRANSFORMERS_")
 FORWARD_NAMES = ("PYTHONPATH", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "VECLIB_MAXIMUM_THREADS")

@@ -14,7 +14,7 @@ _os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 # if a signal kills it (see supervise.py); this must happen before anything starts threads. The
 # supervisor, or a run without mpiexec starting itself again, gives the rank glibc's huge-page
 # tunable (huge_pages.py).
-from . import supervise as _supervise  # noqa: E402
+from .cluster import supervise as _supervise  # noqa: E402
 
 if _supervise.wanted():
     _supervise.supervise()
@@ -22,6 +22,6 @@ _supervise.restart_with_huge_pages()
 _supervise.watch_parent()
 
 # Before anything imports mlx.core, which binds its BLAS symbols as it loads (see blas.py).
-from . import blas as _blas  # noqa: E402
+from .kernels import blas as _blas  # noqa: E402
 
 _blas.load()

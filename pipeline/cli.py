@@ -14,7 +14,7 @@ import io
 import os
 import sys
 
-from .errors import UserError
+from .util.errors import UserError
 
 # In the order `--help` lists them.
 COMMANDS = ("generate", "batch", "serve", "plan", "convert", "preflight", "ping")
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
 
-    from . import mpi
+    from .cluster import mpi
 
     mpi.use_the_launchers_mpi()
     from mpi4py import MPI
@@ -63,10 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     comm = MPI.COMM_WORLD
     mpi.abort_on_unhandled_exception(comm)
     mpi.route_interrupts(comm)
-    from .job import share_cores
+    from .runtime.job import share_cores
 
     share_cores(comm)
-    from . import blas, private_tmp
+    from .kernels import blas
+    from .util import private_tmp
 
     tmp_problem = private_tmp.use()  # before anything compiles an MLX kernel
     blas.report_problems(comm, tmp_problem)  # no OpenBLAS or no shim: one line with the fix, from rank 0

@@ -30,14 +30,14 @@ ROPE_WINDOW = 32
 
 
 def openblas_installed() -> bool:
-    from pipeline import blas
+    from pipeline.kernels import blas
 
     return any(os.path.exists(path) for path in blas.candidates())
 
 
 def shim_buildable() -> bool:
     """OpenBLAS and a C compiler are there (as in CI), so pipeline's BLAS shim must be in use."""
-    from pipeline import blas
+    from pipeline.kernels import blas
 
     return openblas_installed() and blas.c_compiler() is not None
 
@@ -109,7 +109,7 @@ def kernels():
     """pipeline's kernels' extension (qmm.py: quantized products, attention, RMSNorm, RoPE), built once
     per machine into the cache as a real run builds it. It must build where a compiler is present and
     nobody turned it off; else the tests that need it skip."""
-    from pipeline import qmm
+    from pipeline.kernels import qmm
 
     state = qmm.load()
     if state.module is None:
@@ -124,9 +124,9 @@ def load_stages(folder: Path, ranges, requantize=None, dtype=None) -> list:
     floats in `dtype` (float32 unless given, as `--dtype`)."""
     import mlx.core as mx
 
-    from pipeline.config import ModelConfig
-    from pipeline.stage import Stage
-    from pipeline.weights import Checkpoint
+    from pipeline.models.config import ModelConfig
+    from pipeline.runtime.stage import Stage
+    from pipeline.checkpoints.weights import Checkpoint
 
     config = ModelConfig.from_folder(folder)
     checkpoint = Checkpoint(folder)
@@ -141,8 +141,8 @@ def int8_loaded_both_ways(checkpoint, in_place: bool, requantize=None):
     `checkpoint`: a callable giving a fresh checkpoint."""
     import mlx.core as mx
 
-    from pipeline import qmm
-    from pipeline.stage import Stage
+    from pipeline.kernels import qmm
+    from pipeline.runtime.stage import Stage
 
     if qmm.load().module is None:
         pytest.skip("int8 products need pipeline's kernels")
@@ -256,10 +256,10 @@ def greedy_ours(stage, folder: Path, prompt_ids: list[int], max_tokens: int):
     on one in-process rank; returns the Generation."""
     from mpi4py import MPI
 
-    from pipeline.engine import generate
-    from pipeline.sampling import SamplingParams
-    from pipeline.tokenizer import Tokenizer
-    from pipeline.transport import MpiTransport
+    from pipeline.runtime.engine import generate
+    from pipeline.runtime.sampling import SamplingParams
+    from pipeline.checkpoints.tokenizer import Tokenizer
+    from pipeline.cluster.transport import MpiTransport
 
     return generate(stage, MpiTransport(MPI.COMM_SELF), Tokenizer.from_folder(folder), prompt_ids,
                     SamplingParams(), max_tokens)

@@ -1,4 +1,4 @@
-"""pipeline's attention kernel (pipeline/attention_kernels.cpp through pipeline/attention.py) against an
+"""pipeline's attention kernel (pipeline/kernels/attention_kernels.cpp through pipeline/kernels/attention.py) against an
 independent truth: causal softmax attention over each sequence's cache in float64 with numpy. Then
 the property batch jobs, prefix-cache hits and speculative verification rely on: a query's output
 does not depend on what else shares the call (other rows of its chunk, other sequences, threads,
@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from pipeline import attention, qmm
+from pipeline.kernels import attention, qmm
 
 
 def reference(q, keys, values, rows, key_len, scale):
@@ -130,7 +130,7 @@ def test_bad_calls_are_refused(kernels):
 def test_model_attention_matches_mlx_fallback(kernels, monkeypatch):
     """A layer's attention through the kernel (every sequence in one call) against MLX's per-sequence
     path (PIPELINE_ATTENTION=0) on a batch of a prompt chunk and decoding sequences."""
-    from pipeline.config import ModelConfig
+    from pipeline.models.config import ModelConfig
     from pipeline.models.base import Attention, KVCache
 
     config = ModelConfig.from_dict({"model_type": "llama", "hidden_size": 256, "num_attention_heads": 8,

@@ -20,9 +20,9 @@ import pytest
 
 from conftest import REPO, make_tiny_model, mpiexec
 from pipeline.commands.batch_io import ResultsFile, read_requests
-from pipeline.errors import UserError
-from pipeline.sampling import SamplingParams
-from pipeline.trace import chrome_trace, split_hint, summary_lines
+from pipeline.util.errors import UserError
+from pipeline.runtime.sampling import SamplingParams
+from pipeline.runtime.trace import chrome_trace, split_hint, summary_lines
 
 # One BLAS thread everywhere: with more, OpenBLAS's rounding of a multi-row product depends on
 # the thread count, which differs between 1 and 3 ranks on a 2-core machine (the comparison is
@@ -65,7 +65,7 @@ def llama(tmp_path_factory) -> Path:
 # -- exactness ----------------------------------------------------------------------------------------------
 
 def test_greedy_batch_equals_generate_for_1_2_3_ranks(llama, tmp_path):
-    from pipeline.tokenizer import Tokenizer
+    from pipeline.checkpoints.tokenizer import Tokenizer
 
     long_prompt = " ".join(["The quick brown fox jumps over the lazy dog."] * 60)
     assert len(Tokenizer.from_folder(llama).prompt_ids(long_prompt, use_chat_template=False)) > 512

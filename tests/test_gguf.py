@@ -1,4 +1,4 @@
-"""Tests for the GGUF -> HF/MLX folder conversion (pipeline/gguf.py convert, over gguf_checkpoint.py) and the
+"""Tests for the GGUF -> HF/MLX folder conversion (pipeline/checkpoints/gguf.py convert, over gguf_checkpoint.py) and the
 default model cache.
 
 The truths used here come from elsewhere: gguf-py's own (de)quantizer, MLX's own dequantize,
@@ -18,10 +18,10 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 from tokenizers import Tokenizer
 
-from pipeline import default_model
-from pipeline.default_model import DEFAULT_MODEL_NAME
-from pipeline.errors import UserError
-from pipeline.gguf import OutputExistsError, convert_gguf
+from pipeline.checkpoints import default_model
+from pipeline.checkpoints.default_model import DEFAULT_MODEL_NAME
+from pipeline.util.errors import UserError
+from pipeline.checkpoints.gguf import OutputExistsError, convert_gguf
 
 SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -36,7 +36,7 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def byte_level_vocab():
     """A small GPT-2 style vocabulary: 3 control tokens, the 256 byte symbols, a few merges."""
-    from pipeline.gguf import _bytes_to_unicode
+    from pipeline.checkpoints.gguf import _bytes_to_unicode
 
     control = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     byte_symbols = sorted(_bytes_to_unicode().values(), key=lambda c: ord(c))
@@ -253,7 +253,7 @@ def test_config_of_tiny_llama(tiny_llama):
 
 
 def test_large_models_are_sharded(tmp_path, monkeypatch):
-    import pipeline.gguf as conversion
+    import pipeline.checkpoints.gguf as conversion
 
     rng = np.random.default_rng(3)
     vocab = len(byte_level_vocab()[0])

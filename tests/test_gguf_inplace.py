@@ -1,4 +1,4 @@
-"""GGUF files run in place (pipeline/gguf_file.py, gguf_checkpoint.py, quants.py), against truths from
+"""GGUF files run in place (pipeline/checkpoints/gguf_file.py, gguf_checkpoint.py, quants.py), against truths from
 elsewhere:
 - the gguf package's own dequantizers define what every tensor type's bytes mean: exact types must
   load bit for bit as they dequantize, re-quantized ones within the error we report;
@@ -25,11 +25,11 @@ from gguf import GGMLQuantizationType as QT
 
 from conftest import (REPO, assert_far_from_uniform, assert_same_parameters, forward, int8_loaded_both_ways, long_prompt,
                       make_tiny_model, mapped_bytes, mpiexec, write_tokenizer)
-from pipeline import quants
-from pipeline.errors import UserError
-from pipeline.gguf_checkpoint import GGUFCheckpoint
-from pipeline.gguf_file import open_gguf
-from pipeline.stage import Stage
+from pipeline.checkpoints import quants
+from pipeline.util.errors import UserError
+from pipeline.checkpoints.gguf_checkpoint import GGUFCheckpoint
+from pipeline.checkpoints.gguf_file import open_gguf
+from pipeline.runtime.stage import Stage
 
 LONG_PROMPT = long_prompt(64)
 QK_K = 256
@@ -683,7 +683,7 @@ def test_q4_k_m_style_mix_loads_partly_exact_partly_requantized(tmp_path, vocab,
 # ---- the SmolLM2 file end to end, and bad inputs ----------------------------------------------------------------
 
 def _smollm_gguf() -> Path:
-    from pipeline.default_model import find_default_gguf
+    from pipeline.checkpoints.default_model import find_default_gguf
 
     try:
         return find_default_gguf()
@@ -692,8 +692,8 @@ def _smollm_gguf() -> Path:
 
 
 def test_smollm_gguf_loads_the_same_tensors_as_its_conversion(tmp_path):
-    from pipeline.gguf import convert_gguf
-    from pipeline.weights import Checkpoint
+    from pipeline.checkpoints.gguf import convert_gguf
+    from pipeline.checkpoints.weights import Checkpoint
 
     path = _smollm_gguf()
     folder = convert_gguf(path, tmp_path / "converted", progress=False)
@@ -745,7 +745,7 @@ def test_bad_gguf_files_are_one_error_line(tmp_path):
 
 
 def test_unknown_pre_tokenizer_is_refused(tmp_path, vocab):
-    from pipeline.tokenizer import Tokenizer
+    from pipeline.checkpoints.tokenizer import Tokenizer
 
     model = _transformers("qwen2", _qwen2(tmp_path / "hf"))
     known = write_model(tmp_path / "known.gguf", model, "qwen2", _by_kind({}), vocab=vocab)["files"][0]
@@ -785,7 +785,7 @@ def _tokenizer_only_gguf(path: Path, tokens: list[str], types: list[int], merges
 def test_deepseek_v3_pre_tokenizer_splits_as_llama_cpp(tmp_path):
     """llama.cpp's DEEPSEEK3_LLM regex list: digits in threes, CJK/kana runs apart, then a punctuation mark
     glued to the Latin word after it (".NET"); expected pieces written out by hand."""
-    from pipeline.gguf import _bytes_to_unicode, build_tokenizer
+    from pipeline.checkpoints.gguf import _bytes_to_unicode, build_tokenizer
 
     spelled = sorted(_bytes_to_unicode().values())
     path = _tokenizer_only_gguf(tmp_path / "ds.gguf", spelled, [1] * len(spelled), [], "deepseek-v3")
@@ -822,8 +822,8 @@ def test_kimi_k2_gguf_tokenizer_matches_tiktoken(tmp_path):
     import tiktoken
     from test_tokenizer_kimi import KIMI_PAT_STR, RAINBOW, TRAINING_TEXT, train_ranks
 
-    from pipeline.gguf import _bytes_to_unicode
-    from pipeline.tokenizer import Tokenizer
+    from pipeline.checkpoints.gguf import _bytes_to_unicode
+    from pipeline.checkpoints.tokenizer import Tokenizer
 
     ranks = train_ranks(TRAINING_TEXT)
     spell = _bytes_to_unicode()
@@ -848,7 +848,7 @@ def test_convert_writes_what_the_file_loads_as(tmp_path, vocab):
     tensors the file loads as: the same logits from the folder as from the file."""
     from conftest import load_stages
 
-    from pipeline.gguf import convert_gguf
+    from pipeline.checkpoints.gguf import convert_gguf
 
     model = _deepseek(tmp_path / "hf")
     types = MOE_CASES["deepseek2-split-mla"][4]
@@ -866,7 +866,7 @@ def test_gguf_weights_are_repacked_where_they_were_decoded(tmp_path, vocab, monk
     second copy in new memory. Same parameters as repacking after the load (the test above)."""
     import mlx.core as mx
 
-    from pipeline import qmm
+    from pipeline.kernels import qmm
 
     arch, kind, types, _ = DENSE_CASES["qwen2-legacy-quants"]
     written = write_model(tmp_path / "m.gguf", _transformers(kind, _qwen2(tmp_path / "hf")), arch, _by_kind(types),
@@ -886,7 +886,7 @@ def test_gguf_weights_are_repacked_where_they_were_decoded(tmp_path, vocab, monk
         calls.append((in_place, address(out[0]) == before))
         return out
 
-    from pipeline.stage import Stage
+    from pipeline.runtime.stage import Stage
 
     checkpoint = GGUFCheckpoint(written["files"][0], None)
     monkeypatch.setattr(module, "int8_repack", recording)

@@ -9,13 +9,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from pipeline.config import ModelConfig
-from pipeline.formats import Requantize
-from pipeline.head_share import (HeadSplit, combined_argmax, head_share_fraction, head_share_rows, returned_rows,
-                                 split_returned)
-from pipeline.stage import Stage
-from pipeline.plan import model_bytes_of
-from pipeline.weights import Checkpoint
+from pipeline.models.config import ModelConfig
+from pipeline.checkpoints.formats import Requantize
+from pipeline.runtime.head_share import HeadSplit, combined_argmax, head_share_fraction, head_share_rows, returned_rows, split_returned
+from pipeline.runtime.stage import Stage
+from pipeline.planner.plan import model_bytes_of
+from pipeline.checkpoints.weights import Checkpoint
 
 
 def test_combined_argmax_is_the_first_index_of_the_largest_logit():

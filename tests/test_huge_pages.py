@@ -1,4 +1,4 @@
-"""glibc's huge-page tunable for ranks (pipeline/huge_pages.py): added once, never over the user's
+"""glibc's huge-page tunable for ranks (pipeline/util/huge_pages.py): added once, never over the user's
 own setting, and a process started with it holds MLX's big buffers in transparent huge pages."""
 
 import os
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import huge_pages
+from pipeline.util import huge_pages
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -53,7 +53,7 @@ def test_a_vm_that_hands_free_huge_blocks_to_its_host_is_recognized(tmp_path, or
 
 
 PROBE = r"""
-import pipeline.blas, mlx.core as mx
+import pipeline.kernels.blas, mlx.core as mx
 from pipeline import huge_pages
 def huge_kib():
     with open("/proc/self/smaps_rollup") as f:

@@ -1,4 +1,4 @@
-"""--int8-activations: pipeline/int8_kernels.cpp through pipeline/qmm.py. Against independent truths:
+"""--int8-activations: pipeline/kernels/int8_kernels.cpp through pipeline/kernels/qmm.py. Against independent truths:
   - numpy's float64 product of the dequantized weights (test_quant_kernels.dequantized_float64) and x,
     within the bound that rounding x to int8 per 32 inputs allows (at most d / 2 per input);
   - numpy's float64 model of the int8 arithmetic itself (x rounded as the kernel documents), to float
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, make_tiny_model, mpiexec
-from pipeline import qmm
+from pipeline.kernels import qmm
 from test_quant_kernels import SCALE_DTYPES, assert_same_bits, dequantized_float64, quantized, variant_and_native
 
 
@@ -218,7 +218,7 @@ def test_int8_flag_needs_float32_activations(tmp_path):
 def test_int8_products_are_the_default_on_x86_and_can_be_turned_off(kernels, tmp_path):
     """Without the flag, quantized weights take the int8 products where the CPU has AVX2 (and float32
     products where --dtype is not float32, without an error); --no-int8-activations keeps float32 products."""
-    from pipeline import qmm
+    from pipeline.kernels import qmm
 
     if not qmm.int8_by_default(None, "float32"):
         pytest.skip("int8 products are not the default here (no AVX2, or no kernels)")

@@ -13,8 +13,8 @@ import tempfile
 import pytest
 
 from conftest import REPO, mpiexec
-from pipeline.errors import UserError
-from pipeline.hostfile import check_slots, format_hostfile, parse_hostfile
+from pipeline.util.errors import UserError
+from pipeline.cluster.hostfile import check_slots, format_hostfile, parse_hostfile
 
 spec = importlib.util.spec_from_file_location("launch_run", REPO / "launch" / "run.py")
 launch_run = importlib.util.module_from_spec(spec)

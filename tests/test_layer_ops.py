@@ -10,7 +10,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from pipeline import layer_kernels
+from pipeline.kernels import layer_kernels
 from pipeline.models import base
 
 SCALINGS = {

@@ -19,10 +19,10 @@ from safetensors.torch import load_file, save_file
 
 from conftest import fp8_blocks, mapped_bytes
 
-from pipeline.config import ModelConfig
-from pipeline.formats import Requantize
-from pipeline.stage import Stage
-from pipeline.weights import Checkpoint
+from pipeline.models.config import ModelConfig
+from pipeline.checkpoints.formats import Requantize
+from pipeline.runtime.stage import Stage
+from pipeline.checkpoints.weights import Checkpoint
 
 HIDDEN, INTER, LAYERS, VOCAB = 256, 320, 4, 384  # 256: whole 128x128 FP8 blocks; 320: partial ones
 CONFIG = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=HIDDEN, intermediate_size=INTER,
@@ -97,7 +97,7 @@ def test_bf16_shards_load_exactly_as_stored(tmp_path):
 def test_a_rank_reads_only_its_own_tensors(tmp_path, monkeypatch, mapped):
     """Read into new memory: the bytes read() returns. Mapped (mapped_files.py): the shard's pages this
     process maps, held as stored (bf16) so that they stay mapped."""
-    from pipeline import mapped_files
+    from pipeline.kernels import mapped_files
 
     if not Path("/proc/self/io").exists():
         pytest.skip("needs /proc/self/io and /proc/self/smaps (Linux) to count the bytes read")
@@ -222,13 +222,13 @@ def test_gguf_pieces_decoded_on_threads_equal_gguf_own_dequantization(tmp_path, 
     from gguf import GGMLQuantizationType as QT
     from test_gguf_inplace import decode, load_tensor, random_blocks, write_single
 
-    import pipeline.cores
-    from pipeline import gguf_checkpoint, quants
+    import pipeline.util.cores
+    from pipeline.checkpoints import gguf_checkpoint, quants
 
     qtype = QT[qtype_name]
     raw = random_blocks(qtype, 96, 512, np.random.default_rng(5))
     path = write_single(tmp_path / "t.gguf", "blk.0.ffn_up.weight", raw, qtype, 512)
-    monkeypatch.setattr(pipeline.cores, "cpus_allowed", lambda: frozenset(range(4)))
+    monkeypatch.setattr(pipeline.util.cores, "cpus_allowed", lambda: frozenset(range(4)))
     monkeypatch.setattr(gguf_checkpoint, "MIN_PIECE_VALUES", 1)
     monkeypatch.setattr(quants, "CHUNK_VALUES", 7 * 512)  # 7 rows a piece: the last one short
     ours, checkpoint = load_tensor(path, "model.layers.0.mlp.up_proj")

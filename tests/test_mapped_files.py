@@ -9,8 +9,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from pipeline import mapped_files, qmm, safetensors_file
-from pipeline.weights import Checkpoint
+from pipeline.kernels import mapped_files, qmm
+from pipeline.checkpoints import safetensors_file
+from pipeline.checkpoints.weights import Checkpoint
 
 
 @pytest.fixture
@@ -166,7 +167,7 @@ def _file_with_header(path, header: dict, data: bytes) -> None:
 def test_a_header_whose_shape_and_bytes_disagree_is_refused(tmp_path, mapping, bad):
     """A tensor's shape must fill its byte range exactly: a mapped array is the bytes from its offset on,
     so a corrupt header would otherwise hand out its neighbour's bytes (mx.load refused such a file)."""
-    from pipeline.errors import UserError
+    from pipeline.util.errors import UserError
 
     header = {"a": {"dtype": "F32", "shape": [2, 4], "data_offsets": [0, 32]},
               "b": {"dtype": "F32", "shape": [4], "data_offsets": [32, 48]}}

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from conftest import REPO, mpiexec
-from pipeline.memory import RankBytes, rank_bytes, size
+from pipeline.planner.memory import RankBytes, rank_bytes, size
 
 
 def test_sizes_read_in_mib_below_a_gib():
@@ -46,8 +46,8 @@ def test_plan_preflight_and_the_stats_line_agree(mode, extra):
     hosts), preflight and the job also agree on how the weights are held. With int8 products the
     repacked matrices' float16 scales (the default model's are float16 in its file) and rank 0's
     int8 copy of the tied embedding are counted too."""
-    from pipeline import qmm
-    from pipeline.default_model import default_model_dir
+    from pipeline.kernels import qmm
+    from pipeline.checkpoints.default_model import default_model_dir
 
     if "--int8-activations" in extra and not qmm.expected():
         pytest.skip("int8 products need pipeline's kernels (a C++ compiler)")

@@ -10,10 +10,10 @@ import transformers
 
 from conftest import (ROPE_WINDOW, assert_bfloat16_close, assert_far_from_uniform, forward, greedy_ours,
                       greedy_transformers, load_stages, long_prompt, make_tiny_model, mpiexec, shim_buildable)
-from pipeline.config import ModelConfig
-from pipeline.stage import Stage
-from pipeline.tokenizer import Tokenizer
-from pipeline.weights import Checkpoint
+from pipeline.models.config import ModelConfig
+from pipeline.runtime.stage import Stage
+from pipeline.checkpoints.tokenizer import Tokenizer
+from pipeline.checkpoints.weights import Checkpoint
 
 PROMPT = [1, 5, 77, 23, 299, 3, 4, 5, 6, 100, 42, 17]
 LONG_PROMPT = long_prompt(64)  # past ROPE_WINDOW (32): llama3 scaling and YaRN at work
@@ -199,7 +199,7 @@ def test_each_rank_reads_exactly_its_own_tensors(tiny_models, monkeypatch):
 def expect_batch_invariant_products() -> bool:
     """Whether this process's fp32 products round each row as alone (the BLAS shim is in use);
     where OpenBLAS and a C compiler are installed (as in CI) it must be."""
-    from pipeline import blas
+    from pipeline.kernels import blas
 
     if blas.invariant_rows():
         return True

@@ -16,8 +16,8 @@ from safetensors.torch import load_file, save_file
 from conftest import (INIT_STD, REPO, ROPE_WINDOW, VOCAB_SIZE, assert_bfloat16_close, assert_same_parameters, assert_far_from_uniform, forward,
                       fp8_blocks, greedy_ours, greedy_transformers, int8_loaded_both_ways, load_stages, long_prompt,
                       mpiexec, write_tokenizer)
-from pipeline.config import ModelConfig
-from pipeline.formats import Requantize
+from pipeline.models.config import ModelConfig
+from pipeline.checkpoints.formats import Requantize
 from pipeline.models.deepseek_v3 import MoEGate
 
 PROMPT = [1, 5, 77, 23, 299, 3, 4, 5, 6, 100, 42, 17]
@@ -243,7 +243,7 @@ def test_fp8_with_dtype_bfloat16(fp8_model):
     stage.release([0])
     assert_bfloat16_close(np.concatenate([forward([stage], [t]) for t in LONG_PROMPT]), theirs, truth)
 
-    from pipeline.tokenizer import Tokenizer
+    from pipeline.checkpoints.tokenizer import Tokenizer
 
     prompt = "The quick brown fox jumps over the lazy dog."
     stage.release([0])
@@ -292,7 +292,7 @@ K2_SIZES = ("hidden_size", "intermediate_size", "moe_intermediate_size", "num_at
 @pytest.fixture(scope="module")
 def kimi_k2(tmp_path_factory):
     """A tiny Kimi K2 Thinking as Moonshot publishes it: config.json is the real one (bundled in
-    pipeline/configs: model_type kimi_k2, one expert group, routed_scaling_factor 2.827, YaRN
+    pipeline/planner/configs: model_type kimi_k2, one expert group, routed_scaling_factor 2.827, YaRN
     factor 64 spelt `rope_scaling: {type: yarn}`, the compressed-tensors quantization_config) with
     the tiny sizes and a ROPE_WINDOW-token original context; the routed experts pack-quantized
     INT4 (group 32, symmetric, bf16 scales) by the compressed-tensors library. transformers has no
@@ -387,7 +387,7 @@ def test_int8_while_loading_holds_what_repacking_after_loading_does(fp8_model, i
     they arrive) included; DeepSeek's kv_b_proj, read again after loading into w_uk / w_uv, is left
     to use_int8 with the rest of its attention module (its after_load would dequantize the int8 layout
     as MLX's)."""
-    from pipeline.weights import Checkpoint
+    from pipeline.checkpoints.weights import Checkpoint
 
     folder = fp8_model[0]
     after, during, early = int8_loaded_both_ways(lambda: Checkpoint(folder), in_place,

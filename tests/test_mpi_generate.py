@@ -115,7 +115,7 @@ def test_exception_on_one_rank_aborts_the_job_quickly():
         "from mpi4py import MPI\n"
         "import numpy as np\n"
         "from pipeline import mpi\n"
-        "from pipeline.transport import MpiTransport\n"
+        "from pipeline.cluster.transport import MpiTransport\n"
         "comm = MPI.COMM_WORLD\n"
         "mpi.abort_on_unhandled_exception(comm)\n"
         "t = MpiTransport(comm)\n"

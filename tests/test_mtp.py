@@ -23,9 +23,9 @@ from safetensors.torch import load_file, save_file
 from conftest import INIT_STD, assert_far_from_uniform, load_stages, long_prompt, mpiexec
 from test_moe import make_deepseek
 
-from pipeline.config import ModelConfig
+from pipeline.models.config import ModelConfig
 from pipeline.models.mtp import load_mtp
-from pipeline.weights import Checkpoint
+from pipeline.checkpoints.weights import Checkpoint
 
 PROMPT = long_prompt(40, seed=3)
 TEXT = ("Pipeline parallel inference splits layers across ranks; hidden states travel between them. "
@@ -191,10 +191,10 @@ class Recording:
 def generate_with(stage, folder, drafter, max_tokens=24):
     from mpi4py import MPI
 
-    from pipeline.engine import generate
-    from pipeline.sampling import SamplingParams
-    from pipeline.tokenizer import Tokenizer
-    from pipeline.transport import MpiTransport
+    from pipeline.runtime.engine import generate
+    from pipeline.runtime.sampling import SamplingParams
+    from pipeline.checkpoints.tokenizer import Tokenizer
+    from pipeline.cluster.transport import MpiTransport
 
     stage.release([0])
     tokenizer = Tokenizer.from_folder(folder)
@@ -209,7 +209,7 @@ def test_drafts_of_every_round_match_the_reference(mtp_model, right):
     (so the module's cache dropped its own entries and took the main model's states of the
     accepted positions), the output is plain greedy decoding's. right = 0: the module's own drafts
     (rarely accepted on a random model); 2, 3: drafts accepted each trip (the accept path)."""
-    from pipeline.speculative import MtpDrafter
+    from pipeline.runtime.speculative import MtpDrafter
 
     folder, _, reference = mtp_model
     (stage,) = load_with_mtp(folder)
@@ -229,7 +229,7 @@ def test_drafts_of_every_round_match_the_reference(mtp_model, right):
 def test_a_sequence_started_from_the_prefix_cache_drafts_from_its_first_new_position(mtp_model):
     """After a prefix-cache hit the module sees the positions from the first one computed anew
     (starts_at): its drafts are the reference's over those positions."""
-    from pipeline.speculative import MtpDrafter
+    from pipeline.runtime.speculative import MtpDrafter
 
     folder, _, reference = mtp_model
     (stage,) = load_with_mtp(folder)
@@ -339,7 +339,7 @@ def test_the_module_counts_on_rank_0(mtp_model):
     here it moves a layer to rank 1."""
     import argparse
 
-    from pipeline.job import plan_job
+    from pipeline.runtime.job import plan_job
     from pipeline.models.mtp import mtp_nbytes
 
     folder, plain, _ = mtp_model
@@ -375,7 +375,7 @@ def test_the_module_loads_from_fp8_and_mlx_quantized_folders(mtp_model, tmp_path
     it stands for."""
     from conftest import fp8_blocks
 
-    from pipeline.formats import Requantize, adapt_tensors
+    from pipeline.checkpoints.formats import Requantize, adapt_tensors
 
     folder, _, reference = mtp_model
     config = ModelConfig.from_folder(folder)

@@ -93,7 +93,7 @@ def test_kimi_k25_chat_with_kimis_tokenizer(tmp_path):
     Kimi way, and our greedy answer to it is transformers' own."""
     from test_tokenizer_kimi import make_kimi_folder
 
-    from pipeline.tokenizer import Tokenizer
+    from pipeline.checkpoints.tokenizer import Tokenizer
 
     probe = make_kimi_folder(tmp_path / "probe")
     vocab = len((probe / "tiktoken.model").read_text().splitlines()) + 256
@@ -110,12 +110,12 @@ def test_kimi_k25_chat_with_kimis_tokenizer(tmp_path):
 
 
 def test_kimi_k25_published_names_and_counts():
-    """Kimi K2.5's config.json as published (pipeline/configs/Kimi-K2.5.json): K2's language model
+    """Kimi K2.5's config.json as published (pipeline/planner/configs/Kimi-K2.5.json): K2's language model
     (about 1.03T parameters, 32B activated, the model card's 1T/32B) with K2 Thinking's INT4
     experts, under a wrapper; its tensors are named language_model.* beside vision_tower.* and
     mm_projector.*, which no rank reads."""
-    from pipeline.plan import architecture, checkpoint_format, count_params, load_config
-    from pipeline.weights import canonical_tensors
+    from pipeline.planner.plan import architecture, checkpoint_format, count_params, load_config
+    from pipeline.checkpoints.weights import canonical_tensors
 
     config = load_config("Kimi-K2.5")
     counts = count_params(architecture(config))
@@ -220,7 +220,7 @@ def test_deepseek_v32_published_config():
     too) -- 685.4B in the download with the MTP module's copies of embedding and head (the model
     card's 685B), 37.5B activated; FP8 with 128x128 ue8m0 scales; the indexer key makes each
     layer's cache 512 + 64 + 128 values per token."""
-    from pipeline.plan import architecture, checkpoint_format, count_params, load_config
+    from pipeline.planner.plan import architecture, checkpoint_format, count_params, load_config
 
     config = load_config("DeepSeek-V3.2")
     arch = architecture(config)
@@ -238,7 +238,7 @@ def test_deepseek_v32_published_config():
 # ------------------------------------------------------------------------------ across ranks, in batch
 
 def _greedy_text(reference, folder, prompt: str, max_tokens: int) -> str:
-    from pipeline.tokenizer import Tokenizer
+    from pipeline.checkpoints.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_folder(folder)
     ids = tokenizer.prompt_ids(prompt, use_chat_template=False)

@@ -17,10 +17,10 @@ def test_overlapped_decode_equals_a_plain_loop(tiny_models, sampling):
     import mlx.core as mx
     from mpi4py import MPI
 
-    from pipeline.engine import generate
-    from pipeline.sampling import Sampler, SamplingParams
-    from pipeline.tokenizer import Tokenizer
-    from pipeline.transport import MpiTransport
+    from pipeline.runtime.engine import generate
+    from pipeline.runtime.sampling import Sampler, SamplingParams
+    from pipeline.checkpoints.tokenizer import Tokenizer
+    from pipeline.cluster.transport import MpiTransport
 
     folder, prompt, max_tokens = tiny_models["qwen3"], [1, 5, 77, 23, 299, 3], 20
     params = SamplingParams(**sampling)

@@ -4,8 +4,8 @@ import itertools
 
 import pytest
 
-from pipeline.errors import UserError
-from pipeline.partition import balanced_counts, layer_ranges, parse_split
+from pipeline.util.errors import UserError
+from pipeline.planner.partition import balanced_counts, layer_ranges, parse_split
 
 
 def brute_force_best(layer_bytes, ranks, extra):

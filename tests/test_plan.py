@@ -17,14 +17,13 @@ import torch
 import transformers
 
 from conftest import REPO, VOCAB_SIZE, mpiexec
-from pipeline.config import ModelConfig
-from pipeline.errors import UserError
-from pipeline.formats import Requantize
-from pipeline.partition import balanced_counts, layer_ranges
-from pipeline.plan import (GIB, Hardware, Precision, architecture, checkpoint_format, count_params, model_bytes,
-                           parse_per_host, plan_cluster)
-from pipeline.stage import Stage
-from pipeline.weights import Checkpoint
+from pipeline.models.config import ModelConfig
+from pipeline.util.errors import UserError
+from pipeline.checkpoints.formats import Requantize
+from pipeline.planner.partition import balanced_counts, layer_ranges
+from pipeline.planner.plan import GIB, Hardware, Precision, architecture, checkpoint_format, count_params, model_bytes, parse_per_host, plan_cluster
+from pipeline.runtime.stage import Stage
+from pipeline.checkpoints.weights import Checkpoint
 
 SMALL = {"model_type": "llama", "vocab_size": 384, "hidden_size": 64, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
@@ -100,7 +99,7 @@ def test_speculative_roofline_by_hand():
 def test_speculative_prediction_for_deepseek_v3_mtp():
     """DeepSeek V3's own figure: one MTP draft at 85% acceptance gives about 1.2x single stream on
     an MoE (the two positions read more distinct experts, and the module itself is read)."""
-    from pipeline.plan import load_config
+    from pipeline.planner.plan import load_config
 
     config = load_config("DeepSeek-V3.1")
     hw = Hardware(memory_gib=[512, 512, 256, 256], bandwidth_gbs=[819.0], link_gbs=5.0, link_latency_us=100.0)
@@ -153,7 +152,7 @@ def test_memory_proportional_split_is_optimal(layer_bytes, extra, capacities):
 
 
 def test_real_model_split_follows_memory():
-    from pipeline.plan import load_config
+    from pipeline.planner.plan import load_config
 
     config = load_config("Kimi-K2-Thinking")
     plan = plan_cluster(config, 4, Precision(checkpoint_format(config), "bfloat16"),
@@ -289,7 +288,7 @@ class FakeComm:
 
 
 def test_generate_uses_the_planners_split_and_checks_the_fit(tiny_models):
-    from pipeline.job import plan_job
+    from pipeline.runtime.job import plan_job
 
     folder = tiny_models["llama"]
     config = ModelConfig.from_folder(folder)
@@ -326,7 +325,7 @@ def test_generate_host_memory_end_to_end(tiny_models):
 def test_bytes_of_an_mlx_quantized_folder_match_the_loader(tmp_path, monkeypatch):
     """The converted default model: MLX affine 4-bit with an 8-bit embedding (a per-module entry
     in config.json), tied head; packed as stored, and dequantized (--weights-in-memory)."""
-    from pipeline.default_model import default_model_dir
+    from pipeline.checkpoints.default_model import default_model_dir
 
     monkeypatch.setenv("PIPELINE_CACHE", str(tmp_path))
     folder = default_model_dir(progress=False)

@@ -1,5 +1,5 @@
 """MLX's compiled CPU kernels go to a folder of ours ($PIPELINE_CACHE/tmp), not the shared /tmp
-where another user could have planted a library (pipeline/private_tmp.py)."""
+where another user could have planted a library (pipeline/util/private_tmp.py)."""
 
 from __future__ import annotations
 

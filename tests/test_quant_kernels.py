@@ -1,4 +1,4 @@
-"""pipeline's quantized kernels (pipeline/qmm_kernels.cpp through pipeline/qmm.py) against an independent
+"""pipeline's quantized kernels (pipeline/kernels/qmm_kernels.cpp through pipeline/kernels/qmm.py) against an independent
 truth: MLX's affine layout unpacked with numpy (a little-endian bit stream per weight row), dequantized
 and multiplied in float64. Then the property batch jobs rely on: a row's result does not depend on the
 other rows in the call (count, place, experts), to the bit."""
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO
-from pipeline import qmm
+from pipeline.kernels import qmm
 
 SCALE_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
@@ -193,8 +193,8 @@ def test_opting_out_falls_back_to_mlx():
 def test_auto_keeps_weights_quantized_where_every_rank_has_the_kernels():
     """--weights-in-memory auto: with room for fp32 copies, ranks dequantize (MLX's kernels are slow)
     unless every rank has pipeline's kernels; fp32 is still fp32."""
-    from pipeline.job import plan_weights_in_memory
-    from pipeline.plan import ModelBytes
+    from pipeline.runtime.job import plan_weights_in_memory
+    from pipeline.planner.plan import ModelBytes
 
     def model_bytes(per_layer: int) -> ModelBytes:
         return ModelBytes(layers=[per_layer] * 4, ends=per_layer, fixed_read=[per_layer] * 4, expert_bytes=[0] * 4,
@@ -232,7 +232,7 @@ def test_missing_python_headers_are_named_with_the_fix(monkeypatch, tmp_path):
 
 VARIANT_PROBE = r"""
 import sys, numpy as np
-import pipeline.blas
+import pipeline.kernels.blas
 import mlx.core as mx
 from pathlib import Path
 from pipeline import qmm

@@ -1,4 +1,4 @@
-"""The real configurations in pipeline/configs against what their publishers state, from
+"""The real configurations in pipeline/planner/configs against what their publishers state, from
 config.json alone: parameter shapes are written out per layer (no weights allocated) and their
 totals and per-token active counts compared with the published figures.
 
@@ -17,8 +17,7 @@ from __future__ import annotations
 import pytest
 
 from pipeline.models import family_for
-from pipeline.plan import (Precision, architecture, bundled_configs, checkpoint_format, count_params,
-                           load_config, model_bytes)
+from pipeline.planner.plan import Precision, architecture, bundled_configs, checkpoint_format, count_params, load_config, model_bytes
 
 NAMES = ["DeepSeek-V3", "DeepSeek-R1", "DeepSeek-V3.1", "Kimi-K2-Instruct", "Kimi-K2-Thinking", "Qwen3-235B-A22B",
          # counted in test_new_models.py and test_deepseek_v4.py:

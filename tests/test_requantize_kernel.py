@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from pipeline.formats import dequantize_fp8
+from pipeline.checkpoints.formats import dequantize_fp8
 
 BITS = (2, 3, 4, 5, 6, 8)
 GROUPS = (32, 64, 128)
@@ -95,7 +95,7 @@ def test_gguf_blocks_repack_as_numpy_does(kernels, ggml_type, scale_range):
     gguf's own dequantizer in test_gguf_inplace.py), on random blocks with finite fp16 scales, over
     several rows of several blocks each, 8 rows at once and 1 row alone: the same codes, and the same
     scales and biases, fp16 where numpy holds them so (float32 where a bias would overflow fp16)."""
-    from pipeline import quants
+    from pipeline.checkpoints import quants
 
     size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 144}[ggml_type]
     rng = np.random.default_rng(3)

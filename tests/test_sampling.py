@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers.generation import logits_process as hf
 
-from pipeline.errors import UserError
-from pipeline.sampling import Sampler, SamplingParams
+from pipeline.util.errors import UserError
+from pipeline.runtime.sampling import Sampler, SamplingParams
 
 
 def hf_processed(logits: np.ndarray, history: list[int], p: SamplingParams) -> np.ndarray:

@@ -9,10 +9,10 @@ import threading
 import pytest
 
 from conftest import greedy_ours, load_stages
-from pipeline.sampling import Sampler, SamplingParams
-from pipeline.scheduler import Failed, Finished, ListSource, QueueSource, Request, Scheduler, Tokens
-from pipeline.tokenizer import Tokenizer
-from pipeline.trace import Timeline
+from pipeline.runtime.sampling import Sampler, SamplingParams
+from pipeline.runtime.scheduler import Failed, Finished, ListSource, QueueSource, Request, Scheduler, Tokens
+from pipeline.checkpoints.tokenizer import Tokenizer
+from pipeline.runtime.trace import Timeline
 
 PROMPTS = ["The capital of France", "hello there", "def hello(world):", "The quick brown fox"]
 GREEDY = SamplingParams()
@@ -27,8 +27,8 @@ def llama(tiny_models):
 def scheduler(stage, tokenizer, source, max_batch=8) -> Scheduler:
     from mpi4py import MPI
 
-    from pipeline.scheduler import exact_group_rows
-    from pipeline.transport import MpiTransport
+    from pipeline.runtime.scheduler import exact_group_rows
+    from pipeline.cluster.transport import MpiTransport
 
     return Scheduler(stage, MpiTransport(MPI.COMM_SELF), tokenizer, source, max_batch=max_batch, microbatches=1,
                      group_rows=exact_group_rows(False), timeline=Timeline(0))
@@ -167,7 +167,7 @@ def test_prefix_cache_reuses_a_finished_turn(llama):
     """A second turn that re-sends the first turn's prompt and answer starts from the kept caches:
     cached_tokens says how many positions, and its greedy text equals a cold run's with every
     chosen token's logprob within float rounding (REUSE_TOLERANCE, measured ~1e-6)."""
-    from pipeline.prefix_cache import PrefixCache
+    from pipeline.runtime.prefix_cache import PrefixCache
 
     stage, tokenizer, folder = llama
     first = tokenizer.prompt_ids(" ".join(PROMPTS * 3), use_chat_template=False)

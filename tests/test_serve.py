@@ -25,8 +25,8 @@ import openai
 import pytest
 
 from conftest import REPO, write_tokenizer
-from pipeline.sampling import SamplingParams
-from pipeline.scheduler import Finished, TokenLogprob, Tokens
+from pipeline.runtime.sampling import SamplingParams
+from pipeline.runtime.scheduler import Finished, TokenLogprob, Tokens
 from pipeline.serve import protocol
 from pipeline.serve.adapters import ChatAdapter, CompletionAdapter
 from pipeline.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
@@ -118,7 +118,7 @@ def test_bad_bodies_and_values():
 
 @pytest.fixture(scope="module")
 def token_text(tmp_path_factory):
-    from pipeline.tokenizer import Tokenizer
+    from pipeline.checkpoints.tokenizer import Tokenizer
 
     folder = tmp_path_factory.mktemp("tok")
     write_tokenizer(folder)

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from conftest import load_stages, mpiexec
-from pipeline.engine import generate
-from pipeline.sampling import Sampler, SamplingParams
-from pipeline.speculative import NgramDrafter, verify
-from pipeline.tokenizer import Tokenizer
+from pipeline.runtime.engine import generate
+from pipeline.runtime.sampling import Sampler, SamplingParams
+from pipeline.runtime.speculative import NgramDrafter, verify
+from pipeline.checkpoints.tokenizer import Tokenizer
 
 REPEAT = ("Repeat this sentence exactly: the quick brown fox jumps over the lazy dog near the river bank. "
           "The quick brown fox")
@@ -23,7 +23,7 @@ REPEAT = ("Repeat this sentence exactly: the quick brown fox jumps over the lazy
 def run(stage, folder, prompt_ids, max_tokens, drafter=None, sampling=SamplingParams()):
     from mpi4py import MPI
 
-    from pipeline.transport import MpiTransport
+    from pipeline.cluster.transport import MpiTransport
 
     stage.release([0])
     tokenizer = Tokenizer.from_folder(folder)
@@ -82,7 +82,7 @@ class Pausing(Oracle):
 def test_a_pause_in_drafting_decodes_the_same_tokens_and_caches(tiny_models, monkeypatch):
     """The stretches without drafts are decoded as plain decoding does, each step started before
     the token it follows is read (engine._overlapped), and leave the same tokens and caches."""
-    import pipeline.engine as engine
+    import pipeline.runtime.engine as engine
 
     started_early = []  # tokens whose step was started before the token before them was read
     plain_overlapped = engine._overlapped
@@ -135,7 +135,7 @@ def test_ngram_min_defaults_to_2_or_ngram_max():
     """--ngram-min unset: 2, or 1 with --ngram-max 1 (which then still works); a bound above --ngram-max
     is one error line."""
     from pipeline import cli
-    from pipeline.errors import UserError
+    from pipeline.util.errors import UserError
 
     def parsed(*flags):
         return cli._validated(cli.build_parser().parse_args(["generate", "--prompt", "x", "--draft", "ngram", *flags]))

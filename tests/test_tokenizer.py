@@ -1,4 +1,4 @@
-"""Tests for pipeline.tokenizer: chat templates and ids against transformers, exact streaming detokenization."""
+"""Tests for pipeline.checkpoints.tokenizer: chat templates and ids against transformers, exact streaming detokenization."""
 
 import importlib.util
 import json
@@ -9,8 +9,8 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from pipeline.errors import UserError
-from pipeline.tokenizer import StreamingDetokenizer, Tokenizer
+from pipeline.util.errors import UserError
+from pipeline.checkpoints.tokenizer import StreamingDetokenizer, Tokenizer
 
 CHATML = (
     "{% for message in messages %}\n"

@@ -17,9 +17,9 @@ import pytest
 import tiktoken  # an install requirement: a missing tiktoken must fail these tests, not skip them
 from tiktoken.load import load_tiktoken_bpe
 
-import pipeline.tokenizer as tokenizer_module
-from pipeline.errors import UserError
-from pipeline.tokenizer import StreamingDetokenizer, Tokenizer
+import pipeline.checkpoints.tokenizer as tokenizer_module
+from pipeline.util.errors import UserError
+from pipeline.checkpoints.tokenizer import StreamingDetokenizer, Tokenizer
 
 # pat_str of TikTokenTokenizer in moonshotai/Kimi-K2-Instruct's tokenization_kimi.py (also K2-Thinking, K2.5)
 KIMI_PAT_STR = "|".join([

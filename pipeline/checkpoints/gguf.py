@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from . import quants
-from .errors import UserError
+from ..util.errors import UserError
 
 MAX_SHARD_BYTES = 2_000_000_000
 

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from . import quants
-from .errors import UserError
+from ..util.errors import UserError
 from .gguf_file import GGUFModel, GGUFTensor, open_gguf
 from .weights import Checkpoint
 
@@ -184,7 +184,7 @@ class GGUFCheckpoint(Checkpoint):
     # -- reading -----------------------------------------------------------------------------------------------
 
     def model_config(self):
-        from .config import ModelConfig
+        from ..models.config import ModelConfig
 
         return ModelConfig.from_dict(self.config_dict)
 
@@ -255,8 +255,8 @@ class GGUFCheckpoint(Checkpoint):
         """Rows [row, row + rows) of `tensor` as raw bytes, uint8 [rows, bytes per row] (any thread:
         the caller counts them in `bytes_read`): a read-only view of the file's mapped pages (no copy
         in new memory: the decoders read the page cache), or read into new memory with PIPELINE_MMAP=0."""
-        from . import mapped_files
-        from .switches import turned_off
+        from ..kernels import mapped_files
+        from ..util.switches import turned_off
 
         row_bytes = tensor.nbytes // tensor.rows
         begin, size = tensor.begin + row * row_bytes, rows * row_bytes
@@ -295,7 +295,7 @@ class GGUFCheckpoint(Checkpoint):
         """Threads that read and decode pieces of exact tensors at once (numpy lets go of the GIL),
         one per CPU this rank may use; None with one CPU."""
         if self._pool is None:
-            from .cores import cpus_allowed
+            from ..util.cores import cpus_allowed
 
             self._workers = min(16, len(cpus_allowed()))
             self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="gguf-decode") if self._workers > 1 else False
@@ -542,7 +542,7 @@ def open_checkpoint(path: Path | str, requantize_bits: int | None = None, group_
 # ---- the planner's view: bytes and MLX layouts from the tensor table alone ---------------------------------------
 
 def _plan_format_base():
-    from .plan import CheckpointFormat
+    from ..planner.plan import CheckpointFormat
 
     return CheckpointFormat
 

@@ -42,7 +42,7 @@ def load_streams() -> list:
     """One CPU stream per CPU this rank may use (at least 2, so reading overlaps converting; made
     once per process): MLX runs each on its own thread, and its CPU operations use one thread each."""
     if not _streams:
-        from .cores import cpus_allowed
+        from ..util.cores import cpus_allowed
 
         _streams.extend(mx.new_stream(mx.cpu) for _ in range(max(2, min(MAX_STREAMS, len(cpus_allowed())))))
     return _streams

@@ -160,7 +160,7 @@ REPACKED = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12}
 def repacker():
     """The kernels' extension where it is built (it repacks REPACKED types in one pass, without the
     GIL), else None: numpy does it. Called once before the decoding threads start."""
-    from . import qmm
+    from ..kernels import qmm
 
     module = qmm.load().module
     return module if module is not None and hasattr(module, "gguf_repack") else None

@@ -15,7 +15,7 @@ import re
 from datetime import datetime
 from pathlib import Path
 
-from .errors import UserError
+from ..util.errors import UserError
 
 # The named special tokens transformers hands to a chat template (when they are set).
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -200,7 +200,7 @@ class Tokenizer:
         elif tcfg.get("chat_template") is not None:
             template = _pick_default_template(tcfg["chat_template"], folder / "tokenizer_config.json")
         elif _read_json(folder / "config.json").get("model_type") in ("deepseek_v32", "deepseek_v4"):
-            from .models.deepseek_v4 import CHAT_TEMPLATE  # published as a Python script: written from its docs
+            from ..models.deepseek_v4 import CHAT_TEMPLATE  # published as a Python script: written from its docs
 
             template = CHAT_TEMPLATE
 

@@ -22,7 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .errors import UserError
+from ..util.errors import UserError
 from .formats import Requantize
 
 # safetensors dtype -> (numpy dtype to read the bytes as, mlx dtype to view them as)
@@ -98,7 +98,7 @@ class Checkpoint:
 
     def model_config(self):
         """The model's architecture (config.json)."""
-        from .config import ModelConfig
+        from ..models.config import ModelConfig
 
         return ModelConfig.from_folder(self.folder)
 
@@ -117,11 +117,11 @@ class Checkpoint:
         stream current now."""
         info = self.tensors[name]
         if self._mapped is None:
-            from . import mapped_files
+            from ..kernels import mapped_files
 
             self._mapped = mapped_files.available()
         if self._mapped and info.dtype != "F64":  # F64 is read as float32
-            from .mapped_files import mapped_array
+            from ..kernels.mapped_files import mapped_array
 
             try:
                 array = mapped_array(info.file, info.begin, info.shape, _DTYPES[info.dtype][1])
@@ -380,7 +380,7 @@ def load_slice(model: nn.Module, checkpoint: Checkpoint, dtype: mx.Dtype,
 
     after_group = int8 = None
     if int8_in_place is not None:
-        from .qmm import Int8WhileLoading
+        from ..kernels.qmm import Int8WhileLoading
 
         int8 = Int8WhileLoading(model, lambda name: int8_in_place or checkpoint.in_huge_pages(name))
 
@@ -458,7 +458,7 @@ def _quantize_like(model: nn.Module, weights: dict[str, mx.array]) -> None:
         settings[path] = {"group_size": group_size, "bits": bits, "mode": mode}
     if settings:
         nn.quantize(model, class_predicate=lambda path, _: settings.get(path, False))
-        from . import qmm
+        from ..kernels import qmm
 
         qmm.use_in(model)  # their products through pipeline's kernels where built (qmm.py)
 
@@ -511,7 +511,7 @@ def _dense_module(module: nn.Module, dtype: mx.Dtype) -> nn.Module:
     elif isinstance(module, nn.QuantizedEmbedding):
         dense = nn.Embedding(*weight.shape)
     else:
-        from .models.experts import SwitchLinear
+        from ..models.experts import SwitchLinear
 
         experts, out_features, in_features = weight.shape
         dense = SwitchLinear(in_features, out_features, experts)

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import UserError
+from ..util.errors import UserError
 
 _HOST = r"[A-Za-z0-9_.\-]+"  # host name, IPv4 address
 _OPENMPI = re.compile(rf"^(?P<host>{_HOST})((?:\s+\w+\s*=\s*\S+)*)$")

@@ -30,7 +30,7 @@ import sys
 import tempfile
 
 from . import mpi
-from .errors import UserError
+from ..util.errors import UserError
 
 
 def resolve_backend(requested: str) -> str:

@@ -14,7 +14,7 @@ import sys
 import traceback
 from typing import Callable, TypeVar
 
-from .errors import UserError
+from ..util.errors import UserError
 
 T = TypeVar("T")
 

@@ -65,7 +65,7 @@ def restart_with_huge_pages() -> None:
     """`python -m pipeline ...` run without mpiexec: start again (same pid, arguments and descriptors)
     with glibc's huge-page tunable, read only at process start (huge_pages.py); under mpiexec the
     supervisor gives it to the rank it starts. Returns where there is nothing to do."""
-    from . import huge_pages
+    from ..util import huge_pages
 
     argv = _command()
     if argv is None or launched_rank() is not None or _CHILD in os.environ or not huge_pages.wanted():
@@ -79,7 +79,7 @@ def supervise() -> None:
     """Run this rank as a child process and exit with its status (never returns)."""
     import subprocess
 
-    from . import huge_pages
+    from ..util import huge_pages
 
     argv = _command()
     env = huge_pages.environment({**os.environ, _CHILD: str(os.getpid())})

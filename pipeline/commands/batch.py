@@ -8,8 +8,9 @@ import socket
 import sys
 from pathlib import Path
 
-from .. import flags, mpi
-from ..errors import UserError
+from . import flags
+from ..cluster import mpi
+from ..util.errors import UserError
 from .batch_io import InputRequest, error_record, note, result_record
 
 
@@ -65,7 +66,7 @@ def engine_requests(todo: list[InputRequest], tokenizer, use_chat_template: bool
     """The scheduler's requests, each tokenized only when the scheduler has room for it; a line
     that cannot be tokenized gets its error record instead. record(dict, error: bool) writes one."""
     from ..chat.reasoning import prompt_opens_reasoning, split_reasoning, template_thinks
-    from ..scheduler import Failed, Finished, Request
+    from ..runtime.scheduler import Failed, Finished, Request
 
     thinks = template_thinks(tokenizer.chat_template)
 
@@ -112,11 +113,10 @@ def prompt_ids(item: InputRequest, tokenizer, use_chat_template: bool, context: 
 
 
 def run(args: argparse.Namespace, comm) -> int:
-    from ..job import (head_share_label, head_split, load_ring_stage, matmuls_label, per_rank, plan_ring_job,
-                       prefix_cache, rank_figures, rss_label)
-    from ..scheduler import ListSource, Scheduler, follow, stop_followers
-    from ..tokenizer import Tokenizer
-    from ..trace import Timeline, split_hint, summary_lines, write_chrome_trace
+    from ..runtime.job import head_share_label, head_split, load_ring_stage, matmuls_label, per_rank, plan_ring_job, prefix_cache, rank_figures, rss_label
+    from ..runtime.scheduler import ListSource, Scheduler, follow, stop_followers
+    from ..checkpoints.tokenizer import Tokenizer
+    from ..runtime.trace import Timeline, split_hint, summary_lines, write_chrome_trace
     from .batch_io import ResultsFile, read_requests
 
     rank, size = comm.Get_rank(), comm.Get_size()

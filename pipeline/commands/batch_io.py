@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import UserError
+from ..util.errors import UserError
 
 # Per-request fields of our format, beside "id" and the prompt.
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
@@ -137,7 +137,7 @@ def _request_id(obj: dict):
 
 
 def _parse(obj: dict, request_id, line: int, defaults, max_tokens: int, system: str | None) -> InputRequest:
-    from ..sampling import SamplingParams
+    from ..runtime.sampling import SamplingParams
 
     if "custom_id" in obj or "body" in obj:
         fields = _openai_fields(obj)

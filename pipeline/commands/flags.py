@@ -11,7 +11,7 @@ import math
 import socket
 from pathlib import Path
 
-from .errors import UserError
+from ..util.errors import UserError
 
 
 def add_model_arg(parser: argparse.ArgumentParser) -> None:
@@ -81,7 +81,7 @@ def add_cluster_args(parser: argparse.ArgumentParser, transports: bool = True) -
 
 def add_draft_args(parser: argparse.ArgumentParser) -> None:
     """Speculative decoding (speculative.py)."""
-    from .speculative import DRAFT_CHOICES, MAX_DRAFT_TOKENS
+    from ..runtime.speculative import DRAFT_CHOICES, MAX_DRAFT_TOKENS
 
     parser.add_argument("--draft", choices=DRAFT_CHOICES, default="none",
                         help="speculative decoding: draft tokens and check them in one trip round the ring; "
@@ -129,7 +129,7 @@ def finite(value: float, flag: str) -> float:
 
 def check_model_folder(args: argparse.Namespace) -> None:
     """--model is a folder, or a GGUF file (for a split set, any part: the rest must sit beside it)."""
-    from .gguf_file import is_gguf
+    from ..checkpoints.gguf_file import is_gguf
 
     if args.model is None or args.model.is_dir():
         return
@@ -144,8 +144,8 @@ def check_model_folder(args: argparse.Namespace) -> None:
 def validated_generation_args(args: argparse.Namespace) -> None:
     """The checks of add_sampling_args + add_weights_args + --model; sets args.sampling and
     args.requantize."""
-    from .formats import Requantize
-    from .sampling import SamplingParams
+    from ..checkpoints.formats import Requantize
+    from ..runtime.sampling import SamplingParams
 
     if args.max_tokens < 1:
         raise UserError(f"--max-tokens must be >= 1, got {args.max_tokens}")
@@ -191,13 +191,13 @@ def validated_engine_args(args: argparse.Namespace) -> None:
 
 
 def draft_settings(args: argparse.Namespace):
-    from .speculative import DraftSettings
+    from ..runtime.speculative import DraftSettings
 
     return DraftSettings(args.draft, args.draft_tokens, args.ngram_max, args.ngram_min)
 
 
 def validated_draft_args(args: argparse.Namespace) -> None:
-    from .speculative import MAX_DRAFT_TOKENS
+    from ..runtime.speculative import MAX_DRAFT_TOKENS
 
     if not 1 <= args.draft_tokens <= MAX_DRAFT_TOKENS:
         raise UserError(f"--draft-tokens must be from 1 to {MAX_DRAFT_TOKENS}, got {args.draft_tokens}")

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .. import flags, mpi
-from ..errors import UserError
+from . import flags
+from ..cluster import mpi
+from ..util.errors import UserError
 
 
 def add_parser(commands) -> None:
@@ -34,12 +35,12 @@ def validate(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace, comm) -> int:
-    from .. import blas
-    from ..engine import generate
-    from ..speculative import make_drafter
-    from ..job import load_stage, make_transport, plan_job, rank_figures
-    from ..stage import serve, stop_ring
-    from ..tokenizer import Tokenizer
+    from ..kernels import blas
+    from ..runtime.engine import generate
+    from ..runtime.speculative import make_drafter
+    from ..runtime.job import load_stage, make_transport, plan_job, rank_figures
+    from ..runtime.stage import serve, stop_ring
+    from ..checkpoints.tokenizer import Tokenizer
 
     rank = comm.Get_rank()
     transport = make_transport(args, comm)
@@ -91,7 +92,7 @@ def run(args: argparse.Namespace, comm) -> int:
 def stats_line(result, figures: list[tuple]) -> str:
     """figures: per rank (host, peak RSS bytes, weights label, BLAS description, bytes held,
     KV bytes per token, batch-invariant rows), as job.rank_figures gives them."""
-    from ..job import per_rank, rss_label
+    from ..runtime.job import per_rank, rss_label
 
     peaks = rss_label(figures) + f", KV {sum(m[5] for m in figures) / 1024:.1f} KiB/token"
     draft = ""

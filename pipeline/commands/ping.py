@@ -15,10 +15,10 @@ import time
 
 import mlx.core as mx
 
-from .. import flags
-from ..errors import UserError
-from ..mpi import AbortJob
-from ..transport import Kind
+from . import flags
+from ..util.errors import UserError
+from ..cluster.mpi import AbortJob
+from ..cluster.transport import Kind
 
 
 def add_parser(commands) -> None:
@@ -41,7 +41,7 @@ def validate(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace, comm) -> int:
-    from ..job import make_transport
+    from ..runtime.job import make_transport
 
     transport = make_transport(args, comm)
     rank, size = comm.Get_rank(), comm.Get_size()

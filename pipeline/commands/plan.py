@@ -1,5 +1,5 @@
 """`plan`: will a model fit on these hosts, how to split it, how fast (config.json only, no MPI).
-The planner itself is pipeline/plan.py; this is its command line."""
+The planner itself is pipeline/planner/plan.py; this is its command line."""
 
 from __future__ import annotations
 
@@ -56,6 +56,6 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace, comm=None) -> int:
-    from ..plan import run_plan
+    from ..planner.plan import run_plan
 
     return run_plan(args)

@@ -28,10 +28,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import UserError
-from ..flags import add_weights_args
-from ..memory import DTYPE_LABEL, rank_bytes, size
-from ..plan import ModelBytes
+from ..util.errors import UserError
+from .flags import add_weights_args
+from ..planner.memory import DTYPE_LABEL, rank_bytes, size
+from ..planner.plan import ModelBytes
 
 PACKAGES = ("pipeline", "mlx", "mpi4py", "numpy", "tokenizers", "jinja2")
 HEADROOM = 1.10  # caches and activations on top of the weights
@@ -74,7 +74,7 @@ def add_parser(commands) -> None:
     pre.add_argument("--context", type=int, default=None, metavar="TOKENS",
                      help="tokens the job keeps in its KV cache, all sequences together (default: the "
                           "model's context, at most 8192)")
-    from ..speculative import DRAFT_CHOICES
+    from ..runtime.speculative import DRAFT_CHOICES
 
     pre.add_argument("--draft", choices=DRAFT_CHOICES, default="none",
                      help="the job's --draft: with mtp, rank 0 also holds DeepSeek's multi-token-prediction module")
@@ -103,7 +103,7 @@ def collect(args: argparse.Namespace, comm) -> RankReport:
 
     folder = args.model
     if folder is None:
-        from ..job import resolve_model_folder
+        from ..runtime.job import resolve_model_folder
 
         try:
             folder = resolve_model_folder(None, comm)
@@ -124,7 +124,7 @@ def collect(args: argparse.Namespace, comm) -> RankReport:
         report.folder_error = error
         return report
     folder = Path(folder)
-    from ..gguf_file import is_gguf, open_gguf
+    from ..checkpoints.gguf_file import is_gguf, open_gguf
 
     if is_gguf(folder):
         # A GGUF (split set): its parts and sizes, and a hash of the first part's header (metadata and
@@ -154,10 +154,10 @@ def collect(args: argparse.Namespace, comm) -> RankReport:
 
 
 def _measure_slices(report: RankReport, folder: Path, args: argparse.Namespace) -> None:
-    from ..formats import Requantize
-    from ..plan import architecture, held_and_dense, kv_layer_bytes
-    from .. import qmm
-    from ..weights import is_quantized, layer_nbytes, open_checkpoint
+    from ..checkpoints.formats import Requantize
+    from ..planner.plan import architecture, held_and_dense, kv_layer_bytes
+    from ..kernels import qmm
+    from ..checkpoints.weights import is_quantized, layer_nbytes, open_checkpoint
 
     checkpoint = open_checkpoint(folder, Requantize(args.quantize, args.group_size) if args.quantize else None)
     config = checkpoint.model_config()
@@ -167,7 +167,7 @@ def _measure_slices(report: RankReport, folder: Path, args: argparse.Namespace) 
                                                     int8=qmm.int8_by_default(args.int8_activations, args.dtype))
     if getattr(args, "draft", "none") == "mtp":  # the module on rank 0, as job.plan_job counts it
         from ..models.mtp import check_mtp, mtp_nbytes
-        from ..plan import with_mtp
+        from ..planner.plan import with_mtp
 
         check_mtp(checkpoint, config, folder)
         report.disk_ends_bytes += mtp_nbytes(checkpoint, config)
@@ -182,8 +182,8 @@ def _measure_slices(report: RankReport, folder: Path, args: argparse.Namespace) 
 
 def evaluate(reports: list[RankReport], split: str | None, weights_in_memory: str = "quantized") -> tuple[str, list[str]]:
     """Rank 0: the table, and one line per problem."""
-    from ..job import plan_weights_in_memory
-    from ..partition import LAYER_OVERHEAD_BYTES, balanced_counts, check_ranks, layer_ranges, parse_split
+    from ..runtime.job import plan_weights_in_memory
+    from ..planner.partition import LAYER_OVERHEAD_BYTES, balanced_counts, check_ranks, layer_ranges, parse_split
 
     problems: list[str] = []
     who = {r.rank: f"rank {r.rank} ({r.host})" for r in reports}

@@ -23,8 +23,9 @@ import threading
 import time
 import traceback
 
-from .. import flags, mpi
-from ..errors import UserError
+from . import flags
+from ..cluster import mpi
+from ..util.errors import UserError
 
 STARTUP_TIMEOUT_S = 60  # for the HTTP server to start listening on its socket
 # Chats and agents re-send their history with every turn: a server keeps finished sequences'
@@ -147,10 +148,10 @@ class HTTPThread:
 
 
 def run(args: argparse.Namespace, comm) -> int:
-    from ..job import head_split, load_ring_stage, per_rank, plan_ring_job, prefix_cache, rank_figures, rss_label
-    from ..scheduler import follow, stop_followers
-    from ..tokenizer import Tokenizer
-    from ..trace import Timeline, summary_lines
+    from ..runtime.job import head_split, load_ring_stage, per_rank, plan_ring_job, prefix_cache, rank_figures, rss_label
+    from ..runtime.scheduler import follow, stop_followers
+    from ..checkpoints.tokenizer import Tokenizer
+    from ..runtime.trace import Timeline, summary_lines
 
     rank, size = comm.Get_rank(), comm.Get_size()
     job = plan_ring_job(args, comm)
@@ -203,11 +204,11 @@ class RankZero:
     """Rank 0 of a server: the HTTP thread, the gateway between it and the scheduler, the signals."""
 
     def __init__(self, args, plan, stage, transport, tokenizer, timeline, sock, engine: dict):
-        from ..scheduler import QueueSource
+        from ..runtime.scheduler import QueueSource
         from ..serve.app import Defaults, ServedModel, Server
         from ..serve.gateway import Gateway
         from ..serve.metrics import Metrics
-        from ..trace import COMPUTE
+        from ..runtime.trace import COMPUTE
 
         self.args, self.stage, self.transport, self.tokenizer = args, stage, transport, tokenizer
         self.timeline, self.sock, self.engine = timeline, sock, engine
@@ -247,7 +248,7 @@ class RankZero:
         threading.Thread(target=self.gateway.drain, args=(0.0,), name="pipeline-drain", daemon=True).start()
 
     def serve(self, ranks: int):
-        from ..scheduler import Scheduler
+        from ..runtime.scheduler import Scheduler
 
         signal.signal(signal.SIGTERM, self.on_signal)
         signal.signal(signal.SIGINT, self.on_signal)

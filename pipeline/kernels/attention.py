@@ -18,7 +18,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from . import qmm
-from .switches import turned_off
+from ..util.switches import turned_off
 
 ENV = "PIPELINE_ATTENTION"
 _used = {"pipeline": 0, "mlx": 0}

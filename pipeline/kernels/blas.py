@@ -48,8 +48,8 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-from .private_folder import make_private_folder, unsafe_folder, writable_by_others
-from .switches import turned_off
+from ..util.private_folder import make_private_folder, unsafe_folder, writable_by_others
+from ..util.switches import turned_off
 
 ENV = "PIPELINE_BLAS"
 OPT_OUT = ("bundled", "off", "0", "none", "no")
@@ -158,7 +158,7 @@ def _cpu_signature() -> str:
 def _shim_path() -> Path:
     import hashlib
 
-    from .default_model import cache_root
+    from ..checkpoints.default_model import cache_root
 
     digest = hashlib.sha256(SHIM_SOURCE.read_bytes() + _cpu_signature().encode()).hexdigest()[:12]
     return cache_root() / "blas" / f"sgemm-shim-{os.uname().machine}-{digest}.so"
@@ -300,7 +300,7 @@ def _early_threads() -> None:
 
 
 def usable_cores() -> int:
-    from .cores import cpus_allowed
+    from ..util.cores import cpus_allowed
 
     return len(cpus_allowed()) or 1
 
@@ -369,8 +369,8 @@ def is_optimized() -> bool:
 def describe() -> str:
     """One phrase for the stats line, e.g. 'OpenBLAS 0.3.21 (1 thread: 2 ranks/host)', and which
     kernels ran the quantized products where there were any (qmm.py) and the attention (attention.py)."""
-    quantized = sys.modules["pipeline.qmm"].describe() if "pipeline.qmm" in sys.modules else ""
-    attention = sys.modules["pipeline.attention"].describe() if "pipeline.attention" in sys.modules else ""
+    quantized = sys.modules["pipeline.kernels.qmm"].describe() if "pipeline.kernels.qmm" in sys.modules else ""
+    attention = sys.modules["pipeline.kernels.attention"].describe() if "pipeline.kernels.attention" in sys.modules else ""
     return (_describe_library() + (f"; quantized products: {quantized}" if quantized else "")
             + (f"; attention: {attention}" if attention else ""))
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from . import qmm
-from .switches import turned_off
+from ..util.switches import turned_off
 
 ENV = "PIPELINE_LAYER_KERNELS"
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .switches import turned_off
+from ..util.switches import turned_off
 
 ENV = "PIPELINE_MMAP"
 

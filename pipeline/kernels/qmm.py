@@ -45,8 +45,9 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import blas, private_folder
-from .switches import turned_off
+from . import blas
+from ..util import private_folder
+from ..util.switches import turned_off
 
 ENV = "PIPELINE_QMM"
 SOURCE = Path(__file__).with_name("qmm_kernels.cpp")
@@ -103,7 +104,7 @@ def _mlx_dir() -> Path:
 
 def extension_path(extra_flags: tuple[str, ...] = ()) -> Path:
     """Where this machine's build lives: keyed by the source, CPU, MLX, nanobind, Python and flags."""
-    from .default_model import cache_root
+    from ..checkpoints.default_model import cache_root
 
     key = b"\0".join([*(f.read_bytes() for f in SOURCES + HEADERS), blas._cpu_signature().encode(), mx.__version__.encode(),
                       _nanobind().__version__.encode(), sys.version.encode(), " ".join(FLAGS + extra_flags).encode()])
@@ -483,7 +484,7 @@ def use_int8(model: nn.Module, tied_head: bool = False, head_share: bool = True,
     in_place: rearrange a layer's weights in their own buffer, so that loading pays for no second copy
     in new memory; only for a caller that knows no graph built before still reads them (the loader).
     Returns how many were repacked (0 without the kernels: the stats line says why)."""
-    from .models.experts import QuantizedSwitchLinear
+    from ..models.experts import QuantizedSwitchLinear
 
     state = load()
     if state.module is None:
@@ -558,8 +559,8 @@ class Int8WhileLoading:
 
     def _layout(self, path: str, w: mx.array, scales: mx.array, biases: mx.array) -> tuple[int, int] | None:
         """(group size, bits) where this module's matrix takes the int8 layout (as int8_covers), else None."""
-        from .models.experts import SwitchLinear
-        from .weights import packed_layout
+        from ..models.experts import SwitchLinear
+        from ..checkpoints.weights import packed_layout
 
         module, parent = self.modules.get(path), self.modules.get(path.rpartition(".")[0])
         if not isinstance(module, (nn.Linear, SwitchLinear)) or w.dtype != mx.uint32 or w.ndim != module.weight.ndim:

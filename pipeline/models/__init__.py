@@ -4,8 +4,8 @@ DeepSeek V4's residual streams), a `Slice` class."""
 
 from types import ModuleType
 
-from ..config import ModelConfig
-from ..errors import UserError
+from .config import ModelConfig
+from ..util.errors import UserError
 from . import deepseek_v3, deepseek_v4, deepseek_v32, llama, qwen3_moe
 
 FAMILIES: dict[str, ModuleType] = {

@@ -10,9 +10,9 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from .. import attention, layer_kernels, qmm
-from ..config import ModelConfig
-from ..errors import UserError
+from ..kernels import attention, layer_kernels, qmm
+from .config import ModelConfig
+from ..util.errors import UserError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -459,7 +459,7 @@ def start_computing(h: mx.array) -> None:
 @lru_cache(maxsize=None)
 def _several_cpus() -> bool:
     """Asked at the first step, after job.share_cores has bound this rank to its CPUs."""
-    from ..cores import cpus_allowed
+    from ..util.cores import cpus_allowed
 
     return len(cpus_allowed()) > 1
 
@@ -519,7 +519,7 @@ class TransformerSlice(nn.Module):
         h = self.norm(h)
         head = self.embed_tokens if self.config.tie_word_embeddings else self.lm_head
         if vocab_end is not None:
-            from ..head_share import head_columns
+            from ..runtime.head_share import head_columns
 
             return head_columns(head, h, 0, vocab_end)
         return head.as_linear(h) if self.config.tie_word_embeddings else head(h)

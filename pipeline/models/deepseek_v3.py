@@ -22,7 +22,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..config import ModelConfig
+from .config import ModelConfig
 from .base import MLP, KVCache, PreNormBlock, RoPE, attend, kept_rows, positions, segments, yarn_mscale
 from .experts import SwitchGLU
 

@@ -45,9 +45,9 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from .. import qmm
-from ..config import ModelConfig
-from ..errors import UserError
+from ..kernels import qmm
+from .config import ModelConfig
+from ..util.errors import UserError
 from .base import RoPE, TransformerSlice, kept_rows, positions, segments, start_computing
 from .experts import SwitchGLU
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from .. import qmm
+from ..kernels import qmm
 
 
 class SwitchLinear(nn.Module):

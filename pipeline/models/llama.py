@@ -4,7 +4,7 @@ A pre-norm block of grouped-query attention and a SwiGLU MLP; the differences be
 families are config switches inside `Attention`.
 """
 
-from ..config import ModelConfig
+from .config import ModelConfig
 from .base import MLP, Attention, PreNormBlock
 
 

@@ -32,8 +32,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..config import ModelConfig
-from ..errors import UserError
+from .config import ModelConfig
+from ..util.errors import UserError
 
 SHARED = ("embed_tokens.", "shared_head.head.")  # the main model's, never read from the layer
 OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.")  # the module's own; the rest is its decoder layer
@@ -113,8 +113,8 @@ def load_mtp(config: ModelConfig, checkpoint, dtype: mx.Dtype, requantize=None, 
     """The MTP module from the checkpoint, through the same format adapters as the layers (FP8
     blocks, expert stacking, --quantize, MLX-quantized tensors; dense: dequantized as the rank's
     other weights are under --weights-in-memory)."""
-    from ..loading import load_tensors
-    from ..weights import dequantize_slice, fill_module
+    from ..checkpoints.loading import load_tensors
+    from ..checkpoints.weights import dequantize_slice, fill_module
     from . import family_for
 
     module = MTPModule(config, family_for(config).DecoderLayer)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..config import ModelConfig
+from .config import ModelConfig
 from .base import MLP, Attention, PreNormBlock
 from .experts import SwitchGLU
 

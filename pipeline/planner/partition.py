@@ -7,7 +7,7 @@ since the slowest (or fullest) stage bounds both speed and fit.
 
 from __future__ import annotations
 
-from .errors import UserError
+from ..util.errors import UserError
 
 # A layer costs time beyond its weights' products: attention per sequence and a few dozen small ops,
 # in a batch job about what products with 28 MiB of weights take on a CPU node. Counting it balances

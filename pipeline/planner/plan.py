@@ -36,8 +36,8 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .config import ModelConfig
-from .errors import UserError
+from ..models.config import ModelConfig
+from ..util.errors import UserError
 from .memory import RankBytes, rank_bytes, size
 from .partition import LAYER_OVERHEAD_BYTES, balanced_counts, check_ranks, layer_ranges
 
@@ -52,7 +52,7 @@ KNOWN_TYPES = (*LLAMA_FAMILY, "qwen3_moe", *DEEPSEEK_FAMILY, "deepseek_v4")
 # ------------------------------------------------------------------------------------- configs
 
 def bundled_configs() -> dict[str, Path]:
-    """The real configurations shipped in pipeline/configs, by lower-case name."""
+    """The real configurations shipped in pipeline/planner/configs, by lower-case name."""
     return {p.stem.lower(): p for p in sorted(CONFIG_DIR.glob("*.json"))}
 
 
@@ -60,10 +60,10 @@ def load_config(spec: str | Path) -> ModelConfig:
     """A model folder, a GGUF file (its metadata), a config.json file, or the name of a bundled config
     (e.g. DeepSeek-V3.1)."""
     path = Path(spec)
-    from .gguf_file import is_gguf
+    from ..checkpoints.gguf_file import is_gguf
 
     if is_gguf(path):
-        from .gguf_checkpoint import GGUFCheckpoint
+        from ..checkpoints.gguf_checkpoint import GGUFCheckpoint
 
         return GGUFCheckpoint(path).model_config()
     if path.is_dir():
@@ -283,7 +283,7 @@ def _deepseek_layer(c: ModelConfig, i: int) -> list[Param]:
 
 
 def _v4_rate(config: ModelConfig, kind: str) -> int:
-    from .models.deepseek_v4 import compress_rate
+    from ..models.deepseek_v4 import compress_rate
 
     return compress_rate(config, kind)
 
@@ -292,7 +292,7 @@ def _deepseek_v4_architecture(config: ModelConfig) -> Architecture:
     """DeepSeek V4 (see models/deepseek_v4.py), under transformers' names: hyper-connections
     around each sub-block, shared-KV attention with its compressor (and CSA's indexer), grouped
     output projection, hash-routed or top-k MoE with one shared expert; the MTP module under mtp.*."""
-    from .models.deepseek_v4 import layer_types, mlp_layer_types
+    from ..models.deepseek_v4 import layer_types, mlp_layer_types
 
     r, d, n = config.raw, config.hidden_size, int(config.raw.get("hc_mult", 4))
     kinds, mlps = layer_types(config), mlp_layer_types(config)
@@ -413,7 +413,7 @@ class CheckpointFormat:
         """Whether every bias of a tensor held MLX-quantized as stored is -2^(bits - 1) times its scale
         (the int8 repack then holds no biases: qmm.use_int8): in an MLX folder, the modules `convert`
         listed so (a GGUF's Q4_0 and Q8_0); other folders are not assumed to be."""
-        from .gguf import SYMMETRIC_KEY
+        from ..checkpoints.gguf import SYMMETRIC_KEY
 
         return self.kind == "mlx" and p.module in self.config.raw.get(SYMMETRIC_KEY, ())
 
@@ -510,10 +510,10 @@ def checkpoint_format(config: ModelConfig, model: str | Path | None = None, quan
                       group_size: int = 64) -> CheckpointFormat:
     """model: where config came from; a GGUF file's tensor table (header only) gives each tensor's
     type, bytes and MLX layout, quantize/group_size the layout of types MLX cannot hold exactly."""
-    from .gguf_file import is_gguf
+    from ..checkpoints.gguf_file import is_gguf
 
     if model is not None and is_gguf(model):
-        from .gguf_checkpoint import GGUFFormat
+        from ..checkpoints.gguf_checkpoint import GGUFFormat
 
         return GGUFFormat.of(Path(model), config, quantize, group_size)
     raw = config.raw
@@ -546,14 +546,14 @@ def checkpoint_format(config: ModelConfig, model: str | Path | None = None, quan
 
 def _int8(args: argparse.Namespace) -> bool:
     """--int8-activations as the job resolves it (on this machine, where the flag is not given)."""
-    from .qmm import int8_by_default
+    from ..kernels.qmm import int8_by_default
 
     return int8_by_default(getattr(args, "int8_activations", False), getattr(args, "dtype", "float32"))
 
 
 def _scales_dtype(model: str | Path | None) -> str | None:
     """The safetensors dtype of an MLX folder's first `.scales` tensor (from one file's header), or None."""
-    from .weights import _read_header
+    from ..checkpoints.weights import _read_header
 
     if model is None or not Path(model).is_dir():
         return None
@@ -603,7 +603,7 @@ class Precision:
         if bits:
             return p.copies * _mx_bytes(p.shape, bits)
         if self.checkpoint.config.model_type == "deepseek_v4":
-            from .models.deepseek_v4 import FLOAT32
+            from ..models.deepseek_v4 import FLOAT32
 
             if p.name.endswith(FLOAT32):  # held in float32 whatever the dtype, as the loader does
                 return p.numel * 4
@@ -623,7 +623,7 @@ class Precision:
         """Whether --int8-activations repacks this MLX-quantized matrix (qmm.int8_covers): 4 or 8 bits
         in whole blocks of 16 rows. Its scales and biases become float16 where they are all float16
         values, which the planner counts where the checkpoint stores them so (half_scales)."""
-        from .qmm import INT8_BITS, INT8_BLOCK
+        from ..kernels.qmm import INT8_BITS, INT8_BLOCK
 
         return self.int8 and self.dtype == "float32" and bits in INT8_BITS and p.shape[-2] % INT8_BLOCK == 0
 

@@ -12,8 +12,8 @@ import mlx.core as mx
 from .sampling import Sampler, SamplingParams
 from .speculative import DraftStats, NgramDrafter, verify
 from .stage import Stage, ring_forward, round_the_ring
-from .tokenizer import StreamingDetokenizer, Tokenizer
-from .transport import Transport
+from ..checkpoints.tokenizer import StreamingDetokenizer, Tokenizer
+from ..cluster.transport import Transport
 
 PREFILL_CHUNK = 512  # prompt tokens per forward pass: bounds activation memory on long prompts
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import qmm
+from ..kernels import qmm
 
 GAIN = 0.3  # fraction of the measured imbalance corrected per micro-batch: smooths the wait jitter
 STEP = 16  # columns move in multiples of this

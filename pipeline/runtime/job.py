@@ -14,16 +14,17 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from . import blas, cores, huge_pages, qmm
-from .config import ModelConfig
-from .errors import UserError
-from .memory import measured, rank_bytes
-from .models import family_for
-from .partition import LAYER_OVERHEAD_BYTES, balanced_counts, check_ranks, layer_ranges, parse_split
-from .plan import MemoryPlan, ModelBytes, held_and_dense, with_mtp
+from ..kernels import blas, qmm
+from ..util import cores, huge_pages
+from ..models.config import ModelConfig
+from ..util.errors import UserError
+from ..planner.memory import measured, rank_bytes
+from ..models import family_for
+from ..planner.partition import LAYER_OVERHEAD_BYTES, balanced_counts, check_ranks, layer_ranges, parse_split
+from ..planner.plan import MemoryPlan, ModelBytes, held_and_dense, with_mtp
 from .stage import Stage
-from .transport import MlxTransport, MpiTransport, this_process
-from .weights import Checkpoint, available_memory_bytes, choose_dense, is_quantized, layer_nbytes, open_checkpoint
+from ..cluster.transport import MlxTransport, MpiTransport, this_process
+from ..checkpoints.weights import Checkpoint, available_memory_bytes, choose_dense, is_quantized, layer_nbytes, open_checkpoint
 
 
 @dataclass
@@ -43,7 +44,7 @@ def resolve_model_folder(model: Path | None, comm) -> Path:
         return model
     from mpi4py import MPI
 
-    from .default_model import default_model_dir
+    from ..checkpoints.default_model import default_model_dir
 
     host_comm = comm.Split_type(MPI.COMM_TYPE_SHARED)
     error = None
@@ -80,7 +81,7 @@ def plan_job(args: argparse.Namespace, comm, last_rank_head: float = 0.0) -> Pla
         raise UserError(f"{config.model_type} keeps compressed caches that cannot drop a rejected draft's "
                         f"positions: run it without --draft")
     if getattr(args, "draft", "none") == "mtp":
-        from .models.mtp import check_mtp
+        from ..models.mtp import check_mtp
 
         check_mtp(checkpoint, config, folder)
     ranks, layers = comm.Get_size(), config.num_hidden_layers
@@ -95,7 +96,7 @@ def plan_job(args: argparse.Namespace, comm, last_rank_head: float = 0.0) -> Pla
         check_ranks(layers, ranks)
         per_layer, ends = layer_nbytes(checkpoint, layers)
         if getattr(args, "draft", "none") == "mtp":  # rank 0 holds the MTP module too
-            from .models.mtp import mtp_nbytes
+            from ..models.mtp import mtp_nbytes
 
             ends += mtp_nbytes(checkpoint, config)
         counts = balanced_counts(per_layer, ranks, rank0_extra_bytes=ends, layer_overhead_bytes=LAYER_OVERHEAD_BYTES)
@@ -168,7 +169,7 @@ def load_stage(args: argparse.Namespace, plan: Plan, rank: int, progress: bool, 
     if getattr(args, "dtype", "float32") == "float32":
         qmm.load()  # the kernels' extension (attention, quantized products): built now, not at the first token
     if rank == 0 and getattr(args, "draft", "none") == "mtp":
-        from .models.mtp import load_mtp
+        from ..models.mtp import load_mtp
 
         stage.mtp = load_mtp(plan.config, plan.checkpoint, getattr(mx, args.dtype), args.requantize, dense, progress)
     if int8:  # int8 products (int8_kernels.cpp); none without the kernels
@@ -208,7 +209,7 @@ class RingJob:
 
 def plan_ring_job(args: argparse.Namespace, comm) -> RingJob:
     """Collective: the transport and the plan, before anything big is read."""
-    from . import mpi
+    from ..cluster import mpi
     from .head_share import head_share_fraction, head_share_rows
     from .scheduler import exact_group_rows
 
@@ -229,7 +230,7 @@ def plan_ring_job(args: argparse.Namespace, comm) -> RingJob:
 
 def load_ring_stage(args: argparse.Namespace, job: RingJob, comm, progress: bool) -> Stage:
     """Collective: this rank's layers, and on the last rank its share of the LM head."""
-    from . import mpi
+    from ..cluster import mpi
 
     rank = comm.Get_rank()
     head_rows = job.head_rows if rank == comm.Get_size() - 1 else 0
@@ -248,7 +249,7 @@ def head_split(args: argparse.Namespace, job: RingJob):
 def prefix_cache(args: argparse.Namespace, job: RingJob):
     """Rank 0's prefix cache for --prefix-cache-gb (None when 0): as many positions as the rank
     with the most cached bytes per position holds in that many GB."""
-    from .plan import architecture
+    from ..planner.plan import architecture
     from .prefix_cache import PrefixCache
 
     gb = getattr(args, "prefix_cache_gb", 0.0)
@@ -267,7 +268,7 @@ def make_transport(args: argparse.Namespace, comm):
     own_core = cores.has_own_core(placement, comm.Get_rank())
     processes = comm.allgather(this_process())  # a waiting rank notices a killed peer on its host
     if getattr(args, "transport", "mpi") == "mlx":
-        from .mlx_group import init_group
+        from ..cluster.mlx_group import init_group
 
         return MlxTransport(comm, init_group(comm, args.mlx_backend), watchdog, hosts, own_core, processes)
     return MpiTransport(comm, watchdog, hosts, own_core, processes)

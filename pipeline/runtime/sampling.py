@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .errors import UserError
+from ..util.errors import UserError
 
 MAX_SEED = 2**64 - 1  # what mx.random.key takes
 

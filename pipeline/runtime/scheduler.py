@@ -46,17 +46,17 @@ from typing import Any, Callable, Iterable
 
 import mlx.core as mx
 
-from . import blas
+from ..kernels import blas
 from .engine import PREFILL_CHUNK
 from .head_share import HeadSplit, combined_argmax, returned_rows, split_returned
-from .models.base import segments
+from ..models.base import segments
 from .prefix_cache import PrefixCache
 from .sampling import Sampler, SamplingParams
 from .speculative import DraftSettings, DraftStats, verify
 from .stage import Stage
-from .tokenizer import StreamingDetokenizer, Tokenizer
+from ..checkpoints.tokenizer import StreamingDetokenizer, Tokenizer
 from .trace import COMPUTE, RECV, SEND, Timeline
-from .transport import Kind, Transport
+from ..cluster.transport import Kind, Transport
 
 FOLLOWER_MAX_PENDING = 4  # sends a follower may leave in flight before it waits for the oldest
 # Prompt tokens one micro-batch may carry (at least one chunk): prompts are spread over several

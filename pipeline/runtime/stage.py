@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from .config import ModelConfig
-from .formats import Requantize
-from .models import family_for
-from .models.base import TransformerSlice
-from .transport import Kind, Transport
-from .weights import Checkpoint, dequantize_slice, load_slice
+from ..models.config import ModelConfig
+from ..checkpoints.formats import Requantize
+from ..models import family_for
+from ..models.base import TransformerSlice
+from ..cluster.transport import Kind, Transport
+from ..checkpoints.weights import Checkpoint, dequantize_slice, load_slice
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ..chat.output import ChatMessage, ChatOutputParser
-from ..scheduler import Finished, TokenLogprob, Tokens
+from ..runtime.scheduler import Finished, TokenLogprob, Tokens
 from . import chat_output, protocol
 
 

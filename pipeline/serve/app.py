@@ -30,9 +30,9 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from ..sampling import SamplingParams
-from ..scheduler import Failed, Finished, Tokens
-from ..tokenizer import Tokenizer
+from ..runtime.sampling import SamplingParams
+from ..runtime.scheduler import Failed, Finished, Tokens
+from ..checkpoints.tokenizer import Tokenizer
 from . import chat_output, protocol
 from .adapters import ChatAdapter, CompletionAdapter
 from .gateway import Gateway, Submission, shutting_down

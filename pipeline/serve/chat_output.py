@@ -8,7 +8,7 @@ from __future__ import annotations
 from ..chat.events import ContentDelta, Event, ReasoningDelta, ToolCallArguments, ToolCallStart
 from ..chat.output import ChatOutputParser
 from ..chat.tool_calls import format_for_template
-from ..tokenizer import Tokenizer
+from ..checkpoints.tokenizer import Tokenizer
 from .protocol import APIError
 
 

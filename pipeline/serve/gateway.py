@@ -14,8 +14,8 @@ import threading
 import time
 from typing import AsyncIterator
 
-from ..sampling import SamplingParams
-from ..scheduler import Failed, Finished, QueueSource, Request
+from ..runtime.sampling import SamplingParams
+from ..runtime.scheduler import Failed, Finished, QueueSource, Request
 from .protocol import APIError
 
 RETRY_AFTER_S = 1  # what a 429 asks the client to wait: a slot frees as soon as any request ends

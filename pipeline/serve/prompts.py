@@ -8,8 +8,8 @@ message Q, and `--no-chat-template --prompt T` the completion of T.
 
 from __future__ import annotations
 
-from ..errors import UserError
-from ..tokenizer import Tokenizer
+from ..util.errors import UserError
+from ..checkpoints.tokenizer import Tokenizer
 from .protocol import APIError
 
 

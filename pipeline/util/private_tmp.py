@@ -18,7 +18,7 @@ ENV = "TMPDIR"
 
 
 def folder() -> Path:
-    from .default_model import cache_root
+    from ..checkpoints.default_model import cache_root
 
     return cache_root() / "tmp"
 
