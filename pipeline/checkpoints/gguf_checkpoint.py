@@ -535,10 +535,6 @@ def build_config(g: GGUFModel) -> dict[str, Any]:
     return config
 
 
-def open_checkpoint(path: Path | str, requantize_bits: int | None = None, group_size: int = 64) -> GGUFCheckpoint:
-    return GGUFCheckpoint(path, requantize_bits, group_size)
-
-
 # ---- the planner's view: bytes and MLX layouts from the tensor table alone ---------------------------------------
 
 def _plan_format_base():

@@ -68,12 +68,6 @@ class GGUFModel:
         return sum(part.stat().st_size for part in self.parts)
 
 
-def is_gguf(path: Path | str) -> bool:
-    """A path that names a GGUF file (by its name, for flags; the magic is checked on opening)."""
-    path = Path(path)
-    return path.suffix.lower() == ".gguf" and not path.is_dir()
-
-
 def open_gguf(path: Path | str) -> GGUFModel:
     """Read the header of `path` and of the rest of its split set. One `UserError` line for a
     missing or truncated part, a foreign file or an unknown tensor type. The last one read is kept

@@ -162,19 +162,6 @@ class Checkpoint:
         return [(info.file, info.begin, info.end)]
 
 
-def open_checkpoint(model: Path, requantize: Requantize | None = None) -> Checkpoint:
-    """The checkpoint `--model` names: a Hugging Face-layout folder, or a GGUF file (the first of a
-    split set) read in place. `requantize` (--quantize, --group-size) also chooses the MLX layout
-    of GGUF tensor types that MLX cannot hold exactly."""
-    from .gguf_file import is_gguf
-
-    if is_gguf(model):
-        from .gguf_checkpoint import GGUFCheckpoint
-
-        return GGUFCheckpoint(model, requantize and requantize.bits, requantize.group_size if requantize else 64)
-    return Checkpoint(model)
-
-
 def _read_header(path: Path) -> dict[str, TensorInfo]:
     size = path.stat().st_size
     with open(path, "rb") as f:

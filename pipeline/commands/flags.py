@@ -129,7 +129,7 @@ def finite(value: float, flag: str) -> float:
 
 def check_model_folder(args: argparse.Namespace) -> None:
     """--model is a folder, or a GGUF file (for a split set, any part: the rest must sit beside it)."""
-    from ..checkpoints.gguf_file import is_gguf
+    from ..checkpoints.model_files import is_gguf
 
     if args.model is None or args.model.is_dir():
         return

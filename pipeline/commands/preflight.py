@@ -124,7 +124,8 @@ def collect(args: argparse.Namespace, comm) -> RankReport:
         report.folder_error = error
         return report
     folder = Path(folder)
-    from ..checkpoints.gguf_file import is_gguf, open_gguf
+    from ..checkpoints.gguf_file import open_gguf
+    from ..checkpoints.model_files import is_gguf
 
     if is_gguf(folder):
         # A GGUF (split set): its parts and sizes, and a hash of the first part's header (metadata and
@@ -157,7 +158,8 @@ def _measure_slices(report: RankReport, folder: Path, args: argparse.Namespace) 
     from ..checkpoints.formats import Requantize
     from ..planner.plan import architecture, held_and_dense, kv_layer_bytes
     from ..kernels import qmm
-    from ..checkpoints.weights import is_quantized, layer_nbytes, open_checkpoint
+    from ..checkpoints.model_files import open_checkpoint
+    from ..checkpoints.weights import is_quantized, layer_nbytes
 
     checkpoint = open_checkpoint(folder, Requantize(args.quantize, args.group_size) if args.quantize else None)
     config = checkpoint.model_config()

@@ -60,12 +60,10 @@ def load_config(spec: str | Path) -> ModelConfig:
     """A model folder, a GGUF file (its metadata), a config.json file, or the name of a bundled config
     (e.g. DeepSeek-V3.1)."""
     path = Path(spec)
-    from ..checkpoints.gguf_file import is_gguf
+    from ..checkpoints.model_files import is_gguf, open_checkpoint
 
     if is_gguf(path):
-        from ..checkpoints.gguf_checkpoint import GGUFCheckpoint
-
-        return GGUFCheckpoint(path).model_config()
+        return open_checkpoint(path).model_config()
     if path.is_dir():
         return ModelConfig.from_folder(path)
     if not path.is_file():
@@ -510,7 +508,7 @@ def checkpoint_format(config: ModelConfig, model: str | Path | None = None, quan
                       group_size: int = 64) -> CheckpointFormat:
     """model: where config came from; a GGUF file's tensor table (header only) gives each tensor's
     type, bytes and MLX layout, quantize/group_size the layout of types MLX cannot hold exactly."""
-    from ..checkpoints.gguf_file import is_gguf
+    from ..checkpoints.model_files import is_gguf
 
     if model is not None and is_gguf(model):
         from ..checkpoints.gguf_checkpoint import GGUFFormat

@@ -24,7 +24,8 @@ from ..planner.partition import LAYER_OVERHEAD_BYTES, balanced_counts, check_ran
 from ..planner.plan import MemoryPlan, ModelBytes, held_and_dense, with_mtp
 from .stage import Stage
 from ..cluster.transport import MlxTransport, MpiTransport, this_process
-from ..checkpoints.weights import Checkpoint, available_memory_bytes, choose_dense, is_quantized, layer_nbytes, open_checkpoint
+from ..checkpoints.model_files import open_checkpoint
+from ..checkpoints.weights import Checkpoint, available_memory_bytes, choose_dense, is_quantized, layer_nbytes
 
 
 @dataclass
