@@ -219,7 +219,7 @@ def test_a_planted_bug_is_caught(bug, v4, monkeypatch):
 def test_published_configs_count(name, total, active, layers):
     """V4-Pro 1.6T / 49B activated, V4-Flash 284B / 13B (the model cards), counted from config.json
     alone: 1573.0B (1598.8B with the MTP module) / 48.9B, 284.3B / 13.3B."""
-    from pipeline.models.deepseek_v4 import layer_types, mlp_layer_types
+    from pipeline.models.deepseek_v4_config import layer_types, mlp_layer_types
     from pipeline.planner.plan import architecture, count_params, load_config
 
     config = load_config(name)

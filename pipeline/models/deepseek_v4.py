@@ -49,77 +49,23 @@ from ..kernels import qmm
 from .config import ModelConfig
 from ..util.errors import UserError
 from .base import RoPE, TransformerSlice, kept_rows, positions, segments, start_computing
+from .deepseek_v4_config import (CSA, FLOAT32, SLIDING, DeepSeekV4Config, compress_rate, deepseek_v4_config,
+                                  last_hash_layer, layer_types, mlp_layer_types, rope_dim, rope_parameters)
 from .experts import SwitchGLU
 
-SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
-_RATIO_TYPES = {0: SLIDING, 4: CSA, 128: HCA}
 HEAD_SHARE = False  # the LM head reads the collapsed streams: a batch job's last rank cannot share it
 PREFIX_CACHE = False  # a compressed cache cannot be cut back to a shorter prefix (see CompressedCache)
 DRAFTS = False  # nor can it drop a rejected draft's positions: no speculative decoding
 
 
-# ----------------------------------------------------------------------------- the config's dialects
-
-def layer_types(config: ModelConfig) -> list[str]:
-    """Attention per layer: `layer_types` (transformers) or DeepSeek's `compress_ratios` (0, 4, 128;
-    its entries past num_hidden_layers are the MTP layers')."""
-    r, n = config.raw, config.num_hidden_layers
-    if r.get("layer_types"):
-        return list(r["layer_types"])[:n]
-    if r.get("compress_ratios"):
-        return [_RATIO_TYPES.get(int(m)) or (HCA if int(m) > 4 else CSA) for m in r["compress_ratios"][:n]]
-    return [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
-
-
-def compress_rate(config: ModelConfig, kind: str) -> int:
-    r = config.raw
-    rates = r.get("compress_rates") or {}
-    if kind in rates:
-        return int(rates[kind])
-    ratios = {int(m) for m in r.get("compress_ratios") or []} - {0}
-    if kind == CSA:
-        return min(ratios) if ratios else 4
-    return max(ratios) if ratios else 128
-
-
-def mlp_layer_types(config: ModelConfig) -> list[str]:
-    r, n = config.raw, config.num_hidden_layers
-    if r.get("mlp_layer_types"):
-        return list(r["mlp_layer_types"])[:n]
-    hashed = int(r.get("num_hash_layers", 3))
-    return ["hash_moe"] * min(n, hashed) + ["moe"] * max(0, n - hashed)
-
-
-def last_hash_layer(config: ModelConfig) -> int:
-    """Index of the last hash-routed layer (-1: none)."""
-    kinds = mlp_layer_types(config)
-    return max((i for i, kind in enumerate(kinds) if kind == "hash_moe"), default=-1)
-
-
-def rope_dim(config: ModelConfig) -> int:
-    r = config.raw
-    if r.get("qk_rope_head_dim"):
-        return int(r["qk_rope_head_dim"])
-    return int(config.head_dim * float(r.get("partial_rotary_factor") or 64 / 512))
-
+# ----------------------------------------------------------------------------------------- RoPE
 
 def ropes(config: ModelConfig) -> dict[str, RoPE]:
     """"main" (sliding layers: plain RoPE on rope_theta) and "compress" (compressed layers, their
     compressors and indexer: rope_scaling's YaRN on compress_rope_theta, cos/sin not rescaled)."""
-    r, dims = config.raw, rope_dim(config)
-    params = r.get("rope_parameters") or {}
-    if isinstance(params.get("main"), dict) and isinstance(params.get("compress"), dict):  # transformers' dialect
-        main, compress = dict(params["main"]), dict(params["compress"])
-    else:
-        scaling = dict(r.get("rope_scaling") or {k: v for k, v in params.items() if k != "rope_theta"})
-        if "type" in scaling and "rope_type" not in scaling:
-            scaling["rope_type"] = scaling.pop("type")
-        main = {"rope_type": "default", "rope_theta": r.get("rope_theta", 10000.0)}
-        compress = {**scaling, "rope_theta": r.get("compress_rope_theta", 160000.0)}
-        if compress.get("rope_type", "default") == "yarn":
-            compress.setdefault("attention_factor", 1.0)
+    dims = rope_dim(config)
     out = {}
-    for name, p in (("main", main), ("compress", compress)):
+    for name, p in rope_parameters(config).items():
         scaling = {k: v for k, v in p.items() if k not in ("rope_theta", "partial_rotary_factor")}
         if scaling.get("rope_type", "default") == "default":
             scaling = None
@@ -147,12 +93,6 @@ class RMSNorm(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         return (self.weight.astype(mx.float32) * rms(x.astype(mx.float32), self.eps)).astype(x.dtype)
-
-
-# Tensors V4 keeps in float32 whatever --dtype: the hyper-connections' mixing, sinks, compressors'
-# position biases, router correction biases, norms (transformers' _keep_in_fp32_modules_strict).
-FLOAT32 = (".fn", ".base", ".scale", "hc_fn", "hc_base", "hc_scale", "sinks", "position_bias",
-           "e_score_correction_bias", "norm.weight")
 
 
 def rotate_tail(x: mx.array, rope: RoPE, offsets: mx.array, inverse: bool = False) -> mx.array:
@@ -210,12 +150,11 @@ class QuantizedGroupedLinear(nn.Module):
 class HyperConnection(nn.Module):
     """mHC around one sub-block: (post, comb, the block's input) from the streams h [T, n, d]."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, v4: DeepSeekV4Config):
         super().__init__()
-        r = config.raw
-        n, d = int(r.get("hc_mult", 4)), config.hidden_size
-        self.n, self.iters = n, int(r.get("hc_sinkhorn_iters", 20))
-        self.eps, self.norm_eps = float(r.get("hc_eps", 1e-6)), config.rms_norm_eps
+        n, d = v4.hc_mult, config.hidden_size
+        self.n, self.iters = n, v4.hc_sinkhorn_iters
+        self.eps, self.norm_eps = v4.hc_eps, config.rms_norm_eps
         self.fn = mx.zeros(((2 + n) * n, n * d))
         self.base = mx.zeros(((2 + n) * n,))
         self.scale = mx.ones((3,))
@@ -245,11 +184,10 @@ def expand(h: mx.array, post: mx.array, comb: mx.array, out: mx.array) -> mx.arr
 class HyperHead(nn.Module):
     """The streams' final collapse, before the final norm."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, v4: DeepSeekV4Config):
         super().__init__()
-        r = config.raw
-        n = int(r.get("hc_mult", 4))
-        self.eps, self.norm_eps = float(r.get("hc_eps", 1e-6)), config.rms_norm_eps
+        n = v4.hc_mult
+        self.eps, self.norm_eps = v4.hc_eps, config.rms_norm_eps
         self.hc_fn = mx.zeros((n, n * config.hidden_size))
         self.hc_base = mx.zeros((n,))
         self.hc_scale = mx.ones((1,))
@@ -397,12 +335,11 @@ class Indexer(Compressor):
     queries from the query latent; score[t, s] = sum_h w[t, h] ReLU(q[t, h] . k[s]) / sqrt(dim),
     w = weights_proj(x) / sqrt(heads)."""
 
-    def __init__(self, config: ModelConfig, rate: int):
-        r = config.raw
-        dim = int(r.get("index_head_dim", 128))
+    def __init__(self, config: ModelConfig, v4: DeepSeekV4Config, rate: int):
+        dim = v4.index_head_dim
         super().__init__(config, rate, dim, overlap=True)
-        self.heads, self.top_k = int(r.get("index_n_heads", 64)), int(r.get("index_topk", 512))
-        self.q_b_proj = nn.Linear(int(r["q_lora_rank"]), self.heads * dim, bias=False)
+        self.heads, self.top_k = v4.index_n_heads, v4.index_topk
+        self.q_b_proj = nn.Linear(v4.q_lora_rank, self.heads * dim, bias=False)
         self.scorer = Scorer(config, self.heads)
 
     def scores(self, q_latent: mx.array, x: mx.array, q_positions: mx.array, keys: mx.array, rope: RoPE) -> mx.array:
@@ -418,11 +355,11 @@ class CompressedKV(Compressor):
     """A compressed layer's long-range keys: its compressor (the checkpoint's `attn.compressor.*`),
     and for CSA the lightning indexer that chooses among the entries."""
 
-    def __init__(self, config: ModelConfig, kind: str):
+    def __init__(self, config: ModelConfig, v4: DeepSeekV4Config, kind: str):
         super().__init__(config, compress_rate(config, kind), config.head_dim, overlap=kind == CSA)
         self.kind = kind
         if kind == CSA:
-            self.indexer = Indexer(config, self.rate)
+            self.indexer = Indexer(config, v4, self.rate)
 
     def update_all(self, cache: CompressedCache, x: mx.array, rope: RoPE) -> tuple[mx.array, mx.array | None]:
         """(the entries, the indexer's entries or None) after a sequence's next tokens x."""
@@ -437,17 +374,16 @@ class CompressedKV(Compressor):
 # -------------------------------------------------------------------------------------- attention
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int):
+    def __init__(self, config: ModelConfig, v4: DeepSeekV4Config, layer_index: int):
         super().__init__()
-        r = config.raw
         d, hd = config.hidden_size, config.head_dim
         self.kind = layer_types(config)[layer_index]
         self.n_heads, self.head_dim = config.num_attention_heads, hd
-        self.window = int(r.get("sliding_window", 128))
-        self.groups, self.o_rank = int(r.get("o_groups", 8)), int(r.get("o_lora_rank", 1024))
+        self.window = v4.sliding_window
+        self.groups, self.o_rank = v4.o_groups, v4.o_lora_rank
         self.eps = config.rms_norm_eps
         self.scale = hd ** -0.5
-        q_lora = int(r["q_lora_rank"])
+        q_lora = v4.q_lora_rank
         self.q_a_proj = nn.Linear(d, q_lora, bias=False)
         self.q_a_norm = RMSNorm(q_lora, eps=config.rms_norm_eps)
         self.q_b_proj = nn.Linear(q_lora, self.n_heads * hd, bias=False)
@@ -457,7 +393,7 @@ class Attention(nn.Module):
         self.o_b_proj = nn.Linear(self.groups * self.o_rank, d, bias=False)
         self.sinks = mx.zeros((self.n_heads,))
         if self.kind != SLIDING:
-            self.compressor = CompressedKV(config, self.kind)
+            self.compressor = CompressedKV(config, v4, self.kind)
         rope = ropes(config)
         self._rope = rope["main"] if self.kind == SLIDING else rope["compress"]
         self._compress_rope = rope["compress"]
@@ -536,12 +472,11 @@ class Attention(nn.Module):
 class Router(nn.Module):
     """Expert choice and weights. Hash-routed layers take their experts from the token id."""
 
-    def __init__(self, config: ModelConfig, hashed: bool):
+    def __init__(self, config: ModelConfig, v4: DeepSeekV4Config, hashed: bool):
         super().__init__()
-        r = config.raw
-        experts, self.top_k = int(r["n_routed_experts"]), int(r["num_experts_per_tok"])
-        self.hashed, self.scale = hashed, float(r.get("routed_scaling_factor", 1.0))
-        self.scoring = r.get("scoring_func", "sqrtsoftplus")
+        experts, self.top_k = v4.n_routed_experts, v4.num_experts_per_tok
+        self.hashed, self.scale = hashed, v4.routed_scaling_factor
+        self.scoring = v4.scoring_func
         self.weight = mx.zeros((experts, config.hidden_size))
         if hashed:
             self.tid2eid = mx.zeros((config.vocab_size, self.top_k), dtype=mx.int32)
@@ -592,13 +527,12 @@ class ClampedMLP(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int):
+    def __init__(self, config: ModelConfig, v4: DeepSeekV4Config, layer_index: int):
         super().__init__()
-        r = config.raw
-        inter, limit = int(r["moe_intermediate_size"]), float(r.get("swiglu_limit", 10.0))
-        self.gate = Router(config, mlp_layer_types(config)[layer_index] == "hash_moe")
-        self.switch_mlp = ClampedSwitchGLU(config.hidden_size, inter, int(r["n_routed_experts"]), limit)
-        self.shared_experts = ClampedMLP(config.hidden_size, inter * int(r.get("n_shared_experts", 1)), limit)
+        inter, limit = v4.moe_intermediate_size, v4.swiglu_limit
+        self.gate = Router(config, v4, mlp_layer_types(config)[layer_index] == "hash_moe")
+        self.switch_mlp = ClampedSwitchGLU(config.hidden_size, inter, v4.n_routed_experts, limit)
+        self.shared_experts = ClampedMLP(config.hidden_size, inter * v4.n_shared_experts, limit)
 
     def __call__(self, x: mx.array, ids: mx.array | None) -> mx.array:
         indices, weights = self.gate(x, ids)
@@ -611,13 +545,14 @@ class MoE(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int):
         super().__init__()
+        v4 = deepseek_v4_config(config)
         self.index = layer_index
-        self.self_attn = Attention(config, layer_index)
-        self.mlp = MoE(config, layer_index)
+        self.self_attn = Attention(config, v4, layer_index)
+        self.mlp = MoE(config, v4, layer_index)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.attn_hc = HyperConnection(config)
-        self.ffn_hc = HyperConnection(config)
+        self.attn_hc = HyperConnection(config, v4)
+        self.ffn_hc = HyperConnection(config, v4)
 
     def make_cache(self) -> CompressedCache:
         return self.self_attn.make_cache()
@@ -667,10 +602,11 @@ class Slice(TransformerSlice):
             raise UserError("DeepSeek V4's LM head reads the collapsed residual streams: it cannot be shared "
                             "with the last rank (--head-share off)")
         super().__init__(config, make_layer, start, end, has_ends, head_rows)
-        self.n_streams = int(config.raw.get("hc_mult", 4))
+        v4 = deepseek_v4_config(config)
+        self.n_streams = v4.hc_mult
         self.last_hash = last_hash_layer(config)
         if has_ends:
-            self.hc_head = HyperHead(config)
+            self.hc_head = HyperHead(config, v4)
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def keeps_float32(self, name: str) -> bool:

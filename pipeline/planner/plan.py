@@ -281,7 +281,7 @@ def _deepseek_layer(c: ModelConfig, i: int) -> list[Param]:
 
 
 def _v4_rate(config: ModelConfig, kind: str) -> int:
-    from ..models.deepseek_v4 import compress_rate
+    from ..models.deepseek_v4_config import compress_rate
 
     return compress_rate(config, kind)
 
@@ -290,7 +290,7 @@ def _deepseek_v4_architecture(config: ModelConfig) -> Architecture:
     """DeepSeek V4 (see models/deepseek_v4.py), under transformers' names: hyper-connections
     around each sub-block, shared-KV attention with its compressor (and CSA's indexer), grouped
     output projection, hash-routed or top-k MoE with one shared expert; the MTP module under mtp.*."""
-    from ..models.deepseek_v4 import layer_types, mlp_layer_types
+    from ..models.deepseek_v4_config import layer_types, mlp_layer_types
 
     r, d, n = config.raw, config.hidden_size, int(config.raw.get("hc_mult", 4))
     kinds, mlps = layer_types(config), mlp_layer_types(config)
@@ -601,7 +601,7 @@ class Precision:
         if bits:
             return p.copies * _mx_bytes(p.shape, bits)
         if self.checkpoint.config.model_type == "deepseek_v4":
-            from ..models.deepseek_v4 import FLOAT32
+            from ..models.deepseek_v4_config import FLOAT32
 
             if p.name.endswith(FLOAT32):  # held in float32 whatever the dtype, as the loader does
                 return p.numel * 4
