@@ -257,7 +257,7 @@ def greedy_ours(stage, folder: Path, prompt_ids: list[int], max_tokens: int):
     from mpi4py import MPI
 
     from pipeline.runtime.engine import generate
-    from pipeline.runtime.sampling import SamplingParams
+    from pipeline.runtime.requests import SamplingParams
     from pipeline.checkpoints.tokenizer import Tokenizer
     from pipeline.cluster.transport import MpiTransport
 

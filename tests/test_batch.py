@@ -21,7 +21,7 @@ import pytest
 from conftest import REPO, make_tiny_model, mpiexec
 from pipeline.commands.batch_io import ResultsFile, read_requests
 from pipeline.util.errors import UserError
-from pipeline.runtime.sampling import SamplingParams
+from pipeline.runtime.requests import SamplingParams
 from pipeline.runtime.trace import chrome_trace, split_hint, summary_lines
 
 # One BLAS thread everywhere: with more, OpenBLAS's rounding of a multi-row product depends on

@@ -14,7 +14,7 @@ import pytest
 
 from pipeline.chat.output import ChatOutputParser
 from pipeline.chat.tool_calls import KIMI_K2
-from pipeline.runtime.scheduler import Finished, TokenLogprob, Tokens
+from pipeline.runtime.requests import Finished, TokenLogprob, Tokens
 from pipeline.serve.adapters import ChatAdapter
 from pipeline.serve.chat_output import check_tools
 from pipeline.serve.protocol import APIError

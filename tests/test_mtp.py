@@ -192,7 +192,7 @@ def generate_with(stage, folder, drafter, max_tokens=24):
     from mpi4py import MPI
 
     from pipeline.runtime.engine import generate
-    from pipeline.runtime.sampling import SamplingParams
+    from pipeline.runtime.requests import SamplingParams
     from pipeline.checkpoints.tokenizer import Tokenizer
     from pipeline.cluster.transport import MpiTransport
 

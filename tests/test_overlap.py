@@ -18,7 +18,8 @@ def test_overlapped_decode_equals_a_plain_loop(tiny_models, sampling):
     from mpi4py import MPI
 
     from pipeline.runtime.engine import generate
-    from pipeline.runtime.sampling import Sampler, SamplingParams
+    from pipeline.runtime.requests import SamplingParams
+    from pipeline.runtime.sampling import Sampler
     from pipeline.checkpoints.tokenizer import Tokenizer
     from pipeline.cluster.transport import MpiTransport
 

@@ -7,7 +7,8 @@ import torch
 from transformers.generation import logits_process as hf
 
 from pipeline.util.errors import UserError
-from pipeline.runtime.sampling import Sampler, SamplingParams
+from pipeline.runtime.requests import SamplingParams
+from pipeline.runtime.sampling import Sampler
 
 
 def hf_processed(logits: np.ndarray, history: list[int], p: SamplingParams) -> np.ndarray:

@@ -9,8 +9,9 @@ import threading
 import pytest
 
 from conftest import greedy_ours, load_stages
-from pipeline.runtime.sampling import Sampler, SamplingParams
-from pipeline.runtime.scheduler import Failed, Finished, ListSource, QueueSource, Request, Scheduler, Tokens
+from pipeline.runtime.requests import Failed, Finished, ListSource, QueueSource, Request, SamplingParams, Tokens
+from pipeline.runtime.sampling import Sampler
+from pipeline.runtime.scheduler import Scheduler
 from pipeline.checkpoints.tokenizer import Tokenizer
 from pipeline.runtime.trace import Timeline
 

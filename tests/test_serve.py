@@ -25,8 +25,7 @@ import openai
 import pytest
 
 from conftest import REPO, write_tokenizer
-from pipeline.runtime.sampling import SamplingParams
-from pipeline.runtime.scheduler import Finished, TokenLogprob, Tokens
+from pipeline.runtime.requests import Finished, SamplingParams, TokenLogprob, Tokens
 from pipeline.serve import protocol
 from pipeline.serve.adapters import ChatAdapter, CompletionAdapter
 from pipeline.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest

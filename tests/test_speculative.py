@@ -12,7 +12,8 @@ import pytest
 
 from conftest import load_stages, mpiexec
 from pipeline.runtime.engine import generate
-from pipeline.runtime.sampling import Sampler, SamplingParams
+from pipeline.runtime.requests import SamplingParams
+from pipeline.runtime.sampling import Sampler
 from pipeline.runtime.speculative import NgramDrafter, verify
 from pipeline.checkpoints.tokenizer import Tokenizer
 

@@ -66,7 +66,7 @@ def engine_requests(todo: list[InputRequest], tokenizer, use_chat_template: bool
     """The scheduler's requests, each tokenized only when the scheduler has room for it; a line
     that cannot be tokenized gets its error record instead. record(dict, error: bool) writes one."""
     from ..chat.reasoning import prompt_opens_reasoning, split_reasoning, template_thinks
-    from ..runtime.scheduler import Failed, Finished, Request
+    from ..runtime.requests import Failed, Finished, Request
 
     thinks = template_thinks(tokenizer.chat_template)
 
@@ -114,7 +114,8 @@ def prompt_ids(item: InputRequest, tokenizer, use_chat_template: bool, context: 
 
 def run(args: argparse.Namespace, comm) -> int:
     from ..runtime.job import head_share_label, head_split, load_ring_stage, matmuls_label, per_rank, plan_ring_job, prefix_cache, rank_figures, rss_label
-    from ..runtime.scheduler import ListSource, Scheduler, follow, stop_followers
+    from ..runtime.requests import ListSource
+    from ..runtime.scheduler import Scheduler, follow, stop_followers
     from ..checkpoints.tokenizer import Tokenizer
     from ..runtime.trace import Timeline, split_hint, summary_lines, write_chrome_trace
     from .batch_io import ResultsFile, read_requests

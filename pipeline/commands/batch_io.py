@@ -137,7 +137,7 @@ def _request_id(obj: dict):
 
 
 def _parse(obj: dict, request_id, line: int, defaults, max_tokens: int, system: str | None) -> InputRequest:
-    from ..runtime.sampling import SamplingParams
+    from ..runtime.requests import SamplingParams
 
     if "custom_id" in obj or "body" in obj:
         fields = _openai_fields(obj)

@@ -145,7 +145,7 @@ def validated_generation_args(args: argparse.Namespace) -> None:
     """The checks of add_sampling_args + add_weights_args + --model; sets args.sampling and
     args.requantize."""
     from ..checkpoints.formats import Requantize
-    from ..runtime.sampling import SamplingParams
+    from ..runtime.requests import SamplingParams
 
     if args.max_tokens < 1:
         raise UserError(f"--max-tokens must be >= 1, got {args.max_tokens}")

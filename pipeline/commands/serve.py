@@ -204,7 +204,7 @@ class RankZero:
     """Rank 0 of a server: the HTTP thread, the gateway between it and the scheduler, the signals."""
 
     def __init__(self, args, plan, stage, transport, tokenizer, timeline, sock, engine: dict):
-        from ..runtime.scheduler import QueueSource
+        from ..runtime.requests import QueueSource
         from ..serve.app import Defaults, ServedModel, Server
         from ..serve.gateway import Gateway
         from ..serve.metrics import Metrics

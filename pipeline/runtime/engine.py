@@ -9,7 +9,8 @@ from typing import Callable
 
 import mlx.core as mx
 
-from .sampling import Sampler, SamplingParams
+from .requests import SamplingParams
+from .sampling import Sampler
 from .speculative import DraftStats, NgramDrafter, verify
 from .stage import Stage, ring_forward, round_the_ring
 from ..checkpoints.tokenizer import StreamingDetokenizer, Tokenizer

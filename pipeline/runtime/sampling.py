@@ -2,54 +2,14 @@
 
 Applied in the order Hugging Face's logits processors use. Temperature 0 is greedy argmax.
 A seed makes sampling reproducible: each step draws from its own key split off the seed.
+The parameters travel with a request (requests.SamplingParams).
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import mlx.core as mx
 
-from ..util.errors import UserError
-
-MAX_SEED = 2**64 - 1  # what mx.random.key takes
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
-    min_p: float = 0.0  # 0: off
-    repetition_penalty: float = 1.0  # 1: off
-    seed: int | None = None
-
-    def validate(self, flags: bool = False) -> "SamplingParams":
-        """Refuse values sampling cannot use, naming them as a request's fields (temperature,
-        top_p, ...) or, with flags=True, as the command line's (--temp, --top-p, ...)."""
-        def name(field: str, flag: str) -> str:
-            return flag if flags else field
-
-        for field, flag in (("temperature", "--temp"), ("top_p", "--top-p"), ("min_p", "--min-p"),
-                            ("repetition_penalty", "--repetition-penalty")):
-            value = getattr(self, field)
-            if not math.isfinite(value):
-                raise UserError(f"{name(field, flag)} must be a finite number, got {value}")
-        if not self.temperature >= 0:
-            raise UserError(f"{name('temperature', '--temp')} must be >= 0 (0 is greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise UserError(f"{name('top_p', '--top-p')} must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise UserError(f"{name('top_k', '--top-k')} must be >= 0 (0 turns it off), got {self.top_k}")
-        if not 0 <= self.min_p < 1:
-            raise UserError(f"{name('min_p', '--min-p')} must be in [0, 1), got {self.min_p}")
-        if not self.repetition_penalty > 0:
-            raise UserError(f"{name('repetition_penalty', '--repetition-penalty')} must be > 0 (1 turns it off), "
-                            f"got {self.repetition_penalty}")
-        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
-            raise UserError(f"{name('seed', '--seed')} must be an integer from 0 to 2**64-1, got {self.seed}")
-        return self
+from .requests import SamplingParams
 
 
 class Sampler:

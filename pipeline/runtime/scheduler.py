@@ -3,7 +3,8 @@
 Front-ends hand the scheduler `Request`s (token ids, sampling, limits, and a callback) through a
 source (`ListSource` for a batch file, `QueueSource` for a server's requests arriving from another
 thread) and get back events: `Tokens` as each token is sampled, then `Finished` or, for a request
-that failed on its own, `Failed`. The scheduler knows nothing of files, HTTP or argparse.
+that failed on its own, `Failed` (all in requests.py, which front-ends import instead of this
+module). The scheduler knows nothing of files, HTTP or argparse.
 
 Rank 0 holds up to `max_batch` sequences in progress and keeps up to `microbatches` micro-batches
 in flight: it embeds one micro-batch's next tokens and runs its own layers, hands the hidden
@@ -36,13 +37,11 @@ too, keeping a bounded number of sends pending.
 from __future__ import annotations
 
 import math
-import queue
 import sys
 import time
 import traceback
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
 
 import mlx.core as mx
 
@@ -51,7 +50,8 @@ from .engine import PREFILL_CHUNK
 from .head_share import HeadSplit, combined_argmax, returned_rows, split_returned
 from ..models.base import segments
 from .prefix_cache import PrefixCache
-from .sampling import Sampler, SamplingParams
+from .requests import Failed, Finished, Request, TokenLogprob, Tokens
+from .sampling import Sampler
 from .speculative import DraftSettings, DraftStats, verify
 from .stage import Stage
 from ..checkpoints.tokenizer import StreamingDetokenizer, Tokenizer
@@ -104,116 +104,6 @@ def forward_stage(stage: Stage, hidden: mx.array, seq_ids: list[int], lengths: l
     out = mx.concatenate(outputs, axis=1)
     mx.eval(out)
     return out
-
-
-# -- what front-ends hand in and get back ---------------------------------------------------------------------
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float  # of the model's distribution at this position (raw logits, before any sampling setting)
-    top: list[tuple[int, float]]  # the most likely tokens and their logprobs, most likely first
-
-
-@dataclass
-class Tokens:
-    """One sampled token."""
-    token_id: int
-    text: str  # the text that became printable with it (may be "": a partial character or stop string is held)
-    logprob: TokenLogprob | None = None  # when the request asked for logprobs
-
-
-@dataclass
-class Finished:
-    """The last event of a request that ran."""
-    reason: str  # "stop" (EOS or a stop string), "length", or "cancelled"
-    text: str  # the whole completion
-    tail: str  # its end not yet passed on in a Tokens event (text held back until the finish)
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int  # prompt tokens whose caches were reused (prefix cache)
-    queued_s: float  # from submission (or the scheduler's start) to admission
-    ttft_s: float  # from admission to the first token
-    total_s: float  # from admission to the end
-
-
-@dataclass
-class Failed:
-    """The last event of a request that failed on its own; the job goes on."""
-    message: str
-
-
-Event = Tokens | Finished | Failed
-
-
-@dataclass(eq=False)
-class Request:
-    """One generation request. prompt_ids: tokenized by the front-end (chat template applied),
-    non-empty and shorter than the context. on_event runs on the scheduler's thread, in order,
-    and must not block."""
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    max_tokens: int
-    on_event: Callable[[Event], None]
-    stop: list[str] = field(default_factory=list)
-    logprobs: int | None = None  # None: off; k: each token's logprob and its k most likely alternatives
-    tag: Any = None  # the front-end's own
-    submitted_at: float | None = None  # time.perf_counter() at submission (None: the scheduler's start)
-    cancelled: bool = False
-
-    def cancel(self) -> None:
-        """From any thread: the scheduler drops the request at its next step (Finished, "cancelled")."""
-        self.cancelled = True
-
-
-class ListSource:
-    """Requests known up front (a batch file), taken in order; taking them lazily lets the front-end
-    prepare each (tokenize it) only when there is room for it."""
-
-    def __init__(self, requests: Iterable[Request]):
-        self._requests = iter(requests)
-        self.closed = False
-
-    def get(self, timeout: float | None = 0) -> Request | None:
-        if self.closed:
-            return None
-        request = next(self._requests, None)
-        if request is None:
-            self.closed = True
-        return request
-
-
-class QueueSource:
-    """Requests arriving from other threads (a server): `put` from anywhere, `close` to end the
-    run once what is in flight is done."""
-
-    _CLOSE = object()
-
-    def __init__(self):
-        self._queue: queue.Queue = queue.Queue()
-        self.closed = False
-
-    def put(self, request: Request) -> None:
-        self._queue.put(request)
-
-    def close(self) -> None:
-        self._queue.put(self._CLOSE)
-
-    def __len__(self) -> int:
-        return self._queue.qsize()
-
-    def get(self, timeout: float | None = 0) -> Request | None:
-        """The next request, waiting up to `timeout` seconds for one (None: forever)."""
-        if self.closed:
-            return None
-        try:
-            item = self._queue.get(block=timeout != 0, timeout=timeout or None)
-        except queue.Empty:
-            return None
-        if item is self._CLOSE:
-            self.closed = True
-            return None
-        return item
 
 
 # -- the schedule ---------------------------------------------------------------------------------------------

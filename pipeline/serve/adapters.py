@@ -1,4 +1,4 @@
-"""Engine events (scheduler.Tokens, Finished, Failed) turned into the OpenAI wire format: the
+"""Engine events (requests.Tokens, Finished, Failed) turned into the OpenAI wire format: the
 chunks of a stream, or the one response body of a request that does not stream.
 
 One adapter per request. It sees every event in order; streaming sends what `opening`, `tokens`
@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ..chat.output import ChatMessage, ChatOutputParser
-from ..runtime.scheduler import Finished, TokenLogprob, Tokens
+from ..runtime.requests import Finished, TokenLogprob, Tokens
 from . import chat_output, protocol
 
 

@@ -30,8 +30,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from ..runtime.sampling import SamplingParams
-from ..runtime.scheduler import Failed, Finished, Tokens
+from ..runtime.requests import Failed, Finished, SamplingParams, Tokens
 from ..checkpoints.tokenizer import Tokenizer
 from . import chat_output, protocol
 from .adapters import ChatAdapter, CompletionAdapter

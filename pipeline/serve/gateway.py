@@ -14,8 +14,7 @@ import threading
 import time
 from typing import AsyncIterator
 
-from ..runtime.sampling import SamplingParams
-from ..runtime.scheduler import Failed, Finished, QueueSource, Request
+from ..runtime.requests import Failed, Finished, QueueSource, Request, SamplingParams
 from .protocol import APIError
 
 RETRY_AFTER_S = 1  # what a 429 asks the client to wait: a slot frees as soon as any request ends

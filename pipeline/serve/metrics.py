@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from ..runtime.scheduler import Finished
+from ..runtime.requests import Finished
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Time to first token, from submission: tens of milliseconds for a short prompt on an idle

@@ -21,7 +21,7 @@ from typing import Any, Callable, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..util.errors import UserError
-from ..runtime.sampling import SamplingParams
+from ..runtime.requests import SamplingParams
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat; also ours for completions (OpenAI's is 5 there)
 
