@@ -22,6 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..kernels.int8_layout import packed_layout
 from ..util.errors import UserError
 from .formats import Requantize
 
@@ -407,18 +408,6 @@ def fill_module(module: nn.Module, weights: dict[str, mx.array], what: str) -> N
     mx.eval(module.parameters())
 
 
-def packed_layout(in_features: int, packed: int, scale_columns: int) -> tuple[int, int] | None:
-    """(group size, bits) of an MLX-quantized matrix of `in_features` inputs held as `packed` uint32 and
-    `scale_columns` scales a row; None where no MLX quantization gives those shapes."""
-    if scale_columns <= 0:
-        return None
-    group_size, bits = in_features // scale_columns, packed * 32 // in_features
-    if (group_size * scale_columns != in_features or bits * in_features != packed * 32
-            or group_size not in _QUANT_GROUPS or bits not in _QUANT_BITS):
-        return None
-    return group_size, bits
-
-
 def _quantize_like(model: nn.Module, weights: dict[str, mx.array]) -> None:
     """Swap Linear/Embedding/SwitchLinear modules for quantized ones where the loaded tensors
     are MLX-quantized (a `.scales` beside a packed uint32 `.weight`). Group size and bits
@@ -456,7 +445,6 @@ def _quantize_like(model: nn.Module, weights: dict[str, mx.array]) -> None:
 # multiplied by the BLAS; a dense copy costs 32/bits times the memory, hence a per-rank choice.
 
 WEIGHTS_IN_MEMORY = ("quantized", "fp32", "auto")
-_QUANT_BITS, _QUANT_GROUPS = (2, 3, 4, 5, 6, 8), (64, 32, 128)
 
 
 def is_quantized(checkpoint: Checkpoint) -> bool:
