@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.models import family_for
+from pipeline.models.registry import family_for
 from pipeline.planner.plan import Precision, architecture, bundled_configs, checkpoint_format, count_params, load_config, model_bytes
 
 NAMES = ["DeepSeek-V3", "DeepSeek-R1", "DeepSeek-V3.1", "Kimi-K2-Instruct", "Kimi-K2-Thinking", "Qwen3-235B-A22B",

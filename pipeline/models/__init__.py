@@ -1,30 +1,7 @@
-"""Model families by `model_type`: each maps to a module with a `DecoderLayer(config, index)`, and
-where a family's slice differs from base.TransformerSlice (its embedding, hidden state or head:
-DeepSeek V4's residual streams), a `Slice` class."""
-
-from types import ModuleType
-
-from .config import ModelConfig
-from ..util.errors import UserError
-from . import deepseek_v3, deepseek_v4, deepseek_v32, llama, qwen3_moe
-
-FAMILIES: dict[str, ModuleType] = {
-    "llama": llama,
-    "mistral": llama,
-    "qwen2": llama,
-    "qwen3": llama,
-    "qwen3_moe": qwen3_moe,
-    "deepseek_v3": deepseek_v3,
-    "kimi_k2": deepseek_v3,  # Kimi K2 checkpoints use the DeepSeek V3 architecture
-    "deepseek_v32": deepseek_v32,
-    "deepseek_v4": deepseek_v4,
-    "kimi_k25": deepseek_v3,  # Kimi K2.5's language model is K2's (its text_config names deepseek_v3)
-}
-
-
-def family_for(config: ModelConfig) -> ModuleType:
-    try:
-        return FAMILIES[config.model_type]
-    except KeyError:
-        raise UserError(f"model_type {config.model_type!r} is not supported "
-                        f"(supported: {', '.join(sorted(FAMILIES))})") from None
+"""The model families, one module each (llama.py, qwen3_moe.py, deepseek_v3.py, deepseek_v32.py,
+deepseek_v4.py), over small topic modules (RoPE, the KV cache, attention / MLP / block layers, the
+stage slice a rank holds, MoE experts, the MTP drafter); the model config read from config.json
+(config.py, and a family's own typed values: deepseek_v4_config.py); and the family registry by
+`model_type` with each family's capabilities (registry.py), which imports a family's module only
+on first use. Nothing here imports MLX at package import: OpenBLAS must be bound before mlx.core
+loads (kernels/blas.py), and the configs and the registry serve the planner without MLX."""

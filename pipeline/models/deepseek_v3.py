@@ -26,8 +26,6 @@ from .config import ModelConfig
 from .base import MLP, KVCache, PreNormBlock, RoPE, attend, kept_rows, positions, segments, yarn_mscale
 from .experts import SwitchGLU
 
-MTP = True  # DeepSeek's multi-token-prediction module runs as a drafter (models/mtp.py)
-
 
 class MultiHeadLatentAttention(nn.Module):
     def __init__(self, config: ModelConfig):

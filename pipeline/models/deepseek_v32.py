@@ -24,8 +24,6 @@ from .config import ModelConfig
 from .base import MLP, KVCache, PreNormBlock, RoPE, attend, kept_rows, positions, segments
 from .deepseek_v3 import DeepseekMoE, MultiHeadLatentAttention, is_moe_layer
 
-MTP = True  # DeepSeek's multi-token-prediction module runs as a drafter (models/mtp.py)
-
 
 class LightningIndexer(nn.Module):
     def __init__(self, config: ModelConfig):

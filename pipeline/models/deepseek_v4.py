@@ -53,10 +53,6 @@ from .deepseek_v4_config import (CSA, FLOAT32, SLIDING, DeepSeekV4Config, compre
                                   last_hash_layer, layer_types, mlp_layer_types, rope_dim, rope_parameters)
 from .experts import SwitchGLU
 
-HEAD_SHARE = False  # the LM head reads the collapsed streams: a batch job's last rank cannot share it
-PREFIX_CACHE = False  # a compressed cache cannot be cut back to a shorter prefix (see CompressedCache)
-DRAFTS = False  # nor can it drop a rejected draft's positions: no speculative decoding
-
 
 # ----------------------------------------------------------------------------------------- RoPE
 

@@ -33,6 +33,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .config import ModelConfig
+from .registry import family_for
 from ..util.errors import UserError
 
 SHARED = ("embed_tokens.", "shared_head.head.")  # the main model's, never read from the layer
@@ -95,10 +96,7 @@ def mtp_nbytes(checkpoint, config: ModelConfig) -> int:
 
 def check_mtp(checkpoint, config: ModelConfig, folder) -> None:
     """One line for `--draft mtp` on a model without the module, before anything is loaded."""
-    from . import family_for
-
-    family = family_for(config)
-    if not getattr(family, "MTP", False):
+    if not family_for(config).mtp:
         raise UserError(f"--draft mtp needs DeepSeek's multi-token-prediction module, and model_type "
                         f"{config.model_type} has none: use --draft ngram")
     if not has_mtp(checkpoint, config):
@@ -115,9 +113,7 @@ def load_mtp(config: ModelConfig, checkpoint, dtype: mx.Dtype, requantize=None, 
     other weights are under --weights-in-memory)."""
     from ..checkpoints.loading import load_tensors
     from ..checkpoints.weights import dequantize_slice, fill_module
-    from . import family_for
-
-    module = MTPModule(config, family_for(config).DecoderLayer)
+    module = MTPModule(config, family_for(config).module().DecoderLayer)
     prefix = mtp_prefix(config)
     names = mtp_tensor_names(checkpoint, config)
 

@@ -19,7 +19,7 @@ from ..util import cores, huge_pages
 from ..models.config import ModelConfig
 from ..util.errors import UserError
 from ..planner.memory import measured, rank_bytes
-from ..models import family_for
+from ..models.registry import family_for
 from ..planner.partition import LAYER_OVERHEAD_BYTES, balanced_counts, check_ranks, layer_ranges, parse_split
 from ..planner.plan import MemoryPlan, ModelBytes, held_and_dense, with_mtp
 from .stage import Stage
@@ -78,7 +78,7 @@ def plan_job(args: argparse.Namespace, comm, last_rank_head: float = 0.0) -> Pla
     checkpoint = open_checkpoint(folder, getattr(args, "requantize", None))
     config = checkpoint.model_config()
     family = family_for(config)
-    if getattr(args, "draft", "none") != "none" and not getattr(family, "DRAFTS", True):
+    if getattr(args, "draft", "none") != "none" and not family.drafts:
         raise UserError(f"{config.model_type} keeps compressed caches that cannot drop a rejected draft's "
                         f"positions: run it without --draft")
     if getattr(args, "draft", "none") == "mtp":
@@ -218,7 +218,7 @@ def plan_ring_job(args: argparse.Namespace, comm) -> RingJob:
     group_rows = exact_group_rows(args.packed_matmuls)  # this rank's own: it depends on its BLAS
     head_fraction = head_share_fraction(args.head_share, comm.allgather(group_rows))
     plan = mpi.checkpoint(comm, lambda: plan_job(args, comm, last_rank_head=head_fraction))
-    if not getattr(family_for(plan.config), "HEAD_SHARE", True):  # DeepSeek V4: the head reads collapsed streams
+    if not family_for(plan.config).head_share:  # DeepSeek V4: the head reads collapsed streams
         head_fraction = 0.0
     size = comm.Get_size()
     # Sequences sharing products: one micro-batch per rank, since smaller ones make smaller, less
@@ -254,7 +254,7 @@ def prefix_cache(args: argparse.Namespace, job: RingJob):
     from .prefix_cache import PrefixCache
 
     gb = getattr(args, "prefix_cache_gb", 0.0)
-    if not gb or not getattr(family_for(job.plan.config), "PREFIX_CACHE", True):
+    if not gb or not family_for(job.plan.config).prefix_cache:
         return None  # DeepSeek V4: a compressed cache cannot be cut back to a shorter prefix
     per_layer = architecture(job.plan.config).kv_values * getattr(mx, args.dtype).size
     per_position = max(per_layer * (end - start) for start, end in job.plan.ranges)

@@ -13,7 +13,7 @@ import mlx.core as mx
 
 from ..models.config import ModelConfig
 from ..checkpoints.formats import Requantize
-from ..models import family_for
+from ..models.registry import family_for
 from ..models.base import TransformerSlice
 from ..cluster.transport import Kind, Transport
 from ..checkpoints.weights import Checkpoint, dequantize_slice, load_slice
@@ -35,7 +35,7 @@ class Stage:
         head_rows: also hold the LM head's last rows (the last rank of a batch job, head_share.py).
         int8_in_place: not None, the layers' quantized matrices take the int8 layout while loading
         (weights.load_slice)."""
-        family = family_for(config)
+        family = family_for(config).module()
         slice_class = getattr(family, "Slice", TransformerSlice)  # DeepSeek V4: its residual streams
         model = slice_class(config, family.DecoderLayer, layers[0], layers[1], has_ends, head_rows)
         names = load_slice(model, checkpoint, dtype, requantize, progress=progress,

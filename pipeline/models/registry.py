@@ -1,0 +1,57 @@
+"""Model families by `model_type`, and what each can do, declared once.
+
+Each family names a module of this package holding its `DecoderLayer(config, index)` and, where its
+slice differs from the generic TransformerSlice (its embedding, hidden state or head: DeepSeek V4's
+residual streams), a `Slice` class. The module is imported on first use, by `Family.module()`:
+this registry imports no MLX, so the planner and the job's checks read the capabilities without it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+
+from .config import ModelConfig
+from ..util.errors import UserError
+
+
+@dataclass(frozen=True)
+class Family:
+    module_name: str  # the module under pipeline.models
+    drafts: bool = True  # speculative decoding: its caches can drop a rejected draft's positions
+    head_share: bool = True  # a batch job's last rank can hold a share of the LM head
+    prefix_cache: bool = True  # a finished sequence's cache can be cut back to a shorter prefix
+    mtp: bool = False  # DeepSeek's multi-token-prediction module runs as a drafter (models/mtp.py)
+
+    def module(self) -> ModuleType:
+        """The family's module (imports MLX)."""
+        return importlib.import_module(f"{__package__}.{self.module_name}")
+
+
+LLAMA = Family("llama")
+DEEPSEEK_V3 = Family("deepseek_v3", mtp=True)
+# DeepSeek V4's LM head reads the collapsed streams, so a batch job's last rank cannot share it; a
+# compressed cache can neither be cut back to a shorter prefix nor drop a rejected draft's positions.
+DEEPSEEK_V4 = Family("deepseek_v4", drafts=False, head_share=False, prefix_cache=False)
+
+FAMILIES: dict[str, Family] = {
+    "llama": LLAMA,
+    "mistral": LLAMA,
+    "qwen2": LLAMA,
+    "qwen3": LLAMA,
+    "qwen3_moe": Family("qwen3_moe"),
+    "deepseek_v3": DEEPSEEK_V3,
+    "kimi_k2": DEEPSEEK_V3,  # Kimi K2 checkpoints use the DeepSeek V3 architecture
+    "deepseek_v32": Family("deepseek_v32", mtp=True),
+    "deepseek_v4": DEEPSEEK_V4,
+    "kimi_k25": DEEPSEEK_V3,  # Kimi K2.5's language model is K2's (its text_config names deepseek_v3)
+}
+
+
+def family_for(config: ModelConfig) -> Family:
+    try:
+        return FAMILIES[config.model_type]
+    except KeyError:
+        raise UserError(f"model_type {config.model_type!r} is not supported "
+                        f"(supported: {', '.join(sorted(FAMILIES))})") from None
