@@ -18,8 +18,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from . import quants
 from ..util.errors import UserError
 
@@ -227,33 +225,12 @@ def _write_weights(checkpoint, out_dir: Path, progress: bool, desc: str) -> None
                     {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))})
 
 
-def _float32(value) -> float:
-    """A GGUF float32 as the short decimal it was written from (1e-05, not 9.999999747378752e-06)."""
-    return float(str(np.float32(value)))
-
-
 def _one_line(err: BaseException) -> str:
     return " ".join(str(err).split()) or type(err).__name__
 
 
 def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
-def _rope_scaling(meta: dict[str, Any], arch: str, gguf_path: Path) -> dict[str, Any] | None:
-    kind = meta.get(f"{arch}.rope.scaling.type")
-    factor = meta.get(f"{arch}.rope.scaling.factor")
-    if kind in (None, "none") or (kind == "linear" and factor in (None, 1.0)):
-        return None
-    if kind == "linear":
-        return {"type": "linear", "rope_type": "linear", "factor": _float32(factor)}
-    if kind == "yarn":
-        scaling = {"type": "yarn", "rope_type": "yarn", "factor": _float32(factor)}
-        original = meta.get(f"{arch}.rope.scaling.original_context_length")
-        if original is not None:
-            scaling["original_max_position_embeddings"] = int(original)
-        return scaling
-    raise UserError(f"{gguf_path}: unsupported rope scaling type {kind!r} in the GGUF metadata")
 
 
 # ----------------------------------------------------------------------------------------------
