@@ -42,7 +42,7 @@ def main() -> None:
     # http.server's listen backlog is socketserver's default of 5: 16 clients connecting at once
     # overflow it, the kernel drops the handshakes it cannot queue, and those clients get
     # "connection reset by peer" a minute later (seen as ListenOverflows in `nstat`). pipeline
-    # serve listens with a backlog of 2048 (pipeline/commands/serve.py); the same here, so that the
+    # serve listens with a backlog of 2048 (pipeline/serve/server.py); the same here, so that the
     # two servers differ in their serving, not in their socket. mlx-lm's run() builds its
     # ThreadingHTTPServer from this class, so the class attribute is the one it reads.
     server.ThreadingHTTPServer.request_queue_size = LISTEN_BACKLOG

@@ -6,4 +6,5 @@ gateway.py   the hand-off to the scheduler's thread (its QueueSource) and back; 
 adapters.py  engine events (Tokens, Finished) as chunks of a stream or one response body
 metrics.py   GET /metrics (prometheus-client)
 app.py       the routes (Starlette), run by uvicorn in a thread of rank 0
+server.py    that thread's start and stop: the socket, uvicorn, draining on SIGTERM or SIGINT
 """
