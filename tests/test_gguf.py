@@ -37,7 +37,7 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def byte_level_vocab():
     """A small GPT-2 style vocabulary: 3 control tokens, the 256 byte symbols, a few merges."""
-    from pipeline.checkpoints.gguf import _bytes_to_unicode
+    from pipeline.checkpoints.gguf_tokenizer import _bytes_to_unicode
 
     control = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     byte_symbols = sorted(_bytes_to_unicode().values(), key=lambda c: ord(c))

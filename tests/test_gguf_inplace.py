@@ -785,7 +785,7 @@ def _tokenizer_only_gguf(path: Path, tokens: list[str], types: list[int], merges
 def test_deepseek_v3_pre_tokenizer_splits_as_llama_cpp(tmp_path):
     """llama.cpp's DEEPSEEK3_LLM regex list: digits in threes, CJK/kana runs apart, then a punctuation mark
     glued to the Latin word after it (".NET"); expected pieces written out by hand."""
-    from pipeline.checkpoints.gguf import _bytes_to_unicode, build_tokenizer
+    from pipeline.checkpoints.gguf_tokenizer import _bytes_to_unicode, build_tokenizer
 
     spelled = sorted(_bytes_to_unicode().values())
     path = _tokenizer_only_gguf(tmp_path / "ds.gguf", spelled, [1] * len(spelled), [], "deepseek-v3")
@@ -822,7 +822,7 @@ def test_kimi_k2_gguf_tokenizer_matches_tiktoken(tmp_path):
     import tiktoken
     from test_tokenizer_kimi import KIMI_PAT_STR, RAINBOW, TRAINING_TEXT, train_ranks
 
-    from pipeline.checkpoints.gguf import _bytes_to_unicode
+    from pipeline.checkpoints.gguf_tokenizer import _bytes_to_unicode
     from pipeline.checkpoints.tokenizer import Tokenizer
 
     ranks = train_ranks(TRAINING_TEXT)
@@ -866,12 +866,12 @@ def test_gguf_weights_are_repacked_where_they_were_decoded(tmp_path, vocab, monk
     second copy in new memory. Same parameters as repacking after the load (the test above)."""
     import mlx.core as mx
 
-    from pipeline.kernels import qmm
+    from pipeline.kernels import build
 
     arch, kind, types, _ = DENSE_CASES["qwen2-legacy-quants"]
     written = write_model(tmp_path / "m.gguf", _transformers(kind, _qwen2(tmp_path / "hf")), arch, _by_kind(types),
                           vocab=vocab)
-    module = qmm.load().module
+    module = build.load().module
     if module is None or not hasattr(module, "huge_page_array"):
         pytest.skip("int8 products need pipeline's kernels")
     calls = []

@@ -18,6 +18,7 @@ import tiktoken  # an install requirement: a missing tiktoken must fail these te
 from tiktoken.load import load_tiktoken_bpe
 
 import pipeline.checkpoints.tokenizer as tokenizer_module
+from pipeline.checkpoints import split_patterns
 from pipeline.util.errors import UserError
 from pipeline.checkpoints.tokenizer import StreamingDetokenizer, Tokenizer
 
@@ -223,7 +224,7 @@ def test_folder_code_is_never_run(kimi_folder, kimi):
 
 
 def test_split_pattern_is_kimis():
-    assert tokenizer_module._KIMI_PAT_STR == KIMI_PAT_STR
+    assert split_patterns.KIMI_PAT_STR == KIMI_PAT_STR
 
 
 def test_special_tokens_and_vocab(kimi, reference):

@@ -16,6 +16,8 @@ from datetime import datetime
 from pathlib import Path
 
 from ..util.errors import UserError
+from .gguf_tokenizer import tokenizer_settings
+from .split_patterns import KIMI_PAT_STR
 
 # The named special tokens transformers hands to a chat template (when they are set).
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -49,22 +51,6 @@ class HFTokenizersBackend:
         return self._tok.token_to_id(token)
 
 
-# Kimi K2's pre-tokenizer split, the `pat_str` of TikTokenTokenizer in Moonshot's tokenization_kimi.py (the same in
-# Kimi-K2-Instruct, -Thinking, K2.5 and Kimi-Linear): runs of Han characters are pieces of their own, then
-# o200k-style letter runs (excluding Han), 1-3 digit groups, punctuation runs, newlines and other whitespace.
-# Its character-class intersections (&&) need tiktoken's Rust regex; Python's `re` cannot run it.
-_KIMI_PAT_STR = "|".join([
-    r"""[\p{Han}]+""",
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"""
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"""
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""\p{N}{1,3}""",
-    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
-    r"""\s*[\r\n]+""",
-    r"""\s+(?!\S)""",
-    r"""\s+""",
-])
 _KIMI_NUM_RESERVED = 256   # special-token ids: the 256 right after the base vocabulary
 _KIMI_MAX_CHUNK = 400_000  # Kimi encodes ordinary text in chunks of at most this many characters ...
 _KIMI_MAX_RUN = 25_000     # ... cut further so no piece has a longer run of all-space or all-non-space characters
@@ -103,7 +89,7 @@ class _TiktokenBackend:
             if special:
                 self._skip_ids.add(i)
         try:
-            self._enc = tiktoken.Encoding(name=rank_file.name, pat_str=_KIMI_PAT_STR, mergeable_ranks=ranks,
+            self._enc = tiktoken.Encoding(name=rank_file.name, pat_str=KIMI_PAT_STR, mergeable_ranks=ranks,
                                           special_tokens=self._specials)
         except Exception as e:  # tiktoken's Rust side raises plain ValueErrors
             raise UserError(f"cannot load {rank_file}: {_one_line(e)}") from None
@@ -167,10 +153,8 @@ class Tokenizer:
     def from_folder(cls, folder) -> "Tokenizer":
         folder = Path(folder)
         if folder.is_file():  # a GGUF file: vocabulary, merges and chat template from its metadata
-            from .gguf import tokenizer_settings
-
-            backend, settings = tokenizer_settings(folder)
-            return cls(backend, **settings)
+            tokenizer, settings = tokenizer_settings(folder)
+            return cls(HFTokenizersBackend(tokenizer), **settings)
         tok_json, rank_file = folder / "tokenizer.json", folder / "tiktoken.model"
         tcfg = _read_json(folder / "tokenizer_config.json")
         if tok_json.is_file():
