@@ -77,6 +77,53 @@ class Prefetch:
         self.files.clear()
 
 
+class CountedReads:
+    """The checkpoint's `read`, counting the bytes of the distinct byte ranges read so far (the three
+    arrays of a GGUF's quantized tensor come from one range): what the bar and the groups measure."""
+
+    def __init__(self, checkpoint):
+        self.checkpoint = checkpoint
+        self.spans: set = set()  # (file, begin) of each range read
+        self.bytes = 0
+
+    def read(self, name: str) -> mx.array:
+        for path, begin, end in self.checkpoint.spans(name):
+            if (path, begin) not in self.spans:
+                self.spans.add((path, begin))
+                self.bytes += end - begin
+        return self.checkpoint.read(name)
+
+
+class GroupedEvaluation:
+    """Evaluates the arrays in groups, one group converting while the next one's graphs are built:
+    `hand_over` starts the group built so far and waits for the one before it, which it then passes
+    to `after_group` and counts on the bar."""
+
+    def __init__(self, weights: dict[str, mx.array], bar,
+                 after_group: Callable[[dict[str, mx.array], list[str]], None] | None):
+        self.weights, self.bar, self.after_group = weights, bar, after_group
+        self.building: list[str] = []  # names of the tensors whose graphs are being built
+        self.converting: list[str] = []  # the group handed over last, being evaluated
+        self.converting_bytes = 0  # the bytes read for it
+        self.evaluated = 0  # bytes read for the arrays evaluated or being evaluated
+
+    def add(self, name: str, array: mx.array) -> None:
+        self.weights[name] = array
+        self.building.append(name)
+
+    def hand_over(self, read_bytes: int) -> None:
+        """The group built so far starts evaluating; the one before it is waited for."""
+        mx.async_eval([self.weights[name] for name in self.building])
+        done, done_bytes = self.converting, self.converting_bytes
+        mx.eval([self.weights[name] for name in done])  # one group converts while the next is built
+        self.converting, self.converting_bytes = self.building, read_bytes - self.evaluated
+        self.building = []
+        if self.after_group is not None and done:
+            self.after_group(self.weights, done)  # while the group just handed over reads
+        self.bar.update(done_bytes)
+        self.evaluated = read_bytes
+
+
 def load_tensors(checkpoint, names: list[str], dtype: mx.Dtype, requantize: Requantize | None = None,
                  keep_float32: Callable[[str], bool] | None = None, progress: bool = False,
                  desc: str = "loading",
@@ -96,57 +143,32 @@ def load_tensors(checkpoint, names: list[str], dtype: mx.Dtype, requantize: Requ
     total = sum(end - begin for _, begin, end in spans)
     bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=not progress, delay=2.0)
     prefetch = Prefetch(spans)
-    read_spans: set = set()
-    read_bytes = 0
-
-    def read(name: str) -> mx.array:
-        nonlocal read_bytes
-        for span in checkpoint.spans(name):
-            if span[:2] not in read_spans:
-                read_spans.add(span[:2])
-                read_bytes += span[2] - span[1]
-        return checkpoint.read(name)
-
+    reads = CountedReads(checkpoint)
     streams = load_streams()
     weights: dict[str, mx.array] = {}
-    group: list[str] = []  # names of the tensors whose graphs are being built
-    in_flight: tuple[list[str], int] = ([], 0)
-    evaluated = 0  # bytes read for the arrays evaluated or being evaluated
-
-    def flush() -> None:
-        nonlocal group, in_flight, evaluated
-        mx.async_eval([weights[name] for name in group])
-        previous, previous_bytes = in_flight
-        mx.eval([weights[name] for name in previous])  # one group converts while the next is built
-        in_flight, group = (group, read_bytes - evaluated), []
-        if after_group is not None and previous:
-            after_group(weights, previous)  # while the group just handed over reads
-        bar.update(previous_bytes)
-        evaluated = read_bytes
+    groups = GroupedEvaluation(weights, bar, after_group)
 
     # Loading makes short-lived tensors (bytes before a cast, floats before re-quantization): a
     # bounded cache lets the next group reuse their buffers instead of faulting in new ones.
     cache_limit = mx.set_cache_limit(min(max(total // 16, CACHE_BYTES[0]), CACHE_BYTES[1]))
-    adapted = adapt_tensors(order, checkpoint.tensors, read, dtype, requantize, keep_float32)
+    adapted = adapt_tensors(order, checkpoint.tensors, reads.read, dtype, requantize, keep_float32)
     try:
         prefetch.advance(0)
         assigned = [0] * len(streams)  # bytes read for each stream's work so far
         while True:
             least = assigned.index(min(assigned))  # the next tensor's graph on the least busy stream
-            before = read_bytes
+            before = reads.bytes
             with mx.stream(streams[least]):
                 item = next(adapted, None)
-            assigned[least] += read_bytes - before
+            assigned[least] += reads.bytes - before
             if item is None:
                 break
-            name, array = item
-            weights[name] = array
-            group.append(name)
-            if read_bytes - evaluated >= GROUP_BYTES * len(streams):
-                prefetch.advance(read_bytes)
-                flush()
-        flush()
-        flush()
+            groups.add(*item)
+            if reads.bytes - groups.evaluated >= GROUP_BYTES * len(streams):
+                prefetch.advance(reads.bytes)
+                groups.hand_over(reads.bytes)
+        groups.hand_over(reads.bytes)  # the last group starts evaluating ...
+        groups.hand_over(reads.bytes)  # ... and is waited for
     finally:
         prefetch.close()
         mx.set_cache_limit(cache_limit)
