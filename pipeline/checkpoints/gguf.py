@@ -85,11 +85,6 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, progr
     return out_dir
 
 
-# A converted folder lists under this key the modules held exactly from quants.SYMMETRIC_TYPES (their
-# biases -2^(bits - 1) times their scales, which the int8 repack does not keep), for the planner.
-SYMMETRIC_KEY = "pipeline_symmetric_modules"
-
-
 def folder_config(checkpoint) -> dict[str, Any]:
     """config.json of the converted folder: the checkpoint's config, its `architectures` entry, and an
     mlx-lm style `quantization`: the most common (bits, group) by default, modules held otherwise
@@ -117,8 +112,8 @@ def folder_config(checkpoint) -> dict[str, Any]:
         quantization.update({module: m for module, m in sorted(modules.items()) if m != default})
         config["quantization"] = config["quantization_config"] = quantization
         config["torch_dtype"] = "float16" if scale_dtypes == {"F16"} else "float32"
-        if symmetric:  # for the planner (plan.CheckpointFormat.symmetric); other readers ignore the key
-            config[SYMMETRIC_KEY] = sorted(symmetric)
+        if symmetric:  # for the planner (formats.CheckpointFormat.symmetric); other readers ignore the key
+            config[quants.SYMMETRIC_KEY] = sorted(symmetric)
     elif float_dtypes:
         main = max(sorted(set(float_dtypes)), key=float_dtypes.count)
         config["torch_dtype"] = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}.get(main, "float32")

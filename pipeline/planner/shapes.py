@@ -411,7 +411,7 @@ class CheckpointFormat:
         """Whether every bias of a tensor held MLX-quantized as stored is -2^(bits - 1) times its scale
         (the int8 repack then holds no biases: qmm.use_int8): in an MLX folder, the modules `convert`
         listed so (a GGUF's Q4_0 and Q8_0); other folders are not assumed to be."""
-        from ..checkpoints.gguf import SYMMETRIC_KEY
+        from ..checkpoints.quants import SYMMETRIC_KEY
 
         return self.kind == "mlx" and p.module in self.config.raw.get(SYMMETRIC_KEY, ())
 
@@ -551,13 +551,13 @@ def _int8(args: argparse.Namespace) -> bool:
 
 def _scales_dtype(model: str | Path | None) -> str | None:
     """The safetensors dtype of an MLX folder's first `.scales` tensor (from one file's header), or None."""
-    from ..checkpoints.weights import _read_header
+    from ..checkpoints.weights import read_header
 
     if model is None or not Path(model).is_dir():
         return None
     for path in sorted(Path(model).glob("*.safetensors")):
         try:
-            tensors = _read_header(path)
+            tensors = read_header(path)
         except (OSError, UserError):  # the loader reports a bad file; the planner only counts
             return None
         scales = next((info for name, info in tensors.items() if name.endswith(".scales")), None)
