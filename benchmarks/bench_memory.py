@@ -34,7 +34,7 @@ def owned_bytes(folder: Path, ranks: int, mode: str) -> list[int]:
     from pipeline.runtime.job import plan_weights_in_memory
     from pipeline.planner.memory import rank_bytes
     from pipeline.planner.partition import balanced_counts, layer_ranges
-    from pipeline.planner.plan import model_bytes_of
+    from pipeline.planner.weights_bytes import model_bytes_of
     from pipeline.checkpoints.weights import Checkpoint, layer_nbytes
 
     config = ModelConfig.from_folder(folder)

@@ -61,7 +61,7 @@ def python_gbps(code: str, procs: int = 1) -> float:
 def bytes_per_token(folder: Path, dense: bool, context: int) -> dict:
     sys.path.insert(0, str(common.REPO))
     from pipeline.models.config import ModelConfig
-    from pipeline.planner.plan import model_bytes_of
+    from pipeline.planner.weights_bytes import model_bytes_of
     from pipeline.checkpoints.weights import Checkpoint
 
     config, checkpoint = ModelConfig.from_folder(folder), Checkpoint(folder)

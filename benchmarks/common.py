@@ -345,7 +345,7 @@ def llama_1b() -> Path:
 def param_count(folder: Path) -> int:
     sys.path.insert(0, str(REPO))
     from pipeline.models.config import ModelConfig
-    from pipeline.planner.plan import architecture, count_params
+    from pipeline.planner.shapes import architecture, count_params
 
     return count_params(architecture(ModelConfig.from_folder(folder))).total
 

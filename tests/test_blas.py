@@ -184,7 +184,7 @@ def test_dequantized_weights_compute_the_same(quantized_models, kind):
 
     from pipeline.models.config import ModelConfig
     from pipeline.runtime.stage import Stage
-    from pipeline.planner.plan import model_bytes_of
+    from pipeline.planner.weights_bytes import model_bytes_of
     from pipeline.checkpoints.weights import Checkpoint
 
     folder = quantized_models[kind]

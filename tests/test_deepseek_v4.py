@@ -220,7 +220,8 @@ def test_published_configs_count(name, total, active, layers):
     """V4-Pro 1.6T / 49B activated, V4-Flash 284B / 13B (the model cards), counted from config.json
     alone: 1573.0B (1598.8B with the MTP module) / 48.9B, 284.3B / 13.3B."""
     from pipeline.models.deepseek_v4_config import layer_types, mlp_layer_types
-    from pipeline.planner.plan import architecture, count_params, load_config
+    from pipeline.planner.config_files import load_config
+    from pipeline.planner.shapes import architecture, count_params
 
     config = load_config(name)
     counts = count_params(architecture(config))
@@ -238,7 +239,11 @@ def test_pro_checkpoint_bytes_and_plan():
     bf16 and fp32) -- the planner's count of each tensor as stored gives the same, and it holds
     them as stored (mxfp4 / mxfp8, float32 where V4 keeps it): 793 GiB, fitting 2 x 512 + 2 x 256
     GiB, not the 3 TB of bf16."""
-    from pipeline.planner.plan import Hardware, Precision, architecture, checkpoint_format, load_config, model_bytes, plan_cluster
+    from pipeline.planner.config_files import load_config
+    from pipeline.planner.formats import checkpoint_format
+    from pipeline.planner.shapes import architecture
+    from pipeline.planner.speed import Hardware, plan_cluster
+    from pipeline.planner.weights_bytes import Precision, model_bytes
 
     config = load_config("DeepSeek-V4-Pro")
     arch, fmt = architecture(config), checkpoint_format(config)

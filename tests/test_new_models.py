@@ -114,7 +114,9 @@ def test_kimi_k25_published_names_and_counts():
     (about 1.03T parameters, 32B activated, the model card's 1T/32B) with K2 Thinking's INT4
     experts, under a wrapper; its tensors are named language_model.* beside vision_tower.* and
     mm_projector.*, which no rank reads."""
-    from pipeline.planner.plan import architecture, checkpoint_format, count_params, load_config
+    from pipeline.planner.config_files import load_config
+    from pipeline.planner.formats import checkpoint_format
+    from pipeline.planner.shapes import architecture, count_params
     from pipeline.checkpoints.weights import canonical_tensors
 
     config = load_config("Kimi-K2.5")
@@ -220,7 +222,9 @@ def test_deepseek_v32_published_config():
     too) -- 685.4B in the download with the MTP module's copies of embedding and head (the model
     card's 685B), 37.5B activated; FP8 with 128x128 ue8m0 scales; the indexer key makes each
     layer's cache 512 + 64 + 128 values per token."""
-    from pipeline.planner.plan import architecture, checkpoint_format, count_params, load_config
+    from pipeline.planner.config_files import load_config
+    from pipeline.planner.formats import checkpoint_format
+    from pipeline.planner.shapes import architecture, count_params
 
     config = load_config("DeepSeek-V3.2")
     arch = architecture(config)

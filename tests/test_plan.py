@@ -21,7 +21,12 @@ from pipeline.models.config import ModelConfig
 from pipeline.util.errors import UserError
 from pipeline.checkpoints.formats import Requantize
 from pipeline.planner.partition import balanced_counts, layer_ranges
-from pipeline.planner.plan import GIB, Hardware, Precision, architecture, checkpoint_format, count_params, model_bytes, parse_per_host, plan_cluster
+from pipeline.planner.formats import checkpoint_format
+from pipeline.planner.host_memory import parse_per_host
+from pipeline.planner.memory import GIB
+from pipeline.planner.shapes import architecture, count_params
+from pipeline.planner.speed import Hardware, plan_cluster
+from pipeline.planner.weights_bytes import Precision, model_bytes
 from pipeline.runtime.stage import Stage
 from pipeline.checkpoints.weights import Checkpoint
 
@@ -99,7 +104,7 @@ def test_speculative_roofline_by_hand():
 def test_speculative_prediction_for_deepseek_v3_mtp():
     """DeepSeek V3's own figure: one MTP draft at 85% acceptance gives about 1.2x single stream on
     an MoE (the two positions read more distinct experts, and the module itself is read)."""
-    from pipeline.planner.plan import load_config
+    from pipeline.planner.config_files import load_config
 
     config = load_config("DeepSeek-V3.1")
     hw = Hardware(memory_gib=[512, 512, 256, 256], bandwidth_gbs=[819.0], link_gbs=5.0, link_latency_us=100.0)
@@ -152,7 +157,7 @@ def test_memory_proportional_split_is_optimal(layer_bytes, extra, capacities):
 
 
 def test_real_model_split_follows_memory():
-    from pipeline.planner.plan import load_config
+    from pipeline.planner.config_files import load_config
 
     config = load_config("Kimi-K2-Thinking")
     plan = plan_cluster(config, 4, Precision(checkpoint_format(config), "bfloat16"),

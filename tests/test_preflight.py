@@ -11,7 +11,7 @@ import sys
 
 from conftest import REPO, mpiexec
 from pipeline.commands.preflight import RankReport, evaluate
-from pipeline.planner.plan import ModelBytes
+from pipeline.planner.weights_bytes import ModelBytes
 
 
 def mpmd(*folders) -> subprocess.CompletedProcess:

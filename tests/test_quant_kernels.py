@@ -194,7 +194,7 @@ def test_auto_keeps_weights_quantized_where_every_rank_has_the_kernels():
     """--weights-in-memory auto: with room for fp32 copies, ranks dequantize (MLX's kernels are slow)
     unless every rank has pipeline's kernels; fp32 is still fp32."""
     from pipeline.runtime.job import plan_weights_in_memory
-    from pipeline.planner.plan import ModelBytes
+    from pipeline.planner.weights_bytes import ModelBytes
 
     def model_bytes(per_layer: int) -> ModelBytes:
         return ModelBytes(layers=[per_layer] * 4, ends=per_layer, fixed_read=[per_layer] * 4, expert_bytes=[0] * 4,

@@ -1,9 +1,21 @@
 """`plan`: will a model fit on these hosts, how to split it, how fast (config.json only, no MPI).
-The planner itself is pipeline/planner/plan.py; this is its command line."""
+The planner itself is pipeline/planner/ (shapes, formats, bytes, the speed model, the report); this
+is its command line."""
 
 from __future__ import annotations
 
 import argparse
+import math
+from pathlib import Path
+
+from ..planner.config_files import load_config
+from ..planner.formats import checkpoint_format
+from ..planner.host_memory import parse_per_host
+from ..planner.memory import size
+from ..planner.report import format_plan
+from ..planner.speed import Hardware, plan_cluster
+from ..planner.weights_bytes import Precision, int8_activations
+from ..util.errors import UserError
 
 
 def add_parser(commands) -> None:
@@ -56,6 +68,47 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace, comm=None) -> int:
-    from ..planner.plan import run_plan
+    config = load_config(args.model)
+    hosts = args.hosts
+    memory = None
+    if args.host_memory is not None:
+        memory = parse_per_host(args.host_memory, "--host-memory", hosts)
+        hosts = hosts or len(memory)
+    if hosts is None:
+        raise UserError("plan: give --hosts N or --host-memory with one value per host")
+    if hosts < 1:
+        raise UserError(f"--hosts must be >= 1, got {hosts}")
+    hardware = Hardware(
+        memory_gib=memory,
+        bandwidth_gbs=parse_per_host(args.bandwidth_gbs, "--bandwidth-gbs", hosts, allow_one=True),
+        link_gbs=parse_per_host(args.link_gbs, "--link-gbs", 1)[0],
+        link_latency_us=_non_negative(args.link_latency_us, "--link-latency-us"),
+        tflops=parse_per_host(args.tflops, "--tflops", hosts, allow_one=True) if args.tflops else None,
+        reserve_gib=_non_negative(args.reserve_gb, "--reserve-gb"),
+    )
+    precision = Precision(checkpoint_format(config, args.model, args.quantize, args.group_size), args.dtype,
+                          args.quantize, args.group_size,
+                          dense=getattr(args, "weights_in_memory", "quantized") == "fp32",
+                          int8=int8_activations(args))
+    acceptance = getattr(args, "draft_acceptance", None)
+    if acceptance is not None and not 0 <= acceptance <= 1:
+        raise UserError(f"--draft-acceptance must be in [0, 1], got {acceptance}")
+    drafts = getattr(args, "draft_tokens", None) or ([1, 2] if acceptance is not None else [])
+    if any(not 1 <= k <= 15 for k in drafts):
+        raise UserError(f"--draft-tokens must be from 1 to 15, got {drafts}")
+    plan = plan_cluster(config, hosts, precision, hardware, args.context, args.batch, drafts,
+                        0.0 if acceptance is None else acceptance)
+    title = Path(str(args.model)).name.removesuffix(".json") or str(args.model)
+    print(format_plan(plan, title), flush=True)
+    if plan.fits is False:
+        short = [f"rank {r.rank} needs {size(r.needed)} of {r.memory_gib:g} GiB" for r in plan.ranks if not r.fits]
+        raise UserError(f"the model does not fit: {'; '.join(short)}"
+                        + (f" (with --reserve-gb {hardware.reserve_gib:g})" if hardware.reserve_gib else "")
+                        + "; add hosts or memory, or hold the weights in fewer bytes (--dtype bfloat16, --quantize 4)")
+    return 0
 
-    return run_plan(args)
+
+def _non_negative(value: float, flag: str) -> float:
+    if not (value >= 0 and math.isfinite(value)):
+        raise UserError(f"{flag} must be a finite number >= 0, got {value}")
+    return value

@@ -31,7 +31,7 @@ from pathlib import Path
 from ..util.errors import UserError
 from .flags import add_weights_args
 from ..planner.memory import DTYPE_LABEL, rank_bytes, size
-from ..planner.plan import ModelBytes
+from ..planner.weights_bytes import ModelBytes
 
 PACKAGES = ("pipeline", "mlx", "mpi4py", "numpy", "tokenizers", "jinja2")
 HEADROOM = 1.10  # caches and activations on top of the weights
@@ -156,7 +156,9 @@ def collect(args: argparse.Namespace, comm) -> RankReport:
 
 def _measure_slices(report: RankReport, folder: Path, args: argparse.Namespace) -> None:
     from ..checkpoints.formats import Requantize
-    from ..planner.plan import architecture, held_and_dense, kv_layer_bytes
+    from ..planner.memory import kv_layer_bytes
+    from ..planner.shapes import architecture
+    from ..planner.weights_bytes import held_and_dense
     from ..kernels import qmm
     from ..checkpoints.model_files import open_checkpoint
     from ..checkpoints.weights import is_quantized, layer_nbytes
@@ -169,7 +171,7 @@ def _measure_slices(report: RankReport, folder: Path, args: argparse.Namespace) 
                                                     int8=qmm.int8_by_default(args.int8_activations, args.dtype))
     if getattr(args, "draft", "none") == "mtp":  # the module on rank 0, as job.plan_job counts it
         from ..models.mtp import check_mtp, mtp_nbytes
-        from ..planner.plan import with_mtp
+        from ..planner.weights_bytes import with_mtp
 
         check_mtp(checkpoint, config, folder)
         report.disk_ends_bytes += mtp_nbytes(checkpoint, config)

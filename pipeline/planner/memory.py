@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .shapes import Architecture
+
 MIB, GIB = 2**20, 2**30
 DTYPE_LABEL = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # --dtype as the stats line names it
 
@@ -51,6 +53,12 @@ def rank_bytes(layer_bytes: list[int], ends_bytes: int, kv_layer_bytes: list[int
     weights = sum(layer_bytes[start:end]) + (ends_bytes if rank == 0 else 0)
     head = round(head_fraction * head_bytes) if rank == ranks - 1 and ranks > 1 else 0
     return RankBytes(weights, sum(kv_layer_bytes[start:end]), head, held_as)
+
+
+def kv_layer_bytes(arch: Architecture, dtype_bytes: int, tokens: int, sequences: int = 1) -> list[int]:
+    """Per layer: the KV cache bytes of `sequences` sequences of `tokens` tokens."""
+    return [round(arch.kv_cached(i, i + 1, tokens) * dtype_bytes * sequences) for i in range(len(arch.layers))]
+
 
 
 def measured(stage, held_as: str = "") -> RankBytes:

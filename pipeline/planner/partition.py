@@ -8,6 +8,7 @@ since the slowest (or fullest) stage bounds both speed and fit.
 from __future__ import annotations
 
 from ..util.errors import UserError
+from .weights_bytes import ModelBytes
 
 # A layer costs time beyond its weights' products: attention per sequence and a few dozen small ops,
 # in a batch job about what products with 28 MiB of weights take on a CPU node. Counting it balances
@@ -15,6 +16,16 @@ from ..util.errors import UserError
 # 8 (measured: rank 0 idle 13%, rank 1 3% at split 13,17; 14,16 faster in 4 of 4 paired runs). Real
 # models' layers are GBs, so it changes nothing there.
 LAYER_OVERHEAD_BYTES = 28 << 20
+
+
+def layer_counts(mb: ModelBytes, ranks: int, memory_gib: list[float] | None = None) -> list[int]:
+    """Contiguous layer counts per rank. With host memory, each rank's share of the resident
+    weight bytes is proportional to its memory (rank 0's share includes embedding + head);
+    without, the largest share is as small as possible. `generate --host-memory` uses this too."""
+    check_ranks(len(mb.layers), ranks)
+    return balanced_counts(mb.layers, ranks, rank0_extra_bytes=mb.ends, capacities=memory_gib,
+                           layer_overhead_bytes=0 if memory_gib else LAYER_OVERHEAD_BYTES)
+
 
 
 def balanced_counts(layer_bytes: list[int], ranks: int, rank0_extra_bytes: int = 0,

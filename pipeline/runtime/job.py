@@ -21,7 +21,8 @@ from ..util.errors import UserError
 from ..planner.memory import measured, rank_bytes
 from ..models.registry import family_for
 from ..planner.partition import LAYER_OVERHEAD_BYTES, balanced_counts, check_ranks, layer_ranges, parse_split
-from ..planner.plan import MemoryPlan, ModelBytes, held_and_dense, with_mtp
+from ..planner.host_memory import MemoryPlan
+from ..planner.weights_bytes import ModelBytes, held_and_dense, with_mtp
 from .stage import Stage
 from ..cluster.transport import MlxTransport, MpiTransport, this_process
 from ..checkpoints.model_files import open_checkpoint
@@ -117,7 +118,7 @@ def plan_weights_in_memory(mode: str, held: ModelBytes, dense_held: ModelBytes, 
                            memory: list[tuple[str, int]] | None, fixed: bool, last_rank_head: float = 0.0,
                            fast_quantized: list[bool] | None = None):
     """(layer counts, dense per rank) for --weights-in-memory fp32|auto on a quantized model, from
-    its bytes held packed (`held`) and dequantized (`dense_held`; plan.model_bytes_of). fp32: every
+    its bytes held packed (`held`) and dequantized (`dense_held`; weights_bytes.model_bytes_of). fp32: every
     rank dense, layers balanced by dense bytes. auto: the same if every host's ranks fit in its free
     memory (see `choose_dense`), else the quantized balance with ranks made dense, in rank order,
     while their host has room; but where every rank has pipeline's quantized kernels
@@ -250,7 +251,7 @@ def head_split(args: argparse.Namespace, job: RingJob):
 def prefix_cache(args: argparse.Namespace, job: RingJob):
     """Rank 0's prefix cache for --prefix-cache-gb (None when 0): as many positions as the rank
     with the most cached bytes per position holds in that many GB."""
-    from ..planner.plan import architecture
+    from ..planner.shapes import architecture
     from .prefix_cache import PrefixCache
 
     gb = getattr(args, "prefix_cache_gb", 0.0)
@@ -317,5 +318,3 @@ def matmuls_label(group_rows: int) -> str:
     if group_rows == sys.maxsize:
         return "all rows packed"
     return f"batch-invariant, up to {group_rows} rows" if group_rows else "per sequence"
-
-

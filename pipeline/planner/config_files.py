@@ -1,0 +1,38 @@
+"""The config.json a `--model` names, read without its weights: a model folder's, a GGUF file's
+metadata, a config.json file, or one of the real published configs bundled in planner/configs/."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..checkpoints.model_files import is_gguf, open_checkpoint
+from ..models.config import ModelConfig
+from ..util.errors import UserError
+
+CONFIG_DIR = Path(__file__).with_name("configs")
+
+
+def bundled_configs() -> dict[str, Path]:
+    """The real configurations shipped in pipeline/planner/configs, by lower-case name."""
+    return {p.stem.lower(): p for p in sorted(CONFIG_DIR.glob("*.json"))}
+
+
+def load_config(spec: str | Path) -> ModelConfig:
+    """A model folder, a GGUF file (its metadata), a config.json file, or the name of a bundled config
+    (e.g. DeepSeek-V3.1)."""
+    path = Path(spec)
+    if is_gguf(path):
+        return open_checkpoint(path).model_config()
+    if path.is_dir():
+        return ModelConfig.from_folder(path)
+    if not path.is_file():
+        path = bundled_configs().get(str(spec).lower().removesuffix(".json"))
+        if path is None:
+            names = ", ".join(p.stem for p in bundled_configs().values())
+            raise UserError(f"--model {spec}: not a model folder, a config.json file or a bundled config "
+                            f"({names})")
+    try:
+        return ModelConfig.from_dict(json.loads(path.read_text()))
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path} is not valid JSON ({e.msg} at line {e.lineno})") from None

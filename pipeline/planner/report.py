@@ -1,0 +1,69 @@
+"""The text `pipeline plan` prints: the model's parameters and bytes, one line per rank (layers,
+weights, KV cache, headroom, fit, ms per token), and the predicted tok/s with the model behind it."""
+
+from __future__ import annotations
+
+from .memory import size
+from .speed import ClusterPlan
+
+
+def _b(n: float) -> str:
+    return f"{n / 1e9:.1f}B"
+
+
+def format_plan(plan: ClusterPlan, title: str) -> str:
+    arch, c, p, hw = plan.arch, plan.counts, plan.precision, plan.hardware
+    cp = p.checkpoint
+    lines = [f"{title} ({arch.name}): {len(arch.layers)} layers, {_b(c.total)} parameters, "
+             f"{_b(c.active)} read per token (embedding table excluded)"
+             + (f"; MTP module {_b(c.unused)} in the checkpoint, run only with --draft mtp" if c.unused else "")]
+    resident = sum(plan.mb.layers) + plan.mb.ends
+    disk = sum(cp.disk_bytes(q) for layer in arch.layers for q in layer) + sum(cp.disk_bytes(q) for q in arch.ends)
+    disk_unused = sum(cp.disk_bytes(q) for q in arch.unused)
+    lines.append(f"weights in memory: {size(resident)}; {p.describe()}")
+    lines.append(f"checkpoint on disk: {disk / 1e9:.1f} GB" + (f" (+{disk_unused / 1e9:.1f} GB MTP module)" if disk_unused else "")
+                 + f", {cp.describe()}")
+    kv_token = arch.kv_values * p.dtype_bytes * len(arch.layers)
+    if arch.kv_layers is None:
+        lines.append(f"KV cache: {arch.kv_note} = {arch.kv_values} values/token/layer, {kv_token / 1024:.1f} KiB per "
+                     f"token ({p.dtype}); context {plan.context} x batch {plan.batch}")
+    else:
+        window = arch.kv_cached(0, len(arch.layers), 0) * p.dtype_bytes
+        lines.append(f"KV cache: {arch.kv_note} = {arch.kv_values:.1f} values/token/layer on average, "
+                     f"{kv_token / 1024:.2f} KiB per token + {window / 2**20:.1f} MiB per sequence ({p.dtype}); "
+                     f"context {plan.context} x batch {plan.batch}")
+    lines.append("")
+    lines.append(f"{'rank':>4}  {'memory':>9}  {'layers':<14}  {'weights':>10}  {'KV cache':>9}  {'headroom':>10}  "
+                 f"{'fits':>4}  {'bandwidth':>10}  {'ms/token':>8}")
+    bandwidth = hw.bandwidth_gbs if len(hw.bandwidth_gbs) == len(plan.ranks) else hw.bandwidth_gbs[:1] * len(plan.ranks)
+    for r, ms, bw in zip(plan.ranks, plan.stage_ms, bandwidth):
+        memory = f"{r.memory_gib:g} GiB" if r.memory_gib is not None else "-"
+        headroom = size(r.headroom) if r.headroom is not None else "-"
+        fits = "-" if r.fits is None else ("yes" if r.fits else "NO")
+        span = f"{r.start}-{r.end - 1} ({r.end - r.start})"
+        lines.append(f"{r.rank:>4}  {memory:>9}  {span:<14}  {size(r.weight_bytes):>10}  {size(r.kv_bytes):>9}  "
+                     f"{headroom:>10}  {fits:>4}  {bw:>6g} GB/s  {ms:>8.2f}")
+    lines.append("")
+    hops = len(plan.ranks) if len(plan.ranks) > 1 else 0
+    link = (f" + {hops} hops of {hw.link_latency_us:g} us + {arch.hidden_values or arch.config.hidden_size} x "
+            f"{p.dtype_bytes} B at "
+            f"{hw.link_gbs:g} GB/s" if hops else "")
+    lines.append(f"decode roofline: single stream {plan.single_tps:.1f} tok/s (stage times in turn{link}); "
+                 f"batch {plan.batch}: {plan.batch_tps:.1f} tok/s (stages overlap; slowest stage bounds it)")
+    for k, how, tps in plan.speculative or ():
+        drafting = f"MTP module, {size(plan.mb.mtp)} more on rank 0" if how == "mtp" else "prompt lookup, drafting free"
+        lines.append(f"  speculative, {k} draft{'s' if k > 1 else ''} ({drafting}), acceptance "
+                     f"{100 * plan.draft_acceptance:.0f}%: single stream {tps:.1f} tok/s "
+                     f"({tps / plan.single_tps:.2f}x; the {k + 1} verified positions read more experts)")
+    lines.append(f"  for scale: one host holding the whole model at {max(hw.bandwidth_gbs):g} GB/s would reach "
+                 f"{plan.one_host_tps:.1f} tok/s single stream; a pipeline's single stream cannot beat that")
+    if plan.even_split:
+        counts, tps = plan.even_split
+        lines.append(f"  note: an even split also fits ({','.join(map(str, counts))}); it gives batch {plan.batch} "
+                     f"{tps:.1f} tok/s, since the larger hosts are the slowest stages: generate --split "
+                     f"{','.join(map(str, counts))}")
+    lines.append("  model: stage time = bytes read / bandwidth (non-expert weights, distinct routed experts "
+                 "E*(1-(1-k/E)^m) for m tokens, KV cache at the full context)"
+                 + ("; compute-bound at 2 x params x tokens / --tflops" if hw.tflops else "; compute not modelled")
+                 + "; peak numbers, no efficiency factor: real runs land below")
+    return "\n".join(lines)
