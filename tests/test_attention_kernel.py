@@ -131,7 +131,8 @@ def test_model_attention_matches_mlx_fallback(kernels, monkeypatch):
     """A layer's attention through the kernel (every sequence in one call) against MLX's per-sequence
     path (PIPELINE_ATTENTION=0) on a batch of a prompt chunk and decoding sequences."""
     from pipeline.models.config import ModelConfig
-    from pipeline.models.base import Attention, KVCache
+    from pipeline.models.cache import KVCache
+    from pipeline.models.layers import Attention
 
     config = ModelConfig.from_dict({"model_type": "llama", "hidden_size": 256, "num_attention_heads": 8,
                                     "num_key_value_heads": 2, "intermediate_size": 512, "num_hidden_layers": 1,
@@ -157,7 +158,7 @@ def test_attend_and_append_writes_each_cache_and_attends_as_after_it(kernels):
     """One operation appends a step's keys and values to every sequence's cache and attends: the caches
     after it hold what slice updates would write, nothing else moves, and the output is the attention
     over the updated caches."""
-    from pipeline.models.base import KVCache
+    from pipeline.models.cache import KVCache
 
     rng = np.random.default_rng(11)
     kv_heads, d, heads = 2, 64, 6
@@ -198,7 +199,7 @@ def test_appending_never_changes_a_fork_sharing_the_buffer(kernels):
     """A prefix-cache fork is a view of its parent's buffer: appending to either must not write into
     what the other holds, even where the parent first drops positions (rejected drafts) that the fork
     still holds: the shared buffer is copied, not updated in place."""
-    from pipeline.models.base import KVCache
+    from pipeline.models.cache import KVCache
 
     rng = np.random.default_rng(12)
     parent = KVCache()

@@ -319,9 +319,9 @@ def test_symmetric_matrices_drop_their_biases_with_the_same_products(kernels, bi
 @pytest.mark.parametrize("rows", (1, 5, 70))
 def test_fused_products_and_swiglu_have_the_bits_of_the_products_alone(kernels, rows):
     """A layer's q/k/v products as one operation, and gate/up with SwiGLU as one: each output element the
-    same bits as the separate products (and models/base.py's swiglu of them), gates from -100 to 100
+    same bits as the separate products (and models/layers.py's swiglu of them), gates from -100 to 100
     (the sigmoid's saturated ends)."""
-    from pipeline.models.base import swiglu
+    from pipeline.models.layers import swiglu
 
     rng = np.random.default_rng(rows)
     k, bits, group_size = 256, 4, 64
@@ -341,7 +341,7 @@ def test_fused_products_and_swiglu_have_the_bits_of_the_products_alone(kernels, 
 def test_layer_products_take_the_fused_operation_only_where_it_is_exact():
     """qmm.products and qmm.swiglu_product on Linears: with int8 products, one operation with the bits of
     each Linear called alone (Linear biases added after); dense or float32-kernel Linears, called alone."""
-    from pipeline.models.base import swiglu
+    from pipeline.models.layers import swiglu
 
     mx.random.seed(4)
     k = 128

@@ -1,7 +1,8 @@
-"""The compiled pieces of a layer (models/base.py) against the MLX operations they replace: bit for
-bit, so that compiling them changed no result (greedy texts stay what they were). pipeline's RoPE
-kernel (layer_kernels.cpp) is bit for bit MLX's rope too; its RMSNorm kernel sums in its own order,
-so it is held to a float64 reference and to rounding each row the same whatever shares the call."""
+"""The compiled pieces of a layer (models/layers.py, models/rope.py) against the MLX operations
+they replace: bit for bit, so that compiling them changed no result (greedy texts stay what they
+were). pipeline's RoPE kernel (layer_kernels.cpp) is bit for bit MLX's rope too; its RMSNorm kernel
+sums in its own order, so it is held to a float64 reference and to rounding each row the same
+whatever shares the call."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ import numpy as np
 import pytest
 
 from pipeline.kernels import layer_kernels
-from pipeline.models import base
+from pipeline.models.cache import KVCache
+from pipeline.models.layers import RMSNorm, swiglu
+from pipeline.models.packing import positions
+from pipeline.models.rope import RoPE
 
 SCALINGS = {
     "default": None,
@@ -23,7 +27,7 @@ SCALINGS = {
 }
 
 
-def fast_rope(rope: base.RoPE, x: mx.array, offset) -> mx.array:
+def fast_rope(rope: RoPE, x: mx.array, offset) -> mx.array:
     """What RoPE computed before it was compiled: MLX's own rope, then YaRN's factor."""
     out = mx.fast.rope(x, rope.dims, traditional=rope.traditional, base=None, scale=rope.position_scale,
                        offset=offset, freqs=rope._periods)
@@ -41,7 +45,7 @@ def assert_identical(got: mx.array, want: mx.array) -> None:
 @pytest.mark.parametrize("scaling", list(SCALINGS))
 @pytest.mark.parametrize("dims, features", [(64, 64), (32, 96)], ids=["whole", "partial"])
 def test_rope_equals_mlx_rope(dtype, traditional, scaling, dims, features):
-    rope = base.RoPE(dims, 10000.0, SCALINGS[scaling], traditional=traditional, max_position_embeddings=163840)
+    rope = RoPE(dims, 10000.0, SCALINGS[scaling], traditional=traditional, max_position_embeddings=163840)
     rng = np.random.default_rng(0)
     for tokens, heads in ((1, 12), (5, 3), (70, 4)):
         x = mx.array(rng.normal(0, 4, (tokens, heads, 1, features)).astype(np.float32)).astype(dtype)
@@ -57,15 +61,15 @@ def test_rope_equals_mlx_rope(dtype, traditional, scaling, dims, features):
 def test_layers_of_a_step_share_the_angles():
     """Every layer's RoPE of a step reads the same cos/sin arrays (computed once), yet a token at
     another position in another step gets its own."""
-    ropes = [base.RoPE(64, 10000.0, None) for _ in range(3)]
-    caches = [base.KVCache()]
+    ropes = [RoPE(64, 10000.0, None) for _ in range(3)]
+    caches = [KVCache()]
     caches[0].offset = 9
-    offsets = [base.positions([2], caches) for _ in ropes]
+    offsets = [positions([2], caches) for _ in ropes]
     assert all(o is offsets[0] for o in offsets)
     angles = [rope._angles(offsets[0], mx.float32) for rope in ropes]
     assert all(a[0] is angles[0][0] for a in angles)
     caches[0].offset = 11
-    moved = base.positions([2], caches)
+    moved = positions([2], caches)
     assert moved.tolist() == [11, 12] and ropes[0]._angles(moved, mx.float32)[0] is not angles[0][0]
 
 
@@ -74,7 +78,7 @@ def test_swiglu_equals_mlx():
     for dtype in (mx.float32, mx.bfloat16):
         for rows in (1, 3, 64):
             gate, up = (mx.array(rng.normal(0, 3, (rows, 160)).astype(np.float32)).astype(dtype) for _ in range(2))
-            assert_identical(base.swiglu(gate, up), nn.silu(gate) * up)
+            assert_identical(swiglu(gate, up), nn.silu(gate) * up)
 
 
 def test_rms_norm_equals_mlx_where_compiled(monkeypatch):
@@ -82,7 +86,7 @@ def test_rms_norm_equals_mlx_where_compiled(monkeypatch):
     rng = np.random.default_rng(1)
     for dtype, kernels in ((mx.bfloat16, "1"), (mx.float32, "0")):
         monkeypatch.setenv(layer_kernels.ENV, kernels)
-        norm = base.RMSNorm(96, eps=1e-5)
+        norm = RMSNorm(96, eps=1e-5)
         norm.weight = mx.array(rng.normal(1, 0.3, 96).astype(np.float32)).astype(dtype)
         for rows in (1, 3, 64):
             x = mx.array(rng.normal(0, 3, (1, rows, 96)).astype(np.float32)).astype(dtype)
@@ -99,7 +103,7 @@ def test_rms_norm_kernel_matches_float64_and_rounds_each_row_alone(kernels, monk
     monkeypatch.delenv(layer_kernels.ENV, raising=False)
     rng = np.random.default_rng(2)
     for n in (96, 576, 100):  # 100: a tail past the 16-lane vectors
-        norm = base.RMSNorm(n, eps=1e-5)
+        norm = RMSNorm(n, eps=1e-5)
         weight = rng.normal(1, 0.3, n).astype(np.float32)
         norm.weight = mx.array(weight)
         x = rng.normal(0, 3, (64, n)).astype(np.float32)

@@ -39,7 +39,7 @@ def run(args: argparse.Namespace, comm) -> int:
     from ..runtime.engine import generate
     from ..runtime.speculative import make_drafter
     from ..runtime.job import load_stage, make_transport, plan_job, rank_figures
-    from ..runtime.stage import serve, stop_ring
+    from ..runtime.stage import follow_single_stream, stop_ring
     from ..checkpoints.tokenizer import Tokenizer
 
     rank = comm.Get_rank()
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace, comm) -> int:
             stop_ring(transport)
         write("\n")
     else:
-        serve(stage, transport)
+        follow_single_stream(stage, transport)
         result = None
 
     figures = comm.gather(rank_figures(stage, stage.kv_bytes_per_token, blas.invariant_rows()), root=0)

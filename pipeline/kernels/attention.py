@@ -38,7 +38,7 @@ def kernel(q: mx.array, head_dims: tuple[int, ...]):
 def attend_and_append(module, q: mx.array, new_keys: mx.array, new_values: mx.array, caches: list, rows: list[int],
                       lengths: list[int], scale: float) -> mx.array:
     """The step's new keys and values [sum(lengths), kv heads, d] (sequence i's lengths[i] tokens, packed
-    in order) into each sequence's cache (base.KVCache), then the attention of q [sum(rows), heads, dk]
+    in order) into each sequence's cache (models/cache.KVCache), then the attention of q [sum(rows), heads, dk]
     (sequence i's rows[i] queries, its last tokens) over them, causally, all in one MLX operation
     returning [sum(rows), heads * dv]. The caches' buffers are updated in place where nothing else
     holds them (as MLX's slice updates do), else copied."""

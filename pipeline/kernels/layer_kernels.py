@@ -1,6 +1,6 @@
 """RMSNorm and RoPE's rotation as one MLX operation each (layer_kernels.cpp, compiled into the
 quantized products' extension by qmm.py), where that extension is loaded and the activations are
-float32 on the CPU; MLX's compiled ops otherwise (models/base.py).
+float32 on the CPU; MLX's compiled ops otherwise (models/layers.py, models/rope.py).
 
 MLX dispatches each node of a graph alone, at a few microseconds each on CPU, and these steps were
 several nodes each: a compiled RMSNorm took 24 us a call, and a small model's decode step calls it

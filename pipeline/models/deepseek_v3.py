@@ -23,7 +23,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .config import ModelConfig
-from .base import MLP, KVCache, PreNormBlock, RoPE, attend, kept_rows, positions, segments, yarn_mscale
+from .cache import KVCache
+from .layers import MLP, PreNormBlock, attend
+from .packing import kept_rows, positions, segments
+from .rope import RoPE, yarn_mscale
 from .experts import SwitchGLU
 
 
@@ -82,7 +85,7 @@ class MultiHeadLatentAttention(nn.Module):
 
     def __call__(self, x: mx.array, caches: list[KVCache], lengths: list[int], last_only: bool = False,
                  full: list[bool] | None = None) -> mx.array:
-        """As base.Attention: packed sequences, each against its own cache; last_only: the
+        """As layers.Attention: packed sequences, each against its own cache; last_only: the
         output of each sequence's last token only (all of a `full` one's; every token's latent
         is cached all the same)."""
         _, T, _ = x.shape

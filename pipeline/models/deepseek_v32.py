@@ -21,7 +21,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .config import ModelConfig
-from .base import MLP, KVCache, PreNormBlock, RoPE, attend, kept_rows, positions, segments
+from .cache import KVCache
+from .layers import MLP, PreNormBlock, attend
+from .packing import kept_rows, positions, segments
+from .rope import RoPE
 from .deepseek_v3 import DeepseekMoE, MultiHeadLatentAttention, is_moe_layer
 
 

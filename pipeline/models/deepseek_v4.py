@@ -48,7 +48,9 @@ import mlx.nn as nn
 from ..kernels import qmm
 from .config import ModelConfig
 from ..util.errors import UserError
-from .base import RoPE, TransformerSlice, kept_rows, positions, segments, start_computing
+from .packing import kept_rows, positions, segments
+from .rope import RoPE
+from .stage_slice import TransformerSlice, start_computing
 from .deepseek_v4_config import (CSA, FLOAT32, SLIDING, DeepSeekV4Config, compress_rate, deepseek_v4_config,
                                   last_hash_layer, layer_types, mlp_layer_types, rope_dim, rope_parameters)
 from .experts import SwitchGLU

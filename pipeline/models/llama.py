@@ -5,7 +5,7 @@ families are config switches inside `Attention`.
 """
 
 from .config import ModelConfig
-from .base import MLP, Attention, PreNormBlock
+from .layers import MLP, Attention, PreNormBlock
 
 
 def DecoderLayer(config: ModelConfig, layer_index: int) -> PreNormBlock:

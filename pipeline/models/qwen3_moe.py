@@ -7,7 +7,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .config import ModelConfig
-from .base import MLP, Attention, PreNormBlock
+from .layers import MLP, Attention, PreNormBlock
 from .experts import SwitchGLU
 
 

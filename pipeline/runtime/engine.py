@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import mlx.core as mx
 
@@ -101,18 +101,23 @@ def generate(stage: Stage, transport: Transport, tokenizer: Tokenizer, prompt_id
                       prefill_s=first_token_at - start, decode_s=end - first_token_at, draft=draft)
 
 
+class Overlapped(NamedTuple):
+    """How `_overlapped` ended."""
+    ended: bool  # take() ended the generation; False: more() stopped it (the last token taken has not run)
+    taken: int  # tokens handed to take()
+
+
 def _overlapped(stage: Stage, transport: Transport, sampler: Sampler, logits: mx.array, take: Callable[[int], bool],
-                more: Callable[[], bool]) -> bool:
+                more: Callable[[], bool]) -> Overlapped:
     """Without a repetition penalty (which needs each token in hand): the next step is built and
     started before this token is read, as mlx-lm does, so Python building its graph overlaps the
     CPU computing this one. On one rank that is the whole step; on several, rank 0's layers (sent
     on once the token is read and taken). Same tokens; at the end one step (or rank 0's part of
-    it) is computed unused. more(): whether a token after the pending one may still be wanted.
-    Returns True once take() ended the generation; False when more() did (the last token taken
-    has not run)."""
+    it) is computed unused. more(): whether a token after the pending one may still be wanted."""
     model = stage.model
     pending = sampler.lazy(logits)
     mx.async_eval(pending)  # where `logits` is not computed yet (one rank): it runs while the next step is built
+    taken = 0
     while True:
         following = None
         if more():
@@ -120,10 +125,11 @@ def _overlapped(stage: Stage, transport: Transport, sampler: Sampler, logits: mx
             if transport.size == 1:
                 following = sampler.lazy(model.logits(following[:, -1, :])[0])
             mx.async_eval(following)
+        taken += 1
         if take(int(pending.item())):
-            return True
+            return Overlapped(ended=True, taken=taken)
         if following is None:
-            return False
+            return Overlapped(ended=False, taken=taken)
         if transport.size > 1:
             following = sampler.lazy(model.logits(round_the_ring(transport, following)[:, -1, :])[0])
         pending = following
@@ -132,19 +138,25 @@ def _overlapped(stage: Stage, transport: Transport, sampler: Sampler, logits: mx
 def _speculate(stage: Stage, transport: Transport, sampler: Sampler, drafter: NgramDrafter, token: int,
                history: list[int], take: Callable[[int], bool], room: Callable[[], int],
                overlap: bool = False) -> DraftStats:
-    """Decode with drafts: each trip runs the last token and its drafts, keeps the drafts the
-    model agrees with and its own next token, and tells every rank to drop the rest from its
-    caches with the next trip (rewind). overlap: while the drafter proposes nothing (no earlier
-    match, or its back-off), decode as without drafts, each step started before the token it
-    follows is read (_overlapped), so an open question, where drafts rarely land, is not slower
-    than --draft none. Whether to go on overlapping is asked of the tokens already read: a match
-    that only the pending token makes is drafted from one trip later."""
+    """Decode with drafts, from `token` (sampled, not yet taken): each trip runs the last token and
+    its drafts, keeps the drafts the model agrees with and its own next token, and tells every rank
+    to drop the rest from its caches with the next trip (rewind). overlap: while the drafter
+    proposes nothing (no earlier match, or its back-off), decode as without drafts, each step
+    started before the token it follows is read (`_overlapped`), so an open question, where drafts
+    rarely land, is not slower than --draft none. Whether to go on overlapping is asked of the
+    tokens already read: a match that only the pending token makes is drafted from one trip later."""
     model = stage.model
     stats = DraftStats()
-    rewind = 0
-    ran = False  # after overlapped steps: `token` is taken already and has still to run
-    while ran or not take(token):
-        ran = False
+    rewind = 0  # rejected drafts of the last trip, to drop from every rank's caches with the next
+    wants_hidden = getattr(drafter, "wants_hidden", False)  # the MTP drafter reads the positions run
+
+    def nothing_to_draft() -> bool:
+        """Whether overlapped steps go on: room for a token after the pending one, and no drafts for it."""
+        return room() > 1 and not drafter.propose(history, room() - 1)
+
+    if take(token):
+        return stats
+    while True:  # `token` is taken and has still to run
         # Room for r more tokens: r - 1 drafts at most (the model adds one), and their positions in the cache.
         drafts = drafter.propose(history, room() - 1)
         stats.trips += 1
@@ -152,37 +164,29 @@ def _speculate(stage: Stage, transport: Transport, sampler: Sampler, drafter: Ng
             # on one rank the trip stays lazy: the next step is built while it is computed
             hidden = ring_forward(stage, transport, model.embed(mx.array([[token]])), rewind=rewind, evaluate=False)
             logits, rewind = model.logits(hidden[:, -1, :])[0], 0
-            taken = 0
-
-            def counted(t: int) -> bool:
-                nonlocal taken
-                taken += 1
-                return take(t)
-
-            # This trip's token, then one per overlapped step while nothing is proposed; the last one runs next.
-            stopped = _overlapped(stage, transport, sampler, logits, counted,
-                                  more=lambda: room() > 1 and not drafter.propose(history, room() - 1))
-            stats.trips, stats.tokens = stats.trips + taken - 1, stats.tokens + taken
-            if stopped:
+            # This trip's token, then one per overlapped step while nothing is proposed.
+            run = _overlapped(stage, transport, sampler, logits, take, more=nothing_to_draft)
+            stats.trips, stats.tokens = stats.trips + run.taken - 1, stats.tokens + run.taken
+            if run.ended:
                 return stats
-            token, ran = history[-1], True
+            token = history[-1]  # taken by the last overlapped step, and not run: the next trip runs it
             continue
         hidden = ring_forward(stage, transport, model.embed(mx.array([[token, *drafts]])),
                               all_positions=bool(drafts), rewind=rewind)
-        if getattr(drafter, "wants_hidden", False):  # the states of the positions run (of the drafts: kept as far as accepted)
+        if wants_hidden:  # the states of the positions run (of the drafts: kept as far as accepted)
             drafter.returned(model.norm(hidden[0]))
-        if not drafts:
+        if drafts:
+            accepted, token = verify(sampler, model.logits(hidden[0]), drafts, history)
+            drafter.observe(len(drafts), accepted)
+            stats.drafted += len(drafts)
+            stats.accepted += accepted
+            stats.tokens += accepted + 1
+            rewind = len(drafts) - accepted
+            for draft in drafts[:accepted]:
+                if take(draft):
+                    return stats
+        else:
             token, rewind = sampler(model.logits(hidden[:, -1, :])[0], history), 0
             stats.tokens += 1
-            continue
-        accepted, following = verify(sampler, model.logits(hidden[0]), drafts, history)
-        drafter.observe(len(drafts), accepted)
-        stats.drafted += len(drafts)
-        stats.accepted += accepted
-        stats.tokens += accepted + 1
-        rewind = len(drafts) - accepted
-        for draft in drafts[:accepted]:
-            if take(draft):
-                return stats
-        token = following
-    return stats
+        if take(token):
+            return stats

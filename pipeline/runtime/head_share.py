@@ -25,9 +25,8 @@ waits jitter, and with two micro-batches in flight a change shows only a round l
 from __future__ import annotations
 
 import mlx.core as mx
-import mlx.nn as nn
 
-from ..kernels import qmm
+from ..models.stage_slice import head_columns
 
 GAIN = 0.3  # fraction of the measured imbalance corrected per micro-batch: smooths the wait jitter
 STEP = 16  # columns move in multiples of this
@@ -45,14 +44,6 @@ def head_share_fraction(setting: str | float, group_rows: list[int]) -> float:
 def head_share_rows(fraction: float, vocab_size: int) -> int:
     """Rows (vocabulary entries) of the LM head that `fraction` of it is: a multiple of STEP."""
     return 0 if fraction <= 0 else max(STEP, round(vocab_size * fraction / STEP) * STEP)
-
-
-def head_columns(head: nn.Module, x: mx.array, begin: int, end: int) -> mx.array:
-    """x @ rows [begin, end) of an LM head (a Linear, or an Embedding used as one), quantized or not:
-    the logits of vocabulary entries [begin, end)."""
-    if "scales" in head:  # QuantizedLinear / QuantizedEmbedding (begin, end: multiples of STEP, whole int8 blocks)
-        return qmm.rows_product(head, x, begin, end)
-    return x @ head.weight[begin:end].T
 
 
 def returned_rows(model, last: mx.array, columns: int, groups: list[tuple[int, int]]) -> mx.array:

@@ -48,7 +48,7 @@ import mlx.core as mx
 from ..kernels import blas
 from .engine import PREFILL_CHUNK
 from .head_share import HeadSplit, combined_argmax, returned_rows, split_returned
-from ..models.base import segments
+from ..models.packing import segments
 from .prefix_cache import PrefixCache
 from .requests import Failed, Finished, Request, TokenLogprob, Tokens
 from .sampling import Sampler

@@ -8,7 +8,7 @@ rejected positions are dropped from every rank's caches before the next chunk.
 
 Exact: the K+1 positions round as they do one at a time (products through the batch-invariant
 BLAS kernel; attention through pipeline's kernel, attention.py, which rounds each query alone, or
-MLX's attending each query alone: models/base.attend), so greedy output is the same with or
+MLX's attending each query alone: models/layers.attend), so greedy output is the same with or
 without drafts. Sampling uses speculative rejection sampling (Leviathan et al. 2023; a draft that
 is one token with certainty, q = 1, is accepted with probability p(draft), and on rejection the
 next token is drawn from p with the draft removed), so the output distribution is the model's.
@@ -39,7 +39,7 @@ import mlx.core as mx
 from .sampling import Sampler
 
 DRAFT_CHOICES = ("none", "ngram", "mtp")
-MAX_DRAFT_TOKENS = 15  # K + 1 verified positions stay within models.base.EXACT_POSITIONS_MAX
+MAX_DRAFT_TOKENS = 15  # K + 1 verified positions stay within models.layers.EXACT_POSITIONS_MAX
 
 
 @dataclass

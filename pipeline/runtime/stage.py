@@ -128,8 +128,10 @@ def release_everywhere(stage: Stage, transport: Transport, seq_ids: list[int]) -
         transport.send_message(1, Kind.RELEASE, seq_ids)
 
 
-def serve(stage: Stage, transport: Transport) -> None:
-    """Ranks 1..N-1: follow the ring until STOP."""
+def follow_single_stream(stage: Stage, transport: Transport) -> None:
+    """Ranks 1..N-1 of a single-stream job (`generate`; engine.py on rank 0): run each FORWARD
+    through this rank's layers and pass it on, until STOP comes round. (A batch or server job's
+    followers run scheduler.follow.)"""
     prev, nxt = transport.rank - 1, (transport.rank + 1) % transport.size
     while True:
         message = transport.recv_message(prev)

@@ -1,6 +1,6 @@
 """MLX's compiled CPU kernels in a folder no other user can write to.
 
-On the CPU, `mx.compile` (RMSNorm, RoPE, SwiGLU in models/base.py; `nn.silu`) writes each fused
+On the CPU, `mx.compile` (RMSNorm, RoPE, SwiGLU in models/; `nn.silu`) writes each fused
 kernel's C++ source and shared library under $TMPDIR/mlx/<version>/cpu/ (/tmp by default) and loads
 a library it finds there: on a shared host, another user who made /tmp/mlx first could put a
 library there, and every rank would run it. So each rank points TMPDIR at $PIPELINE_CACHE/tmp,
