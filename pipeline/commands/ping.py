@@ -13,12 +13,9 @@ import socket
 import statistics
 import time
 
-import mlx.core as mx
-
 from . import flags
 from ..util.errors import UserError
 from ..cluster.mpi import AbortJob
-from ..cluster.transport import Kind
 
 
 def add_parser(commands) -> None:
@@ -41,6 +38,11 @@ def validate(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace, comm) -> int:
+    # Imported here, not above: cli imports every command's module to build its parser, and these load
+    # MLX, which `pipeline plan` must not (it reads config.json only; start-up time).
+    import mlx.core as mx
+
+    from ..cluster.transport import Kind
     from ..runtime.job import make_transport
 
     transport = make_transport(args, comm)
