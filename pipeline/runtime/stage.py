@@ -14,7 +14,7 @@ import mlx.core as mx
 from ..models.config import ModelConfig
 from ..checkpoints.formats import Requantize
 from ..models.registry import family_for
-from ..models.base import TransformerSlice
+from ..models.stage_slice import TransformerSlice
 from ..cluster.transport import Kind, Transport
 from ..checkpoints.weights import Checkpoint, dequantize_slice, load_slice
 
@@ -138,7 +138,7 @@ def follow_single_stream(stage: Stage, transport: Transport) -> None:
         if message.kind == Kind.FORWARD:
             stage.rewind(message.seq_ids, message.rewind)
             # all_positions: every position of the final layer, each sequence's last computed as
-            # without (base.TransformerSlice.forward_layers), so the next token is the same either way
+            # without (stage_slice.TransformerSlice.forward_layers), so the next token is the same either way
             hidden = stage.run_layers(message.hidden, message.seq_ids, message.lengths, last_only=True,
                                       full=[message.all_positions] * len(message.lengths))
             transport.send_message(nxt, Kind.FORWARD, message.seq_ids, message.lengths, hidden,
