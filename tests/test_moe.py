@@ -300,7 +300,7 @@ def kimi_k2(tmp_path_factory):
     compressed-tensors unpacks. Returns (kimi folder, reference folder)."""
     helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
     root = tmp_path_factory.mktemp("kimi")
-    k2 = json.loads((REPO / "pipeline" / "configs" / "Kimi-K2-Thinking.json").read_text())
+    k2 = json.loads((REPO / "pipeline" / "planner" / "configs" / "Kimi-K2-Thinking.json").read_text())
     yarn = {**k2["rope_scaling"], "original_max_position_embeddings": ROPE_WINDOW}
     yarn["rope_type"] = yarn.pop("type")
     make_deepseek(root / "bf", n_group=k2["n_group"], topk_group=k2["topk_group"],

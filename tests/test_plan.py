@@ -250,7 +250,7 @@ def test_plan_command_runs_without_mpi():
     assert "single stream" in result.stdout and "batch 4" in result.stdout and "INT4" in result.stdout
     assert "mpi" not in result.stderr.lower()
 
-    folder_config = REPO / "pipeline" / "configs" / "Qwen3-235B-A22B.json"
+    folder_config = REPO / "pipeline" / "planner" / "configs" / "Qwen3-235B-A22B.json"
     result = run_plan("--model", str(folder_config), "--hosts", "2", "--quantize", "4", "--batch", "8",
                       "--bandwidth-gbs", "819,400", "--tflops", "30", "--context", "4096")
     assert result.returncode == 0, result.stderr
