@@ -24,7 +24,7 @@ from conftest import INIT_STD, assert_far_from_uniform, load_stages, long_prompt
 from test_moe import make_deepseek
 
 from pipeline.models.config import ModelConfig
-from pipeline.models.mtp import load_mtp
+from pipeline.checkpoints.mtp import load_mtp
 from pipeline.checkpoints.weights import Checkpoint
 
 PROMPT = long_prompt(40, seed=3)

@@ -88,7 +88,7 @@ def has_mtp(checkpoint, config: ModelConfig) -> bool:
 
 
 def mtp_nbytes(checkpoint, config: ModelConfig) -> int:
-    """Bytes on disk of what `load_mtp` reads (0 without an MTP module)."""
+    """Bytes on disk of what `load_mtp` (checkpoints/mtp.py) reads (0 without an MTP module)."""
     if not has_mtp(checkpoint, config):
         return 0
     return sum(checkpoint.tensors[name].nbytes for name in mtp_tensor_names(checkpoint, config))
@@ -104,27 +104,3 @@ def check_mtp(checkpoint, config: ModelConfig, folder) -> None:
         raise UserError(f"--draft mtp: {folder} has no MTP module (config.json num_nextn_predict_layers "
                         f"{layers}, no {mtp_prefix(config)}eh_proj tensor; MLX conversions usually drop it): "
                         f"use a folder with DeepSeek's layer {config.num_hidden_layers}, or --draft ngram")
-
-
-def load_mtp(config: ModelConfig, checkpoint, dtype: mx.Dtype, requantize=None, dense: bool = False,
-             progress: bool = False) -> MTPModule:
-    """The MTP module from the checkpoint, through the same format adapters as the layers (FP8
-    blocks, expert stacking, --quantize, MLX-quantized tensors; dense: dequantized as the rank's
-    other weights are under --weights-in-memory)."""
-    from ..checkpoints.loading import load_tensors
-    from ..checkpoints.weights import dequantize_slice, fill_module
-    module = MTPModule(config, family_for(config).module().DecoderLayer)
-    prefix = mtp_prefix(config)
-    names = mtp_tensor_names(checkpoint, config)
-
-    def local(name: str) -> str:
-        rest = name[len(prefix):]
-        return rest if rest.startswith(OWN) else "block." + rest
-
-    weights = {local(name): array for name, array in
-               load_tensors(checkpoint, names, dtype, requantize, progress=progress, desc="loading MTP").items()}
-    fill_module(module, weights, f"the MTP module's weights in {checkpoint.folder}")
-    if dense:
-        dequantize_slice(module, dtype)
-    mx.eval(module.parameters())
-    return module

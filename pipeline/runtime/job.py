@@ -171,7 +171,7 @@ def load_stage(args: argparse.Namespace, plan: Plan, rank: int, progress: bool, 
     if getattr(args, "dtype", "float32") == "float32":
         qmm.load()  # the kernels' extension (attention, quantized products): built now, not at the first token
     if rank == 0 and getattr(args, "draft", "none") == "mtp":
-        from ..models.mtp import load_mtp
+        from ..checkpoints.mtp import load_mtp
 
         stage.mtp = load_mtp(plan.config, plan.checkpoint, getattr(mx, args.dtype), args.requantize, dense, progress)
     if int8:  # int8 products (int8_kernels.cpp); none without the kernels
