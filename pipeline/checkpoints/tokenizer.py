@@ -13,6 +13,7 @@ import binascii
 import json
 import re
 from datetime import datetime
+from importlib import resources
 from pathlib import Path
 
 from ..util.errors import UserError
@@ -184,9 +185,9 @@ class Tokenizer:
         elif tcfg.get("chat_template") is not None:
             template = _pick_default_template(tcfg["chat_template"], folder / "tokenizer_config.json")
         elif _read_json(folder / "config.json").get("model_type") in ("deepseek_v32", "deepseek_v4"):
-            from ..models.deepseek_v4 import CHAT_TEMPLATE  # published as a Python script: written from its docs
-
-            template = CHAT_TEMPLATE
+            # published as a Python script: ours, written from its docs (templates/README.md)
+            ours = resources.files(__package__) / "templates" / "deepseek-v3.2-v4.jinja"
+            template = ours.read_text(encoding="utf-8")
 
         extra_eos = []
         for name in ("config.json", "generation_config.json"):

@@ -638,38 +638,3 @@ class Slice(TransformerSlice):
         if h.shape[-2] != self.n_streams:
             h = h[..., : self.n_streams, :]
         return super().logits(self.hc_head(h), vocab_end)
-
-
-# ------------------------------------------------------------------------------------ chat format
-
-# DeepSeek V3.2 and V4 publish their chat format as Python encoding scripts (encoding_dsv32.py,
-# encoding_dsv4.py), not as a Jinja template, and no code from a checkpoint is run here. This is
-# the format as their documentation describes it (V4's encoding/README.md, V3.2's model card),
-# written as a template: the system messages first after the BOS, each user turn after
-# <｜User｜>, each assistant turn after <｜Assistant｜> and ended by the EOS. Thinking mode
-# (`thinking` / `enable_thinking`) opens <think> for the answer; chat mode closes it at once
-# (</think>). Earlier assistant turns, before the last user turn, keep their answer only, after
-# </think>; a turn after it keeps its reasoning. Tool calling (DSML blocks) is not written: a
-# request with tools or tool turns is refused, naming them.
-CHAT_TEMPLATE = """\
-{%- set thinking = thinking if thinking is defined else (enable_thinking if enable_thinking is defined else false) -%}
-{%- if tools -%}{{ raise_exception("tools are not supported with DeepSeek V3.2/V4's chat format here (DSML)") }}{%- endif -%}
-{%- set ns = namespace(last_user=-1, system="") -%}
-{%- for m in messages -%}
-{%- if m.role == "user" -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}
-{%- if m.role == "system" -%}{%- set ns.system = ns.system + ("\n\n" if ns.system else "") + m.content -%}{%- endif -%}
-{%- endfor -%}
-<｜begin▁of▁sentence｜>{{ ns.system }}
-{%- for m in messages -%}
-{%- if m.role == "user" -%}<｜User｜>{{ m.content }}
-{%- elif m.role == "assistant" -%}
-{%- if m.tool_calls -%}{{ raise_exception("tool calls are not supported with DeepSeek V3.2/V4's chat format here") }}{%- endif -%}
-<｜Assistant｜>
-{%- if thinking and loop.index0 > ns.last_user and m.reasoning_content -%}<think>{{ m.reasoning_content }}</think>
-{%- else -%}</think>{%- endif -%}
-{{ m.content }}<｜end▁of▁sentence｜>
-{%- elif m.role != "system" -%}{{ raise_exception("role " + m.role + " is not supported with DeepSeek V3.2/V4's chat format here") }}
-{%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}<｜Assistant｜>{{ "<think>" if thinking else "</think>" }}{%- endif -%}
-"""
