@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 
 from ..models.config import ModelConfig
-from ..models.deepseek_v4_config import compress_rate, layer_types, mlp_layer_types
+from ..models.deepseek_v4_config import compress_rate, deepseek_v4_config, layer_types, mlp_layer_types
 from ..util.errors import UserError
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
@@ -97,10 +97,9 @@ class Architecture:
         per_token, fixed, kind = self.kv_layers[layer]
         if kind != "compressed_sparse_attention":
             return per_token * context + fixed
-        r = self.config.raw
-        rate, top_k = compress_rate(self.config, kind), int(r.get("index_topk", 512))
-        entries = context // rate
-        return fixed + entries * int(r.get("index_head_dim", 128)) + min(entries, top_k) * self.config.head_dim
+        v4 = deepseek_v4_config(self.config)
+        entries = context // compress_rate(self.config, kind)
+        return fixed + entries * v4.index_head_dim + min(entries, v4.index_topk) * self.config.head_dim
 
 
 def architecture(config: ModelConfig) -> Architecture:
@@ -220,9 +219,10 @@ def _deepseek_v4_architecture(config: ModelConfig) -> Architecture:
     """DeepSeek V4 (see models/deepseek_v4.py), under transformers' names: hyper-connections
     around each sub-block, shared-KV attention with its compressor (and CSA's indexer), grouped
     output projection, hash-routed or top-k MoE with one shared expert; the MTP module under mtp.*."""
-    r, d, n = config.raw, config.hidden_size, int(config.raw.get("hc_mult", 4))
+    v4, d = deepseek_v4_config(config), config.hidden_size
+    n = v4.hc_mult
     kinds, mlps = layer_types(config), mlp_layer_types(config)
-    window, hd = int(r.get("sliding_window", 128)), config.head_dim
+    window, hd = v4.sliding_window, config.head_dim
     layers, kv_layers = [], []
     for i in range(config.num_hidden_layers):
         layers.append(_deepseek_v4_layer(config, f"model.layers.{i}", kinds[i], mlps[i]))
@@ -232,12 +232,12 @@ def _deepseek_v4_architecture(config: ModelConfig) -> Architecture:
             per_token += hd / rate
             fixed += 2 * (rate - 1) * width  # the unfinished window's projections (kv and gate)
             if kinds[i] == "compressed_sparse_attention":
-                di = int(r.get("index_head_dim", 128))
+                di = v4.index_head_dim
                 per_token += di / rate
                 fixed += 2 * (rate - 1) * 2 * di + 2 * rate * (hd + di)  # + the overlapping halves
         kv_layers.append((per_token, fixed, kinds[i]))
     unused: list[Param] = []
-    for k in range(int(r.get("num_nextn_predict_layers") or 0)):
+    for k in range(v4.num_nextn_predict_layers):
         p = f"mtp.{k}"
         unused += (_deepseek_v4_layer(config, p, "sliding_attention", "moe")
                    + _linear(f"{p}.e_proj", d, d) + _linear(f"{p}.h_proj", d, d)
@@ -254,14 +254,15 @@ def _deepseek_v4_architecture(config: ModelConfig) -> Architecture:
     note = (f"compressed per layer type ({hd}-value entries per {compress_rate(config, 'compressed_sparse_attention')} "
             f"tokens + indexer keys / per {compress_rate(config, 'heavily_compressed_attention')} tokens) plus a "
             f"{window}-token window per layer and sequence")
-    return Architecture(config, layers, ends, unused, int(r.get("num_experts_per_tok", 0)), mean, note,
+    return Architecture(config, layers, ends, unused, v4.num_experts_per_tok, mean, note,
                         kv_layers, n * d)
 
 
 def _deepseek_v4_layer(c: ModelConfig, p: str, kind: str, mlp: str) -> list[Param]:
-    r, d, n = c.raw, c.hidden_size, int(c.raw.get("hc_mult", 4))
-    heads, hd, q_lora = c.num_attention_heads, c.head_dim, int(r["q_lora_rank"])
-    groups, o_rank = int(r.get("o_groups", 8)), int(r.get("o_lora_rank", 1024))
+    v4, d = deepseek_v4_config(c), c.hidden_size
+    n = v4.hc_mult
+    heads, hd, q_lora = c.num_attention_heads, c.head_dim, v4.q_lora_rank
+    groups, o_rank = v4.o_groups, v4.o_lora_rank
     a = f"{p}.self_attn"
     params = _norm(f"{p}.input_layernorm", d) + _norm(f"{p}.post_attention_layernorm", d)
     for hc in ("attn_hc", "ffn_hc"):
@@ -278,19 +279,19 @@ def _deepseek_v4_layer(c: ModelConfig, p: str, kind: str, mlp: str) -> list[Para
         params += (_linear(f"{x}.kv_proj", width, d) + _linear(f"{x}.gate_proj", width, d)
                    + [Param(f"{x}.position_bias", (rate, width))] + _norm(f"{x}.kv_norm", hd))
         if kind == "compressed_sparse_attention":
-            di, ih = int(r.get("index_head_dim", 128)), int(r.get("index_n_heads", 64))
+            di, ih = v4.index_head_dim, v4.index_n_heads
             x = f"{a}.compressor.indexer"
             params += (_linear(f"{x}.kv_proj", 2 * di, d) + _linear(f"{x}.gate_proj", 2 * di, d)
                        + [Param(f"{x}.position_bias", (rate, 2 * di))] + _norm(f"{x}.kv_norm", di)
                        + _linear(f"{x}.q_b_proj", ih * di, q_lora) + _linear(f"{x}.scorer.weights_proj", ih, d))
-    experts, inter = int(r["n_routed_experts"]), int(r["moe_intermediate_size"])
+    experts, inter = v4.n_routed_experts, v4.moe_intermediate_size
     params += [Param(f"{p}.mlp.gate.weight", (experts, d))]
     if mlp == "hash_moe":
-        params += [Param(f"{p}.mlp.gate.tid2eid", (c.vocab_size, int(r["num_experts_per_tok"])))]
+        params += [Param(f"{p}.mlp.gate.tid2eid", (c.vocab_size, v4.num_experts_per_tok))]
     else:
         params += [Param(f"{p}.mlp.gate.e_score_correction_bias", (experts,))]
     params += _mlp(f"{p}.mlp.experts.0", d, inter, experts=experts)
-    params += _mlp(f"{p}.mlp.shared_experts", d, inter * int(r.get("n_shared_experts", 1)))
+    params += _mlp(f"{p}.mlp.shared_experts", d, inter * v4.n_shared_experts)
     return params
 
 

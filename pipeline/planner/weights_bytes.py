@@ -1,7 +1,8 @@
 """What a model's weights take in memory as a rank holds them, from its shapes (shapes.py) and its
 checkpoint's format (formats.py): per layer, rank 0's extras, and what each layer reads per token.
 
-Bytes per parameter, resident (in memory at run time, as `formats.adapt_tensors` loads them):
+Bytes per parameter, resident (in memory at run time, as checkpoints/formats.py's `adapt_tensors` loads
+them):
 - float tensors are held in the activation dtype (`--dtype`: 4 B for float32, 2 B for
   bfloat16/float16), whatever they were on disk; DeepSeek's FP8 weights are dequantized into it
   (MLX has no FP8 matmul);
