@@ -23,6 +23,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..kernels.int8_layout import packed_layout
+from ..models import deepseek_v4_names
 from ..util.errors import UserError
 from .formats import Requantize
 
@@ -219,52 +220,15 @@ _WRAPPED = ((re.compile(r"^language_model\.model\.(?:layers|blocks)\."), "model.
             (re.compile(r"^model\.language_model\."), "model."))
 _NEVER_RUN = ("vision_tower.", "mm_projector.", "model.vision_tower.", "model.mm_projector.")
 
-# DeepSeek's own names (V4 as published: `layers.N.attn.wq_a.weight`, `embed.weight`, `head.weight`;
-# transformers saves V4 the same way under "model."), module by module within a layer, first
-# match wins. The same renames as transformers' conversion mapping for deepseek_v4.
-_DEEPSEEK_LAYER = (
-    ("attn_norm.", "input_layernorm."), ("ffn_norm.", "post_attention_layernorm."),
-    ("hc_attn_fn", "attn_hc.fn"), ("hc_attn_base", "attn_hc.base"), ("hc_attn_scale", "attn_hc.scale"),
-    ("hc_ffn_fn", "ffn_hc.fn"), ("hc_ffn_base", "ffn_hc.base"), ("hc_ffn_scale", "ffn_hc.scale"),
-    ("attn.attn_sink", "self_attn.sinks"),
-    ("attn.indexer.compressor.wkv.", "self_attn.compressor.indexer.kv_proj."),
-    ("attn.indexer.compressor.wgate.", "self_attn.compressor.indexer.gate_proj."),
-    ("attn.indexer.compressor.norm.", "self_attn.compressor.indexer.kv_norm."),
-    ("attn.indexer.compressor.ape", "self_attn.compressor.indexer.position_bias"),
-    ("attn.indexer.weights_proj.", "self_attn.compressor.indexer.scorer.weights_proj."),
-    ("attn.indexer.wq_b.", "self_attn.compressor.indexer.q_b_proj."),
-    ("attn.compressor.wkv.", "self_attn.compressor.kv_proj."),
-    ("attn.compressor.wgate.", "self_attn.compressor.gate_proj."),
-    ("attn.compressor.norm.", "self_attn.compressor.kv_norm."),
-    ("attn.compressor.ape", "self_attn.compressor.position_bias"),
-    ("attn.wq_a.", "self_attn.q_a_proj."), ("attn.q_norm.", "self_attn.q_a_norm."),
-    ("attn.wq_b.", "self_attn.q_b_proj."), ("attn.wkv.", "self_attn.kv_proj."),
-    ("attn.kv_norm.", "self_attn.kv_norm."),
-    ("attn.norm.", "self_attn.kv_norm."),  # how transformers saves it (its rename of .norm. inverted)
-    ("attn.wo_a.", "self_attn.o_a_proj."), ("attn.wo_b.", "self_attn.o_b_proj."),
-    ("ffn.gate.bias", "mlp.gate.e_score_correction_bias"), ("ffn.gate.", "mlp.gate."),
-    ("ffn.shared_experts.w1.", "mlp.shared_experts.gate_proj."),
-    ("ffn.shared_experts.w2.", "mlp.shared_experts.down_proj."),
-    ("ffn.shared_experts.w3.", "mlp.shared_experts.up_proj."),
-)
-_DEEPSEEK_EXPERT = re.compile(r"^ffn\.experts\.(\d+)\.w([123])\.")
-_DEEPSEEK_W = {"1": "gate_proj", "2": "down_proj", "3": "up_proj"}
-_DEEPSEEK_TOP = {"embed.weight": "model.embed_tokens.weight", "embed_tokens.weight": "model.embed_tokens.weight",
-                 "head.weight": "lm_head.weight", "norm.weight": "model.norm.weight",
-                 "hc_head_fn": "model.hc_head.hc_fn", "hc_head_base": "model.hc_head.hc_base",
-                 "hc_head_scale": "model.hc_head.hc_scale"}
-_NATIVE_LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
-
 
 def canonical_tensors(tensors: dict) -> dict:
-    """A checkpoint's tensors under the loader's names (see above); a wrapper's vision tower and
-    projector are left out, so no rank ever reads them."""
-    names = set(tensors)
-    native = "embed.weight" in names or "head.weight" in names or any(
-        name.startswith("layers.") or (".attn.wq_a." in name) for name in names)
+    """A checkpoint's tensors under the loader's names (see above; DeepSeek's own names are mapped by
+    models/deepseek_v4_names.py); a wrapper's vision tower and projector are left out, so no rank
+    ever reads them."""
+    native = deepseek_v4_names.uses_native_names(tensors)
     renamed = {}
     for name, info in tensors.items():
-        new = _deepseek_native_name(name) if native else _wrapped_name(name)
+        new = deepseek_v4_names.transformers_name(name) if native else _wrapped_name(name)
         if new is not None:
             renamed[new] = info
     return renamed
@@ -277,27 +241,6 @@ def _wrapped_name(name: str) -> str | None:
         if pattern.match(name):
             return pattern.sub(prefix, name, count=1)
     return name
-
-
-def _deepseek_native_name(name: str) -> str:
-    """DeepSeek's name of a tensor -> transformers' (`mtp.*`, the multi-token-prediction module, is
-    kept as it is: it is never run)."""
-    top = name.removeprefix("model.")
-    if top in _DEEPSEEK_TOP:
-        return _DEEPSEEK_TOP[top]
-    if top.startswith("hc_head."):
-        return "model." + top
-    m = _NATIVE_LAYER.match(name)
-    if not m:
-        return name
-    prefix, rest = f"model.layers.{m.group(1)}.", name[m.end():]
-    e = _DEEPSEEK_EXPERT.match(rest)
-    if e:
-        return f"{prefix}mlp.experts.{e.group(1)}.{_DEEPSEEK_W[e.group(2)]}.{rest[e.end():]}"
-    for native, ours in _DEEPSEEK_LAYER:
-        if rest.startswith(native):
-            return prefix + ours + rest[len(native):]
-    return prefix + rest  # already transformers' name (or one the model will refuse, naming it)
 
 
 def layer_of(name: str) -> int | None:
