@@ -50,7 +50,7 @@ def main() -> None:
                 mx.eval(message.hidden)
             else:
                 message = transport.recv_message(peer)
-                transport.send_message(peer, Kind.FORWARD, message.seq_ids, message.lengths, message.hidden)
+                transport.send_message(peer, Kind.FORWARD, message.seq_ids, message.tokens, message.hidden)
 
     for _ in range(warmup):
         round_trip()

@@ -21,32 +21,53 @@ from .mpi import AbortJob, abort
 
 
 class Kind(IntEnum):
-    FORWARD = 1  # sequence layout + hidden states to run through the next stage's layers
-    RELEASE = 2  # sequence ids whose caches can be freed
+    FORWARD = 1  # hidden states of packed sequences, to run through the next stage's layers
+    RELEASE = 2  # sequences whose caches can be freed
     STOP = 3  # the job is over: pass it on and exit
     HEARTBEAT = 4  # rank 0 is alive but idle (a server waiting for requests): pass it on, nothing to do
-    REWIND = 6  # speculative decoding: seq_ids [...], lengths [n...]: drop each sequence's last n cached positions
-    FORK = 5  # prefix cache: seq_ids [new..., kept...], lengths [n...]: each new sequence starts from a kept one's first n positions
+    REWIND = 6  # speculative decoding: drop each sequence's last `dropped` cached positions (rejected drafts)
+    FORK = 5  # prefix cache: each new sequence starts from the first `prefix` positions of a kept one
 
 
 class Message(NamedTuple):
+    """One message round the ring. Each field says which kinds carry it; the others leave it empty."""
     kind: Kind
-    seq_ids: list[int]  # FORWARD, RELEASE: the sequences concerned
-    lengths: list[int]  # FORWARD: new tokens of each sequence, packed in this order (the batch schedule
-    # marks a sequence whose every position the final layer returns, a draft being verified, by -n)
-    hidden: mx.array | None  # FORWARD: [1, sum(lengths), hidden]
+    seq_ids: list[int]  # FORWARD, RELEASE, REWIND: the sequences concerned; FORK: the new sequences
+    tokens: list[int]  # FORWARD: new tokens of each sequence, packed in this order
+    every_position: list[bool]  # FORWARD: per sequence, whether the final layer returns its every position
+    # (drafts being verified, a prompt read by the MTP drafter) rather than its last only
+    dropped: list[int]  # REWIND: positions to drop from the end of each sequence's caches
+    kept_ids: list[int]  # FORK: the kept sequence each new one starts from
+    prefix: list[int]  # FORK: how many of the kept sequence's first positions it starts from
+    hidden: mx.array | None  # FORWARD: [1, sum(tokens), hidden]
     head_share: int = 0  # FORWARD from rank 0 (batch): LM head columns the last rank computes (head_share.py)
     idle_us: int = 0  # FORWARD back to rank 0 (batch): how long the last rank waited for this one, in us
-    all_positions: bool = False  # FORWARD (speculative verification): the final layer returns every position
-    rewind: int = 0  # FORWARD: positions to drop from the end of the sequence's caches first (rejected drafts)
+    rewind: int = 0  # FORWARD (generate): positions to drop from the end of its caches first (rejected drafts)
 
 
 # Wire dtypes: numpy has no bfloat16, so it travels as its raw uint16 bits.
 _WIRE = {mx.float32: (0, np.float32), mx.float16: (1, np.float16), mx.bfloat16: (2, np.uint16)}
 _FROM_CODE = {code: (mx_dtype, np_dtype) for mx_dtype, (code, np_dtype) in _WIRE.items()}
-_HEADER_LEN = 12  # kind, number of sequences, dtype code, ndim, up to 4 dims, head_share, idle_us, all_positions, rewind
-_INLINE_SEQS = 28  # layouts of up to this many sequences ride in the header: one message less per hop
-_HEADER_BYTES = (_HEADER_LEN + 2 * _INLINE_SEQS) * 8
+_HEADER_LEN = 11  # kind, number of sequences, dtype code, ndim, up to 4 dims, head_share, idle_us, rewind
+_INLINE_SEQS = 28  # FORWARD layouts of up to this many sequences ride in the header: one message less per hop
+_LAYOUT_SLOTS = 2 * _INLINE_SEQS  # the header's room for a layout, in int64s
+_HEADER_BYTES = (_HEADER_LEN + _LAYOUT_SLOTS) * 8
+# A layout's int64s per sequence, by kind: its id, then (FORWARD) its tokens, (REWIND) the positions
+# it drops, (FORK) the kept sequence and the prefix length. A FORWARD's tokens travel as -n for a
+# sequence whose every position comes back (n >= 1, so the sign is free): no second list on the wire.
+_LAYOUT_WORDS = {Kind.FORWARD: 2, Kind.REWIND: 2, Kind.FORK: 3}
+
+
+def _layout(kind: Kind, seq_ids, tokens, every_position, dropped, kept_ids, prefix) -> list[int]:
+    """A message's sequences as the int64s that follow its header (see _LAYOUT_WORDS)."""
+    if kind == Kind.FORWARD:
+        every_position = every_position or [False] * len(tokens)
+        return [*seq_ids, *(-n if every else n for n, every in zip(tokens, every_position))]
+    if kind == Kind.REWIND:
+        return [*seq_ids, *dropped]
+    if kind == Kind.FORK:
+        return [*seq_ids, *kept_ids, *prefix]
+    return list(seq_ids)
 
 
 def _to_wire(hidden: mx.array) -> np.ndarray:
@@ -76,21 +97,23 @@ class Transport(ABC):
     def recv(self, buf: np.ndarray, source: int) -> None:
         """Fill `buf` with the next message from `source`."""
 
-    def send_message(self, dest: int, kind: Kind, seq_ids: list[int] = (), lengths: list[int] = (),
-                     hidden: mx.array | None = None, head_share: int = 0, idle_us: int = 0,
-                     all_positions: bool = False, rewind: int = 0) -> None:
-        """Header, then (if any sequences) their ids and lengths, then (FORWARD) the payload."""
-        header = np.zeros(_HEADER_LEN + 2 * _INLINE_SEQS, dtype=np.int64)
+    def send_message(self, dest: int, kind: Kind, seq_ids: list[int] = (), tokens: list[int] = (),
+                     hidden: mx.array | None = None, *, every_position: list[bool] = (), dropped: list[int] = (),
+                     kept_ids: list[int] = (), prefix: list[int] = (), head_share: int = 0, idle_us: int = 0,
+                     rewind: int = 0) -> None:
+        """Header, then (if any sequences) their layout, then (FORWARD) the payload. The fields are
+        Message's, each for the kinds that carry it."""
+        header = np.zeros(_HEADER_LEN + _LAYOUT_SLOTS, dtype=np.int64)
         header[0], header[1] = kind, len(seq_ids)
-        header[8], header[9], header[10], header[11] = head_share, idle_us, all_positions, rewind
+        header[8], header[9], header[10] = head_share, idle_us, rewind
         if hidden is not None:
             header[2], _ = _WIRE[hidden.dtype]
             header[3] = hidden.ndim
             header[4:4 + hidden.ndim] = hidden.shape
-        layout = [*seq_ids, *lengths]
-        if len(seq_ids) <= _INLINE_SEQS:
+        layout = _layout(kind, seq_ids, tokens, every_position, dropped, kept_ids, prefix)
+        if len(layout) <= _LAYOUT_SLOTS:
             header[_HEADER_LEN:_HEADER_LEN + len(layout)] = layout
-        if hidden is not None and self._inlined(len(seq_ids), hidden.nbytes):
+        if hidden is not None and self._inlined(len(layout), hidden.nbytes):
             wire = _to_wire(hidden)
             message = np.empty(_HEADER_BYTES + wire.nbytes, dtype=np.uint8)
             message[:_HEADER_BYTES] = header.view(np.uint8)
@@ -98,7 +121,7 @@ class Transport(ABC):
             self.send(message, dest)
             return
         self.send(header, dest)
-        if len(seq_ids) > _INLINE_SEQS:
+        if len(layout) > _LAYOUT_SLOTS:
             self.send(np.array(layout, dtype=np.int64), dest)
         if hidden is not None:
             self.send_hidden(hidden, dest)
@@ -114,9 +137,8 @@ class Transport(ABC):
         while not request.Test():
             time.sleep(0.0005)
 
-    def isend_message(self, dest: int, kind: Kind, seq_ids: list[int] = (), lengths: list[int] = (),
-                      hidden: mx.array | None = None, head_share: int = 0, idle_us: int = 0,
-                      all_positions: bool = False, rewind: int = 0) -> "PendingSend":
+    def isend_message(self, dest: int, kind: Kind, seq_ids: list[int] = (), tokens: list[int] = (),
+                      hidden: mx.array | None = None, **fields) -> "PendingSend":
         """`send_message` without waiting for the receiver, so a rank with several messages in
         flight (the batch schedule) never blocks in a send while its peer blocks sending to it.
         Same framing: each buffer `send_message` would `send` is `isend` instead (a payload a
@@ -124,13 +146,14 @@ class Transport(ABC):
         pending = PendingSend(self, dest)
         self.send = lambda buf, to: pending.add(self.isend(buf, to), buf)  # shadows the method
         try:
-            self.send_message(dest, kind, seq_ids, lengths, hidden, head_share, idle_us, all_positions, rewind)
+            self.send_message(dest, kind, seq_ids, tokens, hidden, **fields)
         finally:
             del self.send
         return pending
 
-    def _inlined(self, num_seqs: int, payload_bytes: int) -> bool:
-        return num_seqs <= _INLINE_SEQS and payload_bytes <= self.inline_bytes
+    def _inlined(self, layout_words: int, payload_bytes: int) -> bool:
+        """Whether a payload rides in the header's message: its layout fits the header, and it is small."""
+        return layout_words <= _LAYOUT_SLOTS and payload_bytes <= self.inline_bytes
 
     def recv_message(self, source: int) -> Message:
         if self.inline_bytes:  # one buffer, reused: a header, or a header and its payload
@@ -142,26 +165,32 @@ class Transport(ABC):
         self.recv(inbox, source)
         header = inbox[:_HEADER_BYTES].view(np.int64)
         kind, num_seqs = Kind(int(header[0])), int(header[1])
-        seq_ids, lengths = [], []
-        if num_seqs:
-            size = num_seqs * (2 if kind in (Kind.FORWARD, Kind.FORK, Kind.REWIND) else 1)
-            if num_seqs <= _INLINE_SEQS:
-                layout = header[_HEADER_LEN:_HEADER_LEN + size]
-            else:
-                layout = np.empty(size, dtype=np.int64)
-                self.recv(layout, source)
-            seq_ids, lengths = layout[:num_seqs].tolist(), layout[num_seqs:].tolist()
+        words = num_seqs * _LAYOUT_WORDS.get(kind, 1)
+        if words <= _LAYOUT_SLOTS:
+            layout = header[_HEADER_LEN:_HEADER_LEN + words].tolist()
+        else:
+            layout = np.empty(words, dtype=np.int64)
+            self.recv(layout, source)
+            layout = layout.tolist()
+        seq_ids, rest = layout[:num_seqs], layout[num_seqs:]
+        tokens, every_position, dropped, kept_ids, prefix = [], [], [], [], []
+        if kind == Kind.FORWARD:
+            tokens, every_position = [abs(n) for n in rest], [n < 0 for n in rest]
+        elif kind == Kind.REWIND:
+            dropped = rest
+        elif kind == Kind.FORK:
+            kept_ids, prefix = rest[:num_seqs], rest[num_seqs:]
         hidden = None
         if kind == Kind.FORWARD:
             mx_dtype, np_dtype = _FROM_CODE[int(header[2])]
             shape = tuple(int(d) for d in header[4:4 + int(header[3])])
             nbytes = math.prod(shape) * np.dtype(np_dtype).itemsize
-            if self._inlined(num_seqs, nbytes):
+            if self._inlined(words, nbytes):
                 hidden = _from_wire(inbox[_HEADER_BYTES:_HEADER_BYTES + nbytes].view(np_dtype).reshape(shape), mx_dtype)
             else:
                 hidden = self.recv_hidden(shape, mx_dtype, source)
-        return Message(kind, seq_ids, lengths, hidden, int(header[8]), int(header[9]), bool(header[10]),
-                       int(header[11]))
+        return Message(kind, seq_ids, tokens, every_position, dropped, kept_ids, prefix, hidden,
+                       head_share=int(header[8]), idle_us=int(header[9]), rewind=int(header[10]))
 
     def send_hidden(self, hidden: mx.array, dest: int) -> None:
         """The payload of a FORWARD message (a transport may carry it on another channel)."""

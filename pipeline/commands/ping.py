@@ -87,7 +87,7 @@ def run(args: argparse.Namespace, comm) -> int:
                 if nxt != 0:
                     transport.send_message(nxt, Kind.STOP)
                 break
-            transport.send_message(nxt, message.kind, message.seq_ids, message.lengths, message.hidden)
+            transport.send_message(nxt, message.kind, message.seq_ids, message.tokens, message.hidden)
 
     waits = comm.gather((waited, cpu), root=0)
     if rank == 0:

@@ -292,7 +292,8 @@ class Scheduler:
             if kept is not None:
                 self.stage.fork([seq.seq_id], [kept], [length])
                 if self.transport.size > 1:
-                    self.sends.append(self.transport.isend_message(1, Kind.FORK, [seq.seq_id, kept], [length, length]))
+                    self.sends.append(self.transport.isend_message(1, Kind.FORK, [seq.seq_id], kept_ids=[kept],
+                                                                   prefix=[length]))
                 seq.fed = seq.cached = length
                 if seq.wants_hidden:
                     seq.drafter.starts_at(length)
@@ -344,8 +345,9 @@ class Scheduler:
             if self.head_split is not None and not any(seq.full_logits for seq in seqs) and not any(prompt):
                 microbatch.head_columns = self.head_split.columns
             with self.timeline.span(SEND, f"mb {number}"):
-                self.sends.append(self.transport.isend_message(1, Kind.FORWARD, seq_ids, wire_lengths(lengths, full),
-                                                               hidden, head_share=microbatch.head_columns))
+                self.sends.append(self.transport.isend_message(1, Kind.FORWARD, seq_ids, lengths, hidden,
+                                                               every_position=full,
+                                                               head_share=microbatch.head_columns))
                 self._reap()
         return microbatch
 
@@ -463,7 +465,7 @@ class Scheduler:
             for seq_id, n in rewinds:
                 self.stage.rewind([seq_id], n)
             if self.transport.size > 1:
-                self.sends.append(self.transport.isend_message(1, Kind.REWIND, ids, counts))
+                self.sends.append(self.transport.isend_message(1, Kind.REWIND, ids, dropped=counts))
         return ended
 
     def _advance(self, seq: Sequence, argmax: list[int], logits: mx.array, now: float) -> tuple[str | None, int]:
@@ -560,15 +562,6 @@ def _describe(e: BaseException) -> str:
     return f"internal error while generating: {type(e).__name__}: {e}"
 
 
-def wire_lengths(lengths: list[int], full: list[bool]) -> list[int]:
-    """A FORWARD's lengths as they travel: -n for a sequence whose every position comes back."""
-    return [-n if f else n for n, f in zip(lengths, full)]
-
-
-def from_wire(lengths: list[int]) -> tuple[list[int], list[bool]]:
-    return [abs(n) for n in lengths], [n < 0 for n in lengths]
-
-
 def stop_followers(transport: Transport, timeline: Timeline) -> None:
     """Rank 0: STOP round the ring, after everything sent before it."""
     if transport.size > 1:
@@ -596,31 +589,32 @@ def follow(stage: Stage, transport: Transport, timeline: Timeline, group_rows: i
             message = transport.recv_message(prev)
         waited = time.perf_counter() - start
         if message.kind == Kind.FORWARD:
-            lengths, full = from_wire(message.lengths)
-            with timeline.span(COMPUTE, f"layers ({len(message.seq_ids)} seqs, {sum(lengths)} tokens)"):
-                hidden = forward_stage(stage, message.hidden, message.seq_ids, lengths, group_rows, full)
+            with timeline.span(COMPUTE, f"layers ({len(message.seq_ids)} seqs, {sum(message.tokens)} tokens)"):
+                hidden = forward_stage(stage, message.hidden, message.seq_ids, message.tokens, group_rows,
+                                       message.every_position)
                 if nxt == 0:  # back to rank 0: the last positions, with the head's share if asked
                     groups = row_groups([1] * hidden.shape[1], group_rows)
                     hidden = returned_rows(stage.model, hidden, message.head_share, groups)
                     mx.eval(hidden)
             if nxt == 0:
-                send(Kind.FORWARD, message.seq_ids, message.lengths, hidden, idle_us=round(waited * 1e6))
+                send(Kind.FORWARD, message.seq_ids, message.tokens, hidden, every_position=message.every_position,
+                     idle_us=round(waited * 1e6))
             else:
-                send(Kind.FORWARD, message.seq_ids, message.lengths, hidden, head_share=message.head_share)
+                send(Kind.FORWARD, message.seq_ids, message.tokens, hidden, every_position=message.every_position,
+                     head_share=message.head_share)
             continue
         if message.kind == Kind.RELEASE:
             stage.release(message.seq_ids)
         if message.kind == Kind.REWIND:
-            for seq_id, n in zip(message.seq_ids, message.lengths):
+            for seq_id, n in zip(message.seq_ids, message.dropped):
                 stage.rewind([seq_id], n)
             if nxt != 0:
-                send(Kind.REWIND, message.seq_ids, message.lengths)
+                send(Kind.REWIND, message.seq_ids, dropped=message.dropped)
             continue
         if message.kind == Kind.FORK:
-            half = len(message.seq_ids) // 2
-            stage.fork(message.seq_ids[:half], message.seq_ids[half:], message.lengths[:half])
+            stage.fork(message.seq_ids, message.kept_ids, message.prefix)
             if nxt != 0:
-                send(Kind.FORK, message.seq_ids, message.lengths)
+                send(Kind.FORK, message.seq_ids, kept_ids=message.kept_ids, prefix=message.prefix)
             continue
         if nxt != 0:  # RELEASE, HEARTBEAT and STOP go round the ring once
             send(message.kind, message.seq_ids)

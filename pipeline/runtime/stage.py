@@ -116,7 +116,8 @@ def round_the_ring(transport: Transport, hidden: mx.array, seq_ids: list[int] = 
     the other ranks and back."""
     if transport.size > 1:
         lengths = [hidden.shape[1]] if lengths is None else lengths
-        transport.send_message(1, Kind.FORWARD, seq_ids, lengths, hidden, all_positions=all_positions, rewind=rewind)
+        transport.send_message(1, Kind.FORWARD, seq_ids, lengths, hidden,
+                               every_position=[all_positions] * len(lengths), rewind=rewind)
         hidden = transport.recv_message(transport.size - 1).hidden
     return hidden
 
@@ -137,12 +138,12 @@ def follow_single_stream(stage: Stage, transport: Transport) -> None:
         message = transport.recv_message(prev)
         if message.kind == Kind.FORWARD:
             stage.rewind(message.seq_ids, message.rewind)
-            # all_positions: every position of the final layer, each sequence's last computed as
+            # every_position: every position of the final layer, each sequence's last computed as
             # without (stage_slice.TransformerSlice.forward_layers), so the next token is the same either way
-            hidden = stage.run_layers(message.hidden, message.seq_ids, message.lengths, last_only=True,
-                                      full=[message.all_positions] * len(message.lengths))
-            transport.send_message(nxt, Kind.FORWARD, message.seq_ids, message.lengths, hidden,
-                                   all_positions=message.all_positions, rewind=message.rewind)
+            hidden = stage.run_layers(message.hidden, message.seq_ids, message.tokens, last_only=True,
+                                      full=message.every_position)
+            transport.send_message(nxt, Kind.FORWARD, message.seq_ids, message.tokens, hidden,
+                                   every_position=message.every_position, rewind=message.rewind)
             continue
         if message.kind == Kind.RELEASE:
             stage.release(message.seq_ids)
