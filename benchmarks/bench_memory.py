@@ -31,7 +31,7 @@ def owned_bytes(folder: Path, ranks: int, mode: str) -> list[int]:
     """Bytes of weights each rank holds, split exactly as `plan_job` splits them."""
     sys.path.insert(0, str(common.REPO))
     from pipeline.models.config import ModelConfig
-    from pipeline.runtime.job import plan_weights_in_memory
+    from pipeline.planner.layer_split import plan_weights_in_memory
     from pipeline.planner.memory import rank_bytes
     from pipeline.planner.partition import balanced_counts, layer_ranges
     from pipeline.planner.weights_bytes import model_bytes_of

@@ -34,19 +34,17 @@ def _rchar() -> int:
 
 
 def worker(model: str) -> None:
-    import argparse
-
     from mpi4py import MPI
 
     from pipeline.runtime.job import load_stage, peak_rss_bytes, plan_job
+    from pipeline.runtime.settings import WeightSettings
 
     comm = MPI.COMM_WORLD
-    args = argparse.Namespace(model=Path(model), split=None, dtype="float32", weights_in_memory="quantized",
-                              requantize=None, host_memory=None)
+    settings = WeightSettings(model=Path(model), weights_in_memory="quantized", int8_activations=False)
     comm.Barrier()
     read_before, start = _rchar(), time.perf_counter()
-    plan = plan_job(args, comm)
-    stage = load_stage(args, plan, comm.Get_rank(), progress=False)
+    plan = plan_job(settings, comm)
+    stage = load_stage(settings, plan, comm.Get_rank(), progress=False)
     seconds = time.perf_counter() - start
     start_layer, end_layer = plan.ranges[comm.Get_rank()]
     share = None

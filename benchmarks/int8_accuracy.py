@@ -47,6 +47,7 @@ def score(flags: dict, ids: list[int]):
     import numpy as np
 
     from pipeline import cli
+    from pipeline.commands.flags import weight_settings
     from pipeline.runtime.job import load_stage, plan_job
 
     args = cli._validated(cli.build_parser().parse_args(["generate", "--prompt", "x"]))
@@ -54,8 +55,9 @@ def score(flags: dict, ids: list[int]):
         setattr(args, key, value)
     from mpi4py import MPI
 
-    plan = plan_job(args, MPI.COMM_SELF)
-    stage = load_stage(args, plan, 0, progress=False)
+    settings = weight_settings(args)
+    plan = plan_job(settings, MPI.COMM_SELF)
+    stage = load_stage(settings, plan, 0, progress=False)
     out, targets = [], []
     first = CHUNK // 2
     for start in range(0, len(ids) - CHUNK + 1, CHUNK):

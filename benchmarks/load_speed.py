@@ -142,15 +142,12 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _args(model: Path, flags: dict):
-    import argparse
+def _settings(model: Path, flags: dict):
+    from pipeline.runtime.settings import WeightSettings
 
-    from pipeline.checkpoints.formats import Requantize
-
-    quantize = flags.get("quantize")
-    return argparse.Namespace(model=model, split=None, dtype=flags["dtype"], weights_in_memory="quantized",
-                              int8_activations=None,  # as generate decides it (int8 products by default on x86)
-                              requantize=Requantize(quantize, 64) if quantize else None, host_memory=None)
+    return WeightSettings(model=model, dtype=flags["dtype"], weights_in_memory="quantized",
+                          int8_activations=None,  # as generate decides it (int8 products by default on x86)
+                          quantize=flags.get("quantize"), group_size=64)
 
 
 def worker(form: str, model: str) -> None:
@@ -160,10 +157,10 @@ def worker(form: str, model: str) -> None:
     from pipeline.runtime.job import load_stage, peak_rss_bytes, plan_job
 
     comm = MPI.COMM_WORLD
-    args = _args(Path(model), FORMATS[form][1])
+    settings = _settings(Path(model), FORMATS[form][1])
     read_before, cpu_before, start = _rchar(), _cpu_seconds(), time.perf_counter()
-    plan = plan_job(args, comm)
-    stage = load_stage(args, plan, comm.Get_rank(), progress=False)
+    plan = plan_job(settings, comm)
+    stage = load_stage(settings, plan, comm.Get_rank(), progress=False)
     seconds = time.perf_counter() - start
     print("RESULT " + json.dumps({"load_s": seconds, "read_bytes": _rchar() - read_before,
                                   "cpu_s": _cpu_seconds() - cpu_before, "peak_rss": peak_rss_bytes(),

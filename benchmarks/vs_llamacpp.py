@@ -266,17 +266,18 @@ def pipeline_batch(model: Path, requests: Path, ranks: int, threads: int, weight
 
 
 LOAD_WORKER = """
-import sys, time, argparse, json
+import sys, time, json
 from pathlib import Path
 from pipeline.runtime.job import load_stage, peak_rss_bytes, plan_job
+from pipeline.runtime.settings import WeightSettings
 from mpi4py import MPI
 comm = MPI.COMM_WORLD
-args = argparse.Namespace(model=Path(sys.argv[1]), split=None, dtype="float32",
+settings = WeightSettings(model=Path(sys.argv[1]),
                           weights_in_memory="quantized" if sys.argv[2] == "int8" else sys.argv[2],
-                          int8_activations=sys.argv[2] == "int8", requantize=None, host_memory=None)
+                          int8_activations=sys.argv[2] == "int8")
 start = time.perf_counter()
-plan = plan_job(args, comm)
-stage = load_stage(args, plan, comm.Get_rank(), progress=False)
+plan = plan_job(settings, comm)
+stage = load_stage(settings, plan, comm.Get_rank(), progress=False)
 print("RESULT " + json.dumps({"load_s": time.perf_counter() - start, "peak_rss": peak_rss_bytes(),
                               "weight_bytes": stage.weight_nbytes}), flush=True)
 """

@@ -53,7 +53,7 @@ def test_shared_head_picks_the_same_tokens_as_the_whole_head(tiny_models, kind, 
         if name in whole:
             assert mx.array_equal(last.model.head_share[name], whole[name][-rows_held:]).item(), name
     assert not hasattr(last.model, "embed_tokens") and not hasattr(last.model, "lm_head")
-    if requantize is None:  # what the memory planner counts for it (job.plan_weights_in_memory, memory.py)
+    if requantize is None:  # what the memory planner counts for it (layer_split.plan_weights_in_memory, memory.py)
         held = sum(a.nbytes for a in last.model.head_share.parameters().values())
         assert held == rows_held / vocab * model_bytes_of(config, folder, dense=True).head
 

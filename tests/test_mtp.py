@@ -337,16 +337,15 @@ class TwoRanks:
 def test_the_module_counts_on_rank_0(mtp_model):
     """With --draft mtp the split, --host-memory's fit check and preflight count the module on rank 0:
     here it moves a layer to rank 1."""
-    import argparse
-
     from pipeline.runtime.job import plan_job
+    from pipeline.runtime.settings import WeightSettings
     from pipeline.models.mtp import mtp_nbytes
 
     folder, plain, _ = mtp_model
     plans = {}
     for draft in ("none", "mtp"):
-        args = argparse.Namespace(model=folder, requantize=None, draft=draft, split=None, host_memory="1,1",
-                                  weights_in_memory="quantized", quantize=None, group_size=64, dtype="float32")
+        args = WeightSettings(model=folder, draft=draft, split=None, host_memory="1,1", weights_in_memory="quantized",
+                              int8_activations=False, quantize=None, group_size=64, dtype="float32")
         plans[draft] = plan_job(args, TwoRanks())
     module = mtp_nbytes(Checkpoint(folder), ModelConfig.from_folder(folder))  # float32 as stored and as held
     assert plans["mtp"].host_memory.mb.ends - plans["none"].host_memory.mb.ends == module > 0

@@ -4,7 +4,6 @@ the `plan` command (no MPI), and `generate --host-memory`."""
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import itertools
 import math
@@ -27,6 +26,7 @@ from pipeline.planner.memory import GIB
 from pipeline.planner.shapes import architecture, count_params
 from pipeline.planner.speed import Hardware, plan_cluster
 from pipeline.planner.weights_bytes import Precision, model_bytes
+from pipeline.runtime.settings import WeightSettings
 from pipeline.runtime.stage import Stage
 from pipeline.checkpoints.weights import Checkpoint
 
@@ -275,10 +275,10 @@ def test_plan_command_bad_inputs():
     one_error_line(run_plan("--model", "Qwen3-235B-A22B", "--hosts", "2", "--context", "100000"), "40960")
 
 
-def job_args(folder, **overrides) -> argparse.Namespace:
+def job_args(folder, **overrides) -> WeightSettings:
     settings = dict(model=folder, split=None, host_memory=None, dtype="float32", quantize=None, group_size=64,
-                    weights_in_memory="quantized")
-    return argparse.Namespace(**{**settings, **overrides})
+                    weights_in_memory="quantized", int8_activations=False)
+    return WeightSettings(**{**settings, **overrides})
 
 
 class FakeComm:

@@ -90,7 +90,7 @@ def test_memory_and_version_problems_name_the_rank():
 
 def test_weights_in_memory_auto_is_decided_as_the_job_decides_it():
     """A quantized model under --weights-in-memory auto: dequantized on the ranks whose host has
-    room (job.plan_weights_in_memory), packed elsewhere, and the table says which."""
+    room (layer_split.plan_weights_in_memory), packed elsewhere, and the table says which."""
     reports = [report(r, memory * 2**30, quantized=True) for r, memory in enumerate((2000, 2000, 300, 2000))]
     table, problems = evaluate(reports, split="1,1,1,1", weights_in_memory="auto")
     assert not problems, problems

@@ -121,7 +121,8 @@ def run(args: argparse.Namespace, comm) -> int:
     from .batch_io import ResultsFile, read_requests
 
     rank, size = comm.Get_rank(), comm.Get_size()
-    job = plan_ring_job(args, comm)
+    settings = flags.job_settings(args)
+    job = plan_ring_job(settings, comm)
     transport, plan, group_rows, microbatches = job.transport, job.plan, job.group_rows, job.microbatches
 
     def prepare():
@@ -155,7 +156,7 @@ def run(args: argparse.Namespace, comm) -> int:
             note(f"nothing to run: every request of {args.input} has a record in {args.output}")
         return 0
 
-    stage = load_ring_stage(args, job, comm, progress=rank == 0 and not args.quiet)
+    stage = load_ring_stage(settings, job, comm, progress=rank == 0 and not args.quiet)
     timeline = Timeline(rank, keep_spans=args.trace is not None)
     comm.Barrier()
     timeline.restart()
@@ -176,7 +177,8 @@ def run(args: argparse.Namespace, comm) -> int:
         try:
             scheduler = Scheduler(stage, transport, tokenizer, ListSource(requests), max_batch=args.max_batch,
                                   microbatches=microbatches, group_rows=group_rows, timeline=timeline,
-                                  head_split=head_split(args, job), prefix_cache=prefix_cache(args, job),
+                                  head_split=head_split(settings.ring, job),
+                                  prefix_cache=prefix_cache(settings, job),
                                   draft=flags.draft_settings(args))
             stats = scheduler.run()
         except KeyboardInterrupt:
@@ -191,17 +193,17 @@ def run(args: argparse.Namespace, comm) -> int:
     timeline.finish()
 
     summaries = comm.gather(timeline.summary(), root=0)
-    figures = comm.gather(rank_figures(stage, matmuls_label(group_rows)), root=0)
+    figures = comm.gather(rank_figures(stage, matmuls=matmuls_label(group_rows)), root=0)
     if rank == 0:
-        hosts = [m[0] for m in figures]
+        hosts = [f.host for f in figures]
         print(f"[pipeline] batch: {results.count - results.errors} done, {results.errors} error records, "
               f"{stats.generated_tokens} tokens generated in {stats.wall_s:.2f} s: {stats.tokens_per_s:.1f} tok/s "
               f"(prompts {stats.prompt_tokens} tokens; {microbatches} micro-batches, "
-              f"max batch {args.max_batch}; matmuls {per_rank([m[5] for m in figures])}; layers per rank "
+              f"max batch {args.max_batch}; matmuls {per_rank([f.matmuls for f in figures])}; layers per rank "
               f"{','.join(str(end - start) for start, end in plan.ranges)}"
               f"{head_share_label(stats.head_share, size)}"
               f"{'; speculative: ' + stats.draft.describe() if stats.draft else ''}); "
-              f"weights {per_rank([m[2] for m in figures])}, BLAS {per_rank([m[3] for m in figures])}, "
+              f"weights {per_rank([f.weights for f in figures])}, BLAS {per_rank([f.blas for f in figures])}, "
               f"peak RSS {rss_label(figures, kv_cache=False)}",
               file=sys.stderr)
         for line in summary_lines(summaries, hosts if len(set(hosts)) > 1 else None):

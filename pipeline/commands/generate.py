@@ -43,8 +43,9 @@ def run(args: argparse.Namespace, comm) -> int:
     from ..checkpoints.tokenizer import Tokenizer
 
     rank = comm.Get_rank()
-    transport = make_transport(args, comm)
-    plan = mpi.checkpoint(comm, lambda: plan_job(args, comm))
+    settings = flags.job_settings(args)
+    transport = make_transport(settings.transport, comm)
+    plan = mpi.checkpoint(comm, lambda: plan_job(settings.weights, comm))
 
     def prepare_prompt():
         if rank != 0:
@@ -64,7 +65,7 @@ def run(args: argparse.Namespace, comm) -> int:
 
     # Tokenize before loading weights so a bad prompt fails in seconds, not after the load.
     tokenizer, prompt_ids = mpi.checkpoint(comm, prepare_prompt)
-    stage = mpi.checkpoint(comm, lambda: load_stage(args, plan, rank, progress=rank == 0))
+    stage = mpi.checkpoint(comm, lambda: load_stage(settings.weights, plan, rank, progress=rank == 0))
 
     if rank == 0:
         def write(text: str) -> None:
@@ -83,24 +84,25 @@ def run(args: argparse.Namespace, comm) -> int:
         follow_single_stream(stage, transport)
         result = None
 
-    figures = comm.gather(rank_figures(stage, stage.kv_bytes_per_token, blas.invariant_rows()), root=0)
+    figures = comm.gather(rank_figures(stage, kv_bytes_per_token=stage.kv_bytes_per_token,
+                                       invariant_rows=blas.invariant_rows()), root=0)
     if rank == 0:
         print(stats_line(result, figures), file=sys.stderr, flush=True)
     return 0
 
 
-def stats_line(result, figures: list[tuple]) -> str:
-    """figures: per rank (host, peak RSS bytes, weights label, BLAS description, bytes held,
-    KV bytes per token, batch-invariant rows), as job.rank_figures gives them."""
+def stats_line(result, figures: list) -> str:
+    """figures: each rank's job.RankFigures, with its KV bytes per token and batch-invariant rows."""
     from ..runtime.job import per_rank, rss_label
 
-    peaks = rss_label(figures) + f", KV {sum(m[5] for m in figures) / 1024:.1f} KiB/token"
+    peaks = rss_label(figures) + f", KV {sum(f.kv_bytes_per_token for f in figures) / 1024:.1f} KiB/token"
     draft = ""
     if result.draft is not None:
         # Exact where every rank's products are batch-invariant (the BLAS shim); else within float rounding.
-        exact = "exact" if all(m[6] for m in figures) else "within float rounding (no batch-invariant BLAS kernel)"
+        exact = ("exact" if all(f.invariant_rows for f in figures)
+                 else "within float rounding (no batch-invariant BLAS kernel)")
         draft = f"; speculative: {result.draft.describe()}, {exact}"
     return (f"[pipeline] prompt {result.prompt_tokens} tokens, prefill {result.prefill_tps:.1f} tok/s, "
             f"decode {result.decode_tps:.1f} tok/s ({len(result.tokens)} tokens, {result.finish_reason}), "
-            f"TTFT {result.prefill_s:.3f} s, peak RSS {peaks}, weights {per_rank([m[2] for m in figures])}, "
-            f"BLAS {per_rank([m[3] for m in figures])}{draft}")
+            f"TTFT {result.prefill_s:.3f} s, peak RSS {peaks}, weights {per_rank([f.weights for f in figures])}, "
+            f"BLAS {per_rank([f.blas for f in figures])}{draft}")

@@ -45,7 +45,7 @@ def run(args: argparse.Namespace, comm) -> int:
     from ..cluster.transport import Kind
     from ..runtime.job import make_transport
 
-    transport = make_transport(args, comm)
+    transport = make_transport(flags.transport_settings(args), comm)
     rank, size = comm.Get_rank(), comm.Get_size()
     processes = comm.gather((socket.gethostname(), os.getpid()), root=0)
     if rank == 0:

@@ -14,8 +14,9 @@ Run it under mpiexec exactly like the job (same hostfile, same number of ranks, 
   be held (floats in --dtype, --quantize applied as the loader applies it, MLX-quantized weights
   packed or dequantized as --weights-in-memory decides, auto included, from every host's free
   memory) plus the KV cache of --context tokens, and 10% on top for activations. The count is the
-  planner's (memory.py), the one `plan` and the stats line print. Slices are split as `generate`
-  splits them (balanced by bytes, or --split).
+  planner's (memory.py), the one `plan` and the stats line print. Slices are split, and free
+  memory read, by the job's own functions (layer_split.split_layers, weights.available_memory_bytes),
+  --int8-activations resolved over every rank as the job resolves it (job.resolve_int8).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from pathlib import Path
 
 from ..util.errors import UserError
 from .flags import add_weights_args
-from ..planner.memory import DTYPE_LABEL, rank_bytes, size
+from ..runtime.settings import DRAFT_CHOICES, WeightSettings
+from ..planner.memory import DTYPE_LABEL, RankBytes, rank_bytes, size
 from ..planner.weights_bytes import ModelBytes
 
 PACKAGES = ("pipeline", "mlx", "mpi4py", "numpy", "tokenizers", "jinja2")
@@ -74,9 +76,7 @@ def add_parser(commands) -> None:
     pre.add_argument("--context", type=int, default=None, metavar="TOKENS",
                      help="tokens the job keeps in its KV cache, all sequences together (default: the "
                           "model's context, at most 8192)")
-    from ..runtime.speculative import DRAFT_CHOICES
-
-    pre.add_argument("--draft", choices=DRAFT_CHOICES, default="none",
+    pre.add_argument("--draft", choices=DRAFT_CHOICES, default=WeightSettings.draft,
                      help="the job's --draft: with mtp, rank 0 also holds DeepSeek's multi-token-prediction module")
 
 
@@ -101,9 +101,14 @@ def collect(args: argparse.Namespace, comm) -> RankReport:
     """What this rank has: host, versions, model files, memory."""
     from mpi4py import MPI
 
+    # These load MLX, which `plan` (its parser built with this module's) must not
+    from ..checkpoints.weights import available_memory_bytes
+    from ..runtime.job import resolve_int8
+
+    int8 = resolve_int8(args.int8_activations, args.dtype, comm)  # collective, as the job asks it
     folder = args.model
     if folder is None:
-        from ..runtime.job import resolve_model_folder
+        from ..runtime.job import resolve_model_folder  # loads MLX, as above
 
         try:
             folder = resolve_model_folder(None, comm)
@@ -119,7 +124,7 @@ def collect(args: argparse.Namespace, comm) -> RankReport:
         packages={name: package_version(name) for name in PACKAGES},
         mpi_library=" ".join(MPI.Get_library_version().strip().splitlines()[0].split(",")[0]
                              .replace("Version:", "").split())[:40],
-        available=available_memory(), metal_limit=metal_working_set(), folder=str(folder))
+        available=available_memory_bytes(), metal_limit=metal_working_set(), folder=str(folder))
     if error:
         report.folder_error = error
         return report
@@ -148,28 +153,29 @@ def collect(args: argparse.Namespace, comm) -> RankReport:
         if config.is_file():
             report.config_sha256 = hashlib.sha256(config.read_bytes()).hexdigest()
     try:
-        _measure_slices(report, folder, args)
+        _measure_slices(report, folder, args, int8)
     except UserError as e:
         report.folder_error = str(e)
     return report
 
 
-def _measure_slices(report: RankReport, folder: Path, args: argparse.Namespace) -> None:
-    from ..checkpoints.formats import Requantize
+def _measure_slices(report: RankReport, folder: Path, args: argparse.Namespace, int8: bool) -> None:
+    """The model's bytes as stored and as held (int8: --int8-activations as the job resolves it)."""
+    from .flags import weight_settings
     from ..planner.memory import kv_layer_bytes
     from ..planner.shapes import architecture
     from ..planner.weights_bytes import held_and_dense
-    from ..kernels import qmm
+    from ..kernels import build
     from ..checkpoints.model_files import open_checkpoint
     from ..checkpoints.weights import is_quantized, layer_nbytes
 
-    checkpoint = open_checkpoint(folder, Requantize(args.quantize, args.group_size) if args.quantize else None)
+    checkpoint = open_checkpoint(folder, weight_settings(args).requantize)
     config = checkpoint.model_config()
     report.num_layers = config.num_hidden_layers
     report.disk_layer_bytes, report.disk_ends_bytes = layer_nbytes(checkpoint, config.num_hidden_layers)
     report.held, report.dense_held = held_and_dense(config, folder, args.dtype, args.quantize, args.group_size,
-                                                    int8=qmm.int8_by_default(args.int8_activations, args.dtype))
-    if getattr(args, "draft", "none") == "mtp":  # the module on rank 0, as job.plan_job counts it
+                                                    int8=int8)
+    if args.draft == "mtp":  # the module on rank 0, as job.plan_job counts it
         from ..models.mtp import check_mtp, mtp_nbytes
         from ..planner.weights_bytes import with_mtp
 
@@ -177,7 +183,7 @@ def _measure_slices(report: RankReport, folder: Path, args: argparse.Namespace) 
         report.disk_ends_bytes += mtp_nbytes(checkpoint, config)
         report.held, report.dense_held = with_mtp(report.held), with_mtp(report.dense_held)
     report.quantized, report.dtype = is_quantized(checkpoint), args.dtype
-    report.fast_quantized = args.dtype == "float32" and qmm.expected()  # as job.plan_job asks every rank
+    report.fast_quantized = args.dtype == "float32" and build.expected()  # as job.plan_job asks every rank
     context = args.context or min(8192, config.max_position_embeddings)
     if context < 1:
         raise UserError(f"--context must be >= 1, got {context}")
@@ -186,92 +192,117 @@ def _measure_slices(report: RankReport, folder: Path, args: argparse.Namespace) 
 
 def evaluate(reports: list[RankReport], split: str | None, weights_in_memory: str = "quantized") -> tuple[str, list[str]]:
     """Rank 0: the table, and one line per problem."""
-    from ..runtime.job import plan_weights_in_memory
-    from ..planner.partition import LAYER_OVERHEAD_BYTES, balanced_counts, check_ranks, layer_ranges, parse_split
-
-    problems: list[str] = []
     who = {r.rank: f"rank {r.rank} ({r.host})" for r in reports}
     with_model = [r for r in reports if not r.folder_error]
     ref = with_model[0] if with_model else None
-
-    for r in reports:
-        if r.folder_error:
-            problems.append(f"{who[r.rank]}: {r.folder_error}")
-    base = reports[0]
-    for r in reports[1:]:
-        if r.python.split(".")[:2] != base.python.split(".")[:2]:
-            problems.append(f"{who[r.rank]}: Python {r.python}, rank 0 has {base.python}")
-        for name in PACKAGES:
-            if r.packages[name] != base.packages[name]:
-                problems.append(f"{who[r.rank]}: {name} {r.packages[name]}, rank 0 has {base.packages[name]}")
+    problems = [f"{who[r.rank]}: {r.folder_error}" for r in reports if r.folder_error]
+    problems += version_problems(reports, who)
     if ref is not None:
-        for r in with_model:
-            if r is ref:
-                continue
-            for name in sorted(set(ref.files) | set(r.files)):
-                if name not in r.files:
-                    problems.append(f"{who[r.rank]}: {name} is missing from {r.folder} (rank {ref.rank} has it)")
-                elif name not in ref.files:
-                    problems.append(f"{who[r.rank]}: {name} in {r.folder} is not on rank {ref.rank}")
-                elif r.files[name] != ref.files[name]:
-                    problems.append(f"{who[r.rank]}: {name} is {r.files[name]:,} bytes, "
-                                    f"{ref.files[name]:,} on rank {ref.rank}: copy it again")
-            if r.config_sha256 != ref.config_sha256:
-                problems.append(f"{who[r.rank]}: config.json differs from rank {ref.rank}'s "
-                                f"(sha256 {str(r.config_sha256)[:12]} vs {str(ref.config_sha256)[:12]})")
-
-    ranges: list[tuple[int, int]] | None = None
-    dense = [False] * len(reports)
+        problems += [problem for r in with_model if r is not ref for problem in model_problems(r, ref, who[r.rank])]
+    slices: list[Slice] | None = None
     if ref is not None:
         try:
-            if split:
-                counts = parse_split(split, ref.num_layers, len(reports))
-            else:
-                check_ranks(ref.num_layers, len(reports))
-                counts = balanced_counts(ref.disk_layer_bytes, len(reports), rank0_extra_bytes=ref.disk_ends_bytes,
-                                         layer_overhead_bytes=LAYER_OVERHEAD_BYTES)
-            if weights_in_memory != "quantized" and ref.quantized:  # as the job decides it (job.plan_job)
-                memory = [(r.host, r.available if r.available is not None else 0) for r in reports]
-                fast = [r.fast_quantized for r in reports]
-                counts, dense = plan_weights_in_memory(weights_in_memory, ref.held, ref.dense_held, counts, memory,
-                                                       fixed=bool(split), fast_quantized=fast)
-            ranges = layer_ranges(counts)
+            slices = plan_slices(reports, ref, split, weights_in_memory)
         except UserError as e:
             problems.append(str(e))
-
     rows = []
     for r in reports:
-        held = need = None
-        if ranges is not None:
-            start, end = ranges[r.rank]
-            mb = ref.dense_held if dense[r.rank] else ref.held
-            held = rank_bytes(mb.layers, mb.ends, ref.kv_layer_bytes, ranges[r.rank], r.rank, len(reports),
-                              held_as="quantized" if ref.quantized and not dense[r.rank] else DTYPE_LABEL[ref.dtype])
-            need = int(held.total * HEADROOM)
-            if r.available is not None and need > r.available:
-                problems.append(f"{who[r.rank]}: its slice (layers {start}-{end - 1}) needs {size(need)} "
-                                f"({held.describe()}, +10%) but only {size(r.available)} of memory is free: add a "
-                                f"host, or move layers off it with --split")
-            if r.metal_limit is not None and need > r.metal_limit:
-                problems.append(f"{who[r.rank]}: its slice needs {size(need)} but the GPU may wire only "
-                                f"{size(r.metal_limit)}: raise it with `sudo sysctl iogpu.wired_limit_mb=N` "
-                                f"(see docs/thunderbolt.md)")
+        piece = slices[r.rank] if slices else None
+        if piece is not None:
+            problems += memory_problems(r, piece, who[r.rank])
         mine = [p for p in problems if p.startswith(who[r.rank] + ":")]
-        rows.append([
-            r.rank, r.host, r.python, r.packages["mlx"], r.packages["mpi4py"], r.mpi_library,
-            "missing" if r.folder_error else f"{len(r.files)} files, {size(sum(r.files.values()))}",
-            (r.config_sha256 or "-")[:12],
-            f"{ranges[r.rank][0]}-{ranges[r.rank][1] - 1}" if ranges else "-",
-            f"{size(held.weights)} {held.held_as}" if held else "-",
-            size(held.kv_cache) if held else "-",
-            size(need) if need is not None else "-",
-            size(r.available) if r.available is not None else "unknown",
-            "OK" if not mine else f"{len(mine)} problem{'s' if len(mine) > 1 else ''}",
-        ])
+        rows.append(table_row(r, piece, mine))
     header = ["rank", "host", "python", "mlx", "mpi4py", "MPI", "model", "config sha256", "layers",
               "weights", "KV cache", "needs", "free", "status"]
     problems.sort(key=lambda p: int(p.split()[1]) if p.startswith("rank ") else -1)
     return _table(header, rows), problems
+
+
+def version_problems(reports: list[RankReport], who: dict[int, str]) -> list[str]:
+    """Python (major.minor) or a package version that differs from rank 0's."""
+    base, problems = reports[0], []
+    for r in reports[1:]:
+        if r.python.split(".")[:2] != base.python.split(".")[:2]:
+            problems.append(f"{who[r.rank]}: Python {r.python}, rank 0 has {base.python}")
+        problems += [f"{who[r.rank]}: {name} {r.packages[name]}, rank 0 has {base.packages[name]}"
+                     for name in PACKAGES if r.packages[name] != base.packages[name]]
+    return problems
+
+
+def model_problems(r: RankReport, ref: RankReport, who: str) -> list[str]:
+    """A file missing, extra or of another size than on the reference rank; another config.json."""
+    problems = []
+    for name in sorted(set(ref.files) | set(r.files)):
+        if name not in r.files:
+            problems.append(f"{who}: {name} is missing from {r.folder} (rank {ref.rank} has it)")
+        elif name not in ref.files:
+            problems.append(f"{who}: {name} in {r.folder} is not on rank {ref.rank}")
+        elif r.files[name] != ref.files[name]:
+            problems.append(f"{who}: {name} is {r.files[name]:,} bytes, {ref.files[name]:,} on rank {ref.rank}: "
+                            f"copy it again")
+    if r.config_sha256 != ref.config_sha256:
+        problems.append(f"{who}: config.json differs from rank {ref.rank}'s "
+                        f"(sha256 {str(r.config_sha256)[:12]} vs {str(ref.config_sha256)[:12]})")
+    return problems
+
+
+@dataclass
+class Slice:
+    """One rank's part of the job: its layers, and what it holds of them."""
+    start: int
+    end: int
+    held: RankBytes  # weights as held + KV cache for --context tokens
+    need: int  # bytes, with HEADROOM
+
+
+def plan_slices(reports: list[RankReport], ref: RankReport, split: str | None, weights_in_memory: str) -> list[Slice]:
+    """Each rank's slice, split as the job splits it (layer_split.split_layers), from the reference
+    rank's model and every rank's free memory; UserError if --split does not fit the job."""
+    # layer_split reads the checkpoint's helpers, which load MLX: not while `plan` builds its parser
+    from ..planner.layer_split import SplitWeights, split_layers
+    from ..planner.partition import layer_ranges
+
+    ranks = len(reports)
+    choice = (ref.held, ref.dense_held) if ref.quantized else (None, None)  # --weights-in-memory's
+    weights = SplitWeights(ref.disk_layer_bytes, ref.disk_ends_bytes, *choice)
+    memory = [(r.host, r.available if r.available is not None else 0) for r in reports]
+    counts, dense = split_layers(weights, ranks, split, weights_in_memory, memory,
+                                 fast_quantized=[r.fast_quantized for r in reports])
+    slices = []
+    for rank, (start, end) in enumerate(layer_ranges(counts)):
+        mb = ref.dense_held if dense[rank] else ref.held
+        held_as = "quantized" if ref.quantized and not dense[rank] else DTYPE_LABEL[ref.dtype]
+        held = rank_bytes(mb.layers, mb.ends, ref.kv_layer_bytes, (start, end), rank, ranks, held_as=held_as)
+        slices.append(Slice(start, end, held, int(held.total * HEADROOM)))
+    return slices
+
+
+def memory_problems(r: RankReport, piece: Slice, who: str) -> list[str]:
+    """The rank's slice needs more memory than it has free, or than the GPU may wire."""
+    problems = []
+    if r.available is not None and piece.need > r.available:
+        problems.append(f"{who}: its slice (layers {piece.start}-{piece.end - 1}) needs {size(piece.need)} "
+                        f"({piece.held.describe()}, +10%) but only {size(r.available)} of memory is free: add a "
+                        f"host, or move layers off it with --split")
+    if r.metal_limit is not None and piece.need > r.metal_limit:
+        problems.append(f"{who}: its slice needs {size(piece.need)} but the GPU may wire only "
+                        f"{size(r.metal_limit)}: raise it with `sudo sysctl iogpu.wired_limit_mb=N` "
+                        f"(see docs/thunderbolt.md)")
+    return problems
+
+
+def table_row(r: RankReport, piece: Slice | None, mine: list[str]) -> list:
+    return [
+        r.rank, r.host, r.python, r.packages["mlx"], r.packages["mpi4py"], r.mpi_library,
+        "missing" if r.folder_error else f"{len(r.files)} files, {size(sum(r.files.values()))}",
+        (r.config_sha256 or "-")[:12],
+        f"{piece.start}-{piece.end - 1}" if piece else "-",
+        f"{size(piece.held.weights)} {piece.held.held_as}" if piece else "-",
+        size(piece.held.kv_cache) if piece else "-",
+        size(piece.need) if piece else "-",
+        size(r.available) if r.available is not None else "unknown",
+        "OK" if not mine else f"{len(mine)} problem{'s' if len(mine) > 1 else ''}",
+    ]
 
 
 def package_version(name: str) -> str:
@@ -285,35 +316,6 @@ def package_version(name: str) -> str:
         return metadata.version(name)
     except metadata.PackageNotFoundError:
         return "missing"
-
-
-def available_memory() -> int | None:
-    """Bytes of memory a new allocation can get without swapping."""
-    try:
-        import psutil
-
-        return int(psutil.virtual_memory().available)
-    except ImportError:
-        pass
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    if sys.platform == "darwin":  # free + inactive + speculative + purgeable pages
-        import re
-        import subprocess
-
-        out = subprocess.run(["vm_stat"], capture_output=True, text=True).stdout
-        page = int(re.search(r"page size of (\d+)", out).group(1)) if "page size of" in out else 16384
-        pages = 0
-        for key in ("Pages free", "Pages inactive", "Pages speculative", "Pages purgeable"):
-            m = re.search(rf"{key}:\s+(\d+)", out)
-            pages += int(m.group(1)) if m else 0
-        return pages * page if pages else None
-    return None
 
 
 def metal_working_set() -> int | None:

@@ -5,28 +5,31 @@ collective checkpoint, so every rank learns of a failure anywhere."""
 
 from __future__ import annotations
 
-import argparse
 import resource
 import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
 
-from ..kernels import blas, qmm
+from ..kernels import blas, build
+from ..kernels.int8_layout import INT8_BLOCK
 from ..util import cores, huge_pages
 from ..models.config import ModelConfig
 from ..util.errors import UserError
-from ..planner.memory import measured, rank_bytes
+from ..planner.memory import RankBytes, measured
 from ..models.registry import family_for
-from ..planner.partition import LAYER_OVERHEAD_BYTES, balanced_counts, check_ranks, layer_ranges, parse_split
+from ..planner.layer_split import SplitWeights, split_layers
+from ..planner.partition import layer_ranges
 from ..planner.host_memory import MemoryPlan
-from ..planner.weights_bytes import ModelBytes, held_and_dense, with_mtp
+from ..planner.weights_bytes import held_and_dense, with_mtp
+from .settings import JobSettings, RingSettings, TransportSettings, WeightSettings
 from .stage import Stage
 from ..cluster.transport import MlxTransport, MpiTransport, this_process
 from ..checkpoints.model_files import open_checkpoint
-from ..checkpoints.weights import Checkpoint, available_memory_bytes, choose_dense, is_quantized, layer_nbytes
+from ..checkpoints.int8_repack import use_int8
+from ..checkpoints.weights import Checkpoint, available_memory_bytes, is_quantized, layer_nbytes
 
 
 @dataclass
@@ -37,6 +40,7 @@ class Plan:
     ranges: list[tuple[int, int]]
     dense: list[bool] | None = None  # per rank: MLX-quantized weights dequantized at load
     host_memory: MemoryPlan | None = None  # generate --host-memory: the planner's split and fit check
+    int8: bool = False  # --int8-activations as every rank resolved it (resolve_int8)
 
 
 def resolve_model_folder(model: Path | None, comm) -> Path:
@@ -62,87 +66,61 @@ def resolve_model_folder(model: Path | None, comm) -> Path:
     return default_model_dir(progress=False)
 
 
-def plan_job(args: argparse.Namespace, comm, last_rank_head: float = 0.0) -> Plan:
+def resolve_int8(flag: bool | None, dtype: str, comm) -> bool:
+    """--int8-activations for the job (collective where not given): on by default where every
+    rank can (build.int8_by_default)."""
+    if flag is None:
+        return all(comm.allgather(build.int8_by_default(None, dtype)))
+    return flag
+
+
+def plan_job(settings: WeightSettings, comm, last_rank_head: float = 0.0) -> Plan:
     """Read the model's config and tensor index and split its layers over the ranks.
     Every rank computes the same plan from the same files. last_rank_head: the part of the LM head
     the last rank holds besides its layers (batch, head_share.py), counted in its memory."""
-    mode = getattr(args, "weights_in_memory", "quantized")
+    mode = settings.weights_in_memory
     # Collective, so before anything that can fail on one rank only.
-    if getattr(args, "int8_activations", False) is None:  # by default on where every rank can (qmm.int8_by_default)
-        args.int8_activations = all(comm.allgather(qmm.int8_by_default(None, getattr(args, "dtype", "float32"))))
+    int8 = resolve_int8(settings.int8_activations, settings.dtype, comm)
+    settings = replace(settings, int8_activations=int8)  # as the memory planner (MemoryPlan.for_job) counts it
     memory = fast_quantized = None
     if mode == "auto":
         gathered = comm.allgather((socket.gethostname(), available_memory_bytes(),
-                                   getattr(args, "dtype", "float32") == "float32" and qmm.expected()))
+                                   settings.dtype == "float32" and build.expected()))
         memory, fast_quantized = [(h, a) for h, a, _ in gathered], [f for _, _, f in gathered]
-    folder = resolve_model_folder(args.model, comm)
-    checkpoint = open_checkpoint(folder, getattr(args, "requantize", None))
+    folder = resolve_model_folder(settings.model, comm)
+    checkpoint = open_checkpoint(folder, settings.requantize)
     config = checkpoint.model_config()
     family = family_for(config)
-    if getattr(args, "draft", "none") != "none" and not family.drafts:
+    if settings.draft != "none" and not family.drafts:
         raise UserError(f"{config.model_type} keeps compressed caches that cannot drop a rejected draft's "
                         f"positions: run it without --draft")
-    if getattr(args, "draft", "none") == "mtp":
+    if settings.draft == "mtp":
         from ..models.mtp import check_mtp
 
         check_mtp(checkpoint, config, folder)
-    ranks, layers = comm.Get_size(), config.num_hidden_layers
+    ranks = comm.Get_size()
     host_memory = None
-    if getattr(args, "host_memory", None):
-        host_memory = MemoryPlan.for_job(config, args, ranks, folder)
-    if args.split:
-        counts = parse_split(args.split, layers, ranks)
-    elif host_memory:
-        counts = host_memory.counts()
-    else:
-        check_ranks(layers, ranks)
-        per_layer, ends = layer_nbytes(checkpoint, layers)
-        if getattr(args, "draft", "none") == "mtp":  # rank 0 holds the MTP module too
-            from ..models.mtp import mtp_nbytes
-
-            ends += mtp_nbytes(checkpoint, config)
-        counts = balanced_counts(per_layer, ranks, rank0_extra_bytes=ends, layer_overhead_bytes=LAYER_OVERHEAD_BYTES)
-    dense = [False] * ranks
-    if mode != "quantized" and is_quantized(checkpoint):
-        held, dense_held = held_and_dense(config, folder, getattr(args, "dtype", "float32"),
-                                          int8=bool(getattr(args, "int8_activations", False)))
-        if getattr(args, "draft", "none") == "mtp":
-            held, dense_held = with_mtp(held), with_mtp(dense_held)
-        counts, dense = plan_weights_in_memory(mode, held, dense_held, counts, memory,
-                                               fixed=bool(args.split or host_memory), last_rank_head=last_rank_head,
-                                               fast_quantized=fast_quantized)
-    return Plan(folder, config, checkpoint, layer_ranges(counts), dense, host_memory)
+    if settings.host_memory:
+        host_memory = MemoryPlan.for_job(config, settings, ranks, folder)
+    planned = host_memory.counts() if host_memory and not settings.split else None
+    counts, dense = split_layers(split_weights(checkpoint, config, folder, settings), ranks, settings.split, mode,
+                                 memory, fast_quantized, planned=planned, last_rank_head=last_rank_head)
+    return Plan(folder, config, checkpoint, layer_ranges(counts), dense, host_memory, int8)
 
 
-def plan_weights_in_memory(mode: str, held: ModelBytes, dense_held: ModelBytes, counts: list[int],
-                           memory: list[tuple[str, int]] | None, fixed: bool, last_rank_head: float = 0.0,
-                           fast_quantized: list[bool] | None = None):
-    """(layer counts, dense per rank) for --weights-in-memory fp32|auto on a quantized model, from
-    its bytes held packed (`held`) and dequantized (`dense_held`; weights_bytes.model_bytes_of). fp32: every
-    rank dense, layers balanced by dense bytes. auto: the same if every host's ranks fit in its free
-    memory (see `choose_dense`), else the quantized balance with ranks made dense, in rank order,
-    while their host has room; but where every rank has pipeline's quantized kernels
-    (`fast_quantized`, qmm.py), every rank keeps its weights quantized: they decode faster than
-    fp32 and prefill as fast. preflight decides with this too."""
-    ranks = len(counts)
-    if mode == "auto" and fast_quantized and all(fast_quantized):
-        return counts, [False] * ranks
+def split_weights(checkpoint: Checkpoint, config: ModelConfig, folder: Path, settings: WeightSettings) -> SplitWeights:
+    """What the job's split weighs (layer_split.SplitWeights); settings: with --int8-activations resolved."""
+    stored_layers, stored_ends = layer_nbytes(checkpoint, config.num_hidden_layers)
+    if settings.draft == "mtp":  # rank 0 holds the MTP module too
+        from ..models.mtp import mtp_nbytes
 
-    def shares(counts: list[int], mb: ModelBytes) -> list[int]:
-        no_cache = [0] * len(mb.layers)
-        return [rank_bytes(mb.layers, mb.ends, no_cache, span, r, ranks, mb.head, last_rank_head).total
-                for r, span in enumerate(layer_ranges(counts))]
-
-    dense_counts = counts
-    if not fixed:
-        dense_counts = balanced_counts(dense_held.layers, ranks, rank0_extra_bytes=dense_held.ends,
-                                       layer_overhead_bytes=LAYER_OVERHEAD_BYTES)
-    if mode == "fp32":
-        return dense_counts, [True] * ranks
-    hosts, available = [h for h, _ in memory], [a for _, a in memory]
-    if all(choose_dense(hosts, available, [0] * ranks, shares(dense_counts, dense_held))):
-        return dense_counts, [True] * ranks
-    return counts, choose_dense(hosts, available, shares(counts, held), shares(counts, dense_held))
+        stored_ends += mtp_nbytes(checkpoint, config)
+    if settings.weights_in_memory == "quantized" or not is_quantized(checkpoint):
+        return SplitWeights(stored_layers, stored_ends)
+    held, dense_held = held_and_dense(config, folder, settings.dtype, int8=bool(settings.int8_activations))
+    if settings.draft == "mtp":
+        held, dense_held = with_mtp(held), with_mtp(dense_held)
+    return SplitWeights(stored_layers, stored_ends, held, dense_held)
 
 
 def share_cores(comm) -> None:
@@ -157,44 +135,57 @@ def share_cores(comm) -> None:
     host.Free()
 
 
-def load_stage(args: argparse.Namespace, plan: Plan, rank: int, progress: bool, head_rows: int = 0) -> Stage:
+def load_stage(settings: WeightSettings, plan: Plan, rank: int, progress: bool, head_rows: int = 0) -> Stage:
     """This rank's layers of the planned split, held as the weight flags say; on rank 0 with
     --draft mtp, DeepSeek's MTP module too (it reads rank 0's embedding, head and final states)."""
     dense = bool(plan.dense and plan.dense[rank])
-    int8 = bool(getattr(args, "int8_activations", False))
+    int8 = plan.int8
     # rearranged in the buffers they were read into where those are in huge pages (else the products
     # would walk small pages: 1B Llama decode -5%), into new huge pages otherwise
     in_place = huge_pages.active()
     stage = Stage.load(plan.config, plan.checkpoint, plan.ranges[rank], has_ends=rank == 0,
-                       dtype=getattr(mx, args.dtype), requantize=args.requantize, progress=progress,
+                       dtype=getattr(mx, settings.dtype), requantize=settings.requantize, progress=progress,
                        dense=dense, head_rows=head_rows, int8_in_place=in_place if int8 else None)
-    if getattr(args, "dtype", "float32") == "float32":
-        qmm.load()  # the kernels' extension (attention, quantized products): built now, not at the first token
-    if rank == 0 and getattr(args, "draft", "none") == "mtp":
+    if settings.dtype == "float32":
+        build.load()  # the kernels' extension (attention, quantized products): built now, not at the first token
+    if rank == 0 and settings.draft == "mtp":
         from ..checkpoints.mtp import load_mtp
 
-        stage.mtp = load_mtp(plan.config, plan.checkpoint, getattr(mx, args.dtype), args.requantize, dense, progress)
+        stage.mtp = load_mtp(plan.config, plan.checkpoint, getattr(mx, settings.dtype), settings.requantize, dense,
+                             progress)
     if int8:  # int8 products (int8_kernels.cpp); none without the kernels
         config = plan.config
         # the last rank's share of the LM head computes as rank 0's head does, or both stay float32
-        share = config.vocab_size % qmm.INT8_BLOCK == 0 and not (plan.dense and plan.dense[0])
+        share = config.vocab_size % INT8_BLOCK == 0 and not (plan.dense and plan.dense[0])
         for module in (stage.model, stage.mtp):  # what was not repacked while loading: the head, MTP
             if module is not None:
-                qmm.use_int8(module, tied_head=bool(config.tie_word_embeddings), head_share=share,
-                             in_place=in_place)
+                use_int8(module, tied_head=bool(config.tie_word_embeddings), head_share=share, in_place=in_place)
     return stage
 
 
-def rank_figures(stage: Stage, *extra) -> tuple:
-    """What each rank reports for the closing stats line: (host, peak RSS bytes, weights label,
-    BLAS description, its bytes (memory.RankBytes, as plan and preflight count them), *extra)."""
-    return (socket.gethostname(), peak_rss_bytes(), weights_label(stage), blas.describe(), measured(stage), *extra)
+@dataclass(frozen=True)
+class RankFigures:
+    """What each rank reports for the closing stats line (rank_figures)."""
+    host: str
+    peak_rss: int  # bytes (peak_rss_bytes)
+    weights: str  # how its weights are held (weights_label)
+    blas: str  # its BLAS (blas.describe)
+    held: RankBytes  # its bytes, as plan and preflight count them (memory.measured)
+    kv_bytes_per_token: int = 0  # generate: its KV cache's bytes per position
+    invariant_rows: int = 0  # generate: rows its products round alike whatever the batch (blas.invariant_rows)
+    matmuls: str = ""  # batch: how its products take a micro-batch's sequences (matmuls_label)
 
 
-def rss_label(figures: list[tuple], kv_cache: bool = True) -> str:
+def rank_figures(stage: Stage, **extra) -> RankFigures:
+    """This rank's figures; extra: the fields a command adds (kv_bytes_per_token, invariant_rows, matmuls)."""
+    return RankFigures(socket.gethostname(), peak_rss_bytes(), weights_label(stage), blas.describe(), measured(stage),
+                       **extra)
+
+
+def rss_label(figures: list[RankFigures], kv_cache: bool = True) -> str:
     """'r0 403 MiB (weights 297.1 MiB + KV cache 1.4 MiB), r1 ...': each rank's peak RSS beside
     the bytes it holds; the difference is the runtime's own."""
-    return ", ".join(f"r{r} {f[1] / 2**20:.0f} MiB ({f[4].describe(kv_cache)})" for r, f in enumerate(figures))
+    return ", ".join(f"r{r} {f.peak_rss / 2**20:.0f} MiB ({f.held.describe(kv_cache)})" for r, f in enumerate(figures))
 
 
 @dataclass
@@ -209,70 +200,71 @@ class RingJob:
     microbatches: int
 
 
-def plan_ring_job(args: argparse.Namespace, comm) -> RingJob:
+def plan_ring_job(settings: JobSettings, comm) -> RingJob:
     """Collective: the transport and the plan, before anything big is read."""
     from ..cluster import mpi
     from .head_share import head_share_fraction, head_share_rows
     from .scheduler import exact_group_rows
 
-    transport = make_transport(args, comm)
-    group_rows = exact_group_rows(args.packed_matmuls)  # this rank's own: it depends on its BLAS
-    head_fraction = head_share_fraction(args.head_share, comm.allgather(group_rows))
-    plan = mpi.checkpoint(comm, lambda: plan_job(args, comm, last_rank_head=head_fraction))
+    transport = make_transport(settings.transport, comm)
+    group_rows = exact_group_rows(settings.ring.packed_matmuls)  # this rank's own: it depends on its BLAS
+    head_fraction = head_share_fraction(settings.ring.head_share, comm.allgather(group_rows))
+    plan = mpi.checkpoint(comm, lambda: plan_job(settings.weights, comm, last_rank_head=head_fraction))
     if not family_for(plan.config).head_share:  # DeepSeek V4: the head reads collapsed streams
         head_fraction = 0.0
     size = comm.Get_size()
     # Sequences sharing products: one micro-batch per rank, since smaller ones make smaller, less
     # efficient products. Each on its own: twice as many, so a late one never starves a stage (a
     # micro-batch's round trip alone takes as long as the ring needs for N of them).
-    microbatches = args.microbatches or (size if group_rows or size == 1 else 2 * size)
+    microbatches = settings.ring.microbatches or (size if group_rows or size == 1 else 2 * size)
     return RingJob(transport, plan, group_rows, head_fraction, head_share_rows(head_fraction, plan.config.vocab_size),
                    microbatches)
 
 
-def load_ring_stage(args: argparse.Namespace, job: RingJob, comm, progress: bool) -> Stage:
+def load_ring_stage(settings: JobSettings, job: RingJob, comm, progress: bool) -> Stage:
     """Collective: this rank's layers, and on the last rank its share of the LM head."""
     from ..cluster import mpi
 
     rank = comm.Get_rank()
     head_rows = job.head_rows if rank == comm.Get_size() - 1 else 0
-    return mpi.checkpoint(comm, lambda: load_stage(args, job.plan, rank, progress=progress, head_rows=head_rows))
+    return mpi.checkpoint(comm, lambda: load_stage(settings.weights, job.plan, rank, progress=progress,
+                                                   head_rows=head_rows))
 
 
-def head_split(args: argparse.Namespace, job: RingJob):
+def head_split(settings: RingSettings, job: RingJob):
     """Rank 0's control of the LM head's share (None: not shared)."""
     from .head_share import HeadSplit
 
     if not job.head_rows:
         return None
-    return HeadSplit(job.head_rows, None if args.head_share == "auto" else job.head_rows)
+    return HeadSplit(job.head_rows, None if settings.head_share == "auto" else job.head_rows)
 
 
-def prefix_cache(args: argparse.Namespace, job: RingJob):
+def prefix_cache(settings: JobSettings, job: RingJob):
     """Rank 0's prefix cache for --prefix-cache-gb (None when 0): as many positions as the rank
     with the most cached bytes per position holds in that many GB."""
     from ..planner.shapes import architecture
     from .prefix_cache import PrefixCache
 
-    gb = getattr(args, "prefix_cache_gb", 0.0)
+    gb = settings.ring.prefix_cache_gb
     if not gb or not family_for(job.plan.config).prefix_cache:
         return None  # DeepSeek V4: a compressed cache cannot be cut back to a shorter prefix
-    per_layer = architecture(job.plan.config).kv_values * getattr(mx, args.dtype).size
+    per_layer = architecture(job.plan.config).kv_values * getattr(mx, settings.weights.dtype).size
     per_position = max(per_layer * (end - start) for start, end in job.plan.ranges)
     return PrefixCache(int(gb * 1e9 // per_position) if per_position else 0)
 
 
-def make_transport(args: argparse.Namespace, comm):
+def make_transport(settings: TransportSettings, comm):
     """The transport of `--transport`, with the `--watchdog` on silent peers (collective)."""
     placement = comm.allgather((socket.gethostname(), cores.cpus_allowed()))
     hosts = [host for host, _ in placement]
-    watchdog = getattr(args, "watchdog", 0.0)
+    watchdog = settings.watchdog
     own_core = cores.has_own_core(placement, comm.Get_rank())
     processes = comm.allgather(this_process())  # a waiting rank notices a killed peer on its host
-    if getattr(args, "transport", "mpi") == "mlx":
+    if settings.transport == "mlx":
         from ..cluster.mlx_group import init_group
 
-        return MlxTransport(comm, init_group(comm, args.mlx_backend), watchdog, hosts, own_core, processes)
+        return MlxTransport(comm, init_group(comm, settings.mlx_backend), watchdog, hosts, own_core, processes)
     return MpiTransport(comm, watchdog, hosts, own_core, processes)
 
 
@@ -318,3 +310,5 @@ def matmuls_label(group_rows: int) -> str:
     if group_rows == sys.maxsize:
         return "all rows packed"
     return f"batch-invariant, up to {group_rows} rows" if group_rows else "per sequence"
+
+

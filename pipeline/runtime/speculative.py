@@ -38,9 +38,6 @@ import mlx.core as mx
 
 from .sampling import Sampler
 
-DRAFT_CHOICES = ("none", "ngram", "mtp")
-MAX_DRAFT_TOKENS = 15  # K + 1 verified positions stay within models.layers.EXACT_POSITIONS_MAX
-
 
 @dataclass
 class DraftStats:
