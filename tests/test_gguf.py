@@ -1,4 +1,4 @@
-"""Tests for the GGUF -> HF/MLX folder conversion (pipeline/checkpoints/gguf.py convert, over gguf_checkpoint.py) and the
+"""Tests for the GGUF -> HF/MLX folder conversion (pipeline/checkpoints/gguf_convert.py, over gguf_checkpoint.py) and the
 default model cache.
 
 The truths used here come from elsewhere: gguf-py's own (de)quantizer, MLX's own dequantize,
@@ -22,7 +22,7 @@ from pipeline.checkpoints import default_model
 from pipeline.checkpoints.default_model import DEFAULT_MODEL_NAME
 from pipeline.util import paths
 from pipeline.util.errors import UserError
-from pipeline.checkpoints.gguf import OutputExistsError, convert_gguf
+from pipeline.checkpoints.gguf_convert import OutputExistsError, convert_gguf
 
 SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -254,7 +254,7 @@ def test_config_of_tiny_llama(tiny_llama):
 
 
 def test_large_models_are_sharded(tmp_path, monkeypatch):
-    import pipeline.checkpoints.gguf as conversion
+    import pipeline.checkpoints.gguf_convert as conversion
 
     rng = np.random.default_rng(3)
     vocab = len(byte_level_vocab()[0])

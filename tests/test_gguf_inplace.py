@@ -692,7 +692,7 @@ def _smollm_gguf() -> Path:
 
 
 def test_smollm_gguf_loads_the_same_tensors_as_its_conversion(tmp_path):
-    from pipeline.checkpoints.gguf import convert_gguf
+    from pipeline.checkpoints.gguf_convert import convert_gguf
     from pipeline.checkpoints.weights import Checkpoint
 
     path = _smollm_gguf()
@@ -848,7 +848,7 @@ def test_convert_writes_what_the_file_loads_as(tmp_path, vocab):
     tensors the file loads as: the same logits from the folder as from the file."""
     from conftest import load_stages
 
-    from pipeline.checkpoints.gguf import convert_gguf
+    from pipeline.checkpoints.gguf_convert import convert_gguf
 
     model = _deepseek(tmp_path / "hf")
     types = MOE_CASES["deepseek2-split-mla"][4]

@@ -2,5 +2,5 @@
 FP8, INT4) or a GGUF file, read tensor by tensor so a rank reads only its own (weights.py,
 gguf_checkpoint.py, with gguf_config.py for its config), the formats' adaptations into MLX layouts
 (formats.py, quants.py), loading at disk speed (loading.py), the int8 repack of loaded layers, the
-default model, the GGUF converter (gguf.py) and the tokenizer with its chat template (tokenizer.py,
+default model, the GGUF converter (gguf_convert.py) and the tokenizer with its chat template (tokenizer.py,
 gguf_tokenizer.py for a GGUF's)."""

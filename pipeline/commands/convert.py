@@ -13,7 +13,7 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace, comm=None) -> int:
-    from ..checkpoints.gguf import convert_gguf
+    from ..checkpoints.gguf_convert import convert_gguf
 
     print(convert_gguf(args.gguf, args.out, progress=True))
     return 0
