@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 import os
+import sys
+import threading
 import time
 from abc import ABC, abstractmethod
 from enum import IntEnum
@@ -385,8 +387,6 @@ class _Deadline:
     """A thread that aborts the job if an armed (blocking, uninterruptible) wait runs too long."""
 
     def __init__(self, transport: MpiTransport):
-        import threading
-
         self.transport = transport
         self.source: int | None = None
         self.sending = False
@@ -405,8 +405,6 @@ class _Deadline:
             self.source = None
 
     def _run(self) -> None:
-        import sys
-
         with self.cond:
             while True:
                 if self.source is None:

@@ -9,12 +9,12 @@ from typing import Callable, NamedTuple
 
 import mlx.core as mx
 
+from ..checkpoints.tokenizer import StreamingDetokenizer, Tokenizer
+from ..cluster.transport import Transport
 from .requests import SamplingParams
 from .sampling import Sampler
 from .speculative import DraftStats, NgramDrafter, verify
 from .stage import Stage, ring_forward, round_the_ring
-from ..checkpoints.tokenizer import StreamingDetokenizer, Tokenizer
-from ..cluster.transport import Transport
 
 PREFILL_CHUNK = 512  # prompt tokens per forward pass: bounds activation memory on long prompts
 

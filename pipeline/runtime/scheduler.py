@@ -45,18 +45,18 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from ..checkpoints.tokenizer import StreamingDetokenizer, Tokenizer
+from ..cluster.transport import Kind, Transport
 from ..kernels import blas
+from ..models.packing import segments
 from .engine import PREFILL_CHUNK
 from .head_share import HeadSplit, combined_argmax, returned_rows, split_returned
-from ..models.packing import segments
 from .prefix_cache import PrefixCache
 from .requests import Failed, Finished, Request, TokenLogprob, Tokens
 from .sampling import Sampler
 from .speculative import DraftSettings, DraftStats, verify
 from .stage import Stage
-from ..checkpoints.tokenizer import StreamingDetokenizer, Tokenizer
 from .trace import COMPUTE, RECV, SEND, Timeline
-from ..cluster.transport import Kind, Transport
 
 FOLLOWER_MAX_PENDING = 4  # sends a follower may leave in flight before it waits for the oldest
 # Prompt tokens one micro-batch may carry (at least one chunk): prompts are spread over several

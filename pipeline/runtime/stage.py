@@ -10,13 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
-from ..models.config import ModelConfig
 from ..checkpoints.formats import Requantize
+from ..checkpoints.weights import Checkpoint, dequantize_slice, load_slice
+from ..cluster.transport import Kind, Transport
+from ..models.config import ModelConfig
 from ..models.registry import family_for
 from ..models.stage_slice import TransformerSlice
-from ..cluster.transport import Kind, Transport
-from ..checkpoints.weights import Checkpoint, dequantize_slice, load_slice
 
 
 @dataclass
@@ -90,8 +91,6 @@ class Stage:
 
     @property
     def weight_nbytes(self) -> int:
-        from mlx.utils import tree_flatten
-
         held = [self.model] + ([self.mtp] if self.mtp is not None else [])  # rank 0's MTP module counts too
         return sum(a.nbytes for module in held for _, a in tree_flatten(module.parameters()))
 
