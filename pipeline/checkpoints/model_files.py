@@ -29,8 +29,8 @@ def is_gguf(model: Path | str) -> bool:
 def open_checkpoint(model: Path | str, requantize: Requantize | None = None) -> Checkpoint:
     """The checkpoint `--model` names: a Hugging Face-layout folder (weights.Checkpoint), or a GGUF
     file (the first of a split set) read in place (gguf_checkpoint.GGUFCheckpoint). `requantize`
-    (--quantize, --group-size) also chooses the MLX layout of GGUF tensor types
-    that MLX cannot hold exactly."""
+    (--quantize, --group-size) also chooses the MLX layout of GGUF tensor types that MLX cannot hold
+    exactly."""
     # Imported here, not above: both readers load MLX, which telling a GGUF from a folder must not
     # (start-up time of `pipeline plan` and the flag checks).
     if is_gguf(model):
