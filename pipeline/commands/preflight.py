@@ -29,11 +29,15 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..util.errors import UserError
-from .flags import add_weights_args
+from ..checkpoints.gguf_file import open_gguf
+from ..checkpoints.model_files import is_gguf, open_checkpoint
+from ..kernels import build
+from ..planner.memory import DTYPE_LABEL, RankBytes, kv_layer_bytes, rank_bytes, size
+from ..planner.shapes import architecture
+from ..planner.weights_bytes import ModelBytes, held_and_dense, with_mtp
 from ..runtime.settings import DRAFT_CHOICES, WeightSettings
-from ..planner.memory import DTYPE_LABEL, RankBytes, rank_bytes, size
-from ..planner.weights_bytes import ModelBytes
+from ..util.errors import UserError
+from .flags import add_weights_args, weight_settings
 
 PACKAGES = ("pipeline", "mlx", "mpi4py", "numpy", "tokenizers", "jinja2")
 HEADROOM = 1.10  # caches and activations on top of the weights
@@ -106,68 +110,58 @@ def collect(args: argparse.Namespace, comm) -> RankReport:
     from ..runtime.job import resolve_int8
 
     int8 = resolve_int8(args.int8_activations, args.dtype, comm)  # collective, as the job asks it
-    folder = args.model
-    if folder is None:
-        from ..runtime.job import resolve_model_folder  # loads MLX, as above
-
-        try:
-            folder = resolve_model_folder(None, comm)
-        except UserError as e:
-            folder = Path("(default model)")
-            error = str(e)
-        else:
-            error = None
-    else:
-        error = None
+    folder, error = model_folder(args.model, comm)
     report = RankReport(
         rank=comm.Get_rank(), host=socket.gethostname(), python=platform.python_version(),
         packages={name: package_version(name) for name in PACKAGES},
         mpi_library=" ".join(MPI.Get_library_version().strip().splitlines()[0].split(",")[0]
                              .replace("Version:", "").split())[:40],
-        available=available_memory_bytes(), metal_limit=metal_working_set(), folder=str(folder))
-    if error:
-        report.folder_error = error
-        return report
-    folder = Path(folder)
-    from ..checkpoints.gguf_file import open_gguf
-    from ..checkpoints.model_files import is_gguf
-
-    if is_gguf(folder):
-        # A GGUF (split set): its parts and sizes, and a hash of the first part's header (metadata and
-        # tensor table) in place of config.json's; no tensor data is read.
-        try:
-            model = open_gguf(folder)
-        except UserError as e:
-            report.folder_error = str(e)
-            return report
-        report.files = {p.name: p.stat().st_size for p in model.parts}
-        with open(model.parts[0], "rb") as f:
-            report.config_sha256 = hashlib.sha256(f.read(model.header_bytes[model.parts[0]])).hexdigest()
-    elif not folder.is_dir():
-        report.folder_error = f"model folder {folder} does not exist"
-        return report
-    else:
-        report.files = {p.name: p.stat().st_size for p in sorted(folder.iterdir())
-                        if p.is_file() and not p.name.startswith(".")}
-        config = folder / "config.json"
-        if config.is_file():
-            report.config_sha256 = hashlib.sha256(config.read_bytes()).hexdigest()
+        # 0: the job's reading found none (no /proc/meminfo: macOS): unknown here, 0 to the split as to the job
+        available=available_memory_bytes() or None, metal_limit=metal_working_set(), folder=str(folder))
     try:
-        _measure_slices(report, folder, args, int8)
+        if error:
+            raise UserError(error)
+        list_model_files(report, folder)
+        measure_model(report, folder, args, int8)
     except UserError as e:
         report.folder_error = str(e)
     return report
 
 
-def _measure_slices(report: RankReport, folder: Path, args: argparse.Namespace, int8: bool) -> None:
+def model_folder(model: Path | None, comm) -> tuple[Path, str | None]:
+    """--model, or the default model's folder (collective); and why there is none, if so."""
+    if model is not None:
+        return model, None
+    from ..runtime.job import resolve_model_folder  # loads MLX, as in collect
+
+    try:
+        return resolve_model_folder(None, comm), None
+    except UserError as e:
+        return Path("(default model)"), str(e)
+
+
+def list_model_files(report: RankReport, folder: Path) -> None:
+    """The model's files and sizes, and the sha256 of its config.json; of a GGUF (split set), its
+    parts, and of the first part's header (metadata and tensor table) in place of config.json's.
+    No tensor data is read."""
+    if is_gguf(folder):
+        model = open_gguf(folder)
+        report.files = {p.name: p.stat().st_size for p in model.parts}
+        with open(model.parts[0], "rb") as f:
+            report.config_sha256 = hashlib.sha256(f.read(model.header_bytes[model.parts[0]])).hexdigest()
+        return
+    if not folder.is_dir():
+        raise UserError(f"model folder {folder} does not exist")
+    report.files = {p.name: p.stat().st_size for p in sorted(folder.iterdir())
+                    if p.is_file() and not p.name.startswith(".")}
+    config = folder / "config.json"
+    if config.is_file():
+        report.config_sha256 = hashlib.sha256(config.read_bytes()).hexdigest()
+
+
+def measure_model(report: RankReport, folder: Path, args: argparse.Namespace, int8: bool) -> None:
     """The model's bytes as stored and as held (int8: --int8-activations as the job resolves it)."""
-    from .flags import weight_settings
-    from ..planner.memory import kv_layer_bytes
-    from ..planner.shapes import architecture
-    from ..planner.weights_bytes import held_and_dense
-    from ..kernels import build
-    from ..checkpoints.model_files import open_checkpoint
-    from ..checkpoints.weights import is_quantized, layer_nbytes
+    from ..checkpoints.weights import is_quantized, layer_nbytes  # loads MLX, as in collect
 
     checkpoint = open_checkpoint(folder, weight_settings(args).requantize)
     config = checkpoint.model_config()
@@ -176,8 +170,7 @@ def _measure_slices(report: RankReport, folder: Path, args: argparse.Namespace, 
     report.held, report.dense_held = held_and_dense(config, folder, args.dtype, args.quantize, args.group_size,
                                                     int8=int8)
     if args.draft == "mtp":  # the module on rank 0, as job.plan_job counts it
-        from ..models.mtp import check_mtp, mtp_nbytes
-        from ..planner.weights_bytes import with_mtp
+        from ..models.mtp import check_mtp, mtp_nbytes  # loads MLX, as in collect
 
         check_mtp(checkpoint, config, folder)
         report.disk_ends_bytes += mtp_nbytes(checkpoint, config)
