@@ -127,7 +127,7 @@ def test_watchdog_guards_a_send_the_peer_never_takes(send):
         "import time\n"
         "from mpi4py import MPI\n"
         "import mlx.core as mx\n"
-        "from pipeline import mpi\n"
+        "from pipeline.cluster import mpi\n"
         "from pipeline.cluster.transport import Kind, MpiTransport\n"
         "comm = MPI.COMM_WORLD\n"
         "mpi.abort_on_unhandled_exception(comm)\n"
