@@ -121,13 +121,6 @@ def round_the_ring(transport: Transport, hidden: mx.array, seq_ids: list[int] = 
     return hidden
 
 
-def release_everywhere(stage: Stage, transport: Transport, seq_ids: list[int]) -> None:
-    """Rank 0: free the caches of finished sequences on every rank."""
-    stage.release(seq_ids)
-    if transport.size > 1:
-        transport.send_message(1, Kind.RELEASE, seq_ids)
-
-
 def follow_single_stream(stage: Stage, transport: Transport) -> None:
     """Ranks 1..N-1 of a single-stream job (`generate`; engine.py on rank 0): run each FORWARD
     through this rank's layers and pass it on, until STOP comes round. (A batch or server job's
