@@ -37,9 +37,9 @@ def openblas_installed() -> bool:
 
 def shim_buildable() -> bool:
     """OpenBLAS and a C compiler are there (as in CI), so pipeline's BLAS shim must be in use."""
-    from pipeline.kernels import blas
+    from pipeline.kernels import build
 
-    return openblas_installed() and blas.c_compiler() is not None
+    return openblas_installed() and build.c_compiler() is not None
 
 
 def write_tokenizer(folder: Path) -> None:
@@ -106,14 +106,14 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def kernels():
-    """pipeline's kernels' extension (qmm.py: quantized products, attention, RMSNorm, RoPE), built once
+    """pipeline's kernels' extension (build.py: quantized products, attention, RMSNorm, RoPE), built once
     per machine into the cache as a real run builds it. It must build where a compiler is present and
     nobody turned it off; else the tests that need it skip."""
-    from pipeline.kernels import qmm
+    from pipeline.kernels import build
 
-    state = qmm.load()
+    state = build.load()
     if state.module is None:
-        if not qmm.missing_tools() and os.environ.get(qmm.ENV) is None:
+        if not build.missing_tools() and os.environ.get(build.KERNELS_ENV) is None:
             pytest.fail(f"pipeline's kernels should build here: {state.why_not}")
         pytest.skip(f"no kernels: {state.why_not}")
     return state.module
@@ -136,15 +136,16 @@ def load_stages(folder: Path, ranges, requantize=None, dtype=None) -> list:
 
 def int8_loaded_both_ways(checkpoint, in_place: bool, requantize=None):
     """One stage of layers 0-3 loaded twice, its quantized matrices repacked for the int8 products after
-    the load (use_int8 alone), and while loading (qmm.Int8WhileLoading, `in_place` as the loader asks)
+    the load (use_int8 alone), and while loading (int8_repack.Int8WhileLoading, `in_place` as the loader asks)
     then use_int8 for the rest: (after, during, the module paths repacked while loading).
     `checkpoint`: a callable giving a fresh checkpoint."""
     import mlx.core as mx
 
-    from pipeline.kernels import qmm
+    from pipeline.checkpoints.int8_repack import use_int8
+    from pipeline.kernels import build
     from pipeline.runtime.stage import Stage
 
-    if qmm.load().module is None:
+    if build.load().module is None:
         pytest.skip("int8 products need pipeline's kernels")
     stages, early = [], set()
     for int8_in_place in (None, in_place):
@@ -153,7 +154,7 @@ def int8_loaded_both_ways(checkpoint, in_place: bool, requantize=None):
                            requantize=requantize, int8_in_place=int8_in_place)
         early = {path for path, m in stage.model.named_modules() if getattr(m, "int8", False)}
         assert int8_in_place is not None or not early
-        qmm.use_int8(stage.model, in_place=in_place)
+        use_int8(stage.model, in_place=in_place)
         stages.append(stage)
     return stages[0], stages[1], early
 

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from conftest import REPO, make_tiny_model, mpiexec
-from pipeline.kernels import qmm
+from pipeline.checkpoints.int8_repack import use_int8
+from pipeline.kernels import build, qmm
 from test_quant_kernels import SCALE_DTYPES, assert_same_bits, dequantized_float64, quantized, variant_and_native
 
 
@@ -180,8 +181,8 @@ def test_use_int8_repacks_modules_in_place(kernels):
     shapes = [model.layers[0].weight.shape, model.layers[0].scales.shape]
     untied = nn.Sequential(nn.Embedding(32, 64))
     nn.quantize(untied, group_size=32, bits=4)
-    assert qmm.use_int8(untied, tied_head=False) == 0 and "int8_weight" not in untied.layers[0]  # lookups only
-    assert qmm.use_int8(model, tied_head=True) == 2
+    assert use_int8(untied, tied_head=False) == 0 and "int8_weight" not in untied.layers[0]  # lookups only
+    assert use_int8(model, tied_head=True) == 2
     assert [model.layers[0].weight.shape, model.layers[0].scales.shape] == shapes
     assert getattr(model.layers[0], "int8", False) and not getattr(model.layers[1], "int8", False)
     after = [model.layers[0](x), model.layers[1](x), model.layers[2].as_linear(x), model.layers[2](mx.array([1, 5]))]
@@ -196,7 +197,8 @@ def test_use_int8_repacks_modules_in_place(kernels):
         qmm.rows_product(model.layers[2], x, 8, 24)
 
 
-@pytest.mark.skipif(qmm.missing_tools() != "" or os.environ.get(qmm.ENV) is not None, reason="no kernels here")
+@pytest.mark.skipif(build.missing_tools() != "" or os.environ.get(build.KERNELS_ENV) is not None,
+                    reason="no kernels here")
 def test_a_cpu_without_vnni_gives_the_same_bits(kernels, tmp_path):
     """AVX-512 without VNNI (vpmaddubsw + vpmaddwd): the integer sums are exact and the float steps the
     same, so the bits equal VNNI's. (The AVX2 build is compared in test_quant_kernels.py, int8 included.)
@@ -218,9 +220,7 @@ def test_int8_flag_needs_float32_activations(tmp_path):
 def test_int8_products_are_the_default_on_x86_and_can_be_turned_off(kernels, tmp_path):
     """Without the flag, quantized weights take the int8 products where the CPU has AVX2 (and float32
     products where --dtype is not float32, without an error); --no-int8-activations keeps float32 products."""
-    from pipeline.kernels import qmm
-
-    if not qmm.int8_by_default(None, "float32"):
+    if not build.int8_by_default(None, "float32"):
         pytest.skip("int8 products are not the default here (no AVX2, or no kernels)")
     make_tiny_model("llama", tmp_path)
     base = ("generate", "--model", str(tmp_path), "--prompt", "hi", "--max-tokens", "4", "--quantize", "4",
@@ -356,7 +356,7 @@ def test_layer_products_take_the_fused_operation_only_where_it_is_exact():
             nn.quantize(model, group_size=32, bits=4)
             qmm.use_in(model)
         if form == "int8":
-            assert qmm.use_int8(model) == len(widths)
+            assert use_int8(model) == len(widths)
         return list(model.layers)
 
     x = mx.random.normal((3, k))

@@ -46,10 +46,10 @@ def test_plan_preflight_and_the_stats_line_agree(mode, extra):
     hosts), preflight and the job also agree on how the weights are held. With int8 products the
     repacked matrices' float16 scales (the default model's are float16 in its file) and rank 0's
     int8 copy of the tied embedding are counted too."""
-    from pipeline.kernels import qmm
+    from pipeline.kernels import build
     from pipeline.checkpoints.default_model import default_model_dir
 
-    if "--int8-activations" in extra and not qmm.expected():
+    if "--int8-activations" in extra and not build.expected():
         pytest.skip("int8 products need pipeline's kernels (a C++ compiler)")
     model = str(default_model_dir(progress=False))
     result = mpiexec(2, "preflight", "--model", model, "--weights-in-memory", mode, "--context", "512", *extra)

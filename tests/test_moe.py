@@ -382,7 +382,7 @@ def test_kimi_k2_end_to_end_on_two_ranks(kimi_k2):
 
 @pytest.mark.parametrize("in_place", (False, True))
 def test_int8_while_loading_holds_what_repacking_after_loading_does(fp8_model, in_place):
-    """Layers repacked for the int8 products as they are read (qmm.Int8WhileLoading, in new buffers or
+    """Layers repacked for the int8 products as they are read (int8_repack.Int8WhileLoading, in new buffers or
     in place) hold the same arrays as repacking after the whole load (use_int8), experts (stacked as
     they arrive) included; DeepSeek's kv_b_proj, read again after loading into w_uk / w_uv, is left
     to use_int8 with the rest of its attention module (its after_load would dequantize the int8 layout

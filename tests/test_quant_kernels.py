@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO
-from pipeline.kernels import qmm
+from pipeline.kernels import build, qmm
 
 SCALE_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
@@ -118,9 +118,9 @@ def test_gather_qmm_takes_mlx_shapes(kernels):
     w, scales, biases = quantized(rng, 24, 128, 4, 32, "float32", experts=6)
     x = mx.array(rng.standard_normal((9, 1, 1, 128)).astype(np.float32))
     indices = mx.array(rng.integers(0, 6, (9, 2)).astype(np.uint32))
-    before = qmm.load().used["pipeline"]
+    before = build.load().used["pipeline"]
     ours = qmm.gather_qmm(x, w, scales, biases, rhs_indices=indices, group_size=32, bits=4)
-    assert qmm.load().used["pipeline"] == before + 1
+    assert build.load().used["pipeline"] == before + 1
     theirs = mx.gather_qmm(x, w, scales, biases, rhs_indices=indices, transpose=True, group_size=32, bits=4)
     assert ours.shape == theirs.shape == (9, 2, 1, 24)
     assert np.allclose(np.array(ours), np.array(theirs), rtol=1e-5, atol=1e-4)
@@ -150,9 +150,9 @@ def test_batched_matrices_as_deepseek_v4_groups_them(kernels):
     rng = np.random.default_rng(8)
     w, scales, biases = quantized(rng, 16, 128, 4, 64, "float32", experts=3)
     x = mx.array(rng.standard_normal((3, 5, 128)).astype(np.float32))
-    before = qmm.load().used["pipeline"]
+    before = build.load().used["pipeline"]
     ours = qmm.quantized_matmul(x, w, scales, biases, group_size=64, bits=4)
-    assert qmm.load().used["pipeline"] == before + 1
+    assert build.load().used["pipeline"] == before + 1
     theirs = mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=64, bits=4)
     assert ours.shape == theirs.shape == (3, 5, 16)
     assert np.allclose(np.array(ours), np.array(theirs), rtol=1e-5, atol=1e-4)
@@ -160,7 +160,7 @@ def test_batched_matrices_as_deepseek_v4_groups_them(kernels):
 
 FALLBACK = """
 import mlx.core as mx, numpy as np
-from pipeline import qmm
+from pipeline.kernels import qmm
 w, s, b = mx.quantize(mx.random.normal((16, 64)), group_size=32, bits=4)
 x = mx.random.normal((3, 64))
 ours = qmm.quantized_matmul(x, w, s, b, group_size=32, bits=4)
@@ -185,15 +185,15 @@ def test_refused_cache_falls_back_to_mlx_and_says_so(tmp_path):
 
 def test_opting_out_falls_back_to_mlx():
     result = subprocess.run([sys.executable, "-c", FALLBACK], capture_output=True, text=True, timeout=120,
-                            env={**os.environ, qmm.ENV: "0"})
+                            env={**os.environ, build.KERNELS_ENV: "0"})
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == f"MLX's ({qmm.ENV}=0)"
+    assert result.stdout.strip() == f"MLX's ({build.KERNELS_ENV}=0)"
 
 
 def test_auto_keeps_weights_quantized_where_every_rank_has_the_kernels():
     """--weights-in-memory auto: with room for fp32 copies, ranks dequantize (MLX's kernels are slow)
     unless every rank has pipeline's kernels; fp32 is still fp32."""
-    from pipeline.runtime.job import plan_weights_in_memory
+    from pipeline.planner.layer_split import plan_weights_in_memory
     from pipeline.planner.weights_bytes import ModelBytes
 
     def model_bytes(per_layer: int) -> ModelBytes:
@@ -217,17 +217,17 @@ def test_missing_python_headers_are_named_with_the_fix(monkeypatch, tmp_path):
 
     paths = sysconfig.get_paths()
     monkeypatch.setattr(sysconfig, "get_paths", lambda *a, **k: {**paths, "include": str(tmp_path)})
-    monkeypatch.setattr(qmm, "_state", None)
-    monkeypatch.delenv(qmm.ENV, raising=False)
+    monkeypatch.setattr(build, "_state", None)
+    monkeypatch.delenv(build.KERNELS_ENV, raising=False)
     monkeypatch.setenv("PIPELINE_CACHE", str(tmp_path / "cache"))  # no extension built yet
-    assert "python3-dev" in qmm.missing_tools() and str(tmp_path / "Python.h") in qmm.missing_tools()
-    assert not qmm.expected()
-    line = qmm.problem()
+    assert "python3-dev" in build.missing_tools() and str(tmp_path / "Python.h") in build.missing_tools()
+    assert not build.expected()
+    line = build.problem()
     assert line.startswith("pipeline's quantized kernels cannot be built (no Python headers") and "\n" not in line
-    with pytest.raises(qmm.NotBuilt, match="python3-dev"):
-        qmm.build(tmp_path / "never.so")
+    with pytest.raises(build.NotBuilt, match="python3-dev"):
+        build.build_extension(tmp_path / "never.so")
     (tmp_path / "Python.h").write_text("")
-    assert qmm.missing_tools() == "" and qmm.problem() == ""
+    assert build.missing_tools() == "" and build.problem() == ""
 
 
 VARIANT_PROBE = r"""
@@ -235,14 +235,14 @@ import sys, numpy as np
 import pipeline.kernels.blas
 import mlx.core as mx
 from pathlib import Path
-from pipeline import qmm
+from pipeline.kernels import build
 flags = tuple(sys.argv[3:])  # the variant's compiler flags
 if sys.argv[1] == "-":
-    module = qmm.load().module
+    module = build.load().module
 else:
-    path = Path(sys.argv[1]) / qmm.extension_path(flags).name
-    qmm.build(path, flags)
-    module = qmm.load_extension(path, build_if_missing=False)
+    path = Path(sys.argv[1]) / build.extension_path(flags).name
+    build.build_extension(path, flags)
+    module = build.load_extension(path, build_if_missing=False)
 module.set_threads(2)
 rng = np.random.default_rng(0)
 out = {"isa": np.array(module.isa()), "int8 isa": np.array(module.int8_isa())}
@@ -283,7 +283,8 @@ def assert_same_bits(variant, native, prefix: str = "") -> None:
         assert np.array_equal(variant[key].view(np.uint8), native[key].view(np.uint8)), key
 
 
-@pytest.mark.skipif(qmm.missing_tools() != "" or os.environ.get(qmm.ENV) is not None, reason="no kernels here")
+@pytest.mark.skipif(build.missing_tools() != "" or os.environ.get(build.KERNELS_ENV) is not None,
+                    reason="no kernels here")
 def test_avx2_build_gives_the_same_bits(kernels, tmp_path):
     """A CPU without AVX-512 gets the AVX2 build (two 8-lane halves per 16-lane vector): every product
     path (1 row, 2-12 rows in registers, 6- and 4-row tiles, the sgemm path), the re-quantization

@@ -17,7 +17,7 @@ Where pipeline's kernels' extension is built (Linux, CPU), a tensor is not read 
 With a cold page cache the reading itself overlaps the conversions: `posix_fadvise(WILLNEED)`
 asks the kernel to read the next PREFETCH_BYTES of the rank's byte ranges in the background.
 A caller's `after_group` sees each group once evaluated, while the next one reads (the int8
-products' repack, qmm.Int8WhileLoading).
+products' repack, int8_repack.Int8WhileLoading).
 """
 
 from __future__ import annotations

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..kernels import build
+
 # GGML type -> (bits, group size, MLX mode) of the MLX layout that holds it exactly.
 EXACT = {
     "Q4_0": (4, 32, "affine"), "Q4_1": (4, 32, "affine"), "Q5_0": (5, 32, "affine"), "Q5_1": (5, 32, "affine"),
@@ -163,9 +165,7 @@ REPACKED = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12}
 def repacker():
     """The kernels' extension where it is built (it repacks REPACKED types in one pass, without the
     GIL), else None: numpy does it. Called once before the decoding threads start."""
-    from ..kernels import qmm
-
-    module = qmm.load().module
+    module = build.load().module
     return module if module is not None and hasattr(module, "gguf_repack") else None
 
 

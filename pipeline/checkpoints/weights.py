@@ -22,10 +22,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..kernels import qmm
 from ..kernels.int8_layout import packed_layout
 from ..models import deepseek_v4_names
 from ..util.errors import UserError
 from .formats import Requantize
+from .int8_repack import Int8WhileLoading
 
 # safetensors dtype -> (numpy dtype to read the bytes as, mlx dtype to view them as)
 _DTYPES = {
@@ -307,14 +309,12 @@ def load_slice(model: nn.Module, checkpoint: Checkpoint, dtype: mx.Dtype,
     """Load this rank's tensors into `model` (a TransformerSlice), floats cast to `dtype`,
     through the format adapters (expert stacking, FP8, INT4, re-quantization).
     int8_in_place: not None, the layers' quantized matrices take the int8 layout as they are read
-    (qmm.Int8WhileLoading; True: in the buffers they were read into).
+    (int8_repack.Int8WhileLoading; True: in the buffers they were read into).
     Returns the checkpoint names read, so callers (and tests) can see exactly what was loaded."""
     from .loading import load_tensors
 
     after_group = int8 = None
     if int8_in_place is not None:
-        from ..kernels.qmm import Int8WhileLoading
-
         int8 = Int8WhileLoading(model, lambda name: int8_in_place or checkpoint.in_huge_pages(name))
 
         def after_group(weights: dict, names: list[str]) -> None:
@@ -379,8 +379,6 @@ def _quantize_like(model: nn.Module, weights: dict[str, mx.array]) -> None:
         settings[path] = {"group_size": group_size, "bits": bits, "mode": mode}
     if settings:
         nn.quantize(model, class_predicate=lambda path, _: settings.get(path, False))
-        from ..kernels import qmm
-
         qmm.use_in(model)  # their products through pipeline's kernels where built (qmm.py)
 
 

@@ -29,7 +29,7 @@ def kernel(q: mx.array, head_dims: tuple[int, ...]):
     else None."""
     if turned_off(ENV):
         return None
-    module = qmm._kernels(q)
+    module = qmm.extension_for(q)
     if module is None or not hasattr(module, "cached_attention") or any(d % 16 for d in head_dims):
         return None
     return module

@@ -22,5 +22,5 @@ def kernel(x: mx.array):
     """The extension if it takes these activations (float32 on the CPU), else None."""
     if turned_off(ENV):
         return None
-    module = qmm._kernels(x)
+    module = qmm.extension_for(x)
     return module if module is not None and hasattr(module, "rms_norm") else None

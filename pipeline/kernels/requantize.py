@@ -1,5 +1,5 @@
 """Re-quantization at load (`--quantize` on a float or FP8 checkpoint) as one MLX operation per
-tensor: requantize_kernels.cpp, compiled into the quantized products' extension by qmm.py.
+tensor: requantize_kernels.cpp, compiled into the quantized products' extension by build.py.
 
 MLX's graph for an FP8 weight was from_fp8, the block scale, a cast and mx.quantize: about 8.5 ns
 of one core per weight, most of a DeepSeek rank's load. The kernel decodes, scales and quantizes
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import qmm
+from . import build
 
 
 def quantize(array: mx.array, bits: int, group_size: int, dtype: mx.Dtype,
@@ -26,7 +26,7 @@ def quantize(array: mx.array, bits: int, group_size: int, dtype: mx.Dtype,
     if block_scales is not None and (array.dtype != mx.uint8 or array.ndim != 2 or block_scales.shape != tuple(
             -(-n // 128) for n in array.shape)):
         return None  # MLX's graph says what is wrong
-    module = qmm.load().module
+    module = build.load().module
     if module is None or not hasattr(module, "requantize"):
         return None
     scales = None if block_scales is None else block_scales.astype(mx.float32)

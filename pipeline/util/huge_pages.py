@@ -8,7 +8,7 @@ read once at process start, so ranks get it through their environment: the super
 the rank it starts (supervise.py), and a `python -m pipeline` run without mpiexec starts itself
 again with it. Measured on the 2-core Zen 4 VM, fresh 64 MiB MLX buffers touched: 0.22-0.24 s
 per 512 MiB in small pages, 0.085 s in huge ones; the 1B Llama's int8 decode 38.1 -> 40.7 tok/s
-(median of 3) with its weights rearranged in the buffers they were read into (qmm.use_int8).
+(median of 3) with its weights rearranged in the buffers they were read into (checkpoints/int8_repack.py).
 
 Not on a VM that hands free 2 MiB blocks back to its host (virtio-balloon free page reporting at
 order 9, the default): there every huge page is a block the host no longer backs, and its first
