@@ -67,7 +67,7 @@ def versions() -> dict:
         except metadata.PackageNotFoundError:
             out[dist] = None
     try:
-        probe = subprocess.run([sys.executable, "-c", "import pipeline, mlx.core; from pipeline import blas; "
+        probe = subprocess.run([sys.executable, "-c", "import pipeline, mlx.core; from pipeline.kernels import blas; "
                                 "print(blas.describe())"], capture_output=True, text=True, env=env_with_repo(),
                                timeout=60)
         out["blas"] = probe.stdout.strip()

@@ -38,7 +38,7 @@ needs_openblas = pytest.mark.skipif(not openblas_installed(),
 MATMUL = """
 import json, numpy as np
 import pipeline
-from pipeline import blas
+from pipeline.kernels import blas
 import mlx.core as mx
 rng = np.random.default_rng(0)
 a, b = rng.standard_normal((96, 640), dtype=np.float32), rng.standard_normal((640, 200), dtype=np.float32)
@@ -63,7 +63,7 @@ SHIM_CASES = """
 import json, numpy as np
 import pipeline
 import mlx.core as mx
-from pipeline import blas
+from pipeline.kernels import blas
 rng = np.random.default_rng(1)
 K, N, M = 300, 200, 150
 A1, A1t = rng.standard_normal((1, K), dtype=np.float32), rng.standard_normal((K, 1), dtype=np.float32)
@@ -85,9 +85,9 @@ print(json.dumps({"err": err, "describe": blas.describe(), "in_use": blas.in_use
 def test_products_through_the_shim_are_exact():
     """Every transpose layout of 1-row and 1-column products (the shim's own kernel, or GEMV) and
     ordinary ones against numpy; with the shim and without it."""
-    from pipeline.kernels import blas
+    from pipeline.kernels import build
 
-    if not blas.c_compiler():
+    if not build.c_compiler():
         pytest.skip("no C compiler for the shim")
     out = run_python(SHIM_CASES)
     assert "batch-invariant GEMM <= 64 rows" in out["describe"] and "sgemm-shim" in out["in_use"], out
@@ -210,7 +210,7 @@ def test_dequantized_weights_compute_the_same(quantized_models, kind):
 
 
 def test_greedy_identical_quantized_or_dequantized(quantized_models):
-    from pipeline.kernels import qmm
+    from pipeline.kernels import build
 
     folder = quantized_models["qwen3"]
     outputs = {}
@@ -220,7 +220,7 @@ def test_greedy_identical_quantized_or_dequantized(quantized_models):
         assert result.returncode == 0, result.stderr
         (stats,) = [line for line in result.stderr.splitlines() if line.startswith("[pipeline]")]
         # auto keeps them quantized where pipeline's quantized kernels run (qmm.py), as here when they build
-        kept = mode == "quantized" or (mode == "auto" and qmm.expected())
+        kept = mode == "quantized" or (mode == "auto" and build.expected())
         assert f"weights {'quantized' if kept else 'fp32'}," in stats, stats
         outputs[n, mode] = result.stdout
     assert len(set(outputs.values())) == 1, outputs
@@ -251,7 +251,7 @@ INVARIANCE = """
 import json, numpy as np
 import pipeline
 import mlx.core as mx
-from pipeline import blas
+from pipeline.kernels import blas
 rng = np.random.default_rng(2)
 differ, err = {}, 0.0
 for n, k in [(576, 576), (1536, 576), (200, 1000), (37, 13), (4096, 64)]:
@@ -279,9 +279,9 @@ def test_shim_rounds_each_row_as_alone_whatever_shares_the_call(threads):
     """The batch-invariant kernel: a row's product with w.T (and with a bias) is bit-identical
     whether it is alone or among up to 64 rows, at any place, on 1 or 2 threads (OpenBLAS's own
     kernels are not: checked below, so this test would notice if the shim stopped being used)."""
-    from pipeline.kernels import blas
+    from pipeline.kernels import build
 
-    if not blas.c_compiler():
+    if not build.c_compiler():
         pytest.skip("no C compiler for the shim")
     out = run_python(INVARIANCE, OPENBLAS_NUM_THREADS=threads)
     assert out["rows"] == 64, out
@@ -314,15 +314,15 @@ def test_shim_kernel_rounds_the_same_with_or_without_avx512(tmp_path):
     """The AVX-512 tiles (two columns' 8 lanes in one 16-lane register) must give the very bits of
     the 8-lane tiles a CPU without AVX-512 runs, so that a layer rounds the same on either kind of
     node: the shim built both ways, compared over shapes with k and n tails and 1..64 rows."""
-    from pipeline.kernels import blas
+    from pipeline.kernels import build
 
-    if not blas.c_compiler():
+    if not build.c_compiler():
         pytest.skip("no C compiler for the shim")
     if "avx512f" not in open("/proc/cpuinfo").read():
         pytest.skip("this CPU has no AVX-512: both builds would be the same code")
     native, portable = tmp_path / "native.so", tmp_path / "portable.so"
-    blas.build_shim(native)
-    blas.build_shim(portable, ("-mno-avx512f",))
+    build.build_shim(native)
+    build.build_shim(portable, ("-mno-avx512f",))
     ours, theirs = _shim_sgemm(native), _shim_sgemm(portable)
     rng = np.random.default_rng(3)
     differ = []
@@ -339,7 +339,7 @@ def test_shim_kernel_rounds_the_same_with_or_without_avx512(tmp_path):
 
 LOADED = """
 import json
-from pipeline import blas
+from pipeline.kernels import blas
 import mlx.core as mx
 print(json.dumps({"shim": blas.load().shim, "rows": blas.invariant_rows(), "problem": blas.problem(),
                   "describe": blas.describe()}))
@@ -357,11 +357,11 @@ __attribute__((constructor)) static void planted(void) {
 
 def _plant_library(path, mark):
     """A library at the shim's path whose loading would leave the file `mark` behind."""
-    from pipeline.kernels import blas
+    from pipeline.kernels import build
 
     source = path.parent / "planted.c"
     source.write_text(PLANTED)
-    subprocess.run([blas.c_compiler(), "-shared", "-fPIC", "-o", str(path), str(source)], check=True)
+    subprocess.run([build.c_compiler(), "-shared", "-fPIC", "-o", str(path), str(source)], check=True)
     source.unlink()
 
 
@@ -373,15 +373,15 @@ def test_shim_refused_where_other_users_can_write(tmp_path, monkeypatch, case):
     """The shim is code every rank runs: a library another user could have written (or a folder in
     which they could swap it) is never loaded; the run says so in one line and falls back to
     per-sequence products. The planted library would leave a mark if it were ever loaded."""
-    from pipeline.kernels import blas
+    from pipeline.kernels import build
 
-    if not blas.c_compiler():
+    if not build.c_compiler():
         pytest.skip("no C compiler for the shim")
     if case == "library of another user" and os.geteuid() != 0:
         pytest.skip("giving a file to another user needs root")
     cache = tmp_path / "cache"
     monkeypatch.setenv("PIPELINE_CACHE", str(cache))
-    shim = blas._shim_path()
+    shim = build.shim_path()
     shim.parent.mkdir(parents=True, mode=0o755)
     cache.chmod(0o755)
     mark = tmp_path / "planted-library-ran"
@@ -410,9 +410,9 @@ def test_shim_refused_where_other_users_can_write(tmp_path, monkeypatch, case):
 def test_shim_built_into_a_private_folder_whatever_the_umask(tmp_path):
     """A user private group's umask (002) would leave the folders and the library group-writable,
     and so refused next time: they are made writable by their owner only, and the shim loads."""
-    from pipeline.kernels import blas
+    from pipeline.kernels import build
 
-    if not blas.c_compiler():
+    if not build.c_compiler():
         pytest.skip("no C compiler for the shim")
     cache = tmp_path / "fresh" / "cache"
     code = "import os; os.umask(0o002)\n" + LOADED

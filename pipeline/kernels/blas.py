@@ -48,7 +48,7 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..util.private_folder import make_private_folder, unsafe_folder, writable_by_others
+from . import build
 from ..util.switches import turned_off
 
 ENV = "PIPELINE_BLAS"
@@ -128,85 +128,11 @@ def load() -> BlasState:
         why = f"OpenBLAS could not be loaded ({_state.note})" if _state.note else "no OpenBLAS found"
         _state.note = why
         _state.problem = (f"{why}: MLX runs its bundled reference BLAS, prompts 10-20x slower; "
-                          + install_hint("libopenblas0-pthread", "OpenBLAS"))
+                          + build.install_hint("libopenblas0-pthread", "OpenBLAS"))
     return _state
 
 
-def install_hint(debian_package: str, what: str) -> str:
-    """How to install something: the apt-get line where apt exists, else what to install."""
-    import shutil
-
-    if shutil.which("apt-get"):
-        return f"{'' if os.geteuid() == 0 else 'sudo '}apt-get install {debian_package}"
-    return f"install {what} with your system's package manager"
-
-
 SHIM_ENV = "PIPELINE_BLAS_SHIM"
-SHIM_SOURCE = Path(__file__).with_name("blas_shim.c")
-
-
-def _cpu_signature() -> str:
-    """The CPU the shim is built for (-march=native): a cache shared by unlike nodes keeps one each."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [line for line in f if line.startswith(("model name", "flags", "Features", "CPU part"))]
-        return "".join(sorted(set(lines)))
-    except OSError:
-        return os.uname().machine
-
-
-def _shim_path() -> Path:
-    import hashlib
-
-    from ..checkpoints.default_model import cache_root
-
-    digest = hashlib.sha256(SHIM_SOURCE.read_bytes() + _cpu_signature().encode()).hexdigest()[:12]
-    return cache_root() / "blas" / f"sgemm-shim-{os.uname().machine}-{digest}.so"
-
-
-# Tried in order: OpenMP spreads the batch-invariant kernel over the BLAS's threads; -march=native
-# gives it FMA and wide vectors. -ffp-contract=off: the compiler must not fuse some multiply-adds and
-# not others, or a row's rounding would depend on which tile computed it.
-SHIM_FLAGS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native"], ["-O3"])
-
-
-def c_compiler() -> str | None:
-    """The C compiler the shim is built with: $CC, else cc, gcc or clang on the PATH."""
-    import shutil
-
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-
-
-class ShimNotBuilt(Exception):
-    """Why the shim could not be compiled (no compiler, a compiler error, an unwritable folder)."""
-
-
-def build_shim(path: Path, extra_flags: tuple[str, ...] = ()) -> None:
-    """Compile the shim into `path` (about a second), or raise ShimNotBuilt saying why not.
-    extra_flags: e.g. ("-mno-avx512f",) builds the variant a CPU without AVX-512 gets (tests)."""
-    import subprocess
-    import tempfile
-
-    compiler = c_compiler()
-    if not compiler:
-        raise ShimNotBuilt("no C compiler")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            out = Path(tmp) / "shim.so"
-            errors = ""
-            for flags in SHIM_FLAGS:
-                result = subprocess.run([compiler, *flags, *extra_flags, "-ffp-contract=off", "-shared", "-fPIC",
-                                         "-o", str(out), str(SHIM_SOURCE), "-ldl"], capture_output=True, timeout=120)
-                if result.returncode == 0:
-                    out.chmod(0o755)  # whatever the umask: a library others may write to would be refused
-                    os.replace(out, path)  # atomic: ranks building at once each publish a whole file
-                    return
-                errors = errors or result.stderr.decode(errors="replace") or f"exit status {result.returncode}"
-    except (OSError, subprocess.SubprocessError) as e:
-        raise ShimNotBuilt(f"cannot build it in {path.parent}: {e}") from None
-    first = next((line.strip() for line in errors.splitlines() if "error" in line), "") or errors.strip()[:200]
-    raise ShimNotBuilt(f"{Path(compiler).name} could not compile it: {first}")
 
 
 def _shim_problem(why: str, fix: str) -> str:
@@ -222,39 +148,10 @@ def _load_shim(blas: ctypes.CDLL) -> None:
         blas.cblas_sgemv  # noqa: B018
     except AttributeError:
         return  # a CBLAS without GEMV: nothing for the shim to send 1-row products to
-    wanted = _shim_path()
     try:
-        make_private_folder(wanted.parent)
-    except OSError as e:
-        _state.problem = _shim_problem(f"cannot create {wanted.parent}: {e.strerror}",
-                                       "set PIPELINE_CACHE to a folder of yours")
-        return
-    # Checked, built and loaded through the real path: a link above it cannot point elsewhere later.
-    path = Path(os.path.realpath(wanted.parent)) / wanted.name
-    unsafe = unsafe_folder(path.parent)
-    if unsafe:
-        _state.problem = _shim_problem(f"refused {unsafe}",
-                                       "chmod go-w that folder, or set PIPELINE_CACHE to a folder of yours")
-        return
-    if not path.is_file() and not path.is_symlink():
-        try:
-            build_shim(path)
-        except ShimNotBuilt as e:
-            why = str(e)
-            fix = install_hint("gcc", "a C compiler") if why == "no C compiler" else \
-                "check that the C compiler builds a shared library, or " + install_hint("gcc", "a C compiler")
-            _state.problem = _shim_problem(why, fix)
-            return
-    try:
-        st = os.lstat(path)
-    except OSError as e:
-        _state.problem = _shim_problem(f"{path}: {e.strerror}", "delete it; it is rebuilt on the next run")
-        return
-    import stat
-
-    why = "it is not a regular file" if not stat.S_ISREG(st.st_mode) else writable_by_others(st)
-    if why:
-        _state.problem = _shim_problem(f"refused {path}: {why}", "delete it; it is rebuilt on the next run")
+        path = build.ready_library(build.shim_path(), build.build_shim)
+    except build.NotBuilt as e:
+        _state.problem = _shim_problem(str(e), e.fix)
         return
     try:
         shim = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
@@ -403,13 +300,11 @@ def problem() -> str:
 
 
 def report_problems(comm, *more: str) -> None:
-    """Collective: rank 0 prints each rank's problem() (and qmm.problem(): the quantized kernels'
+    """Collective: rank 0 prints each rank's problem() (and build.problem(): the kernels' extension's
     compiler and headers; and `more`, the caller's) once, as `warning: ...` on stderr, naming the hosts when the job spans several."""
     import socket
 
-    from . import qmm  # its kernels are built with the system's C++ compiler too
-
-    found = comm.gather((socket.gethostname(), (problem(), qmm.problem(), *more)), root=0)
+    found = comm.gather((socket.gethostname(), (problem(), build.problem(), *more)), root=0)
     if comm.Get_rank() != 0:
         return
     hosts_with = {}

@@ -124,10 +124,14 @@ def ready_library(path: Path, build: Callable[[Path], None] | None) -> Path:
     if unsafe:
         raise NotBuilt(f"refused {unsafe}", "chmod go-w that folder, or set PIPELINE_CACHE to a folder of yours")
     if build is not None and not os.path.lexists(path):
-        with open(path.parent / ".build-lock", "a") as lock:  # ranks of one host build it once
+        # ranks of one host build it once; the lock, like all in the folder, writable by its owner alone
+        lock = os.open(path.parent / ".build-lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not os.path.lexists(path):
                 build(path)
+        finally:
+            os.close(lock)
     try:
         st = os.lstat(path)
     except OSError as e:
