@@ -54,7 +54,7 @@ def test_a_vm_that_hands_free_huge_blocks_to_its_host_is_recognized(tmp_path, or
 
 PROBE = r"""
 import pipeline.kernels.blas, mlx.core as mx
-from pipeline import huge_pages
+from pipeline.util import huge_pages
 def huge_kib():
     with open("/proc/self/smaps_rollup") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("AnonHugePages:"))
