@@ -37,12 +37,12 @@ class CheckpointFormat:
 
     def half_scales(self, p: Param) -> bool:
         """Whether the scales and biases of a tensor held MLX-quantized as the checkpoint stores it are
-        float16 values (the int8 repack then holds them as float16: qmm.use_int8)."""
+        float16 values (the int8 repack then holds them as float16: int8_repack.use_int8)."""
         return self.kind == "mlx" and self.half_scales_stored
 
     def symmetric(self, p: Param) -> bool:
         """Whether every bias of a tensor held MLX-quantized as stored is -2^(bits - 1) times its scale
-        (the int8 repack then holds no biases: qmm.use_int8): in an MLX folder, the modules `convert`
+        (the int8 repack then holds no biases: int8_repack.use_int8): in an MLX folder, the modules `convert`
         listed so (a GGUF's Q4_0 and Q8_0); other folders are not assumed to be."""
         return self.kind == "mlx" and p.module in self.config.raw.get(quants.SYMMETRIC_KEY, ())
 

@@ -51,7 +51,7 @@ class Precision:
     quantize: int | None = None
     group_size: int = 64
     dense: bool = False  # MLX-quantized weights dequantized to the dtype (generate --weights-in-memory)
-    int8: bool = False  # --int8-activations: 4- and 8-bit matrices repacked for the int8 products (qmm.use_int8)
+    int8: bool = False  # --int8-activations: 4- and 8-bit matrices repacked for the int8 products (int8_repack.use_int8)
 
     @property
     def dtype_bytes(self) -> int:
@@ -79,13 +79,13 @@ class Precision:
         return p.numel * self.dtype_bytes
 
     def int8_repacked(self, p: Param, bits: int) -> bool:
-        """Whether --int8-activations repacks this MLX-quantized matrix (qmm.int8_covers): 4 or 8 bits
+        """Whether --int8-activations repacks this MLX-quantized matrix (int8_repack.int8_covers): 4 or 8 bits
         in whole blocks of 16 rows. Its scales and biases become float16 where they are all float16
         values, which the planner counts where the checkpoint stores them so (half_scales)."""
         return self.int8 and self.dtype == "float32" and bits in INT8_BITS and p.shape[-2] % INT8_BLOCK == 0
 
     def int8_head_copy(self, embedding: Param) -> int:
-        """The bytes of the int8 copy a tied, MLX-quantized embedding gains as the LM head (qmm.use_int8); 0 if none."""
+        """The bytes of the int8 copy a tied, MLX-quantized embedding gains as the LM head (int8_repack.use_int8); 0 if none."""
         native = self.checkpoint.native(embedding)
         if self.dense or not native or not self.int8_repacked(embedding, native[0]):
             return 0
