@@ -12,24 +12,33 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
+from ..checkpoints.default_model import default_model_dir
+from ..checkpoints.int8_repack import use_int8
+from ..checkpoints.model_files import open_checkpoint
+from ..checkpoints.mtp import load_mtp
+from ..checkpoints.weights import Checkpoint, available_memory_bytes, is_quantized, layer_nbytes
+from ..cluster import mpi
+from ..cluster.transport import MlxTransport, MpiTransport, this_process
 from ..kernels import blas, build
 from ..kernels.int8_layout import INT8_BLOCK
-from ..util import cores, huge_pages
 from ..models.config import ModelConfig
-from ..util.errors import UserError
-from ..planner.memory import RankBytes, measured
+from ..models.mtp import check_mtp, mtp_nbytes
 from ..models.registry import family_for
-from ..planner.layer_split import SplitWeights, split_layers
-from ..planner.partition import layer_ranges
 from ..planner.host_memory import MemoryPlan
+from ..planner.layer_split import SplitWeights, split_layers
+from ..planner.memory import RankBytes, measured
+from ..planner.partition import layer_ranges
+from ..planner.shapes import architecture
 from ..planner.weights_bytes import held_and_dense, with_mtp
+from ..util import cores, huge_pages
+from ..util.errors import UserError
+from .head_share import HeadSplit, head_share_fraction, head_share_rows
+from .prefix_cache import PrefixCache
+from .scheduler import exact_group_rows
 from .settings import JobSettings, RingSettings, TransportSettings, WeightSettings
 from .stage import Stage
-from ..cluster.transport import MlxTransport, MpiTransport, this_process
-from ..checkpoints.model_files import open_checkpoint
-from ..checkpoints.int8_repack import use_int8
-from ..checkpoints.weights import Checkpoint, available_memory_bytes, is_quantized, layer_nbytes
 
 
 @dataclass
@@ -48,9 +57,7 @@ def resolve_model_folder(model: Path | None, comm) -> Path:
     each host converts while the others on that host wait, then all reuse the cache)."""
     if model is not None:
         return model
-    from mpi4py import MPI
-
-    from ..checkpoints.default_model import default_model_dir
+    from mpi4py import MPI  # here, not at the top: after cli binds the launcher's MPI (mpi.use_the_launchers_mpi)
 
     host_comm = comm.Split_type(MPI.COMM_TYPE_SHARED)
     error = None
@@ -95,8 +102,6 @@ def plan_job(settings: WeightSettings, comm, last_rank_head: float = 0.0) -> Pla
         raise UserError(f"{config.model_type} keeps compressed caches that cannot drop a rejected draft's "
                         f"positions: run it without --draft")
     if settings.draft == "mtp":
-        from ..models.mtp import check_mtp
-
         check_mtp(checkpoint, config, folder)
     ranks = comm.Get_size()
     host_memory = None
@@ -112,8 +117,6 @@ def split_weights(checkpoint: Checkpoint, config: ModelConfig, folder: Path, set
     """What the job's split weighs (layer_split.SplitWeights); settings: with --int8-activations resolved."""
     stored_layers, stored_ends = layer_nbytes(checkpoint, config.num_hidden_layers)
     if settings.draft == "mtp":  # rank 0 holds the MTP module too
-        from ..models.mtp import mtp_nbytes
-
         stored_ends += mtp_nbytes(checkpoint, config)
     if settings.weights_in_memory == "quantized" or not is_quantized(checkpoint):
         return SplitWeights(stored_layers, stored_ends)
@@ -126,7 +129,7 @@ def split_weights(checkpoint: Checkpoint, config: ModelConfig, folder: Path, set
 def share_cores(comm) -> None:
     """This host's cores shared among its ranks: each bound to its share where the launcher left
     them free, its threads SCHED_BATCH on a single CPU (cores.py), and as many BLAS threads (blas.py)."""
-    from mpi4py import MPI
+    from mpi4py import MPI  # as in resolve_model_folder
 
     host = comm.Split_type(MPI.COMM_TYPE_SHARED)
     cpus = cores.bind(host)
@@ -149,8 +152,6 @@ def load_stage(settings: WeightSettings, plan: Plan, rank: int, progress: bool, 
     if settings.dtype == "float32":
         build.load()  # the kernels' extension (attention, quantized products): built now, not at the first token
     if rank == 0 and settings.draft == "mtp":
-        from ..checkpoints.mtp import load_mtp
-
         stage.mtp = load_mtp(plan.config, plan.checkpoint, getattr(mx, settings.dtype), settings.requantize, dense,
                              progress)
     if int8:  # int8 products (int8_kernels.cpp); none without the kernels
@@ -202,10 +203,6 @@ class RingJob:
 
 def plan_ring_job(settings: JobSettings, comm) -> RingJob:
     """Collective: the transport and the plan, before anything big is read."""
-    from ..cluster import mpi
-    from .head_share import head_share_fraction, head_share_rows
-    from .scheduler import exact_group_rows
-
     transport = make_transport(settings.transport, comm)
     group_rows = exact_group_rows(settings.ring.packed_matmuls)  # this rank's own: it depends on its BLAS
     head_fraction = head_share_fraction(settings.ring.head_share, comm.allgather(group_rows))
@@ -223,8 +220,6 @@ def plan_ring_job(settings: JobSettings, comm) -> RingJob:
 
 def load_ring_stage(settings: JobSettings, job: RingJob, comm, progress: bool) -> Stage:
     """Collective: this rank's layers, and on the last rank its share of the LM head."""
-    from ..cluster import mpi
-
     rank = comm.Get_rank()
     head_rows = job.head_rows if rank == comm.Get_size() - 1 else 0
     return mpi.checkpoint(comm, lambda: load_stage(settings.weights, job.plan, rank, progress=progress,
@@ -233,8 +228,6 @@ def load_ring_stage(settings: JobSettings, job: RingJob, comm, progress: bool) -
 
 def head_split(settings: RingSettings, job: RingJob):
     """Rank 0's control of the LM head's share (None: not shared)."""
-    from .head_share import HeadSplit
-
     if not job.head_rows:
         return None
     return HeadSplit(job.head_rows, None if settings.head_share == "auto" else job.head_rows)
@@ -243,9 +236,6 @@ def head_split(settings: RingSettings, job: RingJob):
 def prefix_cache(settings: JobSettings, job: RingJob):
     """Rank 0's prefix cache for --prefix-cache-gb (None when 0): as many positions as the rank
     with the most cached bytes per position holds in that many GB."""
-    from ..planner.shapes import architecture
-    from .prefix_cache import PrefixCache
-
     gb = settings.ring.prefix_cache_gb
     if not gb or not family_for(job.plan.config).prefix_cache:
         return None  # DeepSeek V4: a compressed cache cannot be cut back to a shorter prefix
@@ -262,7 +252,7 @@ def make_transport(settings: TransportSettings, comm):
     own_core = cores.has_own_core(placement, comm.Get_rank())
     processes = comm.allgather(this_process())  # a waiting rank notices a killed peer on its host
     if settings.transport == "mlx":
-        from ..cluster.mlx_group import init_group
+        from ..cluster.mlx_group import init_group  # only with --transport mlx: MLX's distributed group
 
         return MlxTransport(comm, init_group(comm, settings.mlx_backend), watchdog, hosts, own_core, processes)
     return MpiTransport(comm, watchdog, hosts, own_core, processes)
@@ -285,8 +275,6 @@ def peak_rss_bytes() -> int:
 def weights_label(stage: Stage) -> str:
     """How this rank's weights live in memory: 'quantized' if any module is, else the float
     dtype of its largest weights (e.g. 'fp32')."""
-    from mlx.utils import tree_flatten
-
     if any("scales" in m for m in stage.model.modules()):
         return "quantized"
     _, biggest = max(tree_flatten(stage.model.parameters()), key=lambda kv: kv[1].size)
