@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 import socket
+from dataclasses import fields
 from pathlib import Path
 
 from ..runtime.settings import (DRAFT_CHOICES, MAX_DRAFT_TOKENS, JobSettings, RingSettings, TransportSettings,
@@ -218,29 +219,24 @@ def validated_scheduler_job_args(args: argparse.Namespace) -> None:
 
 # -- the runtime's settings, built once from the validated flags -------------------------------------------
 
+def settings_from_flags(record: type, args: argparse.Namespace):
+    """A settings record (runtime/settings.py) of the flags this command has, each field filled from
+    the flag of the same name (argparse's dest); a field whose flag the command lacks keeps its default
+    (batch and serve have no --transport: MPI; only generate has --host-memory)."""
+    names = {f.name for f in fields(record)}
+    return record(**{name: value for name, value in vars(args).items() if name in names})
+
+
 def weight_settings(args: argparse.Namespace) -> WeightSettings:
-    """add_model_arg + add_weights_args (+ --host-memory and --draft where the command has them)."""
-    return WeightSettings(model=args.model, split=args.split, host_memory=getattr(args, "host_memory", None),
-                          dtype=args.dtype, quantize=args.quantize, group_size=args.group_size,
-                          weights_in_memory=args.weights_in_memory, int8_activations=args.int8_activations,
-                          draft=getattr(args, "draft", WeightSettings.draft))
+    return settings_from_flags(WeightSettings, args)
 
 
 def transport_settings(args: argparse.Namespace) -> TransportSettings:
-    """add_cluster_args (batch and serve have no --transport: MPI)."""
-    return TransportSettings(transport=getattr(args, "transport", TransportSettings.transport),
-                             mlx_backend=getattr(args, "mlx_backend", TransportSettings.mlx_backend),
-                             watchdog=args.watchdog)
-
-
-def ring_settings(args: argparse.Namespace) -> RingSettings:
-    """add_engine_args + add_prefix_cache_arg, after validated_engine_args."""
-    return RingSettings(microbatches=args.microbatches, packed_matmuls=args.packed_matmuls,
-                        head_share=args.head_share, prefix_cache_gb=args.prefix_cache_gb)
+    return settings_from_flags(TransportSettings, args)
 
 
 def job_settings(args: argparse.Namespace) -> JobSettings:
-    """The runtime's settings of a command that runs a model: generate's (no scheduler: the ring's
-    defaults), batch's and serve's."""
-    ring = ring_settings(args) if hasattr(args, "max_batch") else RingSettings()
-    return JobSettings(weight_settings(args), transport_settings(args), ring)
+    """The runtime's settings of a command that runs a model (generate, batch, serve), after its
+    checks (validated_engine_args turns --head-share into a number); generate, with no scheduler,
+    gets the ring's defaults."""
+    return JobSettings(weight_settings(args), transport_settings(args), settings_from_flags(RingSettings, args))
