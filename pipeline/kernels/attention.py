@@ -1,6 +1,6 @@
 """Attention of a step's new tokens over their sequences' KV caches: pipeline's kernel for every
 sequence of the step in one MLX operation (attention_kernels.cpp, compiled into the quantized
-products' extension by qmm.py), or MLX's scaled_dot_product_attention per sequence where the kernel
+products' extension by build.py), or MLX's scaled_dot_product_attention per sequence where the kernel
 is absent.
 
 On CPU, MLX's attention is a chain of small ops, and a batch ran it once per sequence and layer,
@@ -10,7 +10,7 @@ call (its opening comment says how), so a query attended alone, in a prompt's ch
 verified draft gives the same bits.
 
 The kernel takes float32 queries, keys and values whose head sizes are multiples of 16 on the CPU
-device; anything else, `PIPELINE_ATTENTION=0`, or no extension (qmm.py says why) goes to MLX.
+device; anything else, `PIPELINE_ATTENTION=0`, or no extension (build.py says why) goes to MLX.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ set `OPENBLAS_NUM_THREADS` (which OpenBLAS itself reads at load).
 
 The shim (blas_shim.c): MLX calls `cblas_sgemm` for every fp32 product, one row (each decode
 step) included. A small C file, compiled once per machine and CPU into $PIPELINE_CACHE/blas/ when a
-C compiler is there and loaded ahead of the BLAS, takes `cblas_sgemm` first and
+C compiler is there (build.py) and loaded ahead of the BLAS, takes `cblas_sgemm` first and
 - computes `x @ w.T` of up to 64 rows with its own batch-invariant kernel: each row rounds the same
   whatever else shares the call, so packing several sequences' rows into one product (batch jobs)
   gives each exactly what it gets alone; OpenBLAS's kernels round a row differently by row count.

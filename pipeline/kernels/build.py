@@ -117,7 +117,8 @@ def ready_library(path: Path, build: Callable[[Path], None] | None) -> Path:
     try:
         private_folder.make_private_folder(path.parent)
     except OSError as e:
-        raise NotBuilt(f"cannot create {path.parent}: {e.strerror}", "set PIPELINE_CACHE to a folder of yours") from None
+        raise NotBuilt(f"cannot create {path.parent}: {e.strerror}",
+                       "set PIPELINE_CACHE to a folder of yours") from None
     # Checked, built and loaded through the real path: a link above it cannot point elsewhere later.
     path = Path(os.path.realpath(path.parent)) / path.name
     unsafe = private_folder.unsafe_folder(path.parent)

@@ -1,5 +1,5 @@
 """RMSNorm and RoPE's rotation as one MLX operation each (layer_kernels.cpp, compiled into the
-quantized products' extension by qmm.py), where that extension is loaded and the activations are
+quantized products' extension by build.py), where that extension is loaded and the activations are
 float32 on the CPU; MLX's compiled ops otherwise (models/layers.py, models/rope.py).
 
 MLX dispatches each node of a graph alone, at a few microseconds each on CPU, and these steps were

@@ -1,6 +1,6 @@
 """Folders for code we build and load (the BLAS shim, pipeline's quantized kernels, MLX's compiled
 CPU kernels): made without access for other users, and refused where another user could replace
-what is in them. blas.py, qmm.py and private_tmp.py each keep their code in one.
+what is in them. kernels/build.py (the shim and the extension) and private_tmp.py each keep their code in one.
 """
 
 from __future__ import annotations
