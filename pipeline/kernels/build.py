@@ -126,7 +126,10 @@ def ready_library(path: Path, build: Callable[[Path], None] | None) -> Path:
         raise NotBuilt(f"refused {unsafe}", "chmod go-w that folder, or set PIPELINE_CACHE to a folder of yours")
     if build is not None and not os.path.lexists(path):
         # ranks of one host build it once; the lock, like all in the folder, writable by its owner alone
-        lock = os.open(path.parent / ".build-lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            lock = os.open(path.parent / ".build-lock", os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as e:
+            raise NotBuilt(f"cannot build it in {path.parent}: {e}", "set PIPELINE_CACHE to a folder of yours") from None
         try:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not os.path.lexists(path):
@@ -299,10 +302,6 @@ def load() -> KernelsState:
 def loaded() -> KernelsState | None:
     """The kernels' state if this process has loaded them (or tried), else None: nothing is built."""
     return _state
-
-
-def available() -> bool:
-    return load().module is not None
 
 
 def missing_tools() -> str:
