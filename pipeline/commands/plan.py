@@ -8,13 +8,15 @@ import argparse
 import math
 from pathlib import Path
 
+from ..kernels.build import int8_by_default
 from ..planner.config_files import load_config
 from ..planner.formats import checkpoint_format
 from ..planner.host_memory import parse_per_host
 from ..planner.memory import size
 from ..planner.report import format_plan
 from ..planner.speed import Hardware, plan_cluster
-from ..planner.weights_bytes import Precision, int8_activations
+from ..planner.weights_bytes import Precision
+from ..runtime.settings import MAX_DRAFT_TOKENS
 from ..util.errors import UserError
 
 
@@ -88,14 +90,14 @@ def run(args: argparse.Namespace, comm=None) -> int:
     )
     precision = Precision(checkpoint_format(config, args.model, args.quantize, args.group_size), args.dtype,
                           args.quantize, args.group_size,
-                          dense=getattr(args, "weights_in_memory", "quantized") == "fp32",
-                          int8=int8_activations(args))
-    acceptance = getattr(args, "draft_acceptance", None)
+                          dense=args.weights_in_memory == "fp32",
+                          int8=int8_by_default(args.int8_activations, args.dtype))  # as generate resolves it here
+    acceptance = args.draft_acceptance
     if acceptance is not None and not 0 <= acceptance <= 1:
         raise UserError(f"--draft-acceptance must be in [0, 1], got {acceptance}")
-    drafts = getattr(args, "draft_tokens", None) or ([1, 2] if acceptance is not None else [])
-    if any(not 1 <= k <= 15 for k in drafts):
-        raise UserError(f"--draft-tokens must be from 1 to 15, got {drafts}")
+    drafts = args.draft_tokens or ([1, 2] if acceptance is not None else [])
+    if any(not 1 <= k <= MAX_DRAFT_TOKENS for k in drafts):
+        raise UserError(f"--draft-tokens must be from 1 to {MAX_DRAFT_TOKENS}, got {drafts}")
     plan = plan_cluster(config, hosts, precision, hardware, args.context, args.batch, drafts,
                         0.0 if acceptance is None else acceptance)
     title = Path(str(args.model)).name.removesuffix(".json") or str(args.model)

@@ -3,7 +3,6 @@ weights and KV cache fit its host's memory, checked before anything is loaded.""
 
 from __future__ import annotations
 
-import argparse
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -14,7 +13,7 @@ from .formats import checkpoint_format
 from .memory import GIB, kv_layer_bytes, rank_bytes, size
 from .partition import layer_counts
 from .shapes import Architecture, architecture
-from .weights_bytes import ModelBytes, Precision, int8_activations, model_bytes, with_mtp
+from .weights_bytes import ModelBytes, Precision, model_bytes, with_mtp
 
 
 def parse_per_host(text: str, flag: str, count: int | None, unit: str = "hosts",
@@ -44,19 +43,18 @@ class MemoryPlan:
     dtype_bytes: int  # of the KV cache
 
     @classmethod
-    def for_job(cls, config: ModelConfig, args: argparse.Namespace, ranks: int,
-                folder: Path | None = None) -> "MemoryPlan":
-        """folder: the model's, resolved (args.model is None for the default model)."""
-        memory = parse_per_host(args.host_memory, "--host-memory", ranks, unit="ranks")
-        precision = Precision(checkpoint_format(config, folder or args.model, getattr(args, "quantize", None),
-                                                getattr(args, "group_size", None) or 64),
-                              dtype=getattr(args, "dtype", "float32"),
-                              quantize=getattr(args, "quantize", None),
-                              group_size=getattr(args, "group_size", None) or 64,
-                              int8=int8_activations(args))
+    def for_job(cls, config: ModelConfig, host_memory: str, ranks: int, folder: Path, dtype: str = "float32",
+                quantize: int | None = None, group_size: int = 64, int8: bool = False,
+                mtp: bool = False) -> "MemoryPlan":
+        """host_memory: --host-memory (GiB per rank); folder: the model's, resolved (or its GGUF file); the
+        weights as the job holds them: floats in `dtype`, --quantize and --group-size, int8: the job's
+        --int8-activations as resolved, mtp: rank 0 holds the MTP module too (--draft mtp)."""
+        memory = parse_per_host(host_memory, "--host-memory", ranks, unit="ranks")
+        precision = Precision(checkpoint_format(config, folder, quantize, group_size), dtype=dtype, quantize=quantize,
+                              group_size=group_size, int8=int8)
         arch = architecture(config)
         mb, dense_mb = model_bytes(arch, precision), model_bytes(arch, replace(precision, dense=True))
-        if getattr(args, "draft", "none") == "mtp":
+        if mtp:
             mb, dense_mb = with_mtp(mb), with_mtp(dense_mb)
         return cls(memory, mb, dense_mb, arch, precision.dtype_bytes)
 

@@ -16,12 +16,10 @@ them):
 
 from __future__ import annotations
 
-import argparse
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..kernels.build import int8_by_default
 from ..kernels.int8_layout import INT8_BITS, INT8_BLOCK
 from ..models.config import ModelConfig
 from ..models.deepseek_v4_config import FLOAT32
@@ -29,11 +27,6 @@ from .formats import CheckpointFormat, affine_bytes, checkpoint_format
 from .shapes import Architecture, Param, architecture
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-def int8_activations(args: argparse.Namespace) -> bool:
-    """--int8-activations as the job resolves it (on this machine, where the flag is not given)."""
-    return int8_by_default(getattr(args, "int8_activations", False), getattr(args, "dtype", "float32"))
 
 
 def _mx_bytes(shape: tuple[int, ...], bits: int) -> int:

@@ -106,7 +106,8 @@ def plan_job(settings: WeightSettings, comm, last_rank_head: float = 0.0) -> Pla
     ranks = comm.Get_size()
     host_memory = None
     if settings.host_memory:
-        host_memory = MemoryPlan.for_job(config, settings, ranks, folder)
+        host_memory = MemoryPlan.for_job(config, settings.host_memory, ranks, folder, settings.dtype, settings.quantize,
+                                         settings.group_size, bool(settings.int8_activations), settings.draft == "mtp")
     planned = host_memory.counts() if host_memory and not settings.split else None
     counts, dense = split_layers(split_weights(checkpoint, config, folder, settings), ranks, settings.split, mode,
                                  memory, fast_quantized, planned=planned, last_rank_head=last_rank_head)
@@ -298,5 +299,3 @@ def matmuls_label(group_rows: int) -> str:
     if group_rows == sys.maxsize:
         return "all rows packed"
     return f"batch-invariant, up to {group_rows} rows" if group_rows else "per sequence"
-
-
