@@ -8,7 +8,7 @@ from __future__ import annotations
 import resource
 import socket
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -88,7 +88,6 @@ def plan_job(settings: WeightSettings, comm, last_rank_head: float = 0.0) -> Pla
     mode = settings.weights_in_memory
     # Collective, so before anything that can fail on one rank only.
     int8 = resolve_int8(settings.int8_activations, settings.dtype, comm)
-    settings = replace(settings, int8_activations=int8)  # as the memory planner (MemoryPlan.for_job) counts it
     memory = fast_quantized = None
     if mode == "auto":
         gathered = comm.allgather((socket.gethostname(), available_memory_bytes(),
@@ -107,21 +106,22 @@ def plan_job(settings: WeightSettings, comm, last_rank_head: float = 0.0) -> Pla
     host_memory = None
     if settings.host_memory:
         host_memory = MemoryPlan.for_job(config, settings.host_memory, ranks, folder, settings.dtype, settings.quantize,
-                                         settings.group_size, bool(settings.int8_activations), settings.draft == "mtp")
+                                         settings.group_size, int8, settings.draft == "mtp")
     planned = host_memory.counts() if host_memory and not settings.split else None
-    counts, dense = split_layers(split_weights(checkpoint, config, folder, settings), ranks, settings.split, mode,
+    counts, dense = split_layers(split_weights(checkpoint, config, folder, settings, int8), ranks, settings.split, mode,
                                  memory, fast_quantized, planned=planned, last_rank_head=last_rank_head)
     return Plan(folder, config, checkpoint, layer_ranges(counts), dense, host_memory, int8)
 
 
-def split_weights(checkpoint: Checkpoint, config: ModelConfig, folder: Path, settings: WeightSettings) -> SplitWeights:
-    """What the job's split weighs (layer_split.SplitWeights); settings: with --int8-activations resolved."""
+def split_weights(checkpoint: Checkpoint, config: ModelConfig, folder: Path, settings: WeightSettings,
+                  int8: bool) -> SplitWeights:
+    """What the job's split weighs (layer_split.SplitWeights); int8: --int8-activations as resolved (resolve_int8)."""
     stored_layers, stored_ends = layer_nbytes(checkpoint, config.num_hidden_layers)
     if settings.draft == "mtp":  # rank 0 holds the MTP module too
         stored_ends += mtp_nbytes(checkpoint, config)
     if settings.weights_in_memory == "quantized" or not is_quantized(checkpoint):
         return SplitWeights(stored_layers, stored_ends)
-    held, dense_held = held_and_dense(config, folder, settings.dtype, int8=bool(settings.int8_activations))
+    held, dense_held = held_and_dense(config, folder, settings.dtype, int8=int8)
     if settings.draft == "mtp":
         held, dense_held = with_mtp(held), with_mtp(dense_held)
     return SplitWeights(stored_layers, stored_ends, held, dense_held)
@@ -299,3 +299,5 @@ def matmuls_label(group_rows: int) -> str:
     if group_rows == sys.maxsize:
         return "all rows packed"
     return f"batch-invariant, up to {group_rows} rows" if group_rows else "per sequence"
+
+
