@@ -46,12 +46,13 @@ _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 @dataclass
 class RankReport:
+    """What one rank has (collect), sent to rank 0 (evaluate)."""
     rank: int
     host: str
     python: str
     packages: dict[str, str]
     mpi_library: str
-    available: int | None  # bytes of memory free for this job, None if unknown
+    available: int | None  # bytes of memory free for this job, as the job reads it; None if unknown
     metal_limit: int | None  # macOS: the GPU's recommended working-set size
     folder: str
     folder_error: str | None = None
@@ -64,8 +65,8 @@ class RankReport:
     dtype: str = "float32"  # --dtype: unquantized (and dequantized) weights are held in it
     fast_quantized: bool = False  # this rank will multiply quantized weights with pipeline's kernels (qmm.py)
     kv_layer_bytes: list[int] = field(default_factory=list)  # per layer, for --context tokens
-    disk_layer_bytes: list[int] = field(default_factory=list)
-    disk_ends_bytes: int = 0
+    disk_layer_bytes: list[int] = field(default_factory=list)  # per layer as stored: the default split balances them
+    disk_ends_bytes: int = 0  # embedding, final norm, LM head (+ the MTP module with --draft mtp) as stored
 
 
 def add_parser(commands) -> None:
