@@ -55,7 +55,7 @@ class RingSettings:
     microbatches: int | None = None  # --microbatches; None: as many as ranks, or twice that
     packed_matmuls: bool = False  # --packed-matmuls: all rows in one product even where not exact
     head_share: str | float = "auto"  # --head-share: "auto", "off", or a fraction of the vocabulary up to 0.5
-    prefix_cache_gb: float = 0.0  # --prefix-cache-gb per rank; 0: no prefix cache
+    prefix_cache_gb: float = 0.0  # --prefix-cache-gb per rank; 0 (batch's default): none; serve's flag defaults to 4
 
 
 @dataclass(frozen=True)
