@@ -299,5 +299,3 @@ def matmuls_label(group_rows: int) -> str:
     if group_rows == sys.maxsize:
         return "all rows packed"
     return f"batch-invariant, up to {group_rows} rows" if group_rows else "per sequence"
-
-
