@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..checkpoints import quants
@@ -202,9 +202,13 @@ class _ModuleInfo:
     how: str
 
 
+@dataclass(frozen=True)
 class GGUFFormat(CheckpointFormat):
     """CheckpointFormat for a GGUF: per module (the planner's names, experts as
     `mlp.experts.0.*` standing for the stack), the bytes in the file and the MLX layout it loads as."""
+    modules: dict[str, _ModuleInfo] = field(default_factory=dict)
+    path: Path | None = None
+    disk_total: int = 0  # bytes of the file(s)
 
     @classmethod
     def of(cls, path: Path, config, quantize: int | None, group_size: int) -> "GGUFFormat":
@@ -225,11 +229,7 @@ class GGUFFormat(CheckpointFormat):
             native = (lay.bits, lay.group_size) if lay is not None and part == "weight" else None
             modules[plan_module + ("" if module == name else f".{part}")] = _ModuleInfo(
                 tuple(t.ggml_type for t in entry.source), sum(t.nbytes for t in entry.source), native, entry.how)
-        fmt = cls("gguf", 4, config)
-        object.__setattr__(fmt, "modules", modules)
-        object.__setattr__(fmt, "path", path)
-        object.__setattr__(fmt, "disk_total", checkpoint.gguf.nbytes_on_disk())
-        return fmt
+        return cls("gguf", 4, config, modules=modules, path=path, disk_total=checkpoint.gguf.nbytes_on_disk())
 
     def _info(self, p) -> _ModuleInfo | None:
         return self.modules.get(p.name) or self.modules.get(p.module + "." + p.name.rpartition(".")[2])

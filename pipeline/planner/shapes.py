@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..models.config import ModelConfig
 from ..models.deepseek_v4_config import compress_rate, deepseek_v4_config, layer_types, mlp_layer_types
@@ -64,6 +65,13 @@ class Param:
         return self.name.endswith("tid2eid")
 
 
+class LayerCache(NamedTuple):
+    """One layer's KV cache, in values (DeepSeek V4, whose caches differ by layer)."""
+    per_token: float  # cached per token of the sequence
+    per_sequence: int  # cached per sequence whatever its length (windows, unfinished compressions)
+    kind: str  # the layer's attention: sliding, compressed sparse or heavily compressed
+
+
 @dataclass
 class Architecture:
     config: ModelConfig
@@ -73,9 +81,7 @@ class Architecture:
     top_k: int  # routed experts chosen per token (0: dense)
     kv_values: float  # cached values per token per layer (DeepSeek V4: the mean over its layers)
     kv_note: str
-    # DeepSeek V4, whose caches differ by layer: per layer (values per token, values per sequence
-    # whatever its length, kind); None: kv_values per token in every layer.
-    kv_layers: list[tuple[float, int, str]] | None = None
+    kv_layers: list[LayerCache] | None = None  # per layer (DeepSeek V4); None: kv_values per token in each
     hidden_values: int = 0  # values per token between ranks (V4: its residual streams); 0: hidden_size
 
     @property
@@ -86,7 +92,7 @@ class Architecture:
         """Values one sequence of `context` tokens caches in layers [start, end)."""
         if self.kv_layers is None:
             return self.kv_values * context * (end - start)
-        return sum(per_token * context + fixed for per_token, fixed, _ in self.kv_layers[start:end])
+        return sum(cache.per_token * context + cache.per_sequence for cache in self.kv_layers[start:end])
 
     def kv_read(self, layer: int, context: int) -> float:
         """Values a decode step of one sequence reads from layer `layer`'s cache at `context` tokens:
@@ -94,12 +100,12 @@ class Architecture:
         (plus the window)."""
         if self.kv_layers is None:
             return self.kv_values * context
-        per_token, fixed, kind = self.kv_layers[layer]
-        if kind != "compressed_sparse_attention":
-            return per_token * context + fixed
+        cache = self.kv_layers[layer]
+        if cache.kind != "compressed_sparse_attention":
+            return cache.per_token * context + cache.per_sequence
         v4 = deepseek_v4_config(self.config)
-        entries = context // compress_rate(self.config, kind)
-        return fixed + entries * v4.index_head_dim + min(entries, v4.index_topk) * self.config.head_dim
+        entries = context // compress_rate(self.config, cache.kind)
+        return cache.per_sequence + entries * v4.index_head_dim + min(entries, v4.index_topk) * self.config.head_dim
 
 
 def architecture(config: ModelConfig) -> Architecture:
@@ -235,7 +241,7 @@ def _deepseek_v4_architecture(config: ModelConfig) -> Architecture:
                 di = v4.index_head_dim
                 per_token += di / rate
                 fixed += 2 * (rate - 1) * 2 * di + 2 * rate * (hd + di)  # + the overlapping halves
-        kv_layers.append((per_token, fixed, kinds[i]))
+        kv_layers.append(LayerCache(per_token, fixed, kinds[i]))
     unused: list[Param] = []
     for k in range(v4.num_nextn_predict_layers):
         p = f"mtp.{k}"
@@ -250,7 +256,7 @@ def _deepseek_v4_architecture(config: ModelConfig) -> Architecture:
             Param("model.hc_head.hc_scale", (1,))]
     if not config.tie_word_embeddings:
         ends.append(Param("lm_head.weight", (v, d)))
-    mean = sum(per_token for per_token, _, _ in kv_layers) / len(kv_layers)
+    mean = sum(cache.per_token for cache in kv_layers) / len(kv_layers)
     note = (f"compressed per layer type ({hd}-value entries per {compress_rate(config, 'compressed_sparse_attention')} "
             f"tokens + indexer keys / per {compress_rate(config, 'heavily_compressed_attention')} tokens) plus a "
             f"{window}-token window per layer and sequence")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..models.config import ModelConfig
 from ..util.errors import UserError
@@ -64,6 +65,20 @@ class RankPlan:
         return None if self.memory_gib is None else self.headroom >= self.reserve_gib * GIB
 
 
+class SpeculativeSpeed(NamedTuple):
+    """Predicted single-stream speculative decoding: `drafts` tokens drafted per trip by `drafter`
+    ("ngram": prompt lookup, free; "mtp": the model's MTP module on rank 0)."""
+    drafts: int
+    drafter: str
+    tps: float
+
+
+class EvenSplit(NamedTuple):
+    """An even layer split that also fits, and its batch tok/s (higher than the memory-proportional one's)."""
+    counts: list[int]
+    batch_tps: float
+
+
 @dataclass
 class ClusterPlan:
     arch: Architecture
@@ -78,8 +93,8 @@ class ClusterPlan:
     single_tps: float
     batch_tps: float
     one_host_tps: float  # the whole model read at one host's bandwidth
-    even_split: tuple[list[int], float] | None = None  # (counts, batch tok/s) if an even split also fits
-    speculative: list[tuple[int, str, float]] | None = None  # (drafts K, how drafted, single-stream tok/s)
+    even_split: EvenSplit | None = None  # where an even split also fits and decodes a batch faster
+    speculative: list[SpeculativeSpeed] | None = None  # --draft-acceptance: one per drafts and drafter
     draft_acceptance: float = 0.0
 
     @property
@@ -116,16 +131,16 @@ def plan_cluster(config: ModelConfig, hosts: int, precision: Precision, hardware
                        times.batch(batch), one_host.single_stream())
     if draft_tokens:
         plan.draft_acceptance = draft_acceptance
-        plan.speculative = [(k, "ngram", times.speculative(k, draft_acceptance)) for k in draft_tokens]
+        plan.speculative = [SpeculativeSpeed(k, "ngram", times.speculative(k, draft_acceptance)) for k in draft_tokens]
         if arch.unused:  # an MTP module: drafting costs its reads
-            plan.speculative += [(k, "mtp", times.speculative(k, draft_acceptance, times.mtp_seconds(k)))
+            plan.speculative += [SpeculativeSpeed(k, "mtp", times.speculative(k, draft_acceptance, times.mtp_seconds(k)))
                                  for k in draft_tokens]
     if hardware.memory_gib and len(set(hardware.memory_gib)) > 1:
         even = layer_counts(mb, hosts)
         even_ranks = _rank_plans(arch, mb, precision, hardware, even, context, batch)
         even_tps = _Timing(arch, mb, precision, hardware, layer_ranges(even), context).batch(batch)
         if all(r.fits for r in even_ranks) and even_tps > plan.batch_tps * 1.01:
-            plan.even_split = (even, even_tps)
+            plan.even_split = EvenSplit(even, even_tps)
     return plan
 
 
