@@ -3,4 +3,5 @@ shapes (shapes.py), how the checkpoint stores them (formats.py), bytes as held i
 (weights_bytes.py), a rank's bytes counted one way for plan, preflight and the stats line
 (memory.py), layer ranges per rank (partition.py), the cluster speed model (speed.py) and the text
 `pipeline plan` prints (report.py), the fit check of `generate --host-memory` (host_memory.py), and
-the config a --model names, real published ones included (config_files.py, configs/)."""
+the config a --model names, real published ones included (config_files.py, configs/). The job and
+`preflight` take their one layer split from layer_split.py."""
