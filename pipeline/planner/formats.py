@@ -23,14 +23,14 @@ from .shapes import Param
 @dataclass(frozen=True)
 class CheckpointFormat:
     """How the published checkpoint stores its tensors, read from config.json."""
-    kind: str  # "float", "mlx", "fp8", "int4"
+    kind: str  # "float", "mlx", "fp8", "int4"; "gguf": GGUFFormat below
     float_bytes: int  # bytes of its float tensors on disk
     config: ModelConfig
     block: tuple[int, int] = (128, 128)  # fp8 scale blocks
     group_size: int = 32  # int4
     ignore: tuple[str, ...] = ()  # int4: modules left in float
     # DeepSeek V4's fp8: ue8m0 block scales (one byte each), routed experts in FP4 (fp4_experts), both
-    # held as they are stored, as MLX's mxfp8 and mxfp4 (formats.py)
+    # held as they are stored, as MLX's mxfp8 and mxfp4 (checkpoints/formats.py)
     mx: bool = False
     fp4_experts: bool = False
     half_scales_stored: bool = False  # MLX folder: its scales and biases are float16 in the files
