@@ -22,7 +22,7 @@ import common  # noqa: E402
 
 MODELS = {"smollm2": common.default_model, "llama-1b": common.llama_1b}
 BASELINE = ("import resource, json, pipeline, mlx.core as mx, mlx.nn, mpi4py.MPI, tokenizers, jinja2\n"
-            "from pipeline import commands, engine, stage\n"
+            "from pipeline import commands\nfrom pipeline.runtime import engine, stage\n"
             "mx.eval(mx.ones((64, 64)) @ mx.ones((64, 64)))\n"
             "print(json.dumps(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))")
 

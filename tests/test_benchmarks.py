@@ -57,6 +57,14 @@ def pipeline_names_used() -> list[tuple[str, str, str | None]]:
             elif isinstance(node, ast.Import):
                 found += [(script.name, a.name, None) for a in node.names if a.name.split(".")[0] == "pipeline"]
             elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                if "import" in node.value and "pipeline" in node.value:  # code run in a subprocess
+                    try:
+                        code = ast.parse(node.value)
+                    except SyntaxError:
+                        code = None
+                    for inner in ast.walk(code) if code else ():
+                        if isinstance(inner, ast.ImportFrom) and (inner.module or "").split(".")[0] == "pipeline":
+                            found += [(script.name, inner.module, a.name) for a in inner.names]
                 for word in node.value.replace(",", " ").replace(";", " ").split():
                     if word.startswith("pipeline.") and all(part.isidentifier() for part in word.split(".")):
                         found.append((script.name, word, None))

@@ -114,7 +114,7 @@ def test_exception_on_one_rank_aborts_the_job_quickly():
     script = (
         "from mpi4py import MPI\n"
         "import numpy as np\n"
-        "from pipeline import mpi\n"
+        "from pipeline.cluster import mpi\n"
         "from pipeline.cluster.transport import MpiTransport\n"
         "comm = MPI.COMM_WORLD\n"
         "mpi.abort_on_unhandled_exception(comm)\n"
