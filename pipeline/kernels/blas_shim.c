@@ -15,7 +15,8 @@
  *    GEMM that packs the whole weight matrix: 2x slower).
  * 3. Everything else (prompt chunks of more rows, other layouts) goes on to the BLAS's sgemm.
  *
- * Compiled once per machine and CPU (-march=native) into $PIPELINE_CACHE/blas/ by pipeline/blas.py.
+ * Compiled once per machine and CPU (-march=native) into $PIPELINE_CACHE/blas/ by pipeline/kernels/build.py;
+ * pipeline/kernels/blas.py loads it.
  */
 #include <dlfcn.h>
 #include <string.h>

@@ -28,7 +28,7 @@
  *     8 bits: q[col][32c + 4j + i] (j < 8);
  * so one vpdpbusd multiplies 16 columns x 4 inputs by one broadcast group of 4 int8 activations.
  * Scales and biases: block cb, group g: its 16 columns' values side by side. Matrices need n % 16 == 0
- * and k % 32 == 0 (qmm.py keeps the others on the float32 path).
+ * and k % 32 == 0 (checkpoints/int8_repack.py keeps the others on the float32 path).
  */
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
@@ -404,7 +404,7 @@ class Int8Product : public mx::UnaryPrimitive {
 /* Several products of one x (see `products`), inputs x [rows, k] float32 then (w, scales, biases) per matrix,
    all in the int8 layout with one group size and bit width: one output per matrix, or with `swiglu` (two
    matrices, gate and up) the one output silu(gate) * up, computed as MLX computes it (its Sigmoid, then
-   two multiplies: models/base.py's swiglu), so the same bits as the three operations it replaces. */
+   two multiplies: models/layers.py's swiglu), so the same bits as the three operations it replaces. */
 class Int8Products : public mx::Primitive {
    public:
     Int8Products(mx::Stream stream, int group_size, int bits, bool swiglu)
@@ -757,5 +757,5 @@ void register_int8(nb::module_ &m) {
                 const std::vector<mx::array> &bs, int group_size, int bits) {
             return fused(x, ws, ss, bs, group_size, bits, true)[0];
         },
-        "silu(x @ gate.T) * (x @ up.T) for (gate, up) repacked, as models/base.py's swiglu rounds it, lazily");
+        "silu(x @ gate.T) * (x @ up.T) for (gate, up) repacked, as models/layers.py's swiglu rounds it, lazily");
 }

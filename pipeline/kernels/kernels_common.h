@@ -21,7 +21,7 @@
 
 namespace mx = mlx::core;
 
-inline int g_threads = 1;  // the BLAS threads of this rank (pipeline.blas.num_threads())
+inline int g_threads = 1;  // the BLAS threads of this rank (pipeline.kernels.blas.num_threads())
 
 /* Whether `a` is its buffer's only holder and MLX's allocator owns that buffer (not a mapped file's pages,
    mapped_files.cpp): a buffer an operation may rewrite in place. */

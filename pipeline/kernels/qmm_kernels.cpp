@@ -25,8 +25,8 @@
  * arithmetic. The gathered product (mixture-of-experts) groups rows by expert and runs each group
  * the same way.
  *
- * Built once per machine, CPU (-march=native), MLX and nanobind version by pipeline/qmm.py, which
- * also holds the fallback to MLX's own kernels.
+ * Built once per machine, CPU (-march=native), MLX and nanobind version by pipeline/kernels/build.py;
+ * pipeline/kernels/qmm.py runs it and holds the fallback to MLX's own kernels.
  */
 #include <dlfcn.h>
 #include <nanobind/nanobind.h>
