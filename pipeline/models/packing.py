@@ -20,11 +20,6 @@ def positions(lengths: list[int], caches: list) -> mx.array:
 _last_positions: tuple[list[int] | None, mx.array | None] = (None, None)
 
 
-def last_indices(lengths: list[int]) -> mx.array:
-    """Index of each sequence's last token among the packed tokens."""
-    return mx.array([end - 1 for _, end in segments(lengths)])
-
-
 def kept_rows(lengths: list[int], full: list[bool] | None = None) -> tuple[mx.array, list[tuple[int, int]]]:
     """What a final layer run with last_only returns: the index of each kept token among the packed
     tokens (each sequence's last, or all of a `full` one), and each sequence's [begin, end) among them."""
