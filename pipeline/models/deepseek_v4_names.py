@@ -39,9 +39,9 @@ _LAYER = (
 _EXPERT = re.compile(r"^ffn\.experts\.(\d+)\.w([123])\.")
 _W = {"1": "gate_proj", "2": "down_proj", "3": "up_proj"}
 _TOP = {"embed.weight": "model.embed_tokens.weight", "embed_tokens.weight": "model.embed_tokens.weight",
-                 "head.weight": "lm_head.weight", "norm.weight": "model.norm.weight",
-                 "hc_head_fn": "model.hc_head.hc_fn", "hc_head_base": "model.hc_head.hc_base",
-                 "hc_head_scale": "model.hc_head.hc_scale"}
+        "head.weight": "lm_head.weight", "norm.weight": "model.norm.weight",
+        "hc_head_fn": "model.hc_head.hc_fn", "hc_head_base": "model.hc_head.hc_base",
+        "hc_head_scale": "model.hc_head.hc_scale"}
 _NATIVE_LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
 
 
