@@ -23,11 +23,16 @@ to initialize MPI more than once") in a process where mpi4py already has.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import socket
+import struct
+import subprocess
 import sys
 import tempfile
+
+import mlx.core as mx
 
 from . import mpi
 from ..util.errors import UserError
@@ -83,8 +88,6 @@ def init_group(comm, requested: str):
 
 
 def _init_group(comm, backend: str, rank: int, written: dict[str, str]):
-    import mlx.core as mx
-
     def check_here():
         if backend == "jaccl":
             _write_jaccl_devices(rank, written)
@@ -125,7 +128,7 @@ def _init_group(comm, backend: str, rank: int, written: dict[str, str]):
 
 
 def _lor():
-    from mpi4py import MPI
+    from mpi4py import MPI  # here, not at the top: after cli binds the launcher's MPI (mpi.use_the_launchers_mpi)
 
     return MPI.LOR
 
@@ -151,7 +154,7 @@ def _my_address(comm) -> str:
 def interface_address(name: str) -> str:
     """The IPv4 address of a network interface, e.g. bridge0 or en0."""
     try:
-        import psutil
+        import psutil  # optional: where it is missing, the ioctl (Linux) or ipconfig (macOS) below answers
 
         for addr in psutil.net_if_addrs().get(name, []):
             if addr.family == socket.AF_INET:
@@ -159,9 +162,6 @@ def interface_address(name: str) -> str:
     except ImportError:
         pass
     if sys.platform == "linux":
-        import fcntl
-        import struct
-
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             try:
                 packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
@@ -169,8 +169,6 @@ def interface_address(name: str) -> str:
             except OSError:
                 pass
     else:
-        import subprocess
-
         out = subprocess.run(["ipconfig", "getifaddr", name], capture_output=True, text=True)
         if out.returncode == 0 and out.stdout.strip():
             return out.stdout.strip()

@@ -9,8 +9,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
+import time
 import traceback
 from typing import Callable, TypeVar
 
@@ -32,8 +34,6 @@ def route_interrupts(comm) -> None:
     """SIGINT (Ctrl-C, or mpiexec passing it on) is rank 0's to handle: it decides, says what was
     kept and ends the job (the other ranks end with it). Once is enough: a second SIGINT (the
     terminal's and mpiexec's both arrive) must not cut that short."""
-    import signal
-
     if comm.Get_rank() != 0:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         return
@@ -70,8 +70,6 @@ LAST_WORDS_S = 0.2
 
 def abort(comm) -> None:
     """End the whole job with status 1, after what this rank printed has had time to get out."""
-    import time
-
     sys.stdout.flush()
     sys.stderr.flush()
     time.sleep(LAST_WORDS_S)

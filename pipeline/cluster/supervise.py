@@ -27,7 +27,12 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
 import sys
+import threading
+import time
+
+from ..util import huge_pages
 
 _RANK_ENV = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MPI_LOCALRANKID")
 _CHILD = "PIPELINE_SUPERVISED"
@@ -65,8 +70,6 @@ def restart_with_huge_pages() -> None:
     """`python -m pipeline ...` run without mpiexec: start again (same pid, arguments and descriptors)
     with glibc's huge-page tunable, read only at process start (huge_pages.py); under mpiexec the
     supervisor gives it to the rank it starts. Returns where there is nothing to do."""
-    from ..util import huge_pages
-
     argv = _command()
     if argv is None or launched_rank() is not None or _CHILD in os.environ or not huge_pages.wanted():
         return
@@ -77,10 +80,6 @@ def restart_with_huge_pages() -> None:
 
 def supervise() -> None:
     """Run this rank as a child process and exit with its status (never returns)."""
-    import subprocess
-
-    from ..util import huge_pages
-
     argv = _command()
     env = huge_pages.environment({**os.environ, _CHILD: str(os.getpid())})
     preexec = _die_with_parent if sys.platform.startswith("linux") else None
@@ -126,8 +125,6 @@ def end_job(status: int) -> None:
     descriptor $PMI_FD, and `cmd=abort` on it ends the job whatever its clean-up setting. The rank
     that used the connection is gone, so nothing else writes to it. Elsewhere (Open MPI's PMIx)
     this does nothing: the launcher's own clean-up, or the other ranks' --watchdog, ends the job."""
-    import time
-
     fd = os.environ.get("PMI_FD", "")
     if not fd.isdigit() or "PMI_JOBID" in os.environ:  # Slurm's PMI plugins set it; PMI-2's wire
         return  # format differs from this line's, so srun's own clean-up (or the watchdog) it is
@@ -145,7 +142,7 @@ _PARENT_DIED = signal.SIGUSR1  # what PR_SET_PDEATHSIG sends the child (SIGKILL 
 
 
 def _die_with_parent() -> None:  # in the child, between fork and exec (Linux)
-    import ctypes
+    import ctypes  # here, in the forked child: the supervisor stays a light parent, without ctypes
 
     ctypes.CDLL(None, use_errno=True).prctl(1, _PARENT_DIED)  # PR_SET_PDEATHSIG
 
@@ -154,8 +151,6 @@ def watch_parent() -> None:
     """In the supervised child: if the supervisor dies, name this rank in one line and exit."""
     if _CHILD not in os.environ:
         return
-    import threading
-    import time
 
     parent = int(os.environ[_CHILD])
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import socket
 import struct
 import sys
 import sysconfig
@@ -49,6 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import build
+from ..util import cores
 from ..util.switches import turned_off
 
 ENV = "PIPELINE_BLAS"
@@ -197,9 +199,7 @@ def _early_threads() -> None:
 
 
 def usable_cores() -> int:
-    from ..util.cores import cpus_allowed
-
-    return len(cpus_allowed()) or 1
+    return len(cores.cpus_allowed()) or 1
 
 
 def threads_for(ranks_on_host: int) -> int:
@@ -302,8 +302,6 @@ def problem() -> str:
 def report_problems(comm, *more: str) -> None:
     """Collective: rank 0 prints each rank's problem() (and build.problem(): the kernels' extension's
     compiler and headers; and `more`, the caller's) once, as `warning: ...` on stderr, naming the hosts when the job spans several."""
-    import socket
-
     found = comm.gather((socket.gethostname(), (problem(), build.problem(), *more)), root=0)
     if comm.Get_rank() != 0:
         return

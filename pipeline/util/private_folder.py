@@ -6,14 +6,13 @@ what is in them. kernels/build.py (the shim and the extension) and private_tmp.p
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 
 def writable_by_others(st: os.stat_result) -> str:
     """Why another user could change a file or folder with this stat ("" if none can): it belongs
     to someone other than us or root, or its group or everyone may write to it."""
-    import stat
-
     if st.st_uid not in (os.geteuid(), 0):
         return f"it belongs to user id {st.st_uid}"
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
@@ -26,8 +25,6 @@ def unsafe_folder(folder: Path) -> str:
     """Why code in `folder` could be replaced by another user ("" if it cannot): the folder itself
     or a folder above it is theirs or writable by them. Above it, a sticky folder that others may
     write to (/tmp) is fine: they cannot rename or remove what is ours in it."""
-    import stat
-
     folder = Path(os.path.realpath(folder))
     for place in (folder, *folder.parents):
         try:
