@@ -35,7 +35,8 @@ def owned_bytes(folder: Path, ranks: int, mode: str) -> list[int]:
     from pipeline.planner.memory import rank_bytes
     from pipeline.planner.partition import balanced_counts, layer_ranges
     from pipeline.planner.weights_bytes import model_bytes_of
-    from pipeline.checkpoints.weights import Checkpoint, layer_nbytes
+    from pipeline.checkpoints.safetensors_checkpoint import Checkpoint
+    from pipeline.checkpoints.tensor_names import layer_nbytes
 
     config = ModelConfig.from_folder(folder)
     per_layer, ends = layer_nbytes(Checkpoint(folder), config.num_hidden_layers)

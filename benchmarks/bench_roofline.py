@@ -62,7 +62,7 @@ def bytes_per_token(folder: Path, dense: bool, context: int) -> dict:
     sys.path.insert(0, str(common.REPO))
     from pipeline.models.config import ModelConfig
     from pipeline.planner.weights_bytes import model_bytes_of
-    from pipeline.checkpoints.weights import Checkpoint
+    from pipeline.checkpoints.safetensors_checkpoint import Checkpoint
 
     config, checkpoint = ModelConfig.from_folder(folder), Checkpoint(folder)
     held = model_bytes_of(config, folder, dense=dense)

@@ -172,7 +172,7 @@ def spans_of(form: str, model: Path) -> list[tuple[str, int, int]]:
     """The byte ranges one rank (of one) reads: its tensors', in file order."""
     sys.path.insert(0, str(common.REPO))
     from pipeline.checkpoints.model_files import open_checkpoint
-    from pipeline.checkpoints.weights import owned_tensor_names
+    from pipeline.checkpoints.tensor_names import owned_tensor_names
 
     checkpoint = open_checkpoint(model)
     config = checkpoint.model_config()

@@ -126,7 +126,7 @@ def load_stages(folder: Path, ranges, requantize=None, dtype=None) -> list:
 
     from pipeline.models.config import ModelConfig
     from pipeline.runtime.stage import Stage
-    from pipeline.checkpoints.weights import Checkpoint
+    from pipeline.checkpoints.safetensors_checkpoint import Checkpoint
 
     config = ModelConfig.from_folder(folder)
     checkpoint = Checkpoint(folder)

@@ -152,7 +152,7 @@ def test_stats_line_names_the_blas_and_threads(tiny_models):
 def quantized_models(tiny_models, tmp_path_factory):
     """The tiny llama (own LM head) and qwen3 (tied embeddings) MLX-quantized: 4-bit
     projections and head, 8-bit embedding, fp16 scales, as mlx-community publishes them."""
-    from pipeline.checkpoints.weights import Checkpoint
+    from pipeline.checkpoints.safetensors_checkpoint import Checkpoint
 
     out = {}
     for kind in ("llama", "qwen3"):
@@ -185,7 +185,7 @@ def test_dequantized_weights_compute_the_same(quantized_models, kind):
     from pipeline.models.config import ModelConfig
     from pipeline.runtime.stage import Stage
     from pipeline.planner.weights_bytes import model_bytes_of
-    from pipeline.checkpoints.weights import Checkpoint
+    from pipeline.checkpoints.safetensors_checkpoint import Checkpoint
 
     folder = quantized_models[kind]
     config, checkpoint = ModelConfig.from_folder(folder), Checkpoint(folder)
@@ -227,7 +227,7 @@ def test_greedy_identical_quantized_or_dequantized(quantized_models):
 
 
 def test_auto_keeps_weights_quantized_where_memory_is_short():
-    from pipeline.checkpoints.weights import choose_dense
+    from pipeline.checkpoints.weights_in_memory import choose_dense
 
     hosts = ["a", "a", "b"]
     # Host a: 100 free -> 75 usable; quantized 10 + 10; dense extras 40 and 40: only one fits.

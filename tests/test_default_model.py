@@ -45,7 +45,7 @@ def test_converted_model_matches_transformers_reading_the_gguf(smollm2):
     from pipeline.checkpoints.default_model import find_default_gguf
     from pipeline.runtime.stage import Stage
     from pipeline.checkpoints.tokenizer import Tokenizer
-    from pipeline.checkpoints.weights import Checkpoint
+    from pipeline.checkpoints.safetensors_checkpoint import Checkpoint
 
     gguf = find_default_gguf()
     ids = Tokenizer.from_folder(smollm2).prompt_ids(QUESTION)

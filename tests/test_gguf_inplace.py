@@ -693,7 +693,7 @@ def _smollm_gguf() -> Path:
 
 def test_smollm_gguf_loads_the_same_tensors_as_its_conversion(tmp_path):
     from pipeline.checkpoints.gguf_convert import convert_gguf
-    from pipeline.checkpoints.weights import Checkpoint
+    from pipeline.checkpoints.safetensors_checkpoint import Checkpoint
 
     path = _smollm_gguf()
     folder = convert_gguf(path, tmp_path / "converted", progress=False)

@@ -14,7 +14,7 @@ from pipeline.checkpoints.formats import Requantize
 from pipeline.runtime.head_share import HeadSplit, combined_argmax, head_share_fraction, head_share_rows, returned_rows, split_returned
 from pipeline.runtime.stage import Stage
 from pipeline.planner.weights_bytes import model_bytes_of
-from pipeline.checkpoints.weights import Checkpoint
+from pipeline.checkpoints.safetensors_checkpoint import Checkpoint
 
 
 def test_combined_argmax_is_the_first_index_of_the_largest_logit():

@@ -22,7 +22,7 @@ from conftest import fp8_blocks, mapped_bytes
 from pipeline.models.config import ModelConfig
 from pipeline.checkpoints.formats import Requantize
 from pipeline.runtime.stage import Stage
-from pipeline.checkpoints.weights import Checkpoint
+from pipeline.checkpoints.safetensors_checkpoint import Checkpoint
 
 HIDDEN, INTER, LAYERS, VOCAB = 256, 320, 4, 384  # 256: whole 128x128 FP8 blocks; 320: partial ones
 CONFIG = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=HIDDEN, intermediate_size=INTER,

@@ -11,7 +11,7 @@ import pytest
 
 from pipeline.kernels import mapped_files, qmm
 from pipeline.checkpoints import safetensors_file
-from pipeline.checkpoints.weights import Checkpoint
+from pipeline.checkpoints.safetensors_checkpoint import Checkpoint
 
 
 @pytest.fixture

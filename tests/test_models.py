@@ -13,7 +13,7 @@ from conftest import (ROPE_WINDOW, assert_bfloat16_close, assert_far_from_unifor
 from pipeline.models.config import ModelConfig
 from pipeline.runtime.stage import Stage
 from pipeline.checkpoints.tokenizer import Tokenizer
-from pipeline.checkpoints.weights import Checkpoint
+from pipeline.checkpoints.safetensors_checkpoint import Checkpoint
 
 PROMPT = [1, 5, 77, 23, 299, 3, 4, 5, 6, 100, 42, 17]
 LONG_PROMPT = long_prompt(64)  # past ROPE_WINDOW (32): llama3 scaling and YaRN at work

@@ -387,7 +387,7 @@ def test_int8_while_loading_holds_what_repacking_after_loading_does(fp8_model, i
     they arrive) included; DeepSeek's kv_b_proj, read again after loading into w_uk / w_uv, is left
     to use_int8 with the rest of its attention module (its after_load would dequantize the int8 layout
     as MLX's)."""
-    from pipeline.checkpoints.weights import Checkpoint
+    from pipeline.checkpoints.safetensors_checkpoint import Checkpoint
 
     folder = fp8_model[0]
     after, during, early = int8_loaded_both_ways(lambda: Checkpoint(folder), in_place,

@@ -25,7 +25,7 @@ from test_moe import make_deepseek
 
 from pipeline.models.config import ModelConfig
 from pipeline.checkpoints.mtp import load_mtp
-from pipeline.checkpoints.weights import Checkpoint
+from pipeline.checkpoints.safetensors_checkpoint import Checkpoint
 
 PROMPT = long_prompt(40, seed=3)
 TEXT = ("Pipeline parallel inference splits layers across ranks; hidden states travel between them. "

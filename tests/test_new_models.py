@@ -117,7 +117,7 @@ def test_kimi_k25_published_names_and_counts():
     from pipeline.planner.config_files import load_config
     from pipeline.planner.formats import checkpoint_format
     from pipeline.planner.shapes import architecture, count_params
-    from pipeline.checkpoints.weights import canonical_tensors
+    from pipeline.checkpoints.tensor_names import canonical_tensors
 
     config = load_config("Kimi-K2.5")
     counts = count_params(architecture(config))

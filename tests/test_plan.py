@@ -28,7 +28,7 @@ from pipeline.planner.speed import Hardware, plan_cluster
 from pipeline.planner.weights_bytes import Precision, model_bytes
 from pipeline.runtime.settings import WeightSettings
 from pipeline.runtime.stage import Stage
-from pipeline.checkpoints.weights import Checkpoint
+from pipeline.checkpoints.safetensors_checkpoint import Checkpoint
 
 SMALL = {"model_type": "llama", "vocab_size": 384, "hidden_size": 64, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,

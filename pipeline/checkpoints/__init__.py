@@ -1,6 +1,7 @@
 """What `--model` names, opened once (model_files.py): a folder of safetensors (plain, MLX-quantized,
-FP8, INT4) or a GGUF file, read tensor by tensor so a rank reads only its own (weights.py,
-gguf_checkpoint.py, with gguf_config.py for its config), the formats' adaptations into MLX layouts
-(formats.py, quants.py), loading at disk speed (loading.py), the int8 repack of loaded layers, the
-default model, the GGUF converter (gguf_convert.py) and the tokenizer with its chat template (tokenizer.py,
-gguf_tokenizer.py for a GGUF's)."""
+FP8, INT4) or a GGUF file, read tensor by tensor so a rank reads only its own (safetensors_checkpoint.py,
+gguf_checkpoint.py, with gguf_config.py for its config; tensor_names.py, the names a rank owns), loaded
+into its slice (weights.py; weights_in_memory.py chooses packed or dense), the formats' adaptations into
+MLX layouts (formats.py, quants.py), loading at disk speed (loading.py), the int8 repack of loaded layers,
+the default model, the GGUF converter (gguf_convert.py) and the tokenizer with its chat template
+(tokenizer.py, gguf_tokenizer.py for a GGUF's)."""

@@ -33,7 +33,7 @@ from . import quants
 from ..util.errors import UserError
 from .gguf_config import build_config
 from .gguf_file import GGUFModel, GGUFTensor, open_gguf
-from .weights import Checkpoint
+from .safetensors_checkpoint import Checkpoint
 
 # llama.cpp's per-layer tensor names -> the module path inside `model.layers.{i}`.
 LAYER_NAMES = {

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # annotations only: both load MLX
     from .formats import Requantize
-    from .weights import Checkpoint
+    from .safetensors_checkpoint import Checkpoint
 
 GGUF_SUFFIX = ".gguf"
 
@@ -27,7 +27,7 @@ def is_gguf(model: Path | str) -> bool:
 
 
 def open_checkpoint(model: Path | str, requantize: Requantize | None = None) -> Checkpoint:
-    """The checkpoint `--model` names: a Hugging Face-layout folder (weights.Checkpoint), or a GGUF
+    """The checkpoint `--model` names: a Hugging Face-layout folder (safetensors_checkpoint.Checkpoint), or a GGUF
     file (the first of a split set) read in place (gguf_checkpoint.GGUFCheckpoint). `requantize`
     (--quantize, --group-size) also chooses the MLX layout of GGUF tensor types that MLX cannot hold
     exactly."""
@@ -37,6 +37,6 @@ def open_checkpoint(model: Path | str, requantize: Requantize | None = None) -> 
         from .gguf_checkpoint import GGUFCheckpoint
 
         return GGUFCheckpoint(model, requantize and requantize.bits, requantize.group_size if requantize else 64)
-    from .weights import Checkpoint
+    from .safetensors_checkpoint import Checkpoint
 
     return Checkpoint(model)

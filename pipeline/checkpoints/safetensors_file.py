@@ -16,7 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-# MLX dtype -> safetensors dtype: the ones pipeline's reader takes (weights._DTYPES)
+# MLX dtype -> safetensors dtype: the ones pipeline's reader takes (safetensors_checkpoint.py)
 DTYPES = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.uint32: "U32", mx.int32: "I32",
           mx.int64: "I64", mx.uint8: "U8", mx.int8: "I8", mx.bool_: "BOOL"}
 ALIGN = 8

@@ -15,7 +15,7 @@ Run it under mpiexec exactly like the job (same hostfile, same number of ranks, 
   packed or dequantized as --weights-in-memory decides, auto included, from every host's free
   memory) plus the KV cache of --context tokens, and 10% on top for activations. The count is the
   planner's (memory.py), the one `plan` and the stats line print. Slices are split, and free
-  memory read, by the job's own functions (layer_split.split_layers, weights.available_memory_bytes),
+  memory read, by the job's own functions (layer_split.split_layers, weights_in_memory.available_memory_bytes),
   --int8-activations resolved over every rank as the job resolves it (job.resolve_int8).
 """
 
@@ -31,6 +31,8 @@ from pathlib import Path
 
 from ..checkpoints.gguf_file import open_gguf
 from ..checkpoints.model_files import is_gguf, open_checkpoint
+from ..checkpoints.tensor_names import layer_nbytes
+from ..checkpoints.weights_in_memory import available_memory_bytes, is_quantized
 from ..kernels import build
 from ..planner.memory import DTYPE_LABEL, RankBytes, kv_layer_bytes, rank_bytes, size
 from ..planner.shapes import architecture
@@ -106,8 +108,7 @@ def collect(args: argparse.Namespace, comm) -> RankReport:
     """What this rank has: host, versions, model files, memory."""
     from mpi4py import MPI
 
-    # These load MLX, which `plan` (its parser built with this module's) must not
-    from ..checkpoints.weights import available_memory_bytes
+    # This loads MLX, which `plan` (its parser built with this module's) must not
     from ..runtime.job import resolve_int8
 
     int8 = resolve_int8(args.int8_activations, args.dtype, comm)  # collective, as the job asks it
@@ -162,8 +163,6 @@ def list_model_files(report: RankReport, folder: Path) -> None:
 
 def measure_model(report: RankReport, folder: Path, args: argparse.Namespace, int8: bool) -> None:
     """The model's bytes as stored and as held (int8: --int8-activations as the job resolves it)."""
-    from ..checkpoints.weights import is_quantized, layer_nbytes  # loads MLX, as in collect
-
     checkpoint = open_checkpoint(folder, weight_settings(args).requantize)
     config = checkpoint.model_config()
     report.num_layers = config.num_hidden_layers

@@ -9,7 +9,7 @@ there, a weight file must not be changed or truncated while a job that mapped it
 
 mapped_files.cpp does the mapping, in pipeline's kernels' extension (build.py). Without it (no compiler,
 PIPELINE_QMM=0, macOS, an accelerator as the default device) or with PIPELINE_MMAP=0, MLX reads the
-bytes into arrays it allocates (weights.Checkpoint.read), as before.
+bytes into arrays it allocates (safetensors_checkpoint.Checkpoint.read), as before.
 """
 
 from __future__ import annotations

@@ -173,8 +173,8 @@ def _scales_dtype(model: str | Path | None) -> str | None:
     """The safetensors dtype of an MLX folder's first `.scales` tensor (from one file's header), or None."""
     if model is None or not Path(model).is_dir():
         return None
-    # Here, not at the top: weights.py loads MLX, which `pipeline plan` on a config.json never needs.
-    from ..checkpoints.weights import read_header
+    # Here, not at the top: `pipeline plan` on a config.json never needs the checkpoint readers.
+    from ..checkpoints.safetensors_checkpoint import read_header
 
     for path in sorted(Path(model).glob("*.safetensors")):
         try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..checkpoints.weights import choose_dense
+from ..checkpoints.weights_in_memory import choose_dense
 from .memory import rank_bytes
 from .partition import LAYER_OVERHEAD_BYTES, balanced_counts, check_ranks, layer_ranges, parse_split
 from .weights_bytes import ModelBytes
@@ -16,7 +16,7 @@ from .weights_bytes import ModelBytes
 class SplitWeights:
     """What the split weighs: the checkpoint's bytes as stored, which the default split balances,
     and its bytes in memory, packed and dequantized, where --weights-in-memory has a choice."""
-    stored_layers: list[int]  # per layer (weights.layer_nbytes)
+    stored_layers: list[int]  # per layer (tensor_names.layer_nbytes)
     stored_ends: int  # embedding, final norm and LM head, and the MTP module with --draft mtp: rank 0's
     held: ModelBytes | None = None  # packed (weights_bytes.held_and_dense); None: no choice to make
     dense_held: ModelBytes | None = None  # dequantized to --dtype

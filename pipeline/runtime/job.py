@@ -18,7 +18,9 @@ from ..checkpoints.default_model import default_model_dir
 from ..checkpoints.int8_repack import use_int8
 from ..checkpoints.model_files import open_checkpoint
 from ..checkpoints.mtp import load_mtp
-from ..checkpoints.weights import Checkpoint, available_memory_bytes, is_quantized, layer_nbytes
+from ..checkpoints.safetensors_checkpoint import Checkpoint
+from ..checkpoints.tensor_names import layer_nbytes
+from ..checkpoints.weights_in_memory import available_memory_bytes, is_quantized
 from ..cluster import mpi
 from ..cluster.transport import MlxTransport, MpiTransport, this_process
 from ..kernels import blas, build

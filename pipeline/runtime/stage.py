@@ -13,7 +13,8 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from ..checkpoints.formats import Requantize
-from ..checkpoints.weights import Checkpoint, dequantize_slice, load_slice
+from ..checkpoints.safetensors_checkpoint import Checkpoint
+from ..checkpoints.weights import dequantize_slice, load_slice
 from ..cluster.transport import Kind, Transport
 from ..models.config import ModelConfig
 from ..models.registry import family_for
