@@ -29,6 +29,7 @@ from typing import Callable, Iterator
 
 import mlx.core as mx
 
+from ..kernels import requantize as requantize_kernel
 from ..util.errors import UserError
 
 _EXPERT = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$")
@@ -213,9 +214,7 @@ def _requantizable(name: str, array: mx.array, group_size: int, fp8: bool = Fals
 def _quantize(array: mx.array, scale_inv: mx.array | None, dtype: mx.Dtype, requantize: Requantize):
     """mx.quantize of the values held as `dtype` (FP8 bytes times their block scales): in one pass by
     pipeline's kernel where it is built (requantize.py), else through MLX's graph; the same bits."""
-    from ..kernels import requantize as kernel
-
-    fused = kernel.quantize(array, requantize.bits, requantize.group_size, dtype, scale_inv)
+    fused = requantize_kernel.quantize(array, requantize.bits, requantize.group_size, dtype, scale_inv)
     if fused is not None:
         return fused
     array = dequantize_fp8(array, scale_inv, dtype) if scale_inv is not None else array.astype(dtype)

@@ -17,8 +17,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from . import quants
+from tqdm import tqdm
+
+from . import quants, safetensors_file
 from ..util.errors import UserError
+from .gguf_checkpoint import GGUFCheckpoint
 from .gguf_tokenizer import build_generation_config, build_tokenizer, build_tokenizer_config
 
 MAX_SHARD_BYTES = 2_000_000_000
@@ -47,8 +50,6 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, progr
     crash never leaves a half-written model. Raises OutputExistsError if `out_dir` exists and is not
     empty (also when another process finished first), UserError for any unusable input.
     """
-    from .gguf_checkpoint import GGUFCheckpoint
-
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     checkpoint = GGUFCheckpoint(gguf_path, requantize_bits, group_size)  # every check on the input is here
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
@@ -122,10 +123,6 @@ def folder_config(checkpoint) -> dict[str, Any]:
 
 def _write_weights(checkpoint, out_dir: Path, progress: bool, desc: str) -> None:
     """Every tensor, read as a rank would read it, into `model.safetensors` (or shards plus an index)."""
-    from tqdm import tqdm
-
-    from . import safetensors_file
-
     names = sorted(checkpoint.tensors)
     shards: list[list[str]] = [[]]  # planned first (sizes are known up front) so files get their final names
     shard_bytes = 0

@@ -194,6 +194,7 @@ class _Reader:
 
 def read_header(path: Path) -> tuple[dict[str, Any], list[GGUFTensor], int]:
     """(metadata, tensors, bytes before the tensor data) of one GGUF file."""
+    # Here, not at the top: the gguf package takes ~40 ms to import, and every command's parser loads this module.
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     try:

@@ -46,6 +46,7 @@ def build_tokenizer(meta: dict[str, Any], gguf_path: Path | str = "GGUF"):
 
     Mirrors what transformers builds for `AutoTokenizer.from_pretrained(dir, gguf_file=...)`.
     """
+    # Here, not at the top: slow to import, and every rank imports this module (through tokenizer.py).
     from tokenizers import AddedToken, processors
 
     model = meta.get("tokenizer.ggml.model")
@@ -116,7 +117,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 def _byte_level_bpe(meta: dict[str, Any], gguf_path: Path | str = "GGUF"):
     """GPT-2 style byte-level BPE (tokenizer.ggml.model == "gpt2")."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers  # as in build_tokenizer
 
     spelling = _bytes_to_unicode()
     alphabet = set(spelling.values())
@@ -149,7 +150,7 @@ def _byte_level_bpe(meta: dict[str, Any], gguf_path: Path | str = "GGUF"):
 
 def _sentencepiece_bpe(meta: dict[str, Any]):
     """SentencePiece BPE (tokenizer.ggml.model == "llama"), as transformers' LlamaTokenizer builds it."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # as in build_tokenizer
 
     tokens = meta["tokenizer.ggml.tokens"]
     vocab = {token: index for index, token in enumerate(tokens)}

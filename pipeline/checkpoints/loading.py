@@ -27,7 +27,9 @@ from pathlib import Path
 from typing import Callable
 
 import mlx.core as mx
+from tqdm import tqdm
 
+from ..util import cores
 from .formats import Requantize, adapt_tensors
 
 GROUP_BYTES = 16 << 20  # file bytes evaluated together, per stream
@@ -42,9 +44,7 @@ def load_streams() -> list:
     """One CPU stream per CPU this rank may use (at least 2, so reading overlaps converting; made
     once per process): MLX runs each on its own thread, and its CPU operations use one thread each."""
     if not _streams:
-        from ..util.cores import cpus_allowed
-
-        _streams.extend(mx.new_stream(mx.cpu) for _ in range(max(2, min(MAX_STREAMS, len(cpus_allowed())))))
+        _streams.extend(mx.new_stream(mx.cpu) for _ in range(max(2, min(MAX_STREAMS, len(cores.cpus_allowed())))))
     return _streams
 
 
@@ -131,8 +131,6 @@ def load_tensors(checkpoint, names: list[str], dtype: mx.Dtype, requantize: Requ
     """The arrays our modules hold for the checkpoint tensors `names` (through the format adapters),
     evaluated, under the adapters' checkpoint-style names. after_group(weights, names): called with
     each group's names once evaluated, while the next group is read; it may replace their arrays."""
-    from tqdm import tqdm
-
     order = sorted(names, key=lambda name: checkpoint.spans(name)[0][:2])  # file order: sequential reads
     spans, seen = [], set()
     for name in order:

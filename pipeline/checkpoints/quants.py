@@ -240,7 +240,7 @@ def _decode_exact(raw: np.ndarray, ggml_type: str) -> tuple[np.ndarray, np.ndarr
 
 def dequantize(raw: np.ndarray, ggml_type: str) -> np.ndarray:
     """GGML rows -> float32 [rows, cols], by the gguf package's own dequantizers."""
-    import gguf
+    import gguf  # here, not at the top: ~40 ms to import, and every command's parser loads this module
 
     return gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[ggml_type]).astype(np.float32, copy=False)
 
@@ -248,7 +248,7 @@ def dequantize(raw: np.ndarray, ggml_type: str) -> np.ndarray:
 def requantize(raw: np.ndarray, ggml_type: str, bits: int, group_size: int):
     """GGML rows -> MLX affine (weight, scales, biases) as mx arrays, the largest |error| of the
     re-quantized values against the dequantized source, and the largest |value| of the source."""
-    import mlx.core as mx
+    import mlx.core as mx  # here, not at the top: `pipeline plan` loads this module and no MLX
 
     w = mx.array(dequantize(raw, ggml_type))
     q, s, b = mx.quantize(w, group_size=group_size, bits=bits)

@@ -35,6 +35,7 @@ class HFTokenizersBackend:
 
     @classmethod
     def from_file(cls, path: Path) -> "HFTokenizersBackend":
+        # Here, not at the top: slow to import, and every rank imports this module; only rank 0 reads a tokenizer.
         import tokenizers
 
         try:
@@ -66,7 +67,7 @@ class _TiktokenBackend:
     """
 
     def __init__(self, rank_file: Path, tokenizer_config: dict):
-        import tiktoken
+        import tiktoken  # here, not at the top: slow to import, and only Kimi's tokenizer uses it
 
         ranks = _read_tiktoken_ranks(rank_file)
         base = len(ranks)
@@ -236,7 +237,7 @@ class Tokenizer:
         switches in `template_kwargs` (`thinking`, `enable_thinking`, ...), passed as transformers does."""
         if self._chat_template is None:
             raise UserError(f"the tokenizer in {self._name} has no chat template: run without the chat template")
-        import jinja2
+        import jinja2  # as in _jinja_env: only a chat template needs it
 
         for i, m in enumerate(messages):  # named as the request names them, before the template mixes them up
             _check_unicode(m.get("content"), f"messages[{i}].content")
@@ -446,6 +447,7 @@ def _alias_reasoning(message: dict) -> dict:
 
 def _jinja_env():
     """A sandboxed environment set up like transformers' chat-template renderer."""
+    # Here, not at the top: slow to import, and every rank imports this module; only rank 0 renders a template.
     import jinja2
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment

@@ -63,7 +63,7 @@ def kv_layer_bytes(arch: Architecture, dtype_bytes: int, tokens: int, sequences:
 
 def measured(stage, held_as: str = "") -> RankBytes:
     """A loaded stage's bytes, as its arrays hold them (the stats line)."""
-    from mlx.utils import tree_flatten
+    from mlx.utils import tree_flatten  # here, not at the top: `pipeline plan` imports this module and loads no MLX
 
     head = sum(a.nbytes for _, a in tree_flatten(stage.model.head_share.parameters())) \
         if getattr(stage.model, "head_rows", 0) else 0
