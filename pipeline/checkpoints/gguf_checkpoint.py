@@ -6,6 +6,7 @@ our modules load (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weig
 quantized tensor appears as the three arrays MLX quantization holds (`.weight` packed, `.scales`,
 `.biases`), in the layout quants.py maps it to: exactly where MLX can carry its values, re-quantized
 otherwise. Reading one of the three decodes the GGUF tensor once, in row chunks, from its byte range.
+The index loads no MLX (the planner reads it): MLX is imported where arrays are made.
 
 What llama.cpp's converter changed from the Hugging Face checkpoint is undone here:
 - Llama-architecture q/k rows are permuted for llama.cpp's rope (LlamaModel.permute): unpermuted.
@@ -193,7 +194,7 @@ class GGUFCheckpoint(Checkpoint):
         return array
 
     def _read(self, entry: Entry, name: str):
-        import mlx.core as mx
+        import mlx.core as mx  # here, where arrays are made: the index (the planner's GGUFFormat) loads no MLX
 
         if entry.how in ("exact", "requantized"):
             module = name.rsplit(".", 1)[0]
@@ -316,7 +317,7 @@ class GGUFCheckpoint(Checkpoint):
 
     def _read_quantized(self, entry: Entry) -> dict:
         """The MLX triple (or mxfp4 pair) of a quantized GGUF tensor, decoded chunk by chunk."""
-        import mlx.core as mx
+        import mlx.core as mx  # where arrays are made, as in _read
 
         tensor, lay = entry.source[0], entry.layout
         lead = tensor.shape[:-1]

@@ -4,7 +4,9 @@ part of a split set), is told here, once, and the checkpoint that reads it opene
 Within one checkpoint the encoding may still differ tensor by tensor (DeepSeek V4's FP4 experts beside
 FP8 and float tensors): that dispatch stays with the format adapters (formats.py).
 
-Importing this module loads no MLX (`pipeline plan` and the flag checks tell a GGUF from a folder too).
+Importing this module, and opening either checkpoint, loads no MLX (`pipeline plan` and the flag checks
+tell a GGUF from a folder too, and the planner reads a checkpoint's index): the readers load it where they
+make arrays.
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # annotations only: both load MLX
+from .gguf_checkpoint import GGUFCheckpoint
+from .safetensors_checkpoint import Checkpoint
+
+if TYPE_CHECKING:  # annotations only: formats.py loads MLX
     from .formats import Requantize
-    from .safetensors_checkpoint import Checkpoint
 
 GGUF_SUFFIX = ".gguf"
 
@@ -27,16 +31,10 @@ def is_gguf(model: Path | str) -> bool:
 
 
 def open_checkpoint(model: Path | str, requantize: Requantize | None = None) -> Checkpoint:
-    """The checkpoint `--model` names: a Hugging Face-layout folder (safetensors_checkpoint.Checkpoint), or a GGUF
-    file (the first of a split set) read in place (gguf_checkpoint.GGUFCheckpoint). `requantize`
+    """The checkpoint `--model` names: a Hugging Face-layout folder (safetensors_checkpoint.Checkpoint),
+    or a GGUF file (the first of a split set) read in place (gguf_checkpoint.GGUFCheckpoint). `requantize`
     (--quantize, --group-size) also chooses the MLX layout of GGUF tensor types that MLX cannot hold
     exactly."""
-    # Imported here, not above: both readers load MLX, which telling a GGUF from a folder must not
-    # (start-up time of `pipeline plan` and the flag checks).
     if is_gguf(model):
-        from .gguf_checkpoint import GGUFCheckpoint
-
         return GGUFCheckpoint(model, requantize and requantize.bits, requantize.group_size if requantize else 64)
-    from .safetensors_checkpoint import Checkpoint
-
     return Checkpoint(model)

@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..checkpoints import quants
+from ..checkpoints.gguf_checkpoint import GGUFCheckpoint
 from ..checkpoints.model_files import is_gguf
+from ..checkpoints.safetensors_checkpoint import read_header
 from ..models.config import ModelConfig
 from ..util.errors import UserError
 from .shapes import Param
@@ -173,9 +175,6 @@ def _scales_dtype(model: str | Path | None) -> str | None:
     """The safetensors dtype of an MLX folder's first `.scales` tensor (from one file's header), or None."""
     if model is None or not Path(model).is_dir():
         return None
-    # Here, not at the top: `pipeline plan` on a config.json never needs the checkpoint readers.
-    from ..checkpoints.safetensors_checkpoint import read_header
-
     for path in sorted(Path(model).glob("*.safetensors")):
         try:
             tensors = read_header(path)
@@ -212,10 +211,6 @@ class GGUFFormat(CheckpointFormat):
 
     @classmethod
     def of(cls, path: Path, config, quantize: int | None, group_size: int) -> "GGUFFormat":
-        # Here, not at the top: gguf_checkpoint.py loads MLX (it decodes tensors), which `pipeline plan`
-        # on a config.json never needs.
-        from ..checkpoints.gguf_checkpoint import GGUFCheckpoint
-
         checkpoint = GGUFCheckpoint(path, quantize, group_size)
         modules: dict[str, _ModuleInfo] = {}
         for name, entry in checkpoint.tensors.items():
