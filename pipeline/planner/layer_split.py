@@ -50,7 +50,7 @@ def plan_weights_in_memory(mode: str, held: ModelBytes, dense_held: ModelBytes, 
                            memory: list[tuple[str, int]] | None, fixed: bool, last_rank_head: float = 0.0,
                            fast_quantized: list[bool] | None = None):
     """(layer counts, dense per rank) for --weights-in-memory fp32|auto on a quantized model, from
-    its bytes held packed (`held`) and dequantized (`dense_held`; plan.model_bytes_of). fp32: every
+    its bytes held packed (`held`) and dequantized (`dense_held`; weights_bytes.held_and_dense). fp32: every
     rank dense, layers balanced by dense bytes. auto: the same if every host's ranks fit in its free
     memory (see `choose_dense`), else the quantized balance with ranks made dense, in rank order,
     while their host has room; but where every rank has pipeline's quantized kernels
