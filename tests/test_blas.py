@@ -113,7 +113,7 @@ def test_mlx_imported_first_is_reported_not_hidden():
 
 def test_importing_pipeline_leaves_mlx_to_the_blas_set_up():
     """`import pipeline` loads the BLAS before anything imports mlx.core: no module it imports may
-    import mlx.core at its top (gguf.py's writer once did, and every rank ran the netlib BLAS)."""
+    import mlx.core at its top (the GGUF converter's writer, then gguf.py, once did, and every rank ran the netlib BLAS)."""
     code = "import sys, pipeline; print('mlx.core' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=clean_env(), timeout=120)
     assert out.stdout.strip() == "False", out.stderr
