@@ -14,6 +14,9 @@ import io
 import os
 import sys
 
+from .cluster import mpi
+from .kernels import blas
+from .util import private_tmp
 from .util.errors import UserError
 
 # In the order `--help` lists them.
@@ -55,20 +58,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
 
-    from .cluster import mpi
-
     mpi.use_the_launchers_mpi()
-    from mpi4py import MPI
+    from mpi4py import MPI  # here, not at the top: after the launcher's MPI is bound, just above
 
     comm = MPI.COMM_WORLD
     mpi.abort_on_unhandled_exception(comm)
     mpi.route_interrupts(comm)
-    from .runtime.job import share_cores
+    from .runtime.job import share_cores  # here, not at the top: it loads MLX, which `pipeline plan` must not
 
     share_cores(comm)
-    from .kernels import blas
-    from .util import private_tmp
-
     tmp_problem = private_tmp.use()  # before anything compiles an MLX kernel
     blas.report_problems(comm, tmp_problem)  # no OpenBLAS or no shim: one line with the fix, from rank 0
     parser = build_parser()

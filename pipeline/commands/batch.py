@@ -11,7 +11,7 @@ from pathlib import Path
 from . import flags
 from ..cluster import mpi
 from ..util.errors import UserError
-from .batch_io import InputRequest, error_record, note, result_record
+from .batch_io import InputRequest, ResultsFile, error_record, note, read_requests, result_record
 
 
 def add_parser(commands) -> None:
@@ -65,6 +65,7 @@ def check_paths(args: argparse.Namespace) -> None:
 def engine_requests(todo: list[InputRequest], tokenizer, use_chat_template: bool, context: int, record):
     """The scheduler's requests, each tokenized only when the scheduler has room for it; a line
     that cannot be tokenized gets its error record instead. record(dict, error: bool) writes one."""
+    # Here, not at the top: cli imports every command's module to build its parser (start-up time).
     from ..chat.reasoning import prompt_opens_reasoning, split_reasoning, template_thinks
     from ..runtime.requests import Failed, Finished, Request
 
@@ -113,12 +114,13 @@ def prompt_ids(item: InputRequest, tokenizer, use_chat_template: bool, context: 
 
 
 def run(args: argparse.Namespace, comm) -> int:
+    # Here, not at the top: cli imports every command's module to build its parser, and these load MLX,
+    # which `pipeline plan` must not (start-up time).
     from ..runtime.job import head_share_label, head_split, load_ring_stage, matmuls_label, per_rank, plan_ring_job, prefix_cache, rank_figures, rss_label
     from ..runtime.requests import ListSource
     from ..runtime.scheduler import Scheduler, follow, stop_followers
     from ..checkpoints.tokenizer import Tokenizer
     from ..runtime.trace import Timeline, split_hint, summary_lines, write_chrome_trace
-    from .batch_io import ResultsFile, read_requests
 
     rank, size = comm.Get_rank(), comm.Get_size()
     settings = flags.job_settings(args)
@@ -162,7 +164,7 @@ def run(args: argparse.Namespace, comm) -> int:
     timeline.restart()
     stats = None
     if rank == 0:
-        from tqdm import tqdm
+        from tqdm import tqdm  # here, not at the top: slow to import (start-up time, as above)
 
         tokenizer, todo, results, _ = prepared
         progress = tqdm(total=todo_count, unit="req", desc="batch", file=sys.stderr, disable=args.quiet,

@@ -137,7 +137,7 @@ def _request_id(obj: dict):
 
 
 def _parse(obj: dict, request_id, line: int, defaults, max_tokens: int, system: str | None) -> InputRequest:
-    from ..runtime.requests import SamplingParams
+    from ..runtime.requests import SamplingParams  # here, not at the top: cli loads this module for its parser (start-up)
 
     if "custom_id" in obj or "body" in obj:
         fields = _openai_fields(obj)
@@ -349,7 +349,7 @@ def _parse_record(raw: bytes) -> dict | None:
 
 def _lock(fd: int, path: Path) -> None:
     try:
-        import fcntl
+        import fcntl  # optional: Unix only
     except ImportError:  # not on Unix: no lock
         return
     try:

@@ -13,6 +13,7 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace, comm=None) -> int:
+    # Here, not at the top: cli imports every command's module to build its parser, and this loads MLX.
     from ..checkpoints.gguf_convert import convert_gguf
 
     print(convert_gguf(args.gguf, args.out, progress=True))

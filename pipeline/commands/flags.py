@@ -12,6 +12,7 @@ import socket
 from dataclasses import fields
 from pathlib import Path
 
+from ..checkpoints.model_files import is_gguf
 from ..runtime.settings import (DRAFT_CHOICES, MAX_DRAFT_TOKENS, JobSettings, RingSettings, TransportSettings,
                                 WeightSettings)
 from ..util.errors import UserError
@@ -134,8 +135,6 @@ def finite(value: float, flag: str) -> float:
 
 def check_model_folder(args: argparse.Namespace) -> None:
     """--model is a folder, or a GGUF file (for a split set, any part: the rest must sit beside it)."""
-    from ..checkpoints.model_files import is_gguf
-
     if args.model is None or args.model.is_dir():
         return
     if is_gguf(args.model):
@@ -148,6 +147,7 @@ def check_model_folder(args: argparse.Namespace) -> None:
 
 def validated_generation_args(args: argparse.Namespace) -> None:
     """The checks of add_sampling_args + add_weights_args + --model; sets args.sampling."""
+    # Here, not at the top: every command's parser is built with this module; loaded when a command runs.
     from ..runtime.requests import SamplingParams
 
     if args.max_tokens < 1:
@@ -193,7 +193,7 @@ def validated_engine_args(args: argparse.Namespace) -> None:
 
 
 def draft_settings(args: argparse.Namespace):
-    from ..runtime.speculative import DraftSettings
+    from ..runtime.speculative import DraftSettings  # here, not at the top: it loads MLX (`pipeline plan`)
 
     return DraftSettings(args.draft, args.draft_tokens, args.ngram_max, args.ngram_min)
 

@@ -7,6 +7,7 @@ import sys
 
 from . import flags
 from ..cluster import mpi
+from ..kernels import blas
 from ..util.errors import UserError
 
 
@@ -35,7 +36,8 @@ def validate(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace, comm) -> int:
-    from ..kernels import blas
+    # Here, not at the top: cli imports every command's module to build its parser, and these load MLX,
+    # which `pipeline plan` must not (start-up time).
     from ..runtime.engine import generate
     from ..runtime.speculative import make_drafter
     from ..runtime.job import load_stage, make_transport, plan_job, rank_figures
@@ -93,7 +95,7 @@ def run(args: argparse.Namespace, comm) -> int:
 
 def stats_line(result, figures: list) -> str:
     """figures: each rank's job.RankFigures, with its KV bytes per token and batch-invariant rows."""
-    from ..runtime.job import per_rank, rss_label
+    from ..runtime.job import per_rank, rss_label  # here, not at the top: it loads MLX, as in run
 
     peaks = rss_label(figures) + f", KV {sum(f.kv_bytes_per_token for f in figures) / 1024:.1f} KiB/token"
     draft = ""
