@@ -27,14 +27,18 @@ import platform
 import socket
 import sys
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 
+from .. import __version__
 from ..checkpoints.gguf_file import open_gguf
 from ..checkpoints.model_files import is_gguf, open_checkpoint
 from ..checkpoints.tensor_names import layer_nbytes
 from ..checkpoints.weights_in_memory import available_memory_bytes, is_quantized
 from ..kernels import build
+from ..planner.layer_split import SplitWeights, split_layers
 from ..planner.memory import DTYPE_LABEL, RankBytes, kv_layer_bytes, rank_bytes, size
+from ..planner.partition import layer_ranges
 from ..planner.shapes import architecture
 from ..planner.weights_bytes import ModelBytes, held_and_dense, with_mtp
 from ..runtime.settings import DRAFT_CHOICES, WeightSettings
@@ -106,7 +110,7 @@ def run(args: argparse.Namespace, comm) -> int:
 
 def collect(args: argparse.Namespace, comm) -> RankReport:
     """What this rank has: host, versions, model files, memory."""
-    from mpi4py import MPI
+    from mpi4py import MPI  # here, not at the top: after cli binds the launcher's MPI (mpi.use_the_launchers_mpi)
 
     # This loads MLX, which `plan` (its parser built with this module's) must not
     from ..runtime.job import resolve_int8
@@ -251,10 +255,6 @@ class Slice:
 def plan_slices(reports: list[RankReport], ref: RankReport, split: str | None, weights_in_memory: str) -> list[Slice]:
     """Each rank's slice, split as the job splits it (layer_split.split_layers), from the reference
     rank's model and every rank's free memory; UserError if --split does not fit the job."""
-    # layer_split reads the checkpoint's helpers, which load MLX: not while `plan` builds its parser
-    from ..planner.layer_split import SplitWeights, split_layers
-    from ..planner.partition import layer_ranges
-
     ranks = len(reports)
     choice = (ref.held, ref.dense_held) if ref.quantized else (None, None)  # --weights-in-memory's
     weights = SplitWeights(ref.disk_layer_bytes, ref.disk_ends_bytes, *choice)
@@ -300,11 +300,7 @@ def table_row(r: RankReport, piece: Slice | None, mine: list[str]) -> list:
 
 def package_version(name: str) -> str:
     if name == "pipeline":
-        from .. import __version__
-
         return __version__
-    from importlib import metadata
-
     try:
         return metadata.version(name)
     except metadata.PackageNotFoundError:
@@ -313,7 +309,7 @@ def package_version(name: str) -> str:
 
 def metal_working_set() -> int | None:
     try:
-        import mlx.core as mx
+        import mlx.core as mx  # here, not at the top: `pipeline plan` builds its parser with this module, without MLX
 
         if not mx.metal.is_available():
             return None
