@@ -234,3 +234,40 @@ def test_plan_loads_no_mlx(model, tmp_path):
     status, loaded = out.stderr.strip().splitlines()[-1].split(" ", 1)
     assert status == "0" and set(ast.literal_eval(loaded)) <= {"pipeline.kernels.blas", "pipeline.kernels.build",
                                                                "pipeline.kernels.int8_layout"}, loaded
+
+
+def test_an_import_inside_a_function_says_why():
+    """An import inside a function stays only where an optional dependency or start-up time needs it
+    (MLX kept off `pipeline plan` and every command's parser, mpi4py after the launcher's MPI is bound,
+    a slow import off a path that must stay light), with a comment saying which: on the import's line,
+    or on the line just above its group (the imports one after another in the same block)."""
+
+    def groups(node: ast.AST, function: str | None):
+        """(function, imports one after another) for every run of imports inside a function."""
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            function = node.name
+        for _, value in ast.iter_fields(node):
+            children = value if isinstance(value, list) else [value]
+            run = []
+            for child in [*children, None]:
+                if isinstance(child, (ast.Import, ast.ImportFrom)):
+                    run.append(child)
+                    continue
+                if run and function is not None:
+                    yield function, run
+                run = []
+                if isinstance(child, ast.AST):
+                    yield from groups(child, function)
+
+    silent = []
+    for module, path in modules().items():
+        source = path.read_text()
+        lines = source.splitlines()
+        for function, run in groups(ast.parse(source, str(path)), None):
+            above = False  # a comment line just above an import covers it and the rest of its run
+            for node in run:  # an import holds no strings: a '#' on its lines starts a comment
+                above = above or lines[node.lineno - 2].strip().startswith("#")
+                if not above and not any("#" in lines[i - 1] for i in range(node.lineno, node.end_lineno + 1)):
+                    silent.append(f"{module}:{node.lineno} in {function}(): {ast.unparse(node)}")
+    assert silent == [], ("imports inside functions with no comment saying why (an optional dependency, or "
+                          "start-up time: say which), or to move to the top:\n" + "\n".join(silent))
