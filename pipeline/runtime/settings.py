@@ -35,7 +35,7 @@ class WeightSettings:
     @property
     def requantize(self) -> Requantize | None:
         """--quantize as the loader applies it, None without it."""
-        # formats.py loads mlx.core, which must not load while a parser is built (`pipeline plan`)
+        # checkpoints/formats.py loads mlx.core, which must not load while a parser is built (`pipeline plan`)
         from ..checkpoints.formats import Requantize
 
         return Requantize(self.quantize, self.group_size) if self.quantize else None
