@@ -1,7 +1,7 @@
 // Feasibility probe for issue 18 (not used by pipeline): 4-bit affine weights (groups of 32, float32
 // scale s and bias b: w = s*q + b) times int8-quantized activations with AVX-512 VNNI, as llama.cpp
 // multiplies its Q4/Q8 blocks, to size the gain an int8 path would bring over pipeline's float32
-// kernels (pipeline/qmm_kernels.cpp).
+// kernels (pipeline/kernels/qmm_kernels.cpp).
 //
 // How. The weights are repacked at "load" with 16 columns interleaved: per group, 4 x 64 bytes, each
 // 32-bit lane one column's 4 consecutive inputs (low nibbles inputs 4j..4j+3, high nibbles 4(j+4)..),
