@@ -350,7 +350,8 @@ def expected() -> bool:
     """Whether this process will have the kernels, without building them: already loaded, or a
     build looks possible (not opted out, Linux, a C++ compiler and Python's headers, nanobind, a cache
     folder no other user can write to). `--weights-in-memory auto` decides with it before loading
-    (job.py): a model without quantized weights never builds them. Should the build fail after all, that rank runs MLX's kernels."""
+    (runtime/job.py): a model without quantized weights never builds them. Should the build fail
+    after all, that rank runs MLX's kernels."""
     if _state is not None:
         return _state.module is not None
     if _not_wanted():
