@@ -31,7 +31,10 @@ from typing import Any
 import numpy as np
 
 from . import quants
+from ..models.config import ModelConfig
+from ..util import cores
 from ..util.errors import UserError
+from ..util.switches import turned_off
 from .gguf_config import build_config
 from .gguf_file import GGUFModel, GGUFTensor, open_gguf
 from .safetensors_checkpoint import Checkpoint
@@ -182,8 +185,6 @@ class GGUFCheckpoint(Checkpoint):
     # -- reading -----------------------------------------------------------------------------------------------
 
     def model_config(self):
-        from ..models.config import ModelConfig
-
         return ModelConfig.from_dict(self.config_dict)
 
     def read(self, name: str):
@@ -253,8 +254,7 @@ class GGUFCheckpoint(Checkpoint):
         """Rows [row, row + rows) of `tensor` as raw bytes, uint8 [rows, bytes per row] (any thread:
         the caller counts them in `bytes_read`): a read-only view of the file's mapped pages (no copy
         in new memory: the decoders read the page cache), or read into new memory with PIPELINE_MMAP=0."""
-        from ..kernels import mapped_files
-        from ..util.switches import turned_off
+        from ..kernels import mapped_files  # loads mlx.core: indexing a GGUF (`pipeline plan`) must not
 
         row_bytes = tensor.nbytes // tensor.rows
         begin, size = tensor.begin + row * row_bytes, rows * row_bytes
@@ -293,9 +293,7 @@ class GGUFCheckpoint(Checkpoint):
         """Threads that read and decode pieces of exact tensors at once (numpy lets go of the GIL),
         one per CPU this rank may use; None with one CPU."""
         if self._pool is None:
-            from ..util.cores import cpus_allowed
-
-            self._workers = min(16, len(cpus_allowed()))
+            self._workers = min(16, len(cores.cpus_allowed()))
             self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="gguf-decode") if self._workers > 1 else False
         return self._pool or None
 

@@ -120,11 +120,11 @@ class Checkpoint:
 
         info = self.tensors[name]
         if self._mapped is None:
-            from ..kernels import mapped_files
+            from ..kernels import mapped_files  # loads mlx.core, as the import above
 
             self._mapped = mapped_files.available()
         if self._mapped and info.dtype != "F64":  # F64 is read as float32
-            from ..kernels.mapped_files import mapped_array
+            from ..kernels.mapped_files import mapped_array  # loads mlx.core, as the import above
 
             try:
                 array = mapped_array(info.file, info.begin, info.shape, getattr(mx, _DTYPES[info.dtype][1]))
