@@ -219,7 +219,9 @@ def _mlx_version() -> str:
 
 
 def _mlx_dir() -> Path:
-    return Path(importlib.util.find_spec("mlx").submodule_search_locations[0]).resolve()  # site-packages/mlx
+    """site-packages/mlx, where mlx.core's library is (found, not loaded). Not the first folder of the
+    `mlx` namespace package: an `mlx/` folder in the current directory would come first."""
+    return Path(importlib.util.find_spec("mlx.core").origin).resolve().parent
 
 
 def extension_path(extra_flags: tuple[str, ...] = ()) -> Path:
