@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import os
 
-WEIGHTS_IN_MEMORY = ("quantized", "fp32", "auto")
-
 
 def is_quantized(checkpoint) -> bool:
     """Whether the checkpoint (any reader) holds MLX-quantized tensors: a choice to make."""
