@@ -43,12 +43,12 @@ class MemoryPlan:
     dtype_bytes: int  # of the KV cache
 
     @classmethod
-    def for_job(cls, config: ModelConfig, host_memory: str, ranks: int, folder: Path, dtype: str = "float32",
-                quantize: int | None = None, group_size: int = 64, int8: bool = False,
-                mtp: bool = False) -> "MemoryPlan":
+    def for_job(cls, config: ModelConfig, host_memory: str, ranks: int, folder: Path, dtype: str,
+                quantize: int | None, group_size: int, int8: bool, mtp: bool) -> "MemoryPlan":
         """host_memory: --host-memory (GiB per rank); folder: the model's, resolved (or its GGUF file); the
         weights as the job holds them: floats in `dtype`, --quantize and --group-size, int8: the job's
-        --int8-activations as resolved, mtp: rank 0 holds the MTP module too (--draft mtp)."""
+        --int8-activations as resolved, mtp: rank 0 holds the MTP module too (--draft mtp). No defaults
+        here: the job passes its settings (runtime/settings.py holds the flags' defaults)."""
         memory = parse_per_host(host_memory, "--host-memory", ranks, unit="ranks")
         precision = Precision(checkpoint_format(config, folder, quantize, group_size), dtype=dtype, quantize=quantize,
                               group_size=group_size, int8=int8)
