@@ -36,7 +36,8 @@ def _rchar() -> int:
 def worker(model: str) -> None:
     from mpi4py import MPI
 
-    from pipeline.runtime.job import load_stage, peak_rss_bytes, plan_job
+    from pipeline.runtime.job import load_stage, plan_job
+    from pipeline.runtime.rank_figures import peak_rss_bytes
     from pipeline.runtime.settings import WeightSettings
 
     comm = MPI.COMM_WORLD

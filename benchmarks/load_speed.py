@@ -154,7 +154,8 @@ def worker(form: str, model: str) -> None:
     """One rank's load (as generate's), reported as one JSON line."""
     from mpi4py import MPI
 
-    from pipeline.runtime.job import load_stage, peak_rss_bytes, plan_job
+    from pipeline.runtime.job import load_stage, plan_job
+    from pipeline.runtime.rank_figures import peak_rss_bytes
 
     comm = MPI.COMM_WORLD
     settings = _settings(Path(model), FORMATS[form][1])

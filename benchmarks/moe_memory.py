@@ -116,8 +116,9 @@ def run(folder: Path, ranks: int, extra: list[str]) -> str:
 
 def baseline_rss_mib() -> float:
     """Peak RSS of a process that has imported the runtime and MPI but loaded no weights."""
-    code = ("import mpi4py.MPI, mlx.core as mx, pipeline.runtime.job, pipeline.checkpoints.tokenizer; "
-            "mx.eval(mx.zeros(1)); print(pipeline.runtime.job.peak_rss_bytes() / 2**20)")
+    code = ("import mpi4py.MPI, mlx.core as mx, pipeline.runtime.job, pipeline.runtime.rank_figures, "
+            "pipeline.checkpoints.tokenizer; "
+            "mx.eval(mx.zeros(1)); print(pipeline.runtime.rank_figures.peak_rss_bytes() / 2**20)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(REPO)})
     return float(out.stdout.strip())

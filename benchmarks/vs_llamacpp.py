@@ -268,7 +268,8 @@ def pipeline_batch(model: Path, requests: Path, ranks: int, threads: int, weight
 LOAD_WORKER = """
 import sys, time, json
 from pathlib import Path
-from pipeline.runtime.job import load_stage, peak_rss_bytes, plan_job
+from pipeline.runtime.job import load_stage, plan_job
+from pipeline.runtime.rank_figures import peak_rss_bytes
 from pipeline.runtime.settings import WeightSettings
 from mpi4py import MPI
 comm = MPI.COMM_WORLD

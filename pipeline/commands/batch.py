@@ -116,7 +116,8 @@ def prompt_ids(item: InputRequest, tokenizer, use_chat_template: bool, context: 
 def run(args: argparse.Namespace, comm) -> int:
     # Here, not at the top: cli imports every command's module to build its parser, and these load MLX,
     # which `pipeline plan` must not (start-up time).
-    from ..runtime.job import head_share_label, head_split, load_ring_stage, matmuls_label, per_rank, plan_ring_job, prefix_cache, rank_figures, rss_label
+    from ..runtime.job import head_split, load_ring_stage, plan_ring_job, prefix_cache
+    from ..runtime.rank_figures import head_share_label, matmuls_label, per_rank, rank_figures, rss_label
     from ..runtime.requests import ListSource
     from ..runtime.scheduler import Scheduler, follow, stop_followers
     from ..checkpoints.tokenizer import Tokenizer

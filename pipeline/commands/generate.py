@@ -40,7 +40,8 @@ def run(args: argparse.Namespace, comm) -> int:
     # which `pipeline plan` must not (start-up time).
     from ..runtime.engine import generate
     from ..runtime.speculative import make_drafter
-    from ..runtime.job import load_stage, make_transport, plan_job, rank_figures
+    from ..runtime.job import load_stage, make_transport, plan_job
+    from ..runtime.rank_figures import rank_figures
     from ..runtime.stage import follow_single_stream, stop_ring
     from ..checkpoints.tokenizer import Tokenizer
 
@@ -94,8 +95,8 @@ def run(args: argparse.Namespace, comm) -> int:
 
 
 def stats_line(result, figures: list) -> str:
-    """figures: each rank's job.RankFigures, with its KV bytes per token and batch-invariant rows."""
-    from ..runtime.job import per_rank, rss_label  # here, not at the top: it loads MLX, as in run
+    """figures: each rank's rank_figures.RankFigures, with its KV bytes per token and batch-invariant rows."""
+    from ..runtime.rank_figures import per_rank, rss_label  # here, not at the top: it loads MLX, as in run
 
     peaks = rss_label(figures) + f", KV {sum(f.kv_bytes_per_token for f in figures) / 1024:.1f} KiB/token"
     draft = ""

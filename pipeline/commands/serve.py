@@ -77,7 +77,8 @@ def validate(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace, comm) -> int:
     # Here, not at the top: every command's module is imported to build the parser, and these load MLX
-    from ..runtime.job import head_split, load_ring_stage, per_rank, plan_ring_job, prefix_cache, rank_figures, rss_label
+    from ..runtime.job import head_split, load_ring_stage, plan_ring_job, prefix_cache
+    from ..runtime.rank_figures import per_rank, rank_figures, rss_label
     from ..runtime.scheduler import Scheduler, follow, stop_followers
     from ..checkpoints.tokenizer import Tokenizer
     from ..runtime.trace import COMPUTE, Timeline, summary_lines

@@ -1,18 +1,15 @@
 """A multi-rank job's set-up, shared by the commands that run a model (generate, batch, serve):
-the model folder, the split of its layers over the ranks, the transport between them, and the
-figures every rank reports at the end. Each step that can fail on a user's input runs as a
-collective checkpoint, so every rank learns of a failure anywhere."""
+the model folder, the split of its layers over the ranks, and the transport between them (the
+figures every rank reports at the end are rank_figures.py's). Each step that can fail on a user's
+input runs as a collective checkpoint, so every rank learns of a failure anywhere."""
 
 from __future__ import annotations
 
-import resource
 import socket
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
 from ..checkpoints.default_model import default_model_dir
 from ..checkpoints.int8_repack import use_int8
@@ -30,7 +27,6 @@ from ..models.mtp import check_mtp, mtp_nbytes
 from ..models.registry import family_for
 from ..planner.host_memory import MemoryPlan
 from ..planner.layer_split import SplitWeights, split_layers
-from ..planner.memory import RankBytes, measured
 from ..planner.partition import layer_ranges
 from ..planner.shapes import architecture
 from ..planner.weights_bytes import held_and_dense, with_mtp
@@ -167,31 +163,6 @@ def load_stage(settings: WeightSettings, plan: Plan, rank: int, progress: bool, 
     return stage
 
 
-@dataclass(frozen=True)
-class RankFigures:
-    """What each rank reports for the closing stats line (rank_figures)."""
-    host: str
-    peak_rss: int  # bytes (peak_rss_bytes)
-    weights: str  # how its weights are held (weights_label)
-    blas: str  # its BLAS (blas.describe)
-    held: RankBytes  # its bytes, as plan and preflight count them (memory.measured)
-    kv_bytes_per_token: int = 0  # generate: its KV cache's bytes per position
-    invariant_rows: int = 0  # generate: rows its products round alike whatever the batch (blas.invariant_rows)
-    matmuls: str = ""  # batch: how its products take a micro-batch's sequences (matmuls_label)
-
-
-def rank_figures(stage: Stage, **extra) -> RankFigures:
-    """This rank's figures; extra: the fields a command adds (kv_bytes_per_token, invariant_rows, matmuls)."""
-    return RankFigures(socket.gethostname(), peak_rss_bytes(), weights_label(stage), blas.describe(), measured(stage),
-                       **extra)
-
-
-def rss_label(figures: list[RankFigures], kv_cache: bool = True) -> str:
-    """'r0 403 MiB (weights 297.1 MiB + KV cache 1.4 MiB), r1 ...': each rank's peak RSS beside
-    the bytes it holds; the difference is the runtime's own."""
-    return ", ".join(f"r{r} {f.peak_rss / 2**20:.0f} MiB ({f.held.describe(kv_cache)})" for r, f in enumerate(figures))
-
-
 @dataclass
 class RingJob:
     """What batch and serve set up before their scheduler starts: the transport, the split, and how
@@ -259,45 +230,3 @@ def make_transport(settings: TransportSettings, comm):
 
         return MlxTransport(comm, init_group(comm, settings.mlx_backend), watchdog, hosts, own_core, processes)
     return MpiTransport(comm, watchdog, hosts, own_core, processes)
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident memory. On Linux, VmHWM: unlike ru_maxrss it is not
-    inherited through fork + exec from a large parent process."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
-
-
-def weights_label(stage: Stage) -> str:
-    """How this rank's weights live in memory: 'quantized' if any module is, else the float
-    dtype of its largest weights (e.g. 'fp32')."""
-    if any("scales" in m for m in stage.model.modules()):
-        return "quantized"
-    _, biggest = max(tree_flatten(stage.model.parameters()), key=lambda kv: kv[1].size)
-    return {mx.float32: "fp32", mx.float16: "fp16", mx.bfloat16: "bf16"}.get(biggest.dtype, str(biggest.dtype))
-
-
-def per_rank(values: list[str]) -> str:
-    """'fp32' when every rank says the same, else 'r0 fp32, r1 quantized'."""
-    if len(set(values)) == 1:
-        return values[0]
-    return ", ".join(f"r{rank} {v}" for rank, v in enumerate(values))
-
-
-def head_share_label(share: float | None, size: int) -> str:
-    """'; LM head r1 23%' in the batch stats: the mean part of the vocabulary the last rank computed."""
-    return "" if share is None else f"; LM head r{size - 1} {100 * share:.0f}%"
-
-
-def matmuls_label(group_rows: int) -> str:
-    """How a rank's matrix products take a micro-batch's sequences, for the stats line."""
-    if group_rows == sys.maxsize:
-        return "all rows packed"
-    return f"batch-invariant, up to {group_rows} rows" if group_rows else "per sequence"
