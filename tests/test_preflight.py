@@ -3,13 +3,18 @@ for each mismatch, exit 1; per-rank model folders simulated with MPMD (`A : B : 
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO, mpiexec
+from pipeline.checkpoints import weights_in_memory
+from pipeline.checkpoints.weights_in_memory import available_memory_bytes, choose_dense
 from pipeline.commands.preflight import RankReport, evaluate
 from pipeline.planner.weights_bytes import ModelBytes
 
@@ -99,3 +104,92 @@ def test_weights_in_memory_auto_is_decided_as_the_job_decides_it():
     assert "400.0 GiB fp32" in rows[1] and "100.0 GiB quantized" in rows[2]
     table, _ = evaluate(reports, split="1,1,1,1", weights_in_memory="quantized")
     assert all("quantized" in row for row in table.splitlines()[1:])
+
+
+# -- free memory, as preflight and the job's --weights-in-memory auto both read it -----------------------------
+
+VM_STAT = """Mach Virtual Memory Statistics: (page size of 4096 bytes)
+Pages free:                               12345.
+Pages active:                            500000.
+Pages inactive:                          200000.
+Pages speculative:                         3000.
+Pages throttled:                              0.
+Pages wired down:                        100000.
+Pages purgeable:                           1000.
+"""
+
+
+def on_macos(monkeypatch, vm_stat: str | None, psutil_available: int | None = None) -> None:
+    """sys.platform darwin, psutil installed with that reading or missing, vm_stat's output or no vm_stat."""
+    monkeypatch.setattr(weights_in_memory.sys, "platform", "darwin")
+    psutil = None  # a None in sys.modules makes `import psutil` raise ImportError
+    if psutil_available is not None:
+        psutil = type("psutil", (), {"virtual_memory": staticmethod(
+            lambda: type("memory", (), {"available": psutil_available})())})
+    monkeypatch.setitem(sys.modules, "psutil", psutil)
+
+    def run(cmd, **kw):
+        assert cmd == ["vm_stat"]
+        if vm_stat is None:
+            raise FileNotFoundError("vm_stat")
+        return subprocess.CompletedProcess(cmd, 0, stdout=vm_stat, stderr="")
+    monkeypatch.setattr(weights_in_memory.subprocess, "run", run)
+
+
+def test_free_memory_on_macos_from_vm_stat(monkeypatch):
+    """Without psutil: vm_stat's free + inactive + speculative + purgeable pages, in its page size."""
+    on_macos(monkeypatch, VM_STAT)
+    assert available_memory_bytes() == (12345 + 200000 + 3000 + 1000) * 4096
+    on_macos(monkeypatch, VM_STAT.replace(" (page size of 4096 bytes)", ""))  # Apple silicon's pages
+    assert available_memory_bytes() == (12345 + 200000 + 3000 + 1000) * 16384
+
+
+def test_free_memory_on_macos_from_psutil_where_installed(monkeypatch):
+    on_macos(monkeypatch, VM_STAT, psutil_available=48 * 2**30)
+    assert available_memory_bytes() == 48 * 2**30
+
+
+def test_free_memory_unknown_is_none_and_no_room(monkeypatch):
+    """Nothing to read: None, which preflight shows as unknown and the split reads as no room for a dense copy."""
+    on_macos(monkeypatch, None)
+    assert available_memory_bytes() is None
+    on_macos(monkeypatch, "")
+    assert available_memory_bytes() is None
+    assert choose_dense(["a", "b"], [None, 1000], [10, 10], [50, 50]) == [False, True]
+
+
+def on_linux(monkeypatch, files: dict[str, str], sysconf_pages: int | None = None) -> None:
+    """sys.platform linux, with these files readable (/proc/meminfo, cgroup's) and no others."""
+    monkeypatch.setattr(weights_in_memory.sys, "platform", "linux")
+
+    def read(path, *args, **kw):
+        if path not in files:
+            raise FileNotFoundError(path)
+        return io.StringIO(files[path])
+
+    def sysconf(name):
+        if sysconf_pages is None:
+            raise ValueError(name)
+        return sysconf_pages if name == "SC_AVPHYS_PAGES" else 4096
+    monkeypatch.setattr(weights_in_memory, "open", read, raising=False)
+    monkeypatch.setattr(weights_in_memory.os, "sysconf", sysconf)
+
+
+@pytest.mark.parametrize("cgroup", ["none", "v2", "v2 max", "v1"])
+def test_free_memory_on_linux_capped_by_the_cgroup(monkeypatch, cgroup):
+    meminfo = {"/proc/meminfo": "MemTotal:       33554432 kB\nMemAvailable:    8388608 kB\n"}
+    files = {"none": {},
+             "v2": {"/sys/fs/cgroup/memory.max": f"{4 * 2**30}\n", "/sys/fs/cgroup/memory.current": f"{2**30}\n"},
+             "v2 max": {"/sys/fs/cgroup/memory.max": "max\n", "/sys/fs/cgroup/memory.current": f"{2**30}\n"},
+             "v1": {"/sys/fs/cgroup/memory/memory.limit_in_bytes": f"{6 * 2**30}\n",
+                    "/sys/fs/cgroup/memory/memory.usage_in_bytes": f"{2**30}\n"}}[cgroup]
+    on_linux(monkeypatch, {**meminfo, **files})
+    expected = {"none": 8, "v2": 3, "v2 max": 8, "v1": 5}[cgroup] * 2**30
+    assert available_memory_bytes() == expected
+
+
+def test_free_memory_on_linux_without_meminfo(monkeypatch):
+    on_linux(monkeypatch, {}, sysconf_pages=1000)
+    assert available_memory_bytes() == 1000 * 4096
+    on_linux(monkeypatch, {})
+    assert available_memory_bytes() is None

@@ -10,6 +10,9 @@ multiplied by the BLAS; a dense copy costs 32/bits times the memory, hence a per
 from __future__ import annotations
 
 import os
+import re
+import subprocess
+import sys
 
 
 def is_quantized(checkpoint) -> bool:
@@ -17,8 +20,12 @@ def is_quantized(checkpoint) -> bool:
     return any(name.endswith(".scales") for name in checkpoint.tensors)
 
 
-def available_memory_bytes() -> int:
-    """Memory this host can still give: MemAvailable, capped by a cgroup (v2 or v1) limit."""
+def available_memory_bytes() -> int | None:
+    """Memory this host can still give, in bytes; None where nothing says (choose_dense then
+    counts no room). Linux: MemAvailable, capped by a cgroup (v2 or v1) limit; macOS:
+    macos_available_bytes."""
+    if sys.platform == "darwin":
+        return macos_available_bytes()
     available = None
     try:
         with open("/proc/meminfo") as f:
@@ -31,7 +38,7 @@ def available_memory_bytes() -> int:
         try:
             available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         except (ValueError, OSError, AttributeError):
-            available = 0
+            return None
     for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
                                    ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
                                     "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
@@ -46,13 +53,37 @@ def available_memory_bytes() -> int:
     return available
 
 
-def choose_dense(hosts: list[str], available: list[int], quantized_bytes: list[int],
+def macos_available_bytes() -> int | None:
+    """psutil's available memory if it is installed, else vm_stat's free, inactive, speculative and
+    purgeable pages (memory macOS hands out without swapping); None if neither answers."""
+    try:
+        import psutil  # optional: vm_stat answers without it
+    except ImportError:
+        pass
+    else:
+        return int(psutil.virtual_memory().available)
+    try:
+        out = subprocess.run(["vm_stat"], capture_output=True, text=True).stdout
+    except OSError:
+        return None
+    page = re.search(r"page size of (\d+)", out)
+    page_bytes = int(page.group(1)) if page else 16384  # Apple silicon's page size
+    pages = 0
+    for key in ("Pages free", "Pages inactive", "Pages speculative", "Pages purgeable"):
+        count = re.search(rf"{key}:\s+(\d+)", out)
+        pages += int(count.group(1)) if count else 0
+    return pages * page_bytes if pages else None
+
+
+def choose_dense(hosts: list[str], available: list[int | None], quantized_bytes: list[int],
                  dense_bytes: list[int], fraction: float = 0.75) -> list[bool]:
     """Which ranks hold their weights dense: per host, in rank order, while the host's
     quantized weights plus the dense ranks' extra bytes stay within `fraction` of its
-    available memory (the rest is left for KV caches, activations and everything else)."""
+    available memory (the rest is left for KV caches, activations and everything else).
+    A host whose memory is unknown (None: available_memory_bytes read nothing) has no room."""
     budget = {}
     for host, avail in zip(hosts, available):
+        avail = avail or 0
         budget[host] = min(budget.get(host, avail), avail)  # ranks of a host read the same pool
     for host in budget:
         budget[host] = budget[host] * fraction - sum(q for h, q in zip(hosts, quantized_bytes) if h == host)

@@ -40,14 +40,13 @@ from ..planner.layer_split import SplitWeights, split_layers
 from ..planner.memory import DTYPE_LABEL, RankBytes, kv_layer_bytes, rank_bytes, size
 from ..planner.partition import layer_ranges
 from ..planner.shapes import architecture
-from ..planner.weights_bytes import ModelBytes, held_and_dense, with_mtp
+from ..planner.weights_bytes import DTYPE_BYTES, ModelBytes, held_and_dense, with_mtp
 from ..runtime.settings import DRAFT_CHOICES, WeightSettings
 from ..util.errors import UserError
 from .flags import add_weights_args, weight_settings
 
 PACKAGES = ("pipeline", "mlx", "mpi4py", "numpy", "tokenizers", "jinja2")
 HEADROOM = 1.10  # caches and activations on top of the weights
-_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass
@@ -122,8 +121,7 @@ def collect(args: argparse.Namespace, comm) -> RankReport:
         packages={name: package_version(name) for name in PACKAGES},
         mpi_library=" ".join(MPI.Get_library_version().strip().splitlines()[0].split(",")[0]
                              .replace("Version:", "").split())[:40],
-        # 0: the job's reading found none (no /proc/meminfo: macOS): unknown here, 0 to the split as to the job
-        available=available_memory_bytes() or None, metal_limit=metal_working_set(), folder=str(folder))
+        available=available_memory_bytes(), metal_limit=metal_working_set(), folder=str(folder))
     try:
         if error:
             raise UserError(error)
@@ -184,7 +182,7 @@ def measure_model(report: RankReport, folder: Path, args: argparse.Namespace, in
     context = args.context or min(8192, config.max_position_embeddings)
     if context < 1:
         raise UserError(f"--context must be >= 1, got {context}")
-    report.kv_layer_bytes = kv_layer_bytes(architecture(config), _ITEMSIZE[args.dtype], context)
+    report.kv_layer_bytes = kv_layer_bytes(architecture(config), DTYPE_BYTES[args.dtype], context)
 
 
 def evaluate(reports: list[RankReport], split: str | None, weights_in_memory: str = "quantized") -> tuple[str, list[str]]:
@@ -258,7 +256,7 @@ def plan_slices(reports: list[RankReport], ref: RankReport, split: str | None, w
     ranks = len(reports)
     choice = (ref.held, ref.dense_held) if ref.quantized else (None, None)  # --weights-in-memory's
     weights = SplitWeights(ref.disk_layer_bytes, ref.disk_ends_bytes, *choice)
-    memory = [(r.host, r.available if r.available is not None else 0) for r in reports]
+    memory = [(r.host, r.available) for r in reports]  # unknown (None): no room, to the split as to the job
     counts, dense = split_layers(weights, ranks, split, weights_in_memory, memory,
                                  fast_quantized=[r.fast_quantized for r in reports])
     slices = []

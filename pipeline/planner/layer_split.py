@@ -23,13 +23,13 @@ class SplitWeights:
 
 
 def split_layers(weights: SplitWeights, ranks: int, split: str | None, weights_in_memory: str,
-                 memory: list[tuple[str, int]] | None = None, fast_quantized: list[bool] | None = None,
+                 memory: list[tuple[str, int | None]] | None = None, fast_quantized: list[bool] | None = None,
                  planned: list[int] | None = None, last_rank_head: float = 0.0) -> tuple[list[int], list[bool]]:
     """(layer counts, dense per rank): --split as given, else `planned` (the planner's counts for
     --host-memory), else balanced by stored bytes plus a fixed cost per layer; then, where the
     weights are MLX-quantized and --weights-in-memory is not `quantized`, plan_weights_in_memory.
-    memory: (host, bytes available) per rank; fast_quantized: per rank, whether it has pipeline's
-    quantized kernels (both asked of every rank under auto only)."""
+    memory: (host, bytes available or None if unknown) per rank; fast_quantized: per rank, whether it
+    has pipeline's quantized kernels (both asked of every rank under auto only)."""
     layers = len(weights.stored_layers)
     if split:
         counts = parse_split(split, layers, ranks)
@@ -47,7 +47,7 @@ def split_layers(weights: SplitWeights, ranks: int, split: str | None, weights_i
 
 
 def plan_weights_in_memory(mode: str, held: ModelBytes, dense_held: ModelBytes, counts: list[int],
-                           memory: list[tuple[str, int]] | None, fixed: bool, last_rank_head: float = 0.0,
+                           memory: list[tuple[str, int | None]] | None, fixed: bool, last_rank_head: float = 0.0,
                            fast_quantized: list[bool] | None = None):
     """(layer counts, dense per rank) for --weights-in-memory fp32|auto on a quantized model, from
     its bytes held packed (`held`) and dequantized (`dense_held`; weights_bytes.held_and_dense). fp32: every
