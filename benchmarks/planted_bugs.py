@@ -78,8 +78,8 @@ BUGS = [
         "pipeline/models/rope.py", "return x * self.attention_factor if self.attention_factor != 1.0 else x",
         "return x", "pipeline.models.rope"),
     Bug("int4-offset-off", "compressed-tensors INT4 zero offset 7 instead of 8",
-        "pipeline/checkpoints/formats.py", "return packed.view(mx.uint32), scale, -8 * scale",
-        "return packed.view(mx.uint32), scale, -7 * scale", "pipeline.checkpoints.formats"),
+        "pipeline/checkpoints/format_adapters.py", "return packed.view(mx.uint32), scale, -8 * scale",
+        "return packed.view(mx.uint32), scale, -7 * scale", "pipeline.checkpoints.format_adapters"),
 ]
 
 

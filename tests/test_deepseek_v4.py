@@ -240,9 +240,9 @@ def test_pro_checkpoint_bytes_and_plan():
     them as stored (mxfp4 / mxfp8, float32 where V4 keeps it): 793 GiB, fitting 2 x 512 + 2 x 256
     GiB, not the 3 TB of bf16."""
     from pipeline.planner.config_files import load_config
-    from pipeline.planner.formats import checkpoint_format
     from pipeline.planner.shapes import architecture
     from pipeline.planner.speed import Hardware, plan_cluster
+    from pipeline.planner.stored_formats import checkpoint_format
     from pipeline.planner.weights_bytes import Precision, model_bytes
 
     config = load_config("DeepSeek-V4-Pro")
@@ -383,7 +383,7 @@ def test_fp4_and_fp8_held_as_stored_match_transformers(published_v4):
 def test_fp8_rows_mxfp8_cannot_hold_are_dequantized():
     """A row width that is no multiple of 32 fits no mxfp8 run: that weight is dequantized
     (e4m3 x 2^(scale - 127) per block) instead, as with V3's FP8."""
-    from pipeline.checkpoints.formats import _deepseek_mx
+    from pipeline.checkpoints.format_adapters import _deepseek_mx
 
     w = np.random.default_rng(0).normal(size=(4, 48)).astype(np.float32)
     q, scale, expected = fp8(w)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pipeline.models.config import ModelConfig
-from pipeline.checkpoints.formats import Requantize
+from pipeline.checkpoints.format_adapters import Requantize
 from pipeline.runtime.head_share import HeadSplit, combined_argmax, head_share_fraction, head_share_rows, returned_rows, split_returned
 from pipeline.runtime.stage import Stage
 from pipeline.planner.weights_bytes import model_bytes_of

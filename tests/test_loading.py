@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from conftest import fp8_blocks, mapped_bytes
 
 from pipeline.models.config import ModelConfig
-from pipeline.checkpoints.formats import Requantize
+from pipeline.checkpoints.format_adapters import Requantize
 from pipeline.runtime.stage import Stage
 from pipeline.checkpoints.safetensors_checkpoint import Checkpoint
 

@@ -17,7 +17,7 @@ from conftest import (INIT_STD, REPO, ROPE_WINDOW, VOCAB_SIZE, assert_bfloat16_c
                       fp8_blocks, greedy_ours, greedy_transformers, int8_loaded_both_ways, load_stages, long_prompt,
                       mpiexec, write_tokenizer)
 from pipeline.models.config import ModelConfig
-from pipeline.checkpoints.formats import Requantize
+from pipeline.checkpoints.format_adapters import Requantize
 from pipeline.models.deepseek_v3 import MoEGate
 
 PROMPT = [1, 5, 77, 23, 299, 3, 4, 5, 6, 100, 42, 17]

@@ -374,7 +374,7 @@ def test_the_module_loads_from_fp8_and_mlx_quantized_folders(mtp_model, tmp_path
     it stands for."""
     from conftest import fp8_blocks
 
-    from pipeline.checkpoints.formats import Requantize, adapt_tensors
+    from pipeline.checkpoints.format_adapters import Requantize, adapt_tensors
 
     folder, _, reference = mtp_model
     config = ModelConfig.from_folder(folder)

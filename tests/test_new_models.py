@@ -115,8 +115,8 @@ def test_kimi_k25_published_names_and_counts():
     experts, under a wrapper; its tensors are named language_model.* beside vision_tower.* and
     mm_projector.*, which no rank reads."""
     from pipeline.planner.config_files import load_config
-    from pipeline.planner.formats import checkpoint_format
     from pipeline.planner.shapes import architecture, count_params
+    from pipeline.planner.stored_formats import checkpoint_format
     from pipeline.checkpoints.tensor_names import canonical_tensors
 
     config = load_config("Kimi-K2.5")
@@ -223,8 +223,8 @@ def test_deepseek_v32_published_config():
     card's 685B), 37.5B activated; FP8 with 128x128 ue8m0 scales; the indexer key makes each
     layer's cache 512 + 64 + 128 values per token."""
     from pipeline.planner.config_files import load_config
-    from pipeline.planner.formats import checkpoint_format
     from pipeline.planner.shapes import architecture, count_params
+    from pipeline.planner.stored_formats import checkpoint_format
 
     config = load_config("DeepSeek-V3.2")
     arch = architecture(config)

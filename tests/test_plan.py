@@ -18,13 +18,13 @@ import transformers
 from conftest import REPO, VOCAB_SIZE, mpiexec
 from pipeline.models.config import ModelConfig
 from pipeline.util.errors import UserError
-from pipeline.checkpoints.formats import Requantize
+from pipeline.checkpoints.format_adapters import Requantize
 from pipeline.planner.partition import balanced_counts, layer_ranges
-from pipeline.planner.formats import checkpoint_format
 from pipeline.planner.host_memory import parse_per_host
 from pipeline.planner.memory import GIB
 from pipeline.planner.shapes import architecture, count_params
 from pipeline.planner.speed import Hardware, plan_cluster
+from pipeline.planner.stored_formats import checkpoint_format
 from pipeline.planner.weights_bytes import Precision, model_bytes
 from pipeline.runtime.settings import WeightSettings
 from pipeline.runtime.stage import Stage

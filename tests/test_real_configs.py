@@ -18,8 +18,8 @@ import pytest
 
 from pipeline.models.registry import family_for
 from pipeline.planner.config_files import bundled_configs, load_config
-from pipeline.planner.formats import checkpoint_format
 from pipeline.planner.shapes import architecture, count_params
+from pipeline.planner.stored_formats import checkpoint_format
 from pipeline.planner.weights_bytes import Precision, model_bytes
 
 NAMES = ["DeepSeek-V3", "DeepSeek-R1", "DeepSeek-V3.1", "Kimi-K2-Instruct", "Kimi-K2-Thinking", "Qwen3-235B-A22B",

@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from pipeline.checkpoints.formats import dequantize_fp8
+from pipeline.checkpoints.format_adapters import dequantize_fp8
 
 BITS = (2, 3, 4, 5, 6, 8)
 GROUPS = (32, 64, 128)

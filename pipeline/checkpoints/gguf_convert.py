@@ -113,7 +113,7 @@ def folder_config(checkpoint) -> dict[str, Any]:
         quantization.update({module: m for module, m in sorted(modules.items()) if m != default})
         config["quantization"] = config["quantization_config"] = quantization
         config["torch_dtype"] = "float16" if scale_dtypes == {"F16"} else "float32"
-        if symmetric:  # for the planner (formats.CheckpointFormat.symmetric); other readers ignore the key
+        if symmetric:  # for the planner (stored_formats.CheckpointFormat.symmetric); other readers ignore the key
             config[quants.SYMMETRIC_KEY] = sorted(symmetric)
     elif float_dtypes:
         main = max(sorted(set(float_dtypes)), key=float_dtypes.count)

@@ -30,7 +30,7 @@ import mlx.core as mx
 from tqdm import tqdm
 
 from ..util import cores
-from .formats import Requantize, adapt_tensors
+from .format_adapters import Requantize, adapt_tensors
 
 GROUP_BYTES = 16 << 20  # file bytes evaluated together, per stream
 PREFETCH_BYTES = 512 << 20  # how far ahead of the reader the kernel is asked to read

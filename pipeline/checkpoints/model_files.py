@@ -2,7 +2,7 @@
 part of a split set), is told here, once, and the checkpoint that reads it opened to match.
 
 Within one checkpoint the encoding may still differ tensor by tensor (DeepSeek V4's FP4 experts beside
-FP8 and float tensors): that dispatch stays with the format adapters (formats.py).
+FP8 and float tensors): that dispatch stays with the format adapters (format_adapters.py).
 
 Importing this module, and opening either checkpoint, loads no MLX (`pipeline plan` and the flag checks
 tell a GGUF from a folder too, and the planner reads a checkpoint's index): the readers load it where they
@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 from .gguf_checkpoint import GGUFCheckpoint
 from .safetensors_checkpoint import Checkpoint
 
-if TYPE_CHECKING:  # annotations only: formats.py loads MLX
-    from .formats import Requantize
+if TYPE_CHECKING:  # annotations only: format_adapters.py loads MLX
+    from .format_adapters import Requantize
 
 GGUF_SUFFIX = ".gguf"
 

@@ -49,7 +49,7 @@ FP16_SCALES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 # int8 repack does not keep (int8_kernels.cpp).
 SYMMETRIC_TYPES = ("Q4_0", "Q8_0")
 # A converted folder lists under this key of its config.json the modules held exactly from SYMMETRIC_TYPES
-# (gguf_convert.py writes it), for the planner (planner/formats.py), which reads no weights.
+# (gguf_convert.py writes it), for the planner (planner/stored_formats.py), which reads no weights.
 SYMMETRIC_KEY = "pipeline_symmetric_modules"
 # Float types, read as they are (numpy dtype to read the bytes as; BF16 as raw uint16).
 FLOATS = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}

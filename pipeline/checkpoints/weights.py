@@ -14,7 +14,7 @@ from ..kernels import qmm
 from ..kernels.int8_layout import packed_layout
 from ..models.experts import SwitchLinear
 from ..util.errors import UserError
-from .formats import Requantize
+from .format_adapters import Requantize
 from .int8_repack import Int8WhileLoading
 from .loading import load_tensors
 from .safetensors_checkpoint import Checkpoint

@@ -10,11 +10,11 @@ from pathlib import Path
 
 from ..kernels.build import int8_by_default
 from ..planner.config_files import load_config
-from ..planner.formats import checkpoint_format
 from ..planner.host_memory import parse_per_host
 from ..planner.memory import size
 from ..planner.report import format_plan
 from ..planner.speed import Hardware, plan_cluster
+from ..planner.stored_formats import checkpoint_format
 from ..planner.weights_bytes import Precision
 from ..runtime.settings import MAX_DRAFT_TOKENS
 from ..util.errors import UserError

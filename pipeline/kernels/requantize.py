@@ -4,8 +4,8 @@ tensor: requantize_kernels.cpp, compiled into the quantized products' extension 
 MLX's graph for an FP8 weight was from_fp8, the block scale, a cast and mx.quantize: about 8.5 ns
 of one core per weight, most of a DeepSeek rank's load. The kernel decodes, scales and quantizes
 each value in one pass (about 4x less CPU) and gives mx.quantize's bits exactly (see its opening
-comment), so a model loads the same whichever runs. checkpoints/formats.py falls back to MLX's graph where the
-extension is not built (macOS, no compiler, `PIPELINE_QMM=0`) or the held dtype is float16.
+comment), so a model loads the same whichever runs. checkpoints/format_adapters.py falls back to MLX's graph
+where the extension is not built (macOS, no compiler, `PIPELINE_QMM=0`) or the held dtype is float16.
 """
 
 from __future__ import annotations

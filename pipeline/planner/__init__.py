@@ -1,5 +1,5 @@
 """What a model needs before anything is loaded, from config.json alone (no MLX): per-family tensor
-shapes (shapes.py), how the checkpoint stores them (formats.py), bytes as held in memory
+shapes (shapes.py), how the checkpoint stores them (stored_formats.py), bytes as held in memory
 (weights_bytes.py), a rank's bytes counted one way for plan, preflight and the stats line
 (memory.py), layer ranges per rank (partition.py), the cluster speed model (speed.py) and the text
 `pipeline plan` prints (report.py), the fit check of `generate --host-memory` (host_memory.py), and

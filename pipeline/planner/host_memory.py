@@ -9,10 +9,10 @@ from pathlib import Path
 
 from ..models.config import ModelConfig
 from ..util.errors import UserError
-from .formats import checkpoint_format
 from .memory import GIB, kv_layer_bytes, rank_bytes, size
 from .partition import layer_counts
 from .shapes import Architecture, architecture
+from .stored_formats import checkpoint_format
 from .weights_bytes import ModelBytes, Precision, model_bytes, with_mtp
 
 

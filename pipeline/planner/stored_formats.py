@@ -32,7 +32,7 @@ class CheckpointFormat:
     group_size: int = 32  # int4
     ignore: tuple[str, ...] = ()  # int4: modules left in float
     # DeepSeek V4's fp8: ue8m0 block scales (one byte each), routed experts in FP4 (fp4_experts), both
-    # held as they are stored, as MLX's mxfp8 and mxfp4 (checkpoints/formats.py)
+    # held as they are stored, as MLX's mxfp8 and mxfp4 (checkpoints/format_adapters.py)
     mx: bool = False
     fp4_experts: bool = False
     half_scales_stored: bool = False  # MLX folder: its scales and biases are float16 in the files

@@ -1,7 +1,7 @@
 """What a model's weights take in memory as a rank holds them, from its shapes (shapes.py) and its
-checkpoint's format (formats.py): per layer, rank 0's extras, and what each layer reads per token.
+checkpoint's format (stored_formats.py): per layer, rank 0's extras, and what each layer reads per token.
 
-Bytes per parameter, resident (in memory at run time, as checkpoints/formats.py's `adapt_tensors` loads
+Bytes per parameter, resident (in memory at run time, as checkpoints/format_adapters.py's `adapt_tensors` loads
 them):
 - float tensors are held in the activation dtype (`--dtype`: 4 B for float32, 2 B for
   bfloat16/float16), whatever they were on disk; DeepSeek's FP8 weights are dequantized into it
@@ -23,8 +23,8 @@ from pathlib import Path
 from ..kernels.int8_layout import INT8_BITS, INT8_BLOCK
 from ..models.config import ModelConfig
 from ..models.deepseek_v4_config import FLOAT32
-from .formats import CheckpointFormat, affine_bytes, checkpoint_format
 from .shapes import Architecture, Param, architecture
+from .stored_formats import CheckpointFormat, affine_bytes, checkpoint_format
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 

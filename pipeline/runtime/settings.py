@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ..checkpoints.formats import Requantize
+    from ..checkpoints.format_adapters import Requantize
 
 DRAFT_CHOICES = ("none", "ngram", "mtp")  # --draft (speculative.py)
 MAX_DRAFT_TOKENS = 15  # --draft-tokens: K + 1 verified positions stay within models.layers.EXACT_POSITIONS_MAX
@@ -35,8 +35,8 @@ class WeightSettings:
     @property
     def requantize(self) -> Requantize | None:
         """--quantize as the loader applies it, None without it."""
-        # checkpoints/formats.py loads mlx.core, which must not load while a parser is built (`pipeline plan`)
-        from ..checkpoints.formats import Requantize
+        # checkpoints/format_adapters.py loads mlx.core, which must not load while a parser is built (`pipeline plan`)
+        from ..checkpoints.format_adapters import Requantize
 
         return Requantize(self.quantize, self.group_size) if self.quantize else None
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from ..checkpoints.formats import Requantize
+from ..checkpoints.format_adapters import Requantize
 from ..checkpoints.safetensors_checkpoint import Checkpoint
 from ..checkpoints.weights import dequantize_slice, load_slice
 from ..cluster.transport import Kind, Transport
