@@ -172,10 +172,10 @@ def worker(form: str, model: str) -> None:
 def spans_of(form: str, model: Path) -> list[tuple[str, int, int]]:
     """The byte ranges one rank (of one) reads: its tensors', in file order."""
     sys.path.insert(0, str(common.REPO))
-    from pipeline.checkpoints.model_files import open_checkpoint
+    from pipeline.checkpoints.model_files import locate
     from pipeline.checkpoints.tensor_names import owned_tensor_names
 
-    checkpoint = open_checkpoint(model)
+    checkpoint = locate(model).open()
     config = checkpoint.model_config()
     names = owned_tensor_names(checkpoint, 0, config.num_hidden_layers, True)
     spans = sorted({span for name in names for span in checkpoint.spans(name)})

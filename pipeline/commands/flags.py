@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import argparse
 import math
-import socket
 from dataclasses import fields
 from pathlib import Path
 
-from ..checkpoints.model_files import is_gguf
+from ..checkpoints.model_files import locate
 from ..runtime.settings import (DRAFT_CHOICES, MAX_DRAFT_TOKENS, JobSettings, RingSettings, TransportSettings,
                                 WeightSettings)
 from ..util.errors import UserError
@@ -135,14 +134,8 @@ def finite(value: float, flag: str) -> float:
 
 def check_model_folder(args: argparse.Namespace) -> None:
     """--model is a folder, or a GGUF file (for a split set, any part: the rest must sit beside it)."""
-    if args.model is None or args.model.is_dir():
-        return
-    if is_gguf(args.model):
-        if not args.model.is_file():
-            raise UserError(f"GGUF file {args.model} does not exist on {socket.gethostname()}")
-        return
-    what = "is not a folder or a .gguf file" if args.model.exists() else "does not exist"
-    raise UserError(f"model folder {args.model} {what} on {socket.gethostname()}")
+    if args.model is not None:
+        locate(args.model)
 
 
 def validated_generation_args(args: argparse.Namespace) -> None:

@@ -8,6 +8,7 @@ import argparse
 import math
 from pathlib import Path
 
+from ..checkpoints.model_files import find
 from ..kernels.build import int8_by_default
 from ..planner.config_files import load_config
 from ..planner.host_memory import parse_per_host
@@ -88,7 +89,7 @@ def run(args: argparse.Namespace, comm=None) -> int:
         tflops=parse_per_host(args.tflops, "--tflops", hosts, allow_one=True) if args.tflops else None,
         reserve_gib=_non_negative(args.reserve_gb, "--reserve-gb"),
     )
-    precision = Precision(checkpoint_format(config, args.model, args.quantize, args.group_size), args.dtype,
+    precision = Precision(checkpoint_format(config, find(args.model), args.quantize, args.group_size), args.dtype,
                           args.quantize, args.group_size,
                           dense=args.weights_in_memory == "fp32",
                           int8=int8_by_default(args.int8_activations, args.dtype))  # as generate resolves it here

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..checkpoints.gguf_file import open_gguf
-from ..checkpoints.model_files import is_gguf, open_checkpoint
+from ..checkpoints.model_files import find, locate
 from ..checkpoints.tensor_names import layer_nbytes
 from ..checkpoints.weights_in_memory import available_memory_bytes, is_quantized
 from ..kernels import build
@@ -148,14 +148,15 @@ def list_model_files(report: RankReport, folder: Path) -> None:
     """The model's files and sizes, and the sha256 of its config.json; of a GGUF (split set), its
     parts, and of the first part's header (metadata and tensor table) in place of config.json's.
     No tensor data is read."""
-    if is_gguf(folder):
-        model = open_gguf(folder)
-        report.files = {p.name: p.stat().st_size for p in model.parts}
-        with open(model.parts[0], "rb") as f:
-            report.config_sha256 = hashlib.sha256(f.read(model.header_bytes[model.parts[0]])).hexdigest()
-        return
-    if not folder.is_dir():
+    model = find(folder)
+    if model is None:
         raise UserError(f"model folder {folder} does not exist")
+    if model.format == "gguf":
+        gguf = open_gguf(model.path)
+        report.files = {p.name: p.stat().st_size for p in gguf.parts}
+        with open(gguf.parts[0], "rb") as f:
+            report.config_sha256 = hashlib.sha256(f.read(gguf.header_bytes[gguf.parts[0]])).hexdigest()
+        return
     report.files = {p.name: p.stat().st_size for p in sorted(folder.iterdir())
                     if p.is_file() and not p.name.startswith(".")}
     config = folder / "config.json"
@@ -165,7 +166,7 @@ def list_model_files(report: RankReport, folder: Path) -> None:
 
 def measure_model(report: RankReport, folder: Path, args: argparse.Namespace, int8: bool) -> None:
     """The model's bytes as stored and as held (int8: --int8-activations as the job resolves it)."""
-    checkpoint = open_checkpoint(folder, weight_settings(args).requantize)
+    checkpoint = locate(folder).open(weight_settings(args).requantize)
     config = checkpoint.model_config()
     report.num_layers = config.num_hidden_layers
     report.disk_layer_bytes, report.disk_ends_bytes = layer_nbytes(checkpoint, config.num_hidden_layers)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..checkpoints.model_files import is_gguf, open_checkpoint
+from ..checkpoints.model_files import find
 from ..models.config import ModelConfig
 from ..util.errors import UserError
 
@@ -21,11 +21,12 @@ def bundled_configs() -> dict[str, Path]:
 def load_config(spec: str | Path) -> ModelConfig:
     """A model folder, a GGUF file (its metadata), a config.json file, or the name of a bundled config
     (e.g. DeepSeek-V3.1)."""
+    model = find(spec)
+    if model is not None and model.format == "gguf":
+        return model.open().model_config()
+    if model is not None:
+        return ModelConfig.from_folder(model.path)
     path = Path(spec)
-    if is_gguf(path):
-        return open_checkpoint(path).model_config()
-    if path.is_dir():
-        return ModelConfig.from_folder(path)
     if not path.is_file():
         path = bundled_configs().get(str(spec).lower().removesuffix(".json"))
         if path is None:

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from ..checkpoints.model_files import find
 from ..models.config import ModelConfig
 from ..util.errors import UserError
 from .memory import GIB, kv_layer_bytes, rank_bytes, size
@@ -50,8 +51,8 @@ class MemoryPlan:
         --int8-activations as resolved, mtp: rank 0 holds the MTP module too (--draft mtp). No defaults
         here: the job passes its settings (runtime/settings.py holds the flags' defaults)."""
         memory = parse_per_host(host_memory, "--host-memory", ranks, unit="ranks")
-        precision = Precision(checkpoint_format(config, folder, quantize, group_size), dtype=dtype, quantize=quantize,
-                              group_size=group_size, int8=int8)
+        precision = Precision(checkpoint_format(config, find(folder), quantize, group_size), dtype=dtype,
+                              quantize=quantize, group_size=group_size, int8=int8)
         arch = architecture(config)
         mb, dense_mb = model_bytes(arch, precision), model_bytes(arch, replace(precision, dense=True))
         if mtp:

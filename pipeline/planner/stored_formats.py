@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..checkpoints import quants
 from ..checkpoints.gguf_checkpoint import GGUFCheckpoint
-from ..checkpoints.model_files import is_gguf
+from ..checkpoints.model_files import ModelFiles
 from ..checkpoints.safetensors_checkpoint import read_header
 from ..models.config import ModelConfig
 from ..util.errors import UserError
@@ -137,12 +137,13 @@ class CheckpointFormat:
         return floats
 
 
-def checkpoint_format(config: ModelConfig, model: str | Path | None = None, quantize: int | None = None,
+def checkpoint_format(config: ModelConfig, model: ModelFiles | None = None, quantize: int | None = None,
                       group_size: int = 64) -> CheckpointFormat:
-    """model: where config came from; a GGUF file's tensor table (header only) gives each tensor's
-    type, bytes and MLX layout, quantize/group_size the layout of types MLX cannot hold exactly."""
-    if model is not None and is_gguf(model):
-        return GGUFFormat.of(Path(model), config, quantize, group_size)
+    """model: the files config came from (model_files.find; None: a config.json alone); a GGUF file's
+    tensor table (header only) gives each tensor's type, bytes and MLX layout, quantize/group_size the
+    layout of types MLX cannot hold exactly."""
+    if model is not None and model.format == "gguf":
+        return GGUFFormat.of(model.path, config, quantize, group_size)
     raw = config.raw
     float_bytes = {"float32": 4, "float16": 2, "bfloat16": 2}.get(raw.get("torch_dtype") or raw.get("dtype"), 2)
     if config.quantization and "bits" in config.quantization:
@@ -171,11 +172,11 @@ def checkpoint_format(config: ModelConfig, model: str | Path | None = None, quan
                     f"MLX 'quantization')")
 
 
-def _scales_dtype(model: str | Path | None) -> str | None:
+def _scales_dtype(model: ModelFiles | None) -> str | None:
     """The safetensors dtype of an MLX folder's first `.scales` tensor (from one file's header), or None."""
-    if model is None or not Path(model).is_dir():
+    if model is None or model.format != "safetensors":
         return None
-    for path in sorted(Path(model).glob("*.safetensors")):
+    for path in sorted(model.path.glob("*.safetensors")):
         try:
             tensors = read_header(path)
         except (OSError, UserError):  # the loader reports a bad file; the planner only counts

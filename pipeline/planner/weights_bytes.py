@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from ..checkpoints.model_files import find
 from ..kernels.int8_layout import INT8_BITS, INT8_BLOCK
 from ..models.config import ModelConfig
 from ..models.deepseek_v4_config import FLOAT32
@@ -184,6 +185,6 @@ def held_and_dense(config: ModelConfig, model: str | Path, dtype: str = "float32
                    group_size: int = 64, int8: bool = False) -> tuple[ModelBytes, ModelBytes]:
     """model_bytes_of packed and dequantized, the checkpoint's format read once (a GGUF's header
     is parsed to learn it). int8: --int8-activations (its repack and head copy counted)."""
-    checkpoint, arch = checkpoint_format(config, model, quantize, group_size), architecture(config)
+    checkpoint, arch = checkpoint_format(config, find(model), quantize, group_size), architecture(config)
     return tuple(model_bytes(arch, Precision(checkpoint, dtype, quantize, group_size, dense, int8))
                  for dense in (False, True))

@@ -13,7 +13,7 @@ import mlx.core as mx
 
 from ..checkpoints.default_model import default_model_dir
 from ..checkpoints.int8_repack import use_int8
-from ..checkpoints.model_files import open_checkpoint
+from ..checkpoints.model_files import locate
 from ..checkpoints.mtp import load_mtp
 from ..checkpoints.safetensors_checkpoint import Checkpoint
 from ..checkpoints.tensor_names import layer_nbytes
@@ -92,7 +92,7 @@ def plan_job(settings: WeightSettings, comm, last_rank_head: float = 0.0) -> Pla
                                    settings.dtype == "float32" and build.expected()))
         memory, fast_quantized = [(h, a) for h, a, _ in gathered], [f for _, _, f in gathered]
     folder = resolve_model_folder(settings.model, comm)
-    checkpoint = open_checkpoint(folder, settings.requantize)
+    checkpoint = locate(folder).open(settings.requantize)
     config = checkpoint.model_config()
     family = family_for(config)
     if settings.draft != "none" and not family.drafts:
