@@ -10,6 +10,7 @@ from pathlib import Path
 
 from . import flags
 from ..cluster import mpi
+from ..runtime.settings import RingSettings
 from ..util.errors import UserError
 from .batch_io import InputRequest, ResultsFile, error_record, note, read_requests, result_record
 
@@ -29,7 +30,7 @@ def add_parser(commands) -> None:
     batch.add_argument("--output", type=Path, required=True, help="JSONL results, appended (and resumed from)")
     flags.add_model_arg(batch)
     flags.add_engine_args(batch)
-    flags.add_prefix_cache_arg(batch, default_gb=0.0)
+    flags.add_prefix_cache_arg(batch, default_gb=RingSettings.prefix_cache_gb)
     batch.add_argument("--quiet", action="store_true", help="no progress bar")
     batch.add_argument("--trace", type=Path, default=None, metavar="FILE",
                        help="write a Chrome trace-event JSON of every rank's compute, receive and send spans "
