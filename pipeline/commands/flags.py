@@ -12,8 +12,8 @@ from dataclasses import fields
 from pathlib import Path
 
 from ..checkpoints.model_files import locate
-from ..runtime.settings import (DRAFT_CHOICES, MAX_DRAFT_TOKENS, JobSettings, RingSettings, TransportSettings,
-                                WeightSettings)
+from ..runtime.settings import (DRAFT_CHOICES, MAX_DRAFT_TOKENS, DraftSettings, JobSettings, RingSettings,
+                                TransportSettings, WeightSettings)
 from ..util.errors import UserError
 
 
@@ -94,13 +94,14 @@ def add_draft_args(parser: argparse.ArgumentParser) -> None:
                              "when the answer repeats the prompt: summaries, edits, code); mtp: DeepSeek's "
                              "multi-token-prediction module (in DeepSeek's own V3/R1/V3.1/V3.2 folders) on rank 0. "
                              "Greedy output is the same as without (default none)")
-    parser.add_argument("--draft-tokens", type=int, default=8, metavar="K",
-                        help=f"most tokens drafted per trip, 1 to {MAX_DRAFT_TOKENS} (default 8)")
-    parser.add_argument("--ngram-max", type=int, default=3, metavar="N",
-                        help="longest suffix --draft ngram looks up (default 3)")
+    parser.add_argument("--draft-tokens", type=int, default=DraftSettings.tokens, metavar="K",
+                        help=f"most tokens drafted per trip, 1 to {MAX_DRAFT_TOKENS} (default {DraftSettings.tokens})")
+    parser.add_argument("--ngram-max", type=int, default=DraftSettings.ngram_max, metavar="N",
+                        help=f"longest suffix --draft ngram looks up (default {DraftSettings.ngram_max})")
+    # None: DraftSettings.ngram_min, or --ngram-max if smaller (validated_draft_args)
     parser.add_argument("--ngram-min", type=int, default=None, metavar="N",
-                        help="shortest suffix --draft ngram drafts from (default 2, or --ngram-max if that is "
-                             "1: a match of one token seldom continues)")
+                        help=f"shortest suffix --draft ngram drafts from (default {DraftSettings.ngram_min}, or "
+                             "--ngram-max if that is 1: a match of one token seldom continues)")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -185,9 +186,7 @@ def validated_engine_args(args: argparse.Namespace) -> None:
         raise UserError(f"--prefix-cache-gb must be >= 0 (0 turns it off), got {gb:g}")
 
 
-def draft_settings(args: argparse.Namespace):
-    from ..runtime.speculative import DraftSettings  # here, not at the top: it loads MLX (`pipeline plan`)
-
+def draft_settings(args: argparse.Namespace) -> DraftSettings:
     return DraftSettings(args.draft, args.draft_tokens, args.ngram_max, args.ngram_min)
 
 
@@ -197,7 +196,7 @@ def validated_draft_args(args: argparse.Namespace) -> None:
     if args.ngram_max < 1:
         raise UserError(f"--ngram-max must be >= 1, got {args.ngram_max}")
     if args.ngram_min is None:
-        args.ngram_min = min(2, args.ngram_max)
+        args.ngram_min = min(DraftSettings.ngram_min, args.ngram_max)
     if not 1 <= args.ngram_min <= args.ngram_max:
         raise UserError(f"--ngram-min must be from 1 to --ngram-max ({args.ngram_max}), got {args.ngram_min}")
 

@@ -54,7 +54,8 @@ from .head_share import HeadSplit, combined_argmax, returned_rows, split_returne
 from .prefix_cache import PrefixCache
 from .requests import Failed, Finished, Request, TokenLogprob, Tokens
 from .sampling import Sampler
-from .speculative import DraftSettings, DraftStats, verify
+from .settings import DraftSettings
+from .speculative import DraftStats, verify
 from .stage import Stage
 from .trace import COMPUTE, RECV, SEND, Timeline
 

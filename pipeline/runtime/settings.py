@@ -42,6 +42,24 @@ class WeightSettings:
 
 
 @dataclass(frozen=True)
+class DraftSettings:
+    """--draft, --draft-tokens, --ngram-max, --ngram-min: each sequence of a batch or server drafts for
+    itself (speculative.py)."""
+    kind: str = WeightSettings.draft  # --draft: one flag, which WeightSettings reads too (MTP's weights)
+    tokens: int = 8  # --draft-tokens K: most tokens drafted per trip, 1 to MAX_DRAFT_TOKENS
+    ngram_max: int = 3  # --ngram-max: the longest suffix --draft ngram looks up
+    ngram_min: int = 2  # --ngram-min: the shortest it drafts from; the flag's default is at most --ngram-max
+
+    def drafter(self, stage=None):
+        """A new sequence's drafter; stage: rank 0's (its MTP module, slice) for kind "mtp"."""
+        # speculative.py loads mlx.core, which must not load while a parser is built (`pipeline plan`)
+        from .speculative import make_drafter
+
+        return make_drafter(self.kind, self.tokens, self.ngram_max, self.ngram_min, getattr(stage, "mtp", None),
+                            getattr(stage, "model", None))
+
+
+@dataclass(frozen=True)
 class TransportSettings:
     """How ranks talk (job.make_transport)."""
     transport: str = "mpi"  # --transport of hidden states: mpi or mlx

@@ -209,20 +209,6 @@ def make_drafter(kind: str, draft_tokens: int, ngram_max: int, ngram_min: int, m
     return None
 
 
-@dataclass(frozen=True)
-class DraftSettings:
-    """--draft, --draft-tokens, --ngram-max, --ngram-min: each sequence of a batch or server drafts for itself."""
-    kind: str = "none"
-    tokens: int = 4
-    ngram_max: int = 3
-    ngram_min: int = 2
-
-    def drafter(self, stage=None):
-        """A new sequence's drafter; stage: rank 0's (its MTP module, slice) for kind "mtp"."""
-        return make_drafter(self.kind, self.tokens, self.ngram_max, self.ngram_min, getattr(stage, "mtp", None),
-                            getattr(stage, "model", None))
-
-
 def verify(sampler: Sampler, logits: mx.array, drafts: list[int], history: list[int]) -> tuple[int, int]:
     """logits: [len(drafts) + 1, vocab], the model's at the last token and at each draft.
     Returns (drafts accepted, the next token after them)."""
