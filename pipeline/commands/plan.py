@@ -17,7 +17,7 @@ from ..planner.report import format_plan
 from ..planner.speed import Hardware, plan_cluster
 from ..planner.stored_formats import checkpoint_format
 from ..planner.weights_bytes import Precision
-from ..runtime.settings import MAX_DRAFT_TOKENS
+from ..runtime.settings import MAX_DRAFT_TOKENS, WeightSettings
 from ..util.errors import UserError
 
 
@@ -34,19 +34,22 @@ def add_parser(commands) -> None:
     plan.add_argument("--host-memory", default=None, metavar="GIB,GIB,...",
                       help="memory per host in GiB, e.g. 512,512,256,256: shares proportional to it (the split "
                            "generate --host-memory uses) and a fit verdict; without it, an even split")
-    plan.add_argument("--quantize", type=int, choices=[2, 3, 4, 5, 6, 8], default=None, metavar="BITS",
+    plan.add_argument("--quantize", type=int, choices=[2, 3, 4, 5, 6, 8], default=WeightSettings.quantize,
+                      metavar="BITS",
                       help="plan for weights re-quantized to MLX affine BITS (as generate --quantize)")
-    plan.add_argument("--group-size", type=int, choices=[32, 64, 128], default=64, help="for --quantize (default 64)")
+    plan.add_argument("--group-size", type=int, choices=[32, 64, 128], default=WeightSettings.group_size,
+                      help=f"for --quantize (default {WeightSettings.group_size})")
     plan.add_argument("--weights-in-memory", choices=["quantized", "fp32"], default="quantized",
                       help="MLX-quantized weights held packed (default) or dequantized to --dtype, as generate "
                            "--weights-in-memory fp32 (or auto, where memory allows) holds them")
-    plan.add_argument("--int8-activations", action=argparse.BooleanOptionalAction, default=None,
+    plan.add_argument("--int8-activations", action=argparse.BooleanOptionalAction,
+                      default=WeightSettings.int8_activations,
                       help="plan for int8 products, as generate holds them: 4- and 8-bit matrices repacked "
                            "(float16 scales where the checkpoint stores them so), a tied embedding held twice "
                            "on rank 0 (default: as generate decides it on this machine)")
-    plan.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+    plan.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=WeightSettings.dtype,
                       help="activation dtype, which unquantized weights and the KV cache are held in "
-                           "(default float32, as generate)")
+                           f"(default {WeightSettings.dtype}, as generate)")
     plan.add_argument("--context", type=int, default=None,
                       help="tokens per sequence for the KV cache (default 8192, or the model's context if shorter)")
     plan.add_argument("--batch", type=int, default=None,
