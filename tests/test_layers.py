@@ -158,16 +158,18 @@ def test_no_module_uses_another_modules_private_names():
     wrong = []
     for module, path in mods.items():
         tree = ast.parse(path.read_text(), str(path))
-        aliases = {}  # local name -> the pipeline module it stands for
-        for line, target, name in imports_of(module, path, known):
+        found = imports_of(module, path, known)
+        for line, target, name in found:
             if name is not None and private(name) and target != module:
                 wrong.append(f"{module}:{line} imports {target}.{name}")
+        imported_modules = [target for _, target, name in found if name is None]
+        aliases = {}  # local name -> the pipeline module it stands for
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) or isinstance(node, ast.Import):
                 for a in node.names:
                     local = a.asname or a.name.split(".")[0]
-                    for _, target, name in imports_of(module, path, known):
-                        if name is None and target.endswith("." + a.name.split(".")[-1]):
+                    for target in imported_modules:
+                        if target.endswith("." + a.name.split(".")[-1]):
                             aliases[local] = target
         for node in ast.walk(tree):
             if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
