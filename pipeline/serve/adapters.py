@@ -1,5 +1,10 @@
-"""Engine events (requests.Tokens, Finished, Failed) turned into the OpenAI wire format: the
-chunks of a stream, or the one response body of a request that does not stream.
+"""The APIs over the one request path, and engine events (requests.Tokens, Finished, Failed)
+turned into the OpenAI wire format: the chunks of a stream, or the one response body of a request
+that does not stream.
+
+Each API (`API`: Chat Completions and Completions here, Anthropic's Messages in
+anthropic_adapter.py) parses its body into a `Generation`; app.py renders the prompt, submits it
+and feeds the engine's events to the API's adapter.
 
 One adapter per request. It sees every event in order; streaming sends what `opening`, `tokens`
 and `finished` return as they come, a plain request sends `response()` at the end. Both come
@@ -8,11 +13,99 @@ from the same events, so a streamed text and a plain one are the same text.
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
 
 from ..chat.output import ChatMessage, ChatOutputParser
-from ..runtime.requests import Finished, TokenLogprob, Tokens
+from ..runtime.requests import Finished, SamplingParams, TokenLogprob, Tokens
 from . import chat_output, protocol
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest
+
+
+@dataclass
+class Generation:
+    """A request of any API reduced to what the one request path needs: the prompt (a chat for the
+    template, or a completion's raw prompt), the sampling, the limits, and the parsed body (for
+    the adapter, which answers in the request's own terms)."""
+    model: str                          # the model the request names
+    stream: bool
+    sampling: SamplingParams            # the request's settings over the command's flags
+    max_tokens: int | None              # None: the rest of the context, capped by --max-tokens
+    stop: list[str] | None              # None: the command's --stop
+    body: Any                           # the parsed request
+    messages: list[dict] | None = None  # a chat in OpenAI's shape, for the chat template
+    tools: list[dict] | None = None     # OpenAI's function list for the template; None: no tools, no calls parsed
+    template_kwargs: dict | None = None  # the template's own switches ({"thinking": true}, ...)
+    prompt: str | list[int] | None = None  # a completion's prompt: text or token ids
+    logprobs: int | None = None         # the engine's logprobs: None off, else alternatives per token
+
+
+class API:
+    """One HTTP API over the shared request path (app.py's Server): how its body becomes a
+    Generation, the adapter that writes the engine's events in its wire format, and its error shape."""
+    endpoint: ClassVar[str]   # its route, and its label in /metrics
+    id_prefix: ClassVar[str]  # of the ids of its responses
+    x_api_key: ClassVar[bool] = False  # the key may come as `x-api-key: KEY` besides `Authorization: Bearer KEY`
+    ping_s: ClassVar[float | None] = None  # a stream's keep-alive event, after this long with nothing sent
+
+    def parse(self, body: bytes, sampling: SamplingParams, check_model: Callable[[str], None]) -> Generation:
+        """The body as a Generation, or APIError. `sampling`: the command's flags; `check_model`
+        raises the 404 of a model this server does not have (for APIs that name models)."""
+        raise NotImplementedError
+
+    def adapter(self, id: str, created: int, model: str, token_text: Callable[[int], str], generation: Generation,
+                output: ChatOutputParser | None):
+        raise NotImplementedError
+
+    def error_body(self, error: APIError) -> dict:
+        return error.body()
+
+    def error_status(self, error: APIError) -> int:
+        return error.status
+
+    def event(self, chunk: dict) -> bytes:
+        """One of the adapter's chunks as a server-sent event."""
+        return protocol.sse(chunk)
+
+    def stream_error(self, error: APIError) -> bytes:
+        """The error that ends a stream that has begun (the openai client raises it as an APIError)."""
+        return protocol.sse(error.body())
+
+    def stream_end(self) -> bytes:
+        return protocol.sse("[DONE]")
+
+    def ping(self) -> bytes:
+        raise NotImplementedError
+
+
+class ChatAPI(API):
+    endpoint, id_prefix = "/v1/chat/completions", "chatcmpl-"
+
+    def parse(self, body: bytes, sampling: SamplingParams, check_model: Callable[[str], None]) -> Generation:
+        request = protocol.parse(ChatCompletionRequest, body)
+        check_model(request.model)
+        return Generation(request.model, bool(request.stream), request.sampling(sampling), request.token_limit(),
+                          request.stop, request, messages=request.template_messages(),
+                          tools=request.template_tools(), template_kwargs=request.chat_template_kwargs,
+                          logprobs=request.top_logprobs_wanted())
+
+    def adapter(self, id, created, model, token_text, generation, output):
+        return ChatAdapter(id, created, model, token_text, generation.logprobs is not None,
+                           generation.body.include_usage, output=output)
+
+
+class CompletionsAPI(API):
+    endpoint, id_prefix = "/v1/completions", "cmpl-"
+
+    def parse(self, body: bytes, sampling: SamplingParams, check_model: Callable[[str], None]) -> Generation:
+        request = protocol.parse(CompletionRequest, body)
+        check_model(request.model)
+        return Generation(request.model, bool(request.stream), request.sampling(sampling), request.token_limit(),
+                          request.stop, request, prompt=request.prompt, logprobs=request.logprobs)
+
+    def adapter(self, id, created, model, token_text, generation, output):
+        return CompletionAdapter(id, created, model, token_text, generation.logprobs is not None,
+                                 generation.body.include_usage)
 
 
 class _Adapter:

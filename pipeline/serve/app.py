@@ -33,13 +33,13 @@ from starlette.routing import Route
 from ..runtime.requests import Failed, Finished, SamplingParams, Tokens
 from ..checkpoints.tokenizer import Tokenizer
 from . import chat_output, protocol
-from .adapters import ChatAdapter, CompletionAdapter
+from .adapters import API, ChatAPI, CompletionsAPI, Generation
 from .gateway import Gateway, Submission, shutting_down
 from .metrics import CONTENT_TYPE, Metrics
 from .prompts import chat_prompt_ids, completion_prompt_ids
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest
+from .protocol import APIError
 
-CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+CHAT, COMPLETIONS = ChatAPI(), CompletionsAPI()
 ALIAS = "default"  # the model's other name, for clients that do not ask /v1/models first
 
 
@@ -101,8 +101,8 @@ class Server:
 
     def app(self) -> Starlette:
         routes = [Route("/", self.chat_page, methods=["GET"]),
-                  Route(CHAT, self.chat_completions, methods=["POST"]),
-                  Route(COMPLETIONS, self.completions, methods=["POST"]),
+                  Route(CHAT.endpoint, self.chat_completions, methods=["POST"]),
+                  Route(COMPLETIONS.endpoint, self.completions, methods=["POST"]),
                   Route("/v1/models", self.models, methods=["GET"]),
                   Route("/v1/models/{model:path}", self.model_card, methods=["GET"]),
                   Route("/health", self.health, methods=["GET"]),
@@ -140,13 +140,17 @@ class Server:
 
     # -- checks ---------------------------------------------------------------------------------------------
 
-    def _authorize(self, http: HTTPRequest) -> None:
+    def _authorize(self, http: HTTPRequest, x_api_key: bool = False) -> None:
+        """The key of --api-key, as `Authorization: Bearer KEY` (or, where `x_api_key`, as Anthropic's
+        `x-api-key: KEY`)."""
         if self.api_key is None:
             return
         scheme, _, key = http.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not key:
-            raise APIError("no API key: send the header 'Authorization: Bearer KEY'", status=401,
-                           code="invalid_api_key")
+            key = http.headers.get("x-api-key", "") if x_api_key else ""
+        if not key:
+            where = "'x-api-key: KEY' or 'Authorization: Bearer KEY'" if x_api_key else "'Authorization: Bearer KEY'"
+            raise APIError(f"no API key: send the header {where}", status=401, code="invalid_api_key")
         if not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
             raise APIError("incorrect API key", status=401, code="invalid_api_key")
 
@@ -166,16 +170,21 @@ class Server:
 
     # -- generation -----------------------------------------------------------------------------------------
 
-    async def _generate(self, http: HTTPRequest, endpoint: str) -> Response:
-        chat = endpoint == CHAT
+    def error_response(self, api: API, error: APIError) -> JSONResponse:
+        return JSONResponse(api.error_body(error), status_code=api.error_status(error), headers=error.headers)
+
+    async def _generate(self, http: HTTPRequest, api: API) -> Response:
+        """Any API's request, along the one path: checked and parsed (`_submit`), handed to the
+        scheduler, its events written out by the API's adapter as a stream or one body."""
         try:
-            submission, adapter, stream = await self._submit(http, chat)
+            submission, adapter, stream = await self._submit(http, api)
         except APIError as e:
-            self.metrics.answered(endpoint, e.status)
-            return error_response(e)
+            response = self.error_response(api, e)
+            self.metrics.answered(api.endpoint, response.status_code)
+            return response
         if stream:
-            self.metrics.answered(endpoint, 200)
-            return EventStream(self._stream(submission, adapter), submission.cancel)
+            self.metrics.answered(api.endpoint, 200)
+            return EventStream(self._stream(submission, adapter, api), submission.cancel)
         watcher = asyncio.ensure_future(_call_on_disconnect(http.receive, submission.cancel))
         outcome = None
         try:
@@ -186,62 +195,62 @@ class Server:
             if outcome is None:  # this task was cancelled (the server stopping) before the request ended
                 submission.cancel()
         if isinstance(outcome, APIError):
-            response = error_response(outcome)
+            response = self.error_response(api, outcome)
         else:
             response = JSONResponse(adapter.response())
-        self.metrics.answered(endpoint, response.status_code)
+        self.metrics.answered(api.endpoint, response.status_code)
         return response
 
-    async def _submit(self, http: HTTPRequest, chat: bool):
-        """The checks, in the order OpenAI makes them; then the request handed to the scheduler."""
-        self._authorize(http)
+    async def _submit(self, http: HTTPRequest, api: API):
+        """The checks, in the order OpenAI makes them; then the prompt rendered (the same for every
+        API), and the request handed to the scheduler with the API's adapter for its events."""
+        self._authorize(http, api.x_api_key)
         if self.gateway.draining:
             raise shutting_down()
-        body = protocol.parse(ChatCompletionRequest if chat else CompletionRequest, await http.body())
-        self._check_model(body.model)
-        sampling = body.sampling(self.defaults.sampling)
-        logprobs = body.top_logprobs_wanted() if chat else body.logprobs
+        request = api.parse(await http.body(), self.defaults.sampling, self._check_model)
+        ids, output = await self._prompt(request)
+        max_tokens = request.max_tokens or min(self.defaults.max_tokens, self.model.context - len(ids))
+        stop = request.stop if request.stop is not None else self.defaults.stop
+        id = f"{api.id_prefix}{uuid.uuid4().hex[:24]}"
+        submission = self.gateway.submit(ids, request.sampling, max_tokens, stop, request.logprobs, tag=id)
+        adapter = api.adapter(id, int(submission.submitted), self.model.id, self._token_text, request, output)
+        return submission, adapter, request.stream
+
+    async def _prompt(self, request: Generation):
+        """The prompt's token ids, in a worker thread, and for a chat the parser of its answer."""
         model = self.model
-        output = None
-        if chat:
-            tools = body.template_tools()
-            if tools is not None:
-                chat_output.check_tools(model.tokenizer)
-            ids = await run_in_threadpool(chat_prompt_ids, model.tokenizer, body.template_messages(), model.context,
-                                          tools, body.chat_template_kwargs)
-            output = chat_output.output_parser(model.tokenizer, ids, parse_tools=tools is not None)
-        else:
-            ids = await run_in_threadpool(completion_prompt_ids, model.tokenizer, body.prompt, model.context,
+        if request.messages is None:
+            ids = await run_in_threadpool(completion_prompt_ids, model.tokenizer, request.prompt, model.context,
                                           model.vocab_size)
-        max_tokens = body.token_limit() or min(self.defaults.max_tokens, model.context - len(ids))
-        stop = body.stop if body.stop is not None else self.defaults.stop
-        id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        submission = self.gateway.submit(ids, sampling, max_tokens, stop, logprobs, tag=id)
-        if chat:
-            adapter = ChatAdapter(id, int(submission.submitted), model.id, self._token_text, logprobs is not None,
-                                  body.include_usage, output=output)
-        else:
-            adapter = CompletionAdapter(id, int(submission.submitted), model.id, self._token_text,
-                                        logprobs is not None, body.include_usage)
-        return submission, adapter, bool(body.stream)
+            return ids, None
+        if request.tools is not None:
+            chat_output.check_tools(model.tokenizer)
+        ids = await run_in_threadpool(chat_prompt_ids, model.tokenizer, request.messages, model.context,
+                                      request.tools, request.template_kwargs)
+        return ids, chat_output.output_parser(model.tokenizer, ids, parse_tools=request.tools is not None)
 
     def _token_text(self, token_id: int) -> str:
         return self.model.tokenizer.decode([token_id])
 
-    async def _stream(self, submission: Submission, adapter) -> AsyncIterator[bytes]:
+    async def _stream(self, submission: Submission, adapter, api: API) -> AsyncIterator[bytes]:
         ended = False
         try:
             for chunk in adapter.opening():
-                yield protocol.sse(chunk)
-            async for event in submission.events():
+                yield api.event(chunk)
+            async for event in _with_pings(submission.events(), api.ping_s):
+                if event is None:  # nothing to send for a while (a long prompt, a full queue): keep the line alive
+                    yield api.ping()
+                    continue
                 outcome = self._take(submission, adapter, event)
                 ended = not isinstance(event, Tokens)
-                if isinstance(outcome, APIError):  # the openai client raises it as an APIError
-                    yield protocol.sse(outcome.body())
+                if isinstance(outcome, APIError):
+                    yield api.stream_error(outcome)
                 else:
                     for chunk in outcome:
-                        yield protocol.sse(chunk)
-            yield protocol.sse("[DONE]")
+                        yield api.event(chunk)
+            end = api.stream_end()
+            if end:
+                yield end
         finally:
             if not ended:  # the response task itself was cancelled (the server stopping)
                 submission.cancel()
@@ -261,6 +270,30 @@ class Server:
             return APIError("the request was cancelled: the server is shutting down", status=503,
                             code="cancelled", type="server_error")
         return adapter.finished(event)
+
+
+async def _with_pings(events: AsyncIterator, every_s: float | None) -> AsyncIterator:
+    """`events`, with a None put in whenever `every_s` seconds pass without one (never, where None)."""
+    if every_s is None:
+        async for event in events:
+            yield event
+        return
+    iterator = events.__aiter__()
+    next_event = asyncio.ensure_future(iterator.__anext__())
+    try:
+        while True:
+            done, _ = await asyncio.wait({next_event}, timeout=every_s)
+            if not done:
+                yield None
+                continue
+            try:
+                event = next_event.result()
+            except StopAsyncIteration:
+                return
+            yield event
+            next_event = asyncio.ensure_future(iterator.__anext__())
+    finally:
+        next_event.cancel()
 
 
 def request_line(id: str, finished: Finished) -> str:
