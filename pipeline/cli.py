@@ -20,7 +20,7 @@ from .util import private_tmp
 from .util.errors import UserError
 
 # In the order `--help` lists them.
-COMMANDS = ("generate", "batch", "serve", "plan", "convert", "preflight", "ping")
+COMMANDS = ("generate", "batch", "serve", "perplexity", "plan", "convert", "preflight", "ping")
 LOCAL = ("plan", "convert")  # single-process commands: no MPI
 
 

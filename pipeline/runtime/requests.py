@@ -73,9 +73,16 @@ class Tokens:
 
 
 @dataclass
+class Scores:
+    """A scoring request's (Request.score_from) log-probabilities of the prompt tokens at the
+    positions just run, in prompt order: each of a token given the tokens before it (raw logits)."""
+    logprobs: list[float]
+
+
+@dataclass
 class Finished:
     """The last event of a request that ran."""
-    reason: str  # "stop" (EOS or a stop string), "length", or "cancelled"
+    reason: str  # "stop" (EOS or a stop string), "length", "cancelled", or "scored" (Request.score_from)
     text: str  # the whole completion
     tail: str  # its end not yet passed on in a Tokens event (text held back until the finish)
     prompt_tokens: int
@@ -92,7 +99,7 @@ class Failed:
     message: str
 
 
-Event = Tokens | Finished | Failed
+Event = Tokens | Scores | Finished | Failed
 
 
 @dataclass(eq=False)
@@ -106,6 +113,10 @@ class Request:
     on_event: Callable[[Event], None]
     stop: list[str] = field(default_factory=list)
     logprobs: int | None = None  # None: off; k: each token's logprob and its k most likely alternatives
+    # None: generate. k: score the prompt instead (perplexity): the logprob of each prompt token after
+    # position k, given those before it, comes in Scores events as the prompt runs; then Finished
+    # ("scored"), no token generated. Its positions a prefix-cache hit skips are not scored.
+    score_from: int | None = None
     tag: Any = None  # the front-end's own
     submitted_at: float | None = None  # time.perf_counter() at submission (None: the scheduler's start)
     cancelled: bool = False

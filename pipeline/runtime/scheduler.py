@@ -52,7 +52,7 @@ from ..models.packing import segments
 from .engine import PREFILL_CHUNK
 from .head_share import HeadSplit, combined_argmax, returned_rows, split_returned
 from .prefix_cache import PrefixCache
-from .requests import Failed, Finished, Request, TokenLogprob, Tokens
+from .requests import Failed, Finished, Request, Scores, TokenLogprob, Tokens
 from .sampling import Sampler
 from .settings import DraftSettings
 from .speculative import DraftStats, verify
@@ -143,8 +143,13 @@ class Sequence:
 
     @property
     def full_logits(self) -> bool:
-        """Its next token needs every logit (sampling, logprobs, drafts), not just the argmax."""
-        return not self.sampler.greedy or self.request.logprobs is not None or bool(self.drafts)
+        """Its next token needs every logit (sampling, logprobs, drafts, scores), not just the argmax."""
+        return not self.sampler.greedy or self.request.logprobs is not None or bool(self.drafts) or self.scores
+
+    @property
+    def scores(self) -> bool:
+        """It scores its prompt (Request.score_from): every position of it comes back, and it generates nothing."""
+        return self.request.score_from is not None
 
     def take_input(self) -> list[int]:
         """The tokens of this sequence's next forward pass: a prompt chunk, or its last token."""
@@ -330,7 +335,8 @@ class Scheduler:
         number = self.next_number
         self.next_number += 1
         with self.timeline.span(COMPUTE, f"mb {number}: embed + layers ({len(seqs)} seqs)"):
-            prompt = [seq.prefilling and seq.wants_hidden for seq in seqs]  # every prompt state back for the MTP
+            # every prompt state back for the MTP, or to score the prompt
+            prompt = [seq.prefilling and (seq.wants_hidden or seq.scores) for seq in seqs]
             inputs = [seq.take_input() for seq in seqs]
             lengths = [len(tokens) for tokens in inputs]
             full = [bool(seq.drafts) or p for seq, p in zip(seqs, prompt)]
@@ -374,13 +380,18 @@ class Scheduler:
         with self.timeline.span(COMPUTE, f"mb {microbatch.number}: head + sample"):
             if any(seq.wants_hidden for seq in microbatch.seqs):
                 self._hand_hidden(microbatch)
+            scored = self._score(microbatch) if any(seq.scores for seq in microbatch.seqs) else []
+            finished += scored
             for seq in microbatch.seqs:
+                if seq.seq_id in scored:
+                    continue
                 if seq.request.cancelled:
                     self._finish(seq, "cancelled")
                     finished.append(seq.seq_id)
                 elif seq.prefilling:  # more prompt chunks to go: no token yet
                     self.ready.append(seq)
-            index = [i for i, seq in enumerate(microbatch.seqs) if not seq.prefilling and not seq.request.cancelled]
+            index = [i for i, seq in enumerate(microbatch.seqs)
+                     if not seq.prefilling and not seq.request.cancelled and not seq.scores]
             if index:
                 finished += self._sample(microbatch, index)
         self._release(finished)
@@ -393,6 +404,35 @@ class Scheduler:
         for seq, (begin, end) in zip(microbatch.seqs, bounds):
             if seq.wants_hidden:
                 seq.drafter.returned(self.model.norm(rows[begin:end]))
+
+    def _score(self, microbatch: Microbatch) -> list[int]:
+        """Each scoring sequence's logprobs of its prompt tokens at the positions it just ran (from
+        its score_from on), in a Scores event; returns the ids of those that ended (prompt all in:
+        Finished "scored"; or failed)."""
+        rows, _ = split_returned(microbatch.hidden, self.model.config.hidden_size)
+        bounds = segments([n if f else 1 for n, f in zip(microbatch.lengths, microbatch.full)])
+        ended = []
+        for seq, n, (begin, _) in zip(microbatch.seqs, microbatch.lengths, bounds):
+            if not seq.scores or seq.request.cancelled:
+                continue
+            try:
+                ran = seq.fed - n  # the prompt position of this piece's first row
+                # Row j predicts prompt token j + 1: the last prompt position predicts nothing scored.
+                first, end = max(seq.request.score_from, ran), min(seq.fed, len(seq.prompt_ids) - 1)
+                logprobs = []
+                if first < end:
+                    logprobs = next_token_logprobs(self.model, rows[begin + first - ran:begin + end - ran],
+                                                   seq.prompt_ids[first + 1:end + 1], self.group_rows)
+                seq.request.on_event(Scores(logprobs))
+            except Exception as e:  # noqa: BLE001 -- this request's own code path: it fails alone
+                self._drop(seq)
+                self._fail(seq.request, _describe(e))
+                ended.append(seq.seq_id)
+                continue
+            if not seq.prefilling:
+                self._finish(seq, "scored")
+                ended.append(seq.seq_id)
+        return ended
 
     def _release(self, seq_ids: list[int]) -> None:
         """Free the caches of ended sequences on every rank (or keep them in the prefix cache)."""
@@ -555,6 +595,19 @@ def token_logprob(logits: mx.array, token: int, top: int) -> TokenLogprob:
         best = mx.argsort(-logprobs)[:top]
         alternatives = list(zip(best.tolist(), logprobs[best].tolist()))
     return TokenLogprob(token, logprobs[token].item(), alternatives)
+
+
+def next_token_logprobs(model, rows: mx.array, targets: list[int], group_rows: int) -> list[float]:
+    """Final hidden states [n, hidden] (before the norm) -> each position's log-probability of its
+    target token under the raw logits. The head runs on `group_rows` rows at a time, as sampling's does
+    (batch-invariant products), so a sequence's logprobs do not depend on what ran beside it."""
+    picked = []
+    for b, e in row_groups([1] * len(targets), group_rows):
+        logits = model.logits(rows[b:e]).astype(mx.float32)
+        target = mx.take_along_axis(logits, mx.array(targets[b:e])[:, None], axis=-1)[:, 0]
+        picked.append(target - mx.logsumexp(logits, axis=-1))
+        mx.eval(picked[-1])  # one group's logits at a time in memory (rows x vocabulary)
+    return mx.concatenate(picked).tolist() if picked else []
 
 
 def _describe(e: BaseException) -> str:
