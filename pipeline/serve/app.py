@@ -101,6 +101,7 @@ class Server:
 
     def app(self) -> Starlette:
         routes = [Route("/", self.chat_page, methods=["GET"]),
+                  Route("/static/{name}", self.static_file, methods=["GET"]),
                   Route(CHAT.endpoint, self.chat_completions, methods=["POST"]),
                   Route(COMPLETIONS.endpoint, self.completions, methods=["POST"]),
                   Route("/v1/models", self.models, methods=["GET"]),
@@ -129,6 +130,18 @@ class Server:
     async def chat_page(self, http: HTTPRequest) -> Response:
         """The chat page (static/chat.html): it calls this server's own API, with the key the user types."""
         return HTMLResponse(_chat_page())
+
+    async def static_file(self, http: HTTPRequest) -> Response:
+        """A vendored script or style of the chat page (static/vendor/: only its .js and .css files), which
+        the browser may cache for a day."""
+        types = {".js": "text/javascript; charset=utf-8", ".css": "text/css; charset=utf-8"}
+        vendor = resources.files(__package__).joinpath("static", "vendor")
+        name = http.path_params["name"]
+        suffix = name[name.rfind("."):]
+        if suffix not in types or name not in {f.name for f in vendor.iterdir()}:
+            raise HTTPException(404, "no such file")
+        return Response(vendor.joinpath(name).read_bytes(), media_type=types[suffix],
+                        headers={"cache-control": "public, max-age=86400"})
 
     async def health(self, http: HTTPRequest) -> Response:
         if self.gateway.draining:
