@@ -203,3 +203,24 @@ def test_prefix_cache_reuses_a_finished_turn(llama):
 
 
 REUSE_TOLERANCE = 2e-5  # measured 6.7e-6 on the tiny Llama
+
+
+def test_a_request_reaching_past_the_context_gets_exactly_the_room_left(llama):
+    """generate's end-of-context test (test_models.py), in a batch: asked for 100 tokens with room
+    for 12 in the 512-token context, a request gets generate's 12 greedy tokens and ends by
+    `length`; a short request beside it is not cut."""
+    stage, tokenizer, folder = llama
+    context = stage.model.config.max_position_embeddings
+    prompt = tokenizer.prompt_ids(" ".join(PROMPTS * 40), use_chat_template=False)[:context - 12]
+    alone = greedy_ours(stage, folder, prompt, 100)
+    stage.release([0])
+    assert alone.finish_reason == "length" and len(alone.tokens) == 12
+    at_the_end, beside = Collect(), Collect()
+    stats = scheduler(stage, tokenizer, ListSource([Request(prompt, GREEDY, 100, at_the_end),
+                                                    request(tokenizer, PROMPTS[0], beside, max_tokens=4)])).run()
+    assert stats.done == 2 and not stage.caches
+    finished = at_the_end.last
+    assert isinstance(finished, Finished) and finished.reason == "length"
+    assert finished.completion_tokens == context - len(prompt) == 12
+    assert [e.token_id for e in at_the_end.events if isinstance(e, Tokens)] == alone.tokens
+    assert beside.last.completion_tokens == 4
