@@ -195,27 +195,26 @@ def test_tool_call_events_in_order():
         ContentDelta("Hi"), ToolCallStart(0, "functions.f:0", "f"), ToolCallArguments(0, '{"a": 1}'), ToolCallEnd(0)]
 
 
+# Calls malformed before they could start (no name, no JSON object after it): text
 MALFORMED = {
     DEEPSEEK_V3: [
-        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{\"a\": 1,}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
         "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n{\"a\": 1}<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
         "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n[1, 2]\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
-        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{\"a\": ",  # cut off
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>two words\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n",  # cut off before its arguments
         "<｜tool▁calls▁begin｜>",
     ],
     DEEPSEEK_V31: [
         "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f {\"a\": 1}<｜tool▁call▁end｜><｜tool▁calls▁end｜>",  # no sep
         "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜><｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>",  # no name
-        "<｜tool▁call▁begin｜>f<｜tool▁sep｜>{\"a\"<｜tool▁call▁begin｜>",
+        "<｜tool▁call▁begin｜>f<｜tool▁sep｜>[\"a\"<｜tool▁call▁begin｜>",
     ],
     KIMI_K2: [
         "<|tool_calls_section_begin|><|tool_call_begin|>get weather<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>",
         "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0{}<|tool_call_end|><|tool_calls_section_end|>",
-        "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{oops}<|tool_call_end|><|tool_calls_section_end|>",
-        "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{}<|tool_calls_section_end|>",
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.f<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>",
     ],
     QWEN: [
-        "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 1}\n</tool_call>",
         "<tool_call>\n{\"arguments\": {}}\n</tool_call>",
         "<tool_call>\n{\"name\": \"f\", \"arguments\": [1]}\n</tool_call>",
         "<tool_call>\n{\"name\": \"f\"",
@@ -232,12 +231,50 @@ def test_malformed_calls_stay_text(fmt, text):
     assert message.content == text  # every character the model wrote, markers included
 
 
+# Calls that started (a name, then `{`) and broke off: they stay calls, their arguments what was sent
+# (a JSON object's beginning, never past a character that breaks it), with ToolCallEnd(complete=False)
+BROKEN_AFTER_START = {
+    DEEPSEEK_V3: [
+        ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{\"a\": 1,}\n```<｜tool▁call▁end｜>"
+         "<｜tool▁calls▁end｜>", '{"a": 1,', None),
+        ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{\"a\": ", '{"a": ', None),  # cut off
+        ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{\"a\": 1}\n<｜tool▁call▁end｜>"
+         "<｜tool▁calls▁end｜>Done.", '{"a": 1}', "Done."),  # no closing fence
+    ],
+    DEEPSEEK_V31: [
+        ("<｜tool▁call▁begin｜>f<｜tool▁sep｜>{\"a\"<｜tool▁call▁begin｜>", '{"a"', "<｜tool▁call▁begin｜>"),
+        ("<｜tool▁call▁begin｜>f<｜tool▁sep｜>{\"a\": 1} and more<｜tool▁call▁end｜>", '{"a": 1}', None),
+    ],
+    KIMI_K2: [
+        ("<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{oops}"
+         "<|tool_call_end|><|tool_calls_section_end|>", "{", None),
+        ("<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{}"
+         "<|tool_calls_section_end|>", "{}", None),  # the section ended before the call did
+    ],
+    QWEN: [
+        ("<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 1}\n</tool_call>", '{"a": 1}', None),  # no outer }
+        ('<tool_call>\n{"name": "f", "arguments": {"a": [1, 2', '{"a": [1, ', None),  # cut off inside a number
+    ],
+}
+
+
+@pytest.mark.parametrize("fmt,text,sent,content",
+                         [(f, *case) for f, cases in BROKEN_AFTER_START.items() for case in cases],
+                         ids=lambda v: v.name if hasattr(v, "parse") else None)
+def test_calls_broken_after_their_start_stay_calls(fmt, text, sent, content):
+    message = assert_streams_like_whole(text, in_reasoning=None, tool_format=fmt)
+    assert message.tool_calls == [call("f", sent, "functions.f:0" if fmt is KIMI_K2 else "call_0")]
+    assert message.content == content
+    ends = [e for e in events_of([text], in_reasoning=None, tool_format=fmt) if isinstance(e, ToolCallEnd)]
+    assert ends == [ToolCallEnd(0, complete=False)]
+
+
 def test_a_bad_call_beside_a_good_one():
     text = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{\"a\": 1}<｜tool▁call▁end｜>"
-            "<｜tool▁call▁begin｜>g<｜tool▁sep｜>{bad}<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
+            "<｜tool▁call▁begin｜>g<｜tool▁sep｜>[bad]<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
     message = assert_streams_like_whole(text, in_reasoning=None, tool_format=DEEPSEEK_V31)
     assert message.tool_calls == [call("f", '{"a": 1}', "call_0")]
-    assert message.content == "<｜tool▁call▁begin｜>g<｜tool▁sep｜>{bad}<｜tool▁call▁end｜>"
+    assert message.content == "<｜tool▁call▁begin｜>g<｜tool▁sep｜>[bad]<｜tool▁call▁end｜>"
 
 
 def test_calls_inside_the_thinking_are_thinking():

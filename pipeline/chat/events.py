@@ -1,7 +1,8 @@
 """The events a chat-output parser yields as the model's text streams in.
 
 Concatenating every ReasoningDelta gives the reasoning, every ContentDelta the answer; a tool
-call is a ToolCallStart, its arguments in ToolCallArguments pieces, then a ToolCallEnd.
+call is a ToolCallStart, its arguments in ToolCallArguments pieces (joined, the arguments' JSON
+text), then a ToolCallEnd.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ class ToolCallArguments:
 @dataclass(frozen=True)
 class ToolCallEnd:
     index: int
+    # False where the call broke off after its start was sent: the output ended inside it (max_tokens),
+    # or it turned out malformed. Its arguments are then the pieces sent, perhaps not a whole JSON object.
+    complete: bool = True
 
 
 Event = ReasoningDelta | ContentDelta | ToolCallStart | ToolCallArguments | ToolCallEnd

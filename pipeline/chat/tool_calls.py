@@ -9,10 +9,25 @@ its published chat template writes calls back into a conversation (and its docs 
   `functions.NAME:IDX` is kept as the call's id, because Kimi's template writes it back as is)
 - Qwen and Hermes-style templates: `<tool_call>\\n{"name": NAME, "arguments": {ARGS}}\\n</tool_call>`
 
-A call is passed on once it is complete and well-formed: a name and a JSON object of arguments.
-A malformed call, or one the output ends inside, is passed on as plain text instead (markers and
-all), so the text is never lost and a bad output never becomes an error. Blank space between
-calls is dropped; other text around them is the answer's text.
+A call streams as the model writes it: ToolCallStart once its name is known and its arguments
+have begun as a JSON object (`{`), then its arguments in ToolCallArguments pieces, each only text
+that is certainly part of them (a possible end marker's first characters, and an unfinished number
+or constant, wait for the next piece; nothing after the object closes), then ToolCallEnd. The
+pieces joined are exactly the arguments the call's whole text parses to: the model's JSON text as
+written (DeepSeek, Kimi: stripped, as the whole parse has it), or, for Qwen, whose whole parse
+re-serializes the object, the same re-serialization token by token (scan.JsonObjectScanner).
+A Qwen call written another way (keys in another order, arguments as a JSON string) is passed on
+whole at its end marker.
+
+A call that never starts (no name, no JSON object after it, or a malformed start) is passed on as
+plain text, markers and all, once it is known to be malformed or the output ends inside it, so the
+text is never lost and a bad output never becomes an error. A call that started and then turns
+out malformed (its JSON breaks, text follows it inside the markers, a new call or the section's
+end comes before its end marker), or that the output ends inside (max_tokens), stays a call: the
+pieces sent cannot be taken back, so it ends with ToolCallEnd(complete=False), its arguments the
+pieces sent (a JSON object's beginning, or all of one), and the rest of its text is dropped.
+Every decision depends only on the text before it, so any split of an output gives the same
+events joined. Blank space between calls is dropped; other text around them is the answer's text.
 """
 
 from __future__ import annotations
@@ -24,7 +39,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .events import ContentDelta, Event, ToolCallArguments, ToolCallEnd, ToolCallStart
-from .scan import find_first, partial_tail
+from .scan import JsonObjectScanner, JsonPairs, dump_json, find_first, partial_tail, read_json
 
 
 @dataclass(frozen=True)
@@ -35,6 +50,20 @@ class ParsedCall:
 
 
 @dataclass(frozen=True)
+class CallHead:
+    """A call's beginning, read before its end: its name and where its arguments' `{` is."""
+    name: str
+    arguments_at: int
+    id: str | None = None
+
+
+# A call's text so far: its CallHead, None while that cannot be told yet, or NOT_STREAMED where the
+# call will not stream (its whole text decides at its end marker)
+NOT_STREAMED = False
+HEAD_LIMIT = 1024  # a call whose head is not in its first this many characters does not stream
+
+
+@dataclass(frozen=True)
 class ToolCallFormat:
     name: str
     call_begin: str
@@ -42,6 +71,8 @@ class ToolCallFormat:
     section_begin: str | None    # formats that wrap their calls in a section
     section_end: str | None
     parse: Callable[[str], ParsedCall | None]  # a call's text between its markers, or None when malformed
+    head: Callable[[str], CallHead | None | bool]  # a call's text so far: CallHead, None or NOT_STREAMED
+    normalizes: bool = False     # parse re-serializes the arguments (else they are the JSON text as written)
 
 
 def _json_object(text: str) -> str | None:
@@ -54,15 +85,33 @@ def _json_object(text: str) -> str | None:
     return text if isinstance(value, dict) else None
 
 
+def _good_name(name: str) -> bool:
+    return bool(name) and not any(c.isspace() for c in name)
+
+
 def _call(name: str, arguments: str | None, id: str | None = None) -> ParsedCall | None:
     name = name.strip()
-    if not name or arguments is None or any(c.isspace() for c in name):
+    if arguments is None or not _good_name(name):
         return None
     return ParsedCall(name, arguments, id)
 
 
+def _head(name: str, text: str, after: int, id: str | None = None) -> CallHead | None | bool:
+    """The head of a call whose arguments come from `text[after:]`: known once their first
+    character (after blank space) is there, and only a good name before a `{` streams."""
+    rest = text[after:]
+    stripped = rest.lstrip()
+    if not stripped:
+        return None
+    if not _good_name(name.strip()) or stripped[0] != "{":
+        return NOT_STREAMED
+    return CallHead(name.strip(), after + len(rest) - len(stripped), id)
+
+
 DEEPSEEK_SEP = "<｜tool▁sep｜>"
-_DEEPSEEK_V3_CALL = re.compile(r"\s*function" + DEEPSEEK_SEP + r"([^\n]*)\n```(?:json)?\n(.*)\n```\s*", re.DOTALL)
+_DEEPSEEK_V3_HEAD = r"\s*function" + DEEPSEEK_SEP + r"([^\n]*)\n```(?:json)?\n"
+_DEEPSEEK_V3_CALL = re.compile(_DEEPSEEK_V3_HEAD + r"(.*)\n```\s*", re.DOTALL)
+_DEEPSEEK_V3_START = re.compile(_DEEPSEEK_V3_HEAD)
 
 
 def _parse_deepseek_v3(text: str) -> ParsedCall | None:
@@ -70,9 +119,19 @@ def _parse_deepseek_v3(text: str) -> ParsedCall | None:
     return _call(match[1], _json_object(match[2])) if match else None
 
 
+def _head_deepseek_v3(text: str) -> CallHead | None | bool:
+    match = _DEEPSEEK_V3_START.match(text)
+    return _head(match[1], text, match.end()) if match else None
+
+
 def _parse_deepseek_v31(text: str) -> ParsedCall | None:
     name, sep, arguments = text.partition(DEEPSEEK_SEP)
     return _call(name, _json_object(arguments)) if sep else None
+
+
+def _head_deepseek_v31(text: str) -> CallHead | None | bool:
+    name, sep, _ = text.partition(DEEPSEEK_SEP)
+    return _head(name, text, len(name) + len(sep)) if sep else None
 
 
 KIMI_ARGUMENT_BEGIN = "<|tool_call_argument_begin|>"
@@ -86,29 +145,62 @@ def _parse_kimi_k2(text: str) -> ParsedCall | None:
     return _call(match[1], _json_object(arguments), call_id) if sep and match else None
 
 
+def _head_kimi_k2(text: str) -> CallHead | None | bool:
+    call_id, sep, _ = text.partition(KIMI_ARGUMENT_BEGIN)
+    if not sep:
+        return None
+    match = _KIMI_ID.fullmatch(call_id.strip())
+    return _head(match[1], text, len(call_id) + len(sep), call_id.strip()) if match else NOT_STREAMED
+
+
 def _parse_qwen(text: str) -> ParsedCall | None:
     try:
-        call = json.loads(text)
+        call = read_json(text)
     except ValueError:
         return None
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+    if not isinstance(call, JsonPairs):
         return None
-    arguments = call.get("arguments", {})
+    fields = dict(call)  # a repeated key's last value, as json.loads has it
+    if not isinstance(fields.get("name"), str):
+        return None
+    arguments = fields.get("arguments", JsonPairs())
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         arguments = _json_object(arguments)
-        return _call(call["name"], arguments)
-    if not isinstance(arguments, dict):
+        return _call(fields["name"], arguments)
+    if not isinstance(arguments, JsonPairs):
         return None
-    return _call(call["name"], json.dumps(arguments, ensure_ascii=False))
+    # written as json.dumps writes the object, but with a repeated key kept (as streaming sent it)
+    return _call(fields["name"], dump_json(arguments))
+
+
+_SPACE = r"[ \t\n\r]*"  # JSON's blank space
+_QWEN_START = re.compile(_SPACE + r"\{" + _SPACE + r'"name"' + _SPACE + ":" + _SPACE + r'("(?:[^"\\]|\\.)*")'
+                         + _SPACE + "," + _SPACE + r'"arguments"' + _SPACE + ":" + _SPACE)
+
+
+def _head_qwen(text: str) -> CallHead | None | bool:
+    """Streams only the way the model card and template write a call: name first, then the
+    arguments as an object."""
+    match = _QWEN_START.match(text)
+    if not match:
+        return None
+    if match.end() == len(text):
+        return None
+    try:
+        name = json.loads(match[1])
+    except ValueError:
+        return NOT_STREAMED
+    return _head(name, text, match.end()) if text[match.end()] == "{" else NOT_STREAMED
 
 
 DEEPSEEK_V3 = ToolCallFormat("deepseek_v3", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
-                             "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", _parse_deepseek_v3)
+                             "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", _parse_deepseek_v3, _head_deepseek_v3)
 DEEPSEEK_V31 = ToolCallFormat("deepseek_v31", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
-                              "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", _parse_deepseek_v31)
+                              "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", _parse_deepseek_v31,
+                              _head_deepseek_v31)
 KIMI_K2 = ToolCallFormat("kimi_k2", "<|tool_call_begin|>", "<|tool_call_end|>",
-                         "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", _parse_kimi_k2)
-QWEN = ToolCallFormat("qwen", "<tool_call>", "</tool_call>", None, None, _parse_qwen)
+                         "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", _parse_kimi_k2, _head_kimi_k2)
+QWEN = ToolCallFormat("qwen", "<tool_call>", "</tool_call>", None, None, _parse_qwen, _head_qwen, normalizes=True)
 FORMATS = (DEEPSEEK_V3, DEEPSEEK_V31, KIMI_K2, QWEN)
 
 
@@ -134,18 +226,31 @@ def new_call_id() -> str:
 _TEXT, _BETWEEN, _CALL = "text", "between", "call"
 
 
+class _Streamed:
+    """A call whose start has been sent: what of its arguments went out so far."""
+
+    def __init__(self, index: int, head: CallHead, normalize: bool):
+        self.index = index
+        self.head = head
+        self.scanner = JsonObjectScanner(normalize)
+        self.read = head.arguments_at  # how much of the call's text the scanner has read
+        self.sent = ""
+
+
 class ToolCallParser:
     """Answer text pieces in; ContentDelta and ToolCallStart/Arguments/End events out."""
 
     def __init__(self, format: ToolCallFormat, new_id: Callable[[], str] = new_call_id):
         self.format = format
         self._new_id = new_id
-        self.calls = 0            # calls passed on so far
+        self.calls = 0            # calls started so far (the next call's index)
         self._state = _TEXT
         self._in_section = False  # between a section's begin and end markers
         self._held = ""           # text not yet decided on (it may be the start of a marker)
         self._space = ""          # blank space after a call: dropped if another call follows
         self._call = ""           # the current call's text so far, after its begin marker
+        self._streamed: _Streamed | None = None  # the current call, once its start was sent
+        self._whole = False       # the current call does not stream: its end decides it whole
         self._section_open = ""   # a section's begin marker, passed on as text if no call in it parses
         self._section_parsed = False  # a call in the current section parsed (its markers are not text)
 
@@ -176,12 +281,13 @@ class ToolCallParser:
         return events
 
     def finish(self) -> list[Event]:
-        """The output ended: a held-back part of a marker is text, and so is an unfinished call."""
+        """The output ended: a held-back part of a marker is text, and so is an unfinished call
+        that had not started; one that had ends, incomplete (see the module's docstring)."""
         events: list[Event] = []
         held, self._held = self._held, ""
         self._take(held, events)
         if self._state == _CALL:
-            self._unparsed(events)
+            self._broken(events)
         if self._section_open:  # a section the output ended in, with no call parsed: text
             self._text(self._space, events)
         return events
@@ -192,6 +298,7 @@ class ToolCallParser:
             return
         if self._state == _CALL:
             self._call += text
+            self._stream(events)
         elif self._state == _BETWEEN or self._in_section:
             text = self._space + text
             if text.strip():  # words after the calls: the answer goes on
@@ -204,6 +311,35 @@ class ToolCallParser:
         else:
             events.append(ContentDelta(text))
 
+    def _stream(self, events: list[Event]) -> None:
+        """The current call's text grew: start it once its head is known, then send what of its
+        arguments is certain."""
+        if self._whole:
+            return
+        call = self._streamed
+        if call is None:
+            # only the first characters are read, so that where a piece ends cannot decide it
+            head = self.format.head(self._call[:HEAD_LIMIT])
+            if head is None and len(self._call) < HEAD_LIMIT:
+                return
+            if head is None or head is NOT_STREAMED:
+                self._whole = True
+                return
+            call = self._streamed = _Streamed(self._start(head.id, head.name, events), head, self.format.normalizes)
+        piece = call.scanner.feed(self._call[call.read:])
+        call.read = len(self._call)
+        if piece:
+            call.sent += piece
+            events.append(ToolCallArguments(call.index, piece))
+
+    def _start(self, id: str | None, name: str, events: list[Event]) -> int:
+        index = self.calls
+        self.calls += 1
+        # the section holds a call: its markers are not text
+        self._section_open, self._space, self._section_parsed = "", "", True
+        events.append(ToolCallStart(index, id or self._new_id(), name))
+        return index
+
     def _text(self, text: str, events: list[Event]) -> None:
         """Text from inside a section: while no call in it has parsed, its begin marker goes first."""
         events.append(ContentDelta(self._section_open + text))
@@ -213,14 +349,10 @@ class ToolCallParser:
         f = self.format
         if self._state == _CALL:
             if marker == f.call_end:
-                parsed = f.parse(self._call)
-                if parsed is None:
-                    self._unparsed(events, f.call_end)
-                else:
-                    self._emit(parsed, events)
+                self._end(events)
                 self._state = _BETWEEN
                 return
-            self._unparsed(events)  # a call that never ended: its text stays text
+            self._broken(events)  # a call that never ended
             self._state = _BETWEEN
         if marker == f.section_begin:
             self._in_section, self._section_open, self._section_parsed = True, marker, False
@@ -230,15 +362,33 @@ class ToolCallParser:
             self._in_section, self._space = False, ""
             self._state = _BETWEEN
         elif marker == f.call_begin:
-            self._state, self._call = _CALL, ""
+            self._state, self._call, self._streamed, self._whole = _CALL, "", None, False
 
-    def _emit(self, call: ParsedCall, events: list[Event]) -> None:
-        index = self.calls
-        self.calls += 1
-        # the section held a call: its markers were not text
-        self._section_open, self._space, self._section_parsed = "", "", True
-        events += [ToolCallStart(index, call.id or self._new_id(), call.name),
-                   ToolCallArguments(index, call.arguments), ToolCallEnd(index)]
+    def _end(self, events: list[Event]) -> None:
+        """The current call's end marker: its whole text decides it."""
+        parsed = self.format.parse(self._call)
+        call = self._streamed
+        if call is None:
+            if parsed is None:
+                self._unparsed(events, self.format.call_end)
+            else:
+                index = self._start(parsed.id, parsed.name, events)
+                events += [ToolCallArguments(index, parsed.arguments), ToolCallEnd(index)]
+            return
+        # by its end marker a well-formed call's object has closed: all of its arguments went out
+        if parsed is None or parsed.name != call.head.name or parsed.arguments != call.sent:
+            self._broken(events)
+            return
+        events.append(ToolCallEnd(call.index))
+        self._streamed = None
+
+    def _broken(self, events: list[Event]) -> None:
+        """A call that will not end well-formed: text if it never started, else it ends as sent."""
+        if self._streamed is None:
+            self._unparsed(events)
+            return
+        events.append(ToolCallEnd(self._streamed.index, complete=False))
+        self._streamed, self._call = None, ""
 
     def _unparsed(self, events: list[Event], end: str = "") -> None:
         self._text(self._space + self.format.call_begin + self._call + end, events)

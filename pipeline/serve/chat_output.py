@@ -33,8 +33,9 @@ def output_parser(tokenizer: Tokenizer, prompt_ids: list[int], parse_tools: bool
 
 
 def deltas(events: list[Event]) -> list[dict]:
-    """One chunk delta per event: a call's first delta carries its id and name, the next its
-    arguments (as OpenAI streams them); a call's end needs no chunk."""
+    """One chunk delta per event: a call's first delta carries its index, id, type and name with
+    `arguments: ""`, the next ones only its index and a piece of its arguments as the model writes
+    them (as OpenAI streams them: clients join the pieces by index); a call's end needs no chunk."""
     out = []
     for event in events:
         if isinstance(event, ReasoningDelta):
