@@ -38,6 +38,7 @@ class ChatOutputParser:
 
     @property
     def tool_calls(self) -> int:
+        """Calls started so far (one broken off after its start counts: it was sent as a call)."""
         return self._tools.calls if self._tools is not None else 0
 
     def feed(self, text: str) -> list[Event]:
@@ -53,7 +54,8 @@ class ChatOutputParser:
         return events
 
     def finish_reason(self, engine_reason: str) -> str:
-        """OpenAI's finish reason: "tool_calls" where the model stopped after calling tools."""
+        """OpenAI's finish reason: "tool_calls" where the model stopped after calling tools; "length"
+        where the tokens ran out, even inside a call whose pieces went out (it ends incomplete)."""
         return "tool_calls" if engine_reason == "stop" and self.tool_calls else engine_reason
 
     def _answer(self, events: list[Event]) -> list[Event]:
