@@ -29,6 +29,10 @@ class Kind(IntEnum):
     HEARTBEAT = 4  # rank 0 is alive but idle (a server waiting for requests): pass it on, nothing to do
     REWIND = 6  # speculative decoding: drop each sequence's last `dropped` cached positions (rejected drafts)
     FORK = 5  # prefix cache: each new sequence starts from the first `prefix` positions of a kept one
+    SAVE = 7  # prompt cache on disk: store each sequence's first `prefix` positions as the entry `entries`
+    LOAD = 8  # prompt cache on disk: each new sequence starts from a stored entry's first `prefix` positions;
+    # a rank that cannot load its part passes -prefix on (later ranks skip it), and the last rank answers rank 0
+    DROP = 9  # prompt cache on disk: remove the stored `entries`
 
 
 class Message(NamedTuple):
@@ -40,11 +44,12 @@ class Message(NamedTuple):
     # (drafts being verified, a prompt read by the MTP drafter) rather than its last only
     dropped: list[int]  # REWIND: positions to drop from the end of each sequence's caches
     kept_ids: list[int]  # FORK: the kept sequence each new one starts from
-    prefix: list[int]  # FORK: how many of the kept sequence's first positions it starts from
+    prefix: list[int]  # FORK: how many of the kept sequence's first positions it starts from; SAVE, LOAD: positions
     hidden: mx.array | None  # FORWARD: [1, sum(tokens), hidden]
     head_share: int = 0  # FORWARD from rank 0 (batch): LM head columns the last rank computes (head_share.py)
     idle_us: int = 0  # FORWARD back to rank 0 (batch): how long the last rank waited for this one, in us
     rewind: int = 0  # FORWARD (generate): positions to drop from the end of its caches first (rejected drafts)
+    entries: list[int] = []  # SAVE, LOAD, DROP: the stored entries' keys (prompt_cache_store.entry_key)
 
 
 # Wire dtypes: numpy has no bfloat16, so it travels as its raw uint16 bits.
@@ -57,10 +62,11 @@ _HEADER_BYTES = (_HEADER_LEN + _LAYOUT_SLOTS) * 8
 # A layout's int64s per sequence, by kind: its id, then (FORWARD) its tokens, (REWIND) the positions
 # it drops, (FORK) the kept sequence and the prefix length. A FORWARD's tokens travel as -n for a
 # sequence whose every position comes back (n >= 1, so the sign is free): no second list on the wire.
-_LAYOUT_WORDS = {Kind.FORWARD: 2, Kind.REWIND: 2, Kind.FORK: 3}
+# (SAVE, LOAD) the entry's key and the positions; a DROP's layout is its entries' keys alone.
+_LAYOUT_WORDS = {Kind.FORWARD: 2, Kind.REWIND: 2, Kind.FORK: 3, Kind.SAVE: 3, Kind.LOAD: 3}
 
 
-def _layout(kind: Kind, seq_ids, tokens, every_position, dropped, kept_ids, prefix) -> list[int]:
+def _layout(kind: Kind, seq_ids, tokens, every_position, dropped, kept_ids, prefix, entries) -> list[int]:
     """A message's sequences as the int64s that follow its header (see _LAYOUT_WORDS)."""
     if kind == Kind.FORWARD:
         every_position = every_position or [False] * len(tokens)
@@ -69,6 +75,10 @@ def _layout(kind: Kind, seq_ids, tokens, every_position, dropped, kept_ids, pref
         return [*seq_ids, *dropped]
     if kind == Kind.FORK:
         return [*seq_ids, *kept_ids, *prefix]
+    if kind in (Kind.SAVE, Kind.LOAD):
+        return [*seq_ids, *entries, *prefix]
+    if kind == Kind.DROP:
+        return list(entries)
     return list(seq_ids)
 
 
@@ -102,17 +112,17 @@ class Transport(ABC):
     def send_message(self, dest: int, kind: Kind, seq_ids: list[int] = (), tokens: list[int] = (),
                      hidden: mx.array | None = None, *, every_position: list[bool] = (), dropped: list[int] = (),
                      kept_ids: list[int] = (), prefix: list[int] = (), head_share: int = 0, idle_us: int = 0,
-                     rewind: int = 0) -> None:
+                     rewind: int = 0, entries: list[int] = ()) -> None:
         """Header, then (if any sequences) their layout, then (FORWARD) the payload. The fields are
         Message's, each for the kinds that carry it."""
         header = np.zeros(_HEADER_LEN + _LAYOUT_SLOTS, dtype=np.int64)
-        header[0], header[1] = kind, len(seq_ids)
+        header[0], header[1] = kind, len(entries) if kind == Kind.DROP else len(seq_ids)
         header[8], header[9], header[10] = head_share, idle_us, rewind
         if hidden is not None:
             header[2], _ = _WIRE[hidden.dtype]
             header[3] = hidden.ndim
             header[4:4 + hidden.ndim] = hidden.shape
-        layout = _layout(kind, seq_ids, tokens, every_position, dropped, kept_ids, prefix)
+        layout = _layout(kind, seq_ids, tokens, every_position, dropped, kept_ids, prefix, entries)
         if len(layout) <= _LAYOUT_SLOTS:
             header[_HEADER_LEN:_HEADER_LEN + len(layout)] = layout
         if hidden is not None and self._inlined(len(layout), hidden.nbytes):
@@ -175,13 +185,17 @@ class Transport(ABC):
             self.recv(layout, source)
             layout = layout.tolist()
         seq_ids, rest = layout[:num_seqs], layout[num_seqs:]
-        tokens, every_position, dropped, kept_ids, prefix = [], [], [], [], []
-        if kind == Kind.FORWARD:
+        tokens, every_position, dropped, kept_ids, prefix, entries = [], [], [], [], [], []
+        if kind == Kind.DROP:
+            seq_ids, entries = [], layout
+        elif kind == Kind.FORWARD:
             tokens, every_position = [abs(n) for n in rest], [n < 0 for n in rest]
         elif kind == Kind.REWIND:
             dropped = rest
         elif kind == Kind.FORK:
             kept_ids, prefix = rest[:num_seqs], rest[num_seqs:]
+        elif kind in (Kind.SAVE, Kind.LOAD):
+            entries, prefix = rest[:num_seqs], rest[num_seqs:]
         hidden = None
         if kind == Kind.FORWARD:
             mx_dtype, np_dtype = _FROM_CODE[int(header[2])]
@@ -192,7 +206,7 @@ class Transport(ABC):
             else:
                 hidden = self.recv_hidden(shape, mx_dtype, source)
         return Message(kind, seq_ids, tokens, every_position, dropped, kept_ids, prefix, hidden,
-                       head_share=int(header[8]), idle_us=int(header[9]), rewind=int(header[10]))
+                       head_share=int(header[8]), idle_us=int(header[9]), rewind=int(header[10]), entries=entries)
 
     def send_hidden(self, hidden: mx.array, dest: int) -> None:
         """The payload of a FORWARD message (a transport may carry it on another channel)."""

@@ -167,6 +167,24 @@ def add_prefix_cache_arg(parser: argparse.ArgumentParser, default_gb: float) -> 
                              "within float rounding")
 
 
+def add_prompt_cache_dir_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompt-cache-dir", type=Path, default=RingSettings.prompt_cache_dir, metavar="DIR",
+                        help="also keep the prefix cache's entries in this folder (yours alone: one others may write "
+                             "to is refused), each rank its own files, so that a restarted server starts requests "
+                             "from them (default: none)")
+    parser.add_argument("--prompt-cache-dir-gb", type=float, default=RingSettings.prompt_cache_dir_gb, metavar="GB",
+                        help="the most GB the entries in --prompt-cache-dir take, every rank's files counted; the "
+                             f"least recently used go first (default {RingSettings.prompt_cache_dir_gb:g})")
+
+
+def validated_prompt_cache_dir_args(args: argparse.Namespace) -> None:
+    gb = args.prompt_cache_dir_gb
+    if not (finite(gb, "--prompt-cache-dir-gb") > 0):
+        raise UserError(f"--prompt-cache-dir-gb must be > 0, got {gb:g}")
+    if args.prompt_cache_dir is not None and not args.prefix_cache_gb:
+        raise UserError("--prompt-cache-dir keeps the prefix cache's entries: it needs --prefix-cache-gb > 0")
+
+
 def validated_engine_args(args: argparse.Namespace) -> None:
     if args.max_batch < 1:
         raise UserError(f"--max-batch must be >= 1, got {args.max_batch}")

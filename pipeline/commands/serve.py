@@ -46,6 +46,7 @@ def add_parser(commands) -> None:
                             "requests may also name it 'default'")
     flags.add_engine_args(serve)
     flags.add_prefix_cache_arg(serve, default_gb=PREFIX_CACHE_GB)
+    flags.add_prompt_cache_dir_args(serve)
     serve.add_argument("--max-queue", type=int, default=256,
                        help="most requests waiting for a place beyond --max-batch; more are answered 429 with "
                             "Retry-After (default 256)")
@@ -60,6 +61,7 @@ def add_parser(commands) -> None:
 
 def validate(args: argparse.Namespace) -> None:
     flags.validated_scheduler_job_args(args)
+    flags.validated_prompt_cache_dir_args(args)
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be 0 to 65535 (0: any free port), got {args.port}")
     if args.max_queue < 0:
@@ -77,7 +79,7 @@ def validate(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace, comm) -> int:
     # Here, not at the top: every command's module is imported to build the parser, and these load MLX
-    from ..runtime.job import head_split, load_ring_stage, plan_ring_job, prefix_cache
+    from ..runtime.job import head_split, load_ring_stage, plan_ring_job, prefix_cache, prompt_cache
     from ..runtime.rank_figures import per_rank, rank_figures, rss_label
     from ..runtime.scheduler import Scheduler, follow, stop_followers
     from ..checkpoints.tokenizer import Tokenizer
@@ -96,13 +98,15 @@ def run(args: argparse.Namespace, comm) -> int:
         return listen(args.host, args.port), Tokenizer.from_folder(job.plan.folder)
 
     prepared = mpi.checkpoint(comm, prepare)
+    stored = prompt_cache(settings, job, comm)  # --prompt-cache-dir: each rank's files, before the weights
     stage = load_ring_stage(settings, job, comm, progress=rank == 0)
     timeline = Timeline(rank)
     if rank == 0:
         sock, tokenizer = prepared
         engine = dict(max_batch=args.max_batch, microbatches=job.microbatches, group_rows=job.group_rows,
                       head_split=head_split(settings.ring, job), prefix_cache=prefix_cache(settings, job),
-                      draft=flags.draft_settings(args))
+                      draft=flags.draft_settings(args), stored=stored and stored.index,
+                      store=stored and stored.store)
         config = job.plan.config
         model = ServedModel(args.model_name or job.plan.folder.name, tokenizer, config.max_position_embeddings,
                             config.vocab_size)
@@ -125,7 +129,9 @@ def run(args: argparse.Namespace, comm) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         comm.Barrier()
         timeline.restart()
-        follow(stage, job.transport, timeline, job.group_rows)
+        follow(stage, job.transport, timeline, job.group_rows, store=stored and stored.store)
+    if stored is not None:
+        stored.store.close()  # the writes still queued
     timeline.finish()
 
     summaries = comm.gather(timeline.summary(), root=0)
@@ -136,7 +142,7 @@ def run(args: argparse.Namespace, comm) -> int:
               f"generated (prompts {stats.prompt_tokens} tokens) in {stats.wall_s:.1f} s; layers per rank "
               f"{','.join(str(end - start) for start, end in job.plan.ranges)}; weights "
               f"{per_rank([f.weights for f in figures])}, BLAS {per_rank([f.blas for f in figures])}, peak RSS "
-              f"{rss_label(figures, kv_cache=False)}{cache_label(engine['prefix_cache'])}",
+              f"{rss_label(figures, kv_cache=False)}{cache_label(engine['prefix_cache'], stored)}",
               file=sys.stderr)
         for line in summary_lines(summaries, hosts if len(set(hosts)) > 1 else None):
             print(line, file=sys.stderr)
@@ -144,8 +150,13 @@ def run(args: argparse.Namespace, comm) -> int:
     return 0
 
 
-def cache_label(cache) -> str:
-    """The prefix cache's part of the closing line (none without a cache)."""
+def cache_label(cache, stored=None) -> str:
+    """The prefix cache's part of the closing line (none without a cache), and the disk's (--prompt-cache-dir)."""
     if cache is None:
         return ""
-    return f"; prefix cache: {cache.hits} of {cache.lookups} requests hit, {cache.reused_tokens} prompt tokens reused"
+    label = f"; prefix cache: {cache.hits} of {cache.lookups} requests hit, {cache.reused_tokens} prompt tokens reused"
+    if stored is not None and stored.index is not None:
+        index = stored.index
+        label += (f"; from disk: {index.loads} requests, {index.loaded_tokens} prompt tokens"
+                  f"{f', {index.failed} failed' if index.failed else ''}, {len(index)} entries stored")
+    return label

@@ -33,7 +33,8 @@ from ..planner.weights_bytes import held_and_dense, with_mtp
 from ..util import cores, huge_pages
 from ..util.errors import UserError
 from .head_share import HeadSplit, head_share_fraction, head_share_rows
-from .prefix_cache import PrefixCache
+from .prefix_cache import PrefixCache, StoredIndex
+from .prompt_cache_store import PromptCacheStore, entry_key, model_identity
 from .scheduler import exact_group_rows
 from .settings import JobSettings, RingSettings, TransportSettings, WeightSettings
 from .stage import Stage
@@ -216,6 +217,65 @@ def prefix_cache(settings: JobSettings, job: RingJob):
     per_layer = architecture(job.plan.config).kv_values * getattr(mx, settings.weights.dtype).size
     per_position = max(per_layer * (end - start) for start, end in job.plan.ranges)
     return PrefixCache(int(gb * 1e9 // per_position) if per_position else 0)
+
+
+STORED_MIN_POSITIONS = 64  # shorter entries are not worth a file: reading one costs more than computing them
+
+
+@dataclass
+class PromptCache:
+    """The prompt cache on disk (--prompt-cache-dir) as one rank holds it."""
+    store: PromptCacheStore  # this rank's files
+    index: StoredIndex | None  # rank 0: the entries every rank holds
+    removed: int = 0  # files of this rank removed at start-up (held by some ranks only, or over the bound)
+
+
+def prompt_cache(settings: JobSettings, job: RingJob, comm) -> PromptCache | None:
+    """Collective: each rank opens its files in --prompt-cache-dir (a folder others may write to is
+    refused), reads their headers, and rank 0 indexes the entries that every rank holds with a valid
+    header; the other files of this model and split go. None without the flag."""
+    ring, plan = settings.ring, job.plan
+    if ring.prompt_cache_dir is None:
+        return None
+    if not family_for(plan.config).prefix_cache:
+        raise UserError(f"--prompt-cache-dir: {plan.config.model_type} keeps compressed caches that the prefix "
+                        f"cache cannot cut back to a shorter prefix: run it without --prompt-cache-dir")
+    rank = comm.Get_rank()
+    weights = settings.weights
+
+    def open_store() -> PromptCacheStore:
+        identity = model_identity(model_files(plan.folder), {
+            "dtype": weights.dtype, "quantize": weights.quantize, "group_size": weights.group_size,
+            "int8_activations": plan.int8})
+        return PromptCacheStore(ring.prompt_cache_dir, identity, plan.ranges[rank])
+
+    store = mpi.checkpoint(comm, open_store)
+    found = store.scan()
+    held = comm.gather({key: entry.positions for key, entry in found.items()}, root=0)
+    index, keep = None, None
+    if rank == 0:
+        per_layer = architecture(plan.config).kv_values * getattr(mx, weights.dtype).size
+        per_position = per_layer * plan.config.num_hidden_layers  # every rank's files together
+        capacity = int(ring.prompt_cache_dir_gb * 1e9 // per_position) if per_position else 0
+        index = StoredIndex(capacity, entry_key, min_positions=STORED_MIN_POSITIONS)
+        complete = [entry for key, entry in found.items()
+                    if entry.tokens is not None and all(other.get(key) == entry.positions for other in held)]
+        complete.sort(key=lambda entry: entry.last_used)
+        index.restore([(entry.key, entry.tokens) for entry in complete])
+        keep = set(index.index.entries)
+    keep = comm.bcast(keep, root=0)
+    removed = [key for key in found if key not in keep]
+    store.remove(removed)
+    store.flush()
+    return PromptCache(store, index, len(removed))
+
+
+def model_files(path: Path) -> list[Path]:
+    """The files that make the model what it is, for its identity (prompt_cache_store.model_identity):
+    a folder's weights and JSON files (config, tokenizer), or the GGUF file itself."""
+    if path.is_file():
+        return [path]
+    return [p for p in path.iterdir() if p.is_file() and p.suffix in (".safetensors", ".json", ".gguf")]
 
 
 def make_transport(settings: TransportSettings, comm):

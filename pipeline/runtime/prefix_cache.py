@@ -7,6 +7,11 @@ did while the sequence ran; rank 0 alone decides what is kept, what a new reques
 is evicted, and tells the ring in order: FORK (a new sequence starts from the first L positions of a
 kept one) and RELEASE (evicted), as it does for everything else. This module is rank 0's index.
 
+With --prompt-cache-dir, the entries are also kept on disk, each rank its own file per entry
+(prompt_cache_store.py), so that they outlive the server: `StoredIndex` is rank 0's index of them,
+and the ring hears SAVE (a finished sequence is written), LOAD (a new sequence starts from a stored
+entry, every rank confirming it loaded its part) and DROP (a stored entry is removed).
+
 A hit reuses keys and values that were computed in other products than a cold run would use (a
 decoded token one row at a time, a prompt in chunks), so logits after a hit are equal to a cold
 run's within float rounding, not bit for bit; greedy texts agree unless two tokens are tied to
@@ -21,25 +26,36 @@ CACHE_STEP = 256  # KVCache grows in steps of this many positions: what a kept e
 
 
 class PrefixCache:
-    def __init__(self, capacity_tokens: int, min_reuse: int = 1):
+    def __init__(self, capacity_tokens: int, min_reuse: int = 1, step: int = CACHE_STEP):
         """capacity_tokens: positions kept over all entries, as the rank with the most cached bytes
-        per position can hold them (job.prefix_cache_for). min_reuse: shorter matches are not reused."""
+        per position can hold them (job.prefix_cache_for). min_reuse: shorter matches are not reused.
+        step: an entry of n positions holds n rounded up to this many (the caches grow in steps)."""
         self.capacity = capacity_tokens
         self.min_reuse = min_reuse
-        self.entries: OrderedDict[int, tuple[int, ...]] = OrderedDict()  # seq id -> cached token ids, LRU first
+        self.step = step
+        self.entries: OrderedDict[int, tuple[int, ...]] = OrderedDict()  # id -> cached token ids, LRU first
         self.held = 0  # positions held, counted as the caches' grown size
         self.lookups = 0
         self.hits = 0
         self.reused_tokens = 0
 
-    @staticmethod
-    def _held(tokens: int) -> int:
-        return -(-tokens // CACHE_STEP) * CACHE_STEP
+    def _held(self, tokens: int) -> int:
+        return -(-tokens // self.step) * self.step
 
     def lookup(self, prompt_ids: list[int]) -> tuple[int | None, int]:
         """The kept sequence sharing the longest prefix with `prompt_ids`, and how many of its
         positions to reuse (at most all but the prompt's last token, whose logits are needed)."""
         self.lookups += 1
+        best, best_len = self.best(prompt_ids)
+        if best is None:
+            return None, 0
+        self.entries.move_to_end(best)
+        self.hits += 1
+        self.reused_tokens += best_len
+        return best, best_len
+
+    def best(self, prompt_ids: list[int]) -> tuple[int | None, int]:
+        """What `lookup` would reuse, without counting it or refreshing the entry."""
         best, best_len = None, 0
         limit = len(prompt_ids) - 1
         for seq_id, tokens in self.entries.items():
@@ -50,9 +66,6 @@ class PrefixCache:
                 best, best_len = seq_id, n
         if best is None or best_len < self.min_reuse:
             return None, 0
-        self.entries.move_to_end(best)
-        self.hits += 1
-        self.reused_tokens += best_len
         return best, best_len
 
     def add(self, seq_id: int, tokens: list[int]) -> list[int]:
@@ -84,6 +97,64 @@ class PrefixCache:
     @property
     def hit_rate(self) -> float:
         return self.hits / self.lookups if self.lookups else 0.0
+
+
+class StoredIndex:
+    """Rank 0's index of the entries on disk (--prompt-cache-dir), each held by every rank, keyed by
+    prompt_cache_store.entry_key of its tokens: which to write, which a request loads, which go when
+    the folder is over its bound (least recently used first). Like the memory's, over positions:
+    capacity_tokens is the bound in GB over all ranks' bytes per position (job.prompt_cache)."""
+
+    def __init__(self, capacity_tokens: int, key, min_positions: int = 1):
+        """key: tokens -> entry key. min_positions: shorter entries are neither written nor loaded
+        (reading a file costs more than computing a few positions)."""
+        self.index = PrefixCache(capacity_tokens, min_reuse=min_positions, step=1)
+        self.key = key
+        self.min_positions = min_positions
+        self.loads = 0  # confirmed by every rank
+        self.failed = 0  # a rank could not load its part: the request ran without it
+        self.loaded_tokens = 0
+
+    def restore(self, stored: list[tuple[int, tuple[int, ...]]]) -> list[int]:
+        """The entries found at start-up, (key, tokens) least recently used first; returns the keys
+        to remove (another entry holds all their positions, or over the bound)."""
+        removed = []
+        for key, tokens in stored:
+            removed += self.index.add(key, list(tokens))
+        return removed
+
+    def lookup(self, prompt_ids: list[int], beyond: int) -> tuple[int | None, int]:
+        """The stored entry sharing the longest prefix with the prompt and its length, if that is
+        at least `min_positions` more than `beyond` (what the memory's cache offers); else (None, 0)."""
+        best, best_len = self.index.best(prompt_ids)
+        if best is None or best_len < beyond + self.min_positions:
+            return None, 0
+        self.index.entries.move_to_end(best)
+        return best, best_len
+
+    def add(self, tokens: list[int]) -> tuple[int | None, list[int]]:
+        """A finished sequence's tokens: (the key to write it under, or None where it is not written:
+        too short, or a stored entry already holds all its positions; the keys to remove)."""
+        if len(tokens) < self.min_positions:
+            return None, []
+        key = self.key(tokens)
+        if key in self.index.entries:
+            if self.index.entries[key] == tuple(tokens):
+                self.index.entries.move_to_end(key)
+                return None, []
+            self.index._drop(key)  # another entry's tokens under the same key: the new one replaces it
+        removed = self.index.add(key, tokens)
+        if key in removed:
+            return None, [k for k in removed if k != key]
+        return key, removed
+
+    def forget(self, key: int) -> None:
+        """An entry that failed to load: gone from the index (the caller removes its files)."""
+        if key in self.index.entries:
+            self.index._drop(key)
+
+    def __len__(self) -> int:
+        return len(self.index.entries)
 
 
 def _common_prefix(a: tuple[int, ...], b: list[int], limit: int) -> int:

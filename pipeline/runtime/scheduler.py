@@ -51,7 +51,8 @@ from ..kernels import blas
 from ..models.packing import segments
 from .engine import PREFILL_CHUNK
 from .head_share import HeadSplit, combined_argmax, returned_rows, split_returned
-from .prefix_cache import PrefixCache
+from .prefix_cache import PrefixCache, StoredIndex
+from .prompt_cache_store import PromptCacheStore
 from .requests import Failed, Finished, Request, Scores, TokenLogprob, Tokens
 from .sampling import Sampler
 from .settings import DraftSettings
@@ -185,6 +186,15 @@ class Microbatch:
 
 
 @dataclass
+class PendingLoad:
+    """A sequence starting from a stored entry (--prompt-cache-dir), in flight until the last rank says
+    whether every rank loaded its part: it runs only then, from the entry or without it."""
+    seq: Sequence
+    key: int
+    positions: int
+
+
+@dataclass
 class BatchStats:
     done: int = 0  # requests that finished (cancelled ones included)
     errors: int = 0  # requests that failed on their own
@@ -203,12 +213,16 @@ class Scheduler:
     def __init__(self, stage: Stage, transport: Transport, tokenizer: Tokenizer, source, *, max_batch: int,
                  microbatches: int, group_rows: int, timeline: Timeline, prefill_budget: int = PREFILL_BUDGET,
                  head_split: HeadSplit | None = None, heartbeat_s: float | None = None,
-                 prefix_cache: PrefixCache | None = None, draft: DraftSettings | None = None):
+                 prefix_cache: PrefixCache | None = None, draft: DraftSettings | None = None,
+                 stored: StoredIndex | None = None, store: PromptCacheStore | None = None):
         """source: ListSource, QueueSource, or anything with their `get(timeout)` and `closed`.
         heartbeat_s: while idle (nothing in flight, the source open), send a HEARTBEAT round the
-        ring this often, so that the other ranks' watchdogs see a live rank 0.
+        ring this often, so that the other ranks' watchdogs see a live rank 0, and wait (under rank
+        0's watchdog) for it to come back, so that rank 0 sees a live ring whatever launched the job.
         prefix_cache: keep finished sequences' caches and start requests from them (prefix_cache.py).
-        draft: each sequence drafts tokens and the ring checks them with its next token (speculative.py)."""
+        draft: each sequence drafts tokens and the ring checks them with its next token (speculative.py).
+        stored, store: the prompt cache on disk (--prompt-cache-dir): rank 0's index of the entries
+        every rank stores, and rank 0's own files (prompt_cache_store.py); with a prefix cache only."""
         self.stage, self.transport, self.tokenizer = stage, transport, tokenizer
         self.model = stage.model
         self.source = source
@@ -218,11 +232,12 @@ class Scheduler:
         self.head_split = head_split
         self.heartbeat_s = heartbeat_s
         self.prefix_cache = prefix_cache
+        self.stored, self.store = (stored, store) if prefix_cache is not None else (None, None)
         self.draft = draft if draft is not None and draft.kind != "none" else None
         self._ended: dict[int, list[int]] = {}  # finished sequences' computed tokens, for the prefix cache
         self.context = self.model.config.max_position_embeddings
         self.ready: deque[Sequence] = deque()  # in progress, not in flight
-        self.in_flight: deque[Microbatch] = deque()
+        self.in_flight: deque[Microbatch | PendingLoad] = deque()  # in the order sent, as they come back
         self.sends: list = []  # pending isends (rank 0 keeps at most `microbatches` FORWARDs + RELEASEs)
         self.active = 0
         self.next_seq_id = 0
@@ -247,6 +262,9 @@ class Scheduler:
                 self._idle()
                 continue
             microbatch = self.in_flight.popleft()
+            if isinstance(microbatch, PendingLoad):
+                self._loaded(microbatch)
+                continue
             if microbatch.hidden is None:
                 self._receive(microbatch)
             self._step(microbatch)
@@ -293,6 +311,14 @@ class Scheduler:
         except Exception as e:  # noqa: BLE001 -- this request's own set-up: its failure is its alone
             self._fail(request, _describe(e))
             return
+        self.next_seq_id += 1
+        self.active += 1
+        self.stats.prompt_tokens += len(request.prompt_ids)
+        if self.stored is not None:  # the disk's entry where it offers more than the memory's
+            in_memory = self.prefix_cache.best(request.prompt_ids)[1]
+            key, positions = self.stored.lookup(request.prompt_ids, beyond=in_memory)
+            if key is not None and self._load(seq, key, positions):
+                return  # it runs once every rank has loaded the entry (_loaded)
         if self.prefix_cache is not None:
             kept, length = self.prefix_cache.lookup(request.prompt_ids)
             if kept is not None:
@@ -303,10 +329,58 @@ class Scheduler:
                 seq.fed = seq.cached = length
                 if seq.wants_hidden:
                     seq.drafter.starts_at(length)
-        self.next_seq_id += 1
-        self.active += 1
-        self.stats.prompt_tokens += len(request.prompt_ids)
         self.ready.append(seq)
+
+    def _load(self, seq: Sequence, key: int, positions: int) -> bool:
+        """Start `seq` from a stored entry's first `positions` positions: rank 0 loads its part, and the
+        other ranks theirs on LOAD, whose answer (_loaded) lets it run. False where rank 0's own part
+        fails (its one warning said why): the entry goes, and the request runs as if never stored."""
+        with self.timeline.span(COMPUTE, "load stored entry"):
+            stored = self.store.load(key, positions)
+            if stored is None or not self.stage.load_stored(seq.seq_id, *stored):
+                self._unstore([key], failed=True)
+                return False
+        if self.transport.size == 1:
+            self._loaded(PendingLoad(seq, key, positions), loaded=True)
+        else:
+            self.sends.append(self.transport.isend_message(1, Kind.LOAD, [seq.seq_id], entries=[key],
+                                                           prefix=[positions]))
+            self.in_flight.append(PendingLoad(seq, key, positions))
+        return True
+
+    def _loaded(self, load: PendingLoad, loaded: bool | None = None) -> None:
+        """The answer to a LOAD (or `loaded`, on one rank): the sequence starts from the entry, or, where a
+        rank could not load its part, without it (its caches go on every rank, and the entry too)."""
+        seq = load.seq
+        if loaded is None:
+            message = self.transport.recv_message(self.transport.size - 1)
+            if message.kind != Kind.LOAD or message.seq_ids != [seq.seq_id]:
+                raise RuntimeError(f"expected the answer to loading sequence {seq.seq_id} from the last rank, "
+                                   f"got {message.kind.name} for sequences {message.seq_ids}")
+            loaded = message.prefix[0] > 0
+        if loaded:
+            self.stored.loads += 1
+            self.stored.loaded_tokens += load.positions
+            seq.fed = seq.cached = load.positions
+            if seq.wants_hidden:
+                seq.drafter.starts_at(load.positions)
+        else:
+            self.stage.release([seq.seq_id])
+            if self.transport.size > 1:  # before its first FORWARD: it starts with empty caches everywhere
+                self.sends.append(self.transport.isend_message(1, Kind.RELEASE, [seq.seq_id]))
+            self._unstore([load.key], failed=True)
+        self.ready.append(seq)
+
+    def _unstore(self, keys: list[int], failed: bool = False) -> None:
+        """Remove stored entries on every rank (evicted, or a rank failed to load one)."""
+        if not keys:
+            return
+        for key in keys:
+            self.stored.forget(key)
+        self.stored.failed += failed
+        self.store.remove(keys)
+        if self.transport.size > 1:
+            self.sends.append(self.transport.isend_message(1, Kind.DROP, entries=keys))
 
     def _take(self) -> list[Sequence]:
         """The next micro-batch from the sequences ready to run, oldest first: an even share of
@@ -451,8 +525,24 @@ class Scheduler:
         ended = {seq_id: self._ended.pop(seq_id) for seq_id in seq_ids if seq_id in self._ended}
         release = [seq_id for seq_id in seq_ids if seq_id not in ended]
         for seq_id, tokens in ended.items():
+            if self.stored is not None:  # before any RELEASE of it: every rank writes it from its caches
+                self._save(seq_id, tokens)
             release += self.prefix_cache.add(seq_id, tokens)
         return release
+
+    def _save(self, seq_id: int, tokens: list[int]) -> None:
+        """Store a finished sequence on disk where the index wants it: every rank queues its file
+        (its writer thread copies and writes it, off the ring's path), and what it outdates goes."""
+        key, removed = self.stored.add(tokens)
+        self._unstore(removed)
+        if key is None:
+            return
+        with self.timeline.span(COMPUTE, "save stored entry"):
+            arrays, dtype = self.stage.stored_arrays(seq_id)
+            self.store.save(key, len(tokens), arrays, dtype, tokens=tokens)
+        if self.transport.size > 1:
+            self.sends.append(self.transport.isend_message(1, Kind.SAVE, [seq_id], entries=[key],
+                                                           prefix=[len(tokens)]))
 
     def _sample(self, microbatch: Microbatch, index: list[int]) -> list[int]:
         """The next token(s) of the micro-batch's sequences at `index`; returns the ids of those that ended."""
@@ -616,6 +706,27 @@ def _describe(e: BaseException) -> str:
     return f"internal error while generating: {type(e).__name__}: {e}"
 
 
+def follow_stored(stage: Stage, store: PromptCacheStore | None, message) -> list[int]:
+    """A follower's part of SAVE, LOAD or DROP (prompt cache on disk); returns the positions to pass
+    on: a LOAD this rank could not serve (or an earlier rank could not) goes on as -positions."""
+    if message.kind == Kind.DROP:
+        store.remove(message.entries)
+        return []
+    if message.kind == Kind.SAVE:
+        for seq_id, key, positions in zip(message.seq_ids, message.entries, message.prefix):
+            arrays, dtype = stage.stored_arrays(seq_id)
+            store.save(key, positions, arrays, dtype)
+        return message.prefix
+    answers = []
+    for seq_id, key, positions in zip(message.seq_ids, message.entries, message.prefix):
+        if positions > 0:
+            stored = store.load(key, positions)
+            if stored is None or not stage.load_stored(seq_id, *stored):
+                positions = -positions
+        answers.append(positions)
+    return answers
+
+
 def stop_followers(transport: Transport, timeline: Timeline) -> None:
     """Rank 0: STOP round the ring, after everything sent before it."""
     if transport.size > 1:
@@ -623,9 +734,11 @@ def stop_followers(transport: Transport, timeline: Timeline) -> None:
             transport.isend_message(1, Kind.STOP).wait()
 
 
-def follow(stage: Stage, transport: Transport, timeline: Timeline, group_rows: int) -> None:
+def follow(stage: Stage, transport: Transport, timeline: Timeline, group_rows: int,
+           store: PromptCacheStore | None = None) -> None:
     """Ranks 1..N-1 in a batch job: run each micro-batch through this rank's layers and pass it
-    on, in order, until STOP comes round; sends do not wait for the next rank to receive."""
+    on, in order, until STOP comes round; sends do not wait for the next rank to receive.
+    store: this rank's files of the prompt cache on disk (SAVE, LOAD, DROP)."""
     prev, nxt = transport.rank - 1, (transport.rank + 1) % transport.size
     pending: deque = deque()
 
@@ -669,6 +782,12 @@ def follow(stage: Stage, transport: Transport, timeline: Timeline, group_rows: i
             stage.fork(message.seq_ids, message.kept_ids, message.prefix)
             if nxt != 0:
                 send(Kind.FORK, message.seq_ids, kept_ids=message.kept_ids, prefix=message.prefix)
+            continue
+        if message.kind in (Kind.SAVE, Kind.LOAD, Kind.DROP):
+            with timeline.span(COMPUTE, f"prompt cache: {message.kind.name.lower()}"):
+                prefix = follow_stored(stage, store, message)
+            if message.kind == Kind.LOAD or nxt != 0:  # the last rank answers a LOAD to rank 0
+                send(message.kind, message.seq_ids, entries=message.entries, prefix=prefix)
             continue
         if nxt != 0:  # RELEASE, HEARTBEAT and STOP go round the ring once
             send(message.kind, message.seq_ids)

@@ -74,6 +74,8 @@ class RingSettings:
     packed_matmuls: bool = False  # --packed-matmuls: all rows in one product even where not exact
     head_share: str | float = "auto"  # --head-share: "auto", "off", or a fraction of the vocabulary up to 0.5
     prefix_cache_gb: float = 0.0  # --prefix-cache-gb per rank; 0 (batch's default): none; serve's flag defaults to 4
+    prompt_cache_dir: Path | None = None  # serve --prompt-cache-dir: the prefix cache's entries also on disk
+    prompt_cache_dir_gb: float = 20.0  # serve --prompt-cache-dir-gb: the most its files take, all ranks' together
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten
 
 from ..checkpoints.format_adapters import Requantize
@@ -80,6 +81,33 @@ class Stage:
         """Start each new sequence from the first `length` positions of a kept one (prefix cache)."""
         for new, kept, length in zip(new_ids, kept_ids, lengths):
             self.caches[new] = [cache.prefix(length) for cache in self.caches[kept]]
+
+    def stored_arrays(self, seq_id: int) -> tuple[list[np.ndarray], str]:
+        """A finished sequence's caches for the prompt cache on disk (prompt_cache_store.save): each
+        layer's keys then values as numpy views of the caches (no copy; nothing writes to a finished
+        sequence's caches, and forks of it copy before they grow), and their dtype's name (bfloat16 as
+        its raw bits, which numpy can hold)."""
+        arrays = [a for cache in self.caches[seq_id] for a in (cache.keys, cache.values)]
+        name = str(arrays[0].dtype).removeprefix("mlx.core.")
+        if name == "bfloat16":
+            arrays = [a.view(mx.uint16) for a in arrays]
+        mx.eval(arrays)
+        return [np.asarray(a) for a in arrays], name
+
+    def load_stored(self, seq_id: int, arrays: list[np.ndarray], dtype: str) -> bool:
+        """Start a sequence from a stored entry's arrays (`stored_arrays`' layout, read back by
+        prompt_cache_store.load); False, leaving nothing behind, where they do not fit this slice."""
+        caches = self.model.make_cache()
+        if len(arrays) != 2 * len(caches) or any(a.shape[2] != arrays[0].shape[2] for a in arrays):
+            return False
+        for cache, keys, values in zip(caches, arrays[::2], arrays[1::2]):
+            cache.keys, cache.values = mx.array(keys), mx.array(values)  # copies: the file's buffer goes
+            if dtype == "bfloat16":
+                cache.keys, cache.values = cache.keys.view(mx.bfloat16), cache.values.view(mx.bfloat16)
+            cache.offset = keys.shape[2]
+        mx.eval([a for cache in caches for a in (cache.keys, cache.values)])
+        self.caches[seq_id] = caches
+        return True
 
     @property
     def cache_nbytes(self) -> int:

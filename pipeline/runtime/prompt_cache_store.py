@@ -1,0 +1,290 @@
+"""The prompt cache on disk (serve --prompt-cache-dir): one rank's share of the prefix cache's entries
+as files, so that a restarted server starts a request from the keys and values an earlier run kept.
+
+Each rank stores, for an entry, the keys and values of its own layers in a file of its own, named by
+the model's identity, the entry's key (a hash of its token ids), the rank's layer range and its
+tensor-parallel shard (always 0 of 1 for now). Rank 0 alone decides what is written, read and
+removed, and tells the ring in order (scheduler.py); this module is what one rank does with its
+files: the format, the checks, and a writer thread, with no MPI.
+
+A file: 8 magic bytes, the header's length (8 bytes, little-endian), a JSON header (the model's
+identity, the layer range, the shard, the entry key, the positions held, rank 0's copy of the token
+ids, the arrays' dtype and shapes, the payload's size and its BLAKE2b digest), then the payload: each
+array's bytes in order. No pickle: reading a file runs no code. A file that is truncated, belongs to
+another model or rank, does not match its own name or fails its digest is skipped with one warning,
+never trusted; the folder must be private to the user (private_folder.py), since another user's file
+there could poison the keys and values.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import re
+import stat
+import struct
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..util.errors import UserError
+from ..util.private_folder import make_private_folder, unsafe_folder, writable_by_others
+
+MAGIC = b"PLKV\x00\x01\r\n"  # format 1; the \r\n catches a file mangled by a text-mode copy
+FORMAT = 1
+SUFFIX = ".kv"
+IDENTITY_SAMPLE = 1 << 20  # bytes hashed at each end of a weight file: a changed file changes the identity
+MAX_HEADER = 64 << 20  # a header longer than this is not ours (token ids of a 1M-token context fit)
+# The arrays' dtypes as stored: numpy's, bfloat16 (which numpy lacks) as its raw uint16 bits.
+DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+
+
+def model_identity(files: list[Path], settings: dict) -> str:
+    """A hex digest naming the model as this rank computes with it: each file's name, size, and a
+    hash of its first and last MiB (not the whole file: weights run to hundreds of GB), and the
+    settings that change the cached values beyond float rounding (dtype, quantization, int8)."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(json.dumps({"format": FORMAT, **settings}, sort_keys=True).encode())
+    for path in sorted(files, key=lambda p: p.name):
+        size = path.stat().st_size
+        digest.update(f"\0{path.name}\0{size}\0".encode())
+        with open(path, "rb") as f:
+            digest.update(f.read(IDENTITY_SAMPLE))
+            if size > IDENTITY_SAMPLE:
+                f.seek(max(IDENTITY_SAMPLE, size - IDENTITY_SAMPLE))
+                digest.update(f.read(IDENTITY_SAMPLE))
+    return digest.hexdigest()
+
+
+def entry_key(tokens) -> int:
+    """An entry's key: 63 bits of a hash of its token ids (an int64 on the ring). Two token lists
+    with one key make one entry, the later replacing the earlier on every rank alike; rank 0 matches
+    prompts against the token ids themselves, never the key."""
+    data = np.asarray(list(tokens), dtype="<i8").tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
+
+
+@dataclass(frozen=True)
+class Stored:
+    """What the start-up scan learned of one of this rank's files (its header, not its payload)."""
+    key: int
+    positions: int
+    tokens: tuple[int, ...] | None  # rank 0's files carry the token ids; the other ranks' the key only
+    last_used: float  # the file's modification time: refreshed when it is read
+
+
+class Unusable(Exception):
+    """A file that must not be used, and why (for the one warning)."""
+
+
+class PromptCacheStore:
+    """One rank's files in the folder: `model` (model_identity), `layers` (its [start, end) range),
+    `shard` (its tensor-parallel shard, index and count)."""
+
+    def __init__(self, folder: Path, model: str, layers: tuple[int, int], shard: tuple[int, int] = (0, 1)):
+        self.folder = Path(folder)
+        self.model, self.layers, self.shard = model, tuple(layers), tuple(shard)
+        try:
+            make_private_folder(self.folder)
+        except OSError as e:
+            raise UserError(f"--prompt-cache-dir {folder} cannot be made: {e.strerror or e}") from None
+        why = unsafe_folder(self.folder)
+        if why:
+            raise UserError(f"--prompt-cache-dir is refused: {why}; another user could plant keys and values "
+                            f"there (make it yours and chmod go-w, or name another folder)")
+        self.pattern = re.compile(rf"{self.model[:16]}-([0-9a-f]{{16}})-L{self.layers[0]}-{self.layers[1]}"
+                                  rf"-tp{self.shard[0]}of{self.shard[1]}{re.escape(SUFFIX)}")
+        self.warnings: list[str] = []  # said once each, on stderr (kept for the tests)
+        self._jobs: queue.Queue = queue.Queue()
+        self._writer: threading.Thread | None = None
+        self.written = 0  # files written so far
+        self.write_s = 0.0  # seconds the writer spent (off the scheduler's thread)
+
+    # -- names -------------------------------------------------------------------------------------------------
+
+    def path(self, key: int) -> Path:
+        return self.folder / (f"{self.model[:16]}-{key:016x}-L{self.layers[0]}-{self.layers[1]}"
+                              f"-tp{self.shard[0]}of{self.shard[1]}{SUFFIX}")
+
+    def warn(self, path: Path, why: str) -> None:
+        line = f"warning: prompt cache: {path.name}: {why}; skipped, the request runs without it"
+        self.warnings.append(line)
+        print(line, file=sys.stderr, flush=True)
+
+    # -- start-up --------------------------------------------------------------------------------------------
+
+    def scan(self) -> dict[int, Stored]:
+        """This rank's files for this model, layer range and shard, by key: headers checked against
+        their names and sizes (a truncated file shows here), payloads left for `load`. Files of other
+        models or splits are left alone; a half-written file of an earlier run is removed."""
+        found = {}
+        for path in sorted(self.folder.iterdir()):
+            if path.name.startswith(self.model[:16]) and ".tmp" in path.name:
+                _remove(path)  # a write cut short by a crash: never renamed into place
+                continue
+            match = self.pattern.fullmatch(path.name)
+            if not match:
+                continue
+            try:
+                with open(path, "rb") as f:
+                    header, _ = self._header(f, int(match.group(1), 16))
+                    mtime = os.fstat(f.fileno()).st_mtime
+            except Unusable as e:
+                self.warn(path, str(e))
+                continue
+            except OSError as e:
+                self.warn(path, f"cannot be read ({e.strerror or e})")
+                continue
+            tokens = tuple(header["tokens"]) if header.get("tokens") is not None else None
+            found[header["key"]] = Stored(header["key"], header["positions"], tokens, mtime)
+        return found
+
+    def _header(self, f, key: int) -> tuple[dict, int]:
+        """The file's header, checked against what its name says and its size; and the payload's offset."""
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise Unusable("not a regular file")
+        why = writable_by_others(st)
+        if why:
+            raise Unusable(f"another user could have written it: {why}")
+        start = f.read(16)
+        if len(start) < 16 or start[:8] != MAGIC:
+            raise Unusable("not a prompt-cache file of this format (truncated, or another program's)")
+        (length,) = struct.unpack("<Q", start[8:])
+        if length > MAX_HEADER:
+            raise Unusable("its header is too long to be ours")
+        raw = f.read(length)
+        if len(raw) < length:
+            raise Unusable("truncated in its header")
+        try:
+            header = json.loads(raw)
+            expected = {"format": FORMAT, "model": self.model, "layers": list(self.layers),
+                        "shard": list(self.shard), "key": key}
+            if any(header.get(name) != value for name, value in expected.items()):
+                raise Unusable("its header names another model, layer range, shard or entry than its file name")
+            positions, payload = int(header["positions"]), int(header["payload_bytes"])
+            if header["dtype"] not in DTYPES or not isinstance(header["blake2b"], str):
+                raise Unusable("its header is not one this version writes")
+            sizes = [int(np.prod(shape)) * np.dtype(DTYPES[header["dtype"]]).itemsize for shape in header["shapes"]]
+            if sum(sizes) != payload or any(shape[2] != positions for shape in header["shapes"]):
+                raise Unusable("its header's arrays do not add up")
+            if header.get("tokens") is not None and (len(header["tokens"]) != positions
+                                                     or entry_key(header["tokens"]) != key):
+                raise Unusable("its token ids do not match its key")
+        except (ValueError, KeyError, TypeError, IndexError) as e:
+            raise Unusable(f"its header cannot be read ({type(e).__name__})") from None
+        offset = 16 + length
+        if st.st_size != offset + payload:
+            raise Unusable(f"{st.st_size} bytes where its header says {offset + payload} (truncated?)")
+        return header, offset
+
+    def remove(self, keys) -> None:
+        """Remove these entries' files (queued behind the writes, so they stay in order)."""
+        self._submit(("remove", list(keys)))
+
+    # -- writing ---------------------------------------------------------------------------------------------
+
+    def save(self, key: int, positions: int, arrays: list[np.ndarray], dtype: str, tokens=None) -> None:
+        """Queue an entry's file: `arrays` ([1, heads, >= positions, dim] each, keys and values of
+        each layer in order, views of the live caches: cut to `positions` and copied by the writer,
+        off the caller's thread; nothing may write to them meanwhile); `tokens`: rank 0's token ids."""
+        self._submit(("save", key, positions, arrays, dtype, None if tokens is None else list(tokens)))
+
+    def _submit(self, job) -> None:
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_jobs, name="prompt-cache-writer", daemon=True)
+            self._writer.start()
+        self._jobs.put(job)
+
+    def flush(self) -> None:
+        """Wait until every queued write and removal is done."""
+        if self._writer is not None:
+            self._jobs.join()
+
+    def close(self) -> None:
+        self.flush()
+
+    def _write_jobs(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                started = time.perf_counter()
+                if job[0] == "save":
+                    self._write(*job[1:])
+                    self.written += 1
+                else:
+                    for key in job[1]:
+                        _remove(self.path(key))
+                self.write_s += time.perf_counter() - started
+            except OSError as e:  # a full disk: the entry is not stored, and its load will fail (cold, not wrong)
+                print(f"warning: prompt cache: cannot write to {self.folder}: {e.strerror or e}", file=sys.stderr,
+                      flush=True)
+            finally:
+                self._jobs.task_done()
+
+    def _write(self, key: int, positions: int, arrays: list[np.ndarray], dtype: str, tokens) -> None:
+        parts = [np.ascontiguousarray(a[:, :, :positions]) for a in arrays]
+        digest = hashlib.blake2b()
+        for part in parts:
+            digest.update(memoryview(part).cast("B"))
+        header = json.dumps({"format": FORMAT, "model": self.model, "layers": list(self.layers),
+                             "shard": list(self.shard), "key": key, "positions": positions, "tokens": tokens,
+                             "dtype": dtype, "shapes": [list(p.shape) for p in parts],
+                             "payload_bytes": sum(p.nbytes for p in parts), "blake2b": digest.hexdigest()}).encode()
+        final = self.path(key)
+        temporary = final.with_name(f"{final.name}.tmp{os.getpid()}")
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(MAGIC + struct.pack("<Q", len(header)) + header)
+                for part in parts:
+                    f.write(memoryview(part).cast("B"))
+            os.replace(temporary, final)  # a reader sees the whole file or none
+        except BaseException:
+            _remove(temporary)
+            raise
+
+    # -- reading ---------------------------------------------------------------------------------------------
+
+    def load(self, key: int, positions: int) -> tuple[list[np.ndarray], str] | None:
+        """An entry's arrays cut to its first `positions` positions and their dtype, after every check
+        (header, size, digest of the payload); None, with one warning, where any fails."""
+        self.flush()  # an entry written by this run may still be in the writer's queue
+        path = self.path(key)
+        try:
+            with open(path, "rb") as f:
+                header, offset = self._header(f, key)
+                if header["positions"] < positions:
+                    raise Unusable(f"it holds {header['positions']} positions, {positions} were asked for")
+                payload = bytearray(header["payload_bytes"])
+                if f.readinto(payload) != len(payload):
+                    raise Unusable("truncated in its payload")
+            if hashlib.blake2b(payload).hexdigest() != header["blake2b"]:
+                raise Unusable("its payload does not match its checksum")
+            os.utime(path)  # recently used: last out when the folder is over its bound
+        except Unusable as e:
+            self.warn(path, str(e))
+            return None
+        except OSError as e:
+            self.warn(path, f"cannot be read ({e.strerror or e})")
+            return None
+        dtype = DTYPES[header["dtype"]]
+        arrays, at = [], 0
+        for shape in header["shapes"]:
+            count = int(np.prod(shape))
+            arrays.append(np.frombuffer(payload, dtype=dtype, count=count, offset=at).reshape(shape)[:, :, :positions])
+            at += count * np.dtype(dtype).itemsize
+        return arrays, header["dtype"]
+
+
+def _remove(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
