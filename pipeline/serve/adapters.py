@@ -67,8 +67,9 @@ class API:
         """One of the adapter's chunks as a server-sent event."""
         return protocol.sse(chunk)
 
-    def stream_error(self, error: APIError) -> bytes:
-        """The error that ends a stream that has begun (the openai client raises it as an APIError)."""
+    def stream_error(self, error: APIError, adapter=None) -> bytes:
+        """The error that ends a stream that has begun (the openai client raises it as an APIError);
+        `adapter`: the request's, for APIs whose stream ends in the response's own terms (Responses)."""
         return protocol.sse(error.body())
 
     def stream_end(self) -> bytes:

