@@ -25,7 +25,7 @@ from openai.types.chat import ChatCompletionChunk
 from pipeline.chat.events import ContentDelta, ToolCallArguments, ToolCallEnd, ToolCallStart
 from pipeline.chat.output import ChatMessage, ChatOutputParser
 from pipeline.chat.scan import JsonObjectScanner, dump_json, read_json
-from pipeline.chat.tool_calls import DEEPSEEK_V3, DEEPSEEK_V31, FORMATS, KIMI_K2, QWEN
+from pipeline.chat.tool_calls import DEEPSEEK_V3, DEEPSEEK_V31, FORMATS, HEAD_LIMIT, KIMI_K2, QWEN
 from pipeline.runtime.requests import Finished, Tokens
 from pipeline.serve.adapters import ChatAdapter
 from test_chat_parsers import TOOL_CASES, call, ids
@@ -351,3 +351,18 @@ def test_a_qwen_call_written_another_way_comes_whole_at_its_end():
         assert parser.feed("<tool_call>\n" + text + "\n") == []
         assert parser.feed("</tool_call>") == [ToolCallStart(0, "call_0", "f"), ToolCallArguments(0, arguments),
                                               ToolCallEnd(0)]
+
+
+def test_a_head_past_the_limit_does_not_stream_however_it_is_split():
+    """Whether a call streams is decided by its first HEAD_LIMIT characters, wherever the pieces
+    end: a name longer than that comes whole at the call's end, in every split."""
+    name = "n" * (HEAD_LIMIT - 8)
+    text = DS_BEGIN + ds_v31(name, SMALL) + DS_END
+    before_end = text[:text.index(DEEPSEEK_V31.call_end)]
+    for pieces in ([before_end], [before_end[:-30], before_end[-30:]], list(before_end)):
+        parser = ChatOutputParser(in_reasoning=None, tool_format=DEEPSEEK_V31, new_id=ids())
+        assert [e for piece in pieces for e in parser.feed(piece)] == []
+        assert parser.feed(text[len(before_end):]) + parser.finish() == [
+            ToolCallStart(0, "call_0", name), ToolCallArguments(0, SMALL), ToolCallEnd(0)]
+    short = DS_BEGIN + ds_v31("n" * (HEAD_LIMIT - 20), SMALL) + DS_END  # its head fits: it streams
+    assert any(isinstance(e, ToolCallArguments) for e in parse_events([short[:short.index(SMALL) + 5]], DEEPSEEK_V31))

@@ -182,9 +182,7 @@ def _head_qwen(text: str) -> CallHead | None | bool:
     """Streams only the way the model card and template write a call: name first, then the
     arguments as an object."""
     match = _QWEN_START.match(text)
-    if not match:
-        return None
-    if match.end() == len(text):
+    if not match or match.end() == len(text):
         return None
     try:
         name = json.loads(match[1])
