@@ -29,7 +29,7 @@ from pipeline.chat.tool_calls import QWEN
 from pipeline.runtime.requests import Finished, Tokens
 from pipeline.serve import responses_protocol as rp
 from pipeline.serve.protocol import APIError
-from pipeline.serve.responses_adapter import ResponsesAdapter
+from pipeline.serve.responses_adapter import ResponsesAdapter, ResponsesAPI
 from pipeline.serve.responses_store import ResponseStore
 from scripted_chat_model import ANSWER, CALL, TEMPLATE, THOUGHT, make_scripted_chat_model
 from test_serve import ENV, Server
@@ -201,6 +201,22 @@ class ScriptedParser:
 
     def finish(self) -> list:
         return []
+
+
+def test_a_failed_stream_ends_with_response_failed():
+    """The server stopping (or the request failing) mid-answer: the open item is closed and the
+    stream ends with response.failed carrying the error, in the stream's own numbering."""
+    request = rp.parse(json.dumps(CODEX_BODY).encode())
+    adapter = ResponsesAdapter("resp_3", 1, "m", request, None, rp.ToolNames([]))
+    events = adapter.opening() + adapter.tokens(Tokens(0, "Hel", None))
+    error = APIError("the request was cancelled: the server is shutting down", status=503, code="cancelled")
+    raw = ResponsesAPI().stream_error(error, adapter).decode()
+    events += [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: ")]
+    [item] = check_stream(events)
+    assert item["status"] == "incomplete" and item["content"][0]["text"] == "Hel"
+    assert events[-1]["type"] == "response.failed" and events[-1]["response"]["status"] == "failed"
+    assert events[-1]["response"]["error"] == {"code": "cancelled", "message": error.message}
+    assert raw.startswith("event: response.output_text.done\ndata: ")
 
 
 def test_events_of_any_split_make_the_same_items():
