@@ -28,7 +28,8 @@ from pipeline.chat.scan import JsonObjectScanner, dump_json, read_json
 from pipeline.chat.tool_calls import DEEPSEEK_V3, DEEPSEEK_V31, FORMATS, HEAD_LIMIT, KIMI_K2, QWEN
 from pipeline.runtime.requests import Finished, Tokens
 from pipeline.serve.adapters import ChatAdapter
-from test_chat_parsers import TOOL_CASES, call, ids
+from test_chat_parsers import TOOL_CASES, call, ids, stream_tokens
+from test_chat_parsers import deepseek_folder, deepseek_v3, kimi  # noqa: F401 (fixtures: the real tokenizers)
 
 # A long call's arguments, as a model writes them: a file with code in it (braces, quotes,
 # backslashes, newlines as escapes), escaped and literal non-ASCII text, nested objects and lists
@@ -53,7 +54,7 @@ def ds_v31(name, args):
     return f"<｜tool▁call▁begin｜>{name}<｜tool▁sep｜>{args}<｜tool▁call▁end｜>"
 
 
-def kimi(name, args, i):
+def kimi_call(name, args, i):
     return f"<|tool_call_begin|>functions.{name}:{i}<|tool_call_argument_begin|>{args}<|tool_call_end|>"
 
 
@@ -74,9 +75,9 @@ CASES = {
          "Checking.\n\nDone."),
     ],
     KIMI_K2: [
-        ("Let me look.<|tool_calls_section_begin|>" + kimi("write_file", LONG_RAW, 0) + kimi("search", SMALL, 1)
+        ("Let me look.<|tool_calls_section_begin|>" + kimi_call("write_file", LONG_RAW, 0) + kimi_call("search", SMALL, 1)
          + "<|tool_calls_section_end|>", "Let me look."),
-        ("<|tool_calls_section_begin|> " + kimi("write_file", LONG_ASCII, 0) + " <|tool_calls_section_end|>", None),
+        ("<|tool_calls_section_begin|> " + kimi_call("write_file", LONG_ASCII, 0) + " <|tool_calls_section_end|>", None),
     ],
     QWEN: [
         ("Sure.\n" + qwen("write_file", LONG_RAW) + "\n" + qwen("search", SMALL), "Sure.\n"),
@@ -366,3 +367,18 @@ def test_a_head_past_the_limit_does_not_stream_however_it_is_split():
             ToolCallStart(0, "call_0", name), ToolCallArguments(0, SMALL), ToolCallEnd(0)]
     short = DS_BEGIN + ds_v31("n" * (HEAD_LIMIT - 20), SMALL) + DS_END  # its head fits: it streams
     assert any(isinstance(e, ToolCallArguments) for e in parse_events([short[:short.index(SMALL) + 5]], DEEPSEEK_V31))
+
+
+@pytest.mark.parametrize("tokenizer,fmt", [("deepseek_v3", DEEPSEEK_V3), ("deepseek_v3", DEEPSEEK_V31), ("kimi", KIMI_K2)])
+def test_real_tokens_stream_the_arguments(tokenizer, fmt, request):
+    """A long call as the model's own tokenizer's tokens, decoded one at a time as the scheduler
+    passes them on (markers are single tokens there): many pieces, all before the end marker's
+    token, joined equal to the whole parse."""
+    text = LONG_CASES[fmt]
+    pieces = stream_tokens(request.getfixturevalue(tokenizer), text)
+    end = pieces.index(fmt.call_end)
+    events = parse_events(pieces[:end], fmt)
+    sent = "".join(e.text for e in events if isinstance(e, ToolCallArguments) and e.index == 0)
+    assert sent == reference(fmt, text)[0]["function"]["arguments"]
+    assert sum(isinstance(e, ToolCallArguments) for e in events) > 50
+    assert message_of(parse_events(pieces, fmt)).tool_calls == reference(fmt, text)
