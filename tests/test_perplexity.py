@@ -114,6 +114,22 @@ def test_perplexity_is_llamacpps_protocol_on_any_rank_count(models, text_file, b
     assert two.stdout == one.stdout  # every printed digit: batch-invariant products, chunks summed in order
 
 
+def test_a_chunk_longer_than_a_prompt_piece(tmp_path):
+    """--context 600 on a model with room for it: each chunk runs as two prompt pieces (512 + 88,
+    engine.PREFILL_CHUNK), the scored positions straddling them; the same figure as whole chunks."""
+    folder = make_tiny_model("llama", tmp_path / "llama", max_position_embeddings=1024)
+    text = tmp_path / "long.txt"
+    text.write_text(" ".join(np.random.default_rng(8).choice(WORDS, 1000).tolist()))
+    expected_ppl, expected_error, expected_running = reference(folder, text.read_text(), 600, bos=False)
+    result = mpiexec(1, "perplexity", "--model", str(folder), "--text", str(text), "--context", "600", env=ENV,
+                     timeout=120)
+    assert result.returncode == 0, result.stderr
+    ppl, error, running = parse(result.stdout)
+    assert len(running) == 2
+    assert running == pytest.approx(expected_running, rel=RELATIVE_TOLERANCE)
+    assert (ppl, error) == pytest.approx((expected_ppl, expected_error), rel=RELATIVE_TOLERANCE)
+
+
 def test_protocol_parts():
     from pipeline.runtime.perplexity import Estimate, chunks, first_scored, scored_per_chunk
     from pipeline.util.errors import UserError
