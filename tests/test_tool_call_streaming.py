@@ -382,3 +382,16 @@ def test_real_tokens_stream_the_arguments(tokenizer, fmt, request):
     assert sent == reference(fmt, text)[0]["function"]["arguments"]
     assert sum(isinstance(e, ToolCallArguments) for e in events) > 50
     assert message_of(parse_events(pieces, fmt)).tool_calls == reference(fmt, text)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_arguments_too_deep_for_python_are_a_broken_call_not_an_error(fmt):
+    """JSON nested deeper than Python's json module reads (its recursion limit): the whole parse
+    says malformed, so the started call ends incomplete; the request does not fail."""
+    deep = '{"a": ' + "[" * 5000 + "]" * 5000 + "}"
+    text = {DEEPSEEK_V3: DS_BEGIN + ds_v3("f", deep) + DS_END, DEEPSEEK_V31: DS_BEGIN + ds_v31("f", deep) + DS_END,
+            KIMI_K2: "<|tool_calls_section_begin|>" + kimi_call("f", deep, 0) + "<|tool_calls_section_end|>",
+            QWEN: qwen("f", deep)}[fmt]
+    events = parse_events([text], fmt)
+    assert events[-1] == ToolCallEnd(0, complete=False)
+    assert "".join(e.text for e in events if isinstance(e, ToolCallArguments)) == deep

@@ -80,7 +80,7 @@ def _json_object(text: str) -> str | None:
     text = text.strip()
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # nested deeper than Python's json can read: malformed here
         return None
     return text if isinstance(value, dict) else None
 
@@ -156,7 +156,7 @@ def _head_kimi_k2(text: str) -> CallHead | None | bool:
 def _parse_qwen(text: str) -> ParsedCall | None:
     try:
         call = read_json(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(call, JsonPairs):
         return None
