@@ -22,6 +22,8 @@ from ..util.errors import UserError
 # Chats and agents re-send their history with every turn: a server keeps finished sequences'
 # caches by default (batch, whose prompts rarely share a prefix, does not).
 PREFIX_CACHE_GB = 4.0
+# A request's body: ~4M tokens of text, far past any context, yet a bounded share of rank 0's memory
+MAX_REQUEST_MB = 16.0
 
 
 def add_parser(commands) -> None:
@@ -50,6 +52,11 @@ def add_parser(commands) -> None:
     serve.add_argument("--max-queue", type=int, default=256,
                        help="most requests waiting for a place beyond --max-batch; more are answered 429 with "
                             "Retry-After (default 256)")
+    serve.add_argument("--max-request-mb", type=float, default=MAX_REQUEST_MB, metavar="MB",
+                       help="refuse a request whose body is larger (413), as soon as its Content-Length or the "
+                            f"bytes read say so, without reading the rest (default {MAX_REQUEST_MB:g}; 1 MB = "
+                            "2^20 bytes). A prompt under it that cannot fit the context is refused (400) before "
+                            "it is all tokenized")
     serve.add_argument("--drain", type=float, default=30.0, metavar="SECONDS",
                        help="on SIGTERM or SIGINT, how long requests in progress may take to finish before "
                             "they are cancelled (default 30)")
@@ -66,6 +73,9 @@ def validate(args: argparse.Namespace) -> None:
         raise UserError(f"--port must be 0 to 65535 (0: any free port), got {args.port}")
     if args.max_queue < 0:
         raise UserError(f"--max-queue must be >= 0, got {args.max_queue}")
+    flags.finite(args.max_request_mb, "--max-request-mb")
+    if args.max_request_mb <= 0:
+        raise UserError(f"--max-request-mb must be > 0, got {args.max_request_mb:g}")
     flags.finite(args.drain, "--drain")
     if args.drain < 0:
         raise UserError(f"--drain must be >= 0 seconds, got {args.drain:g}")
@@ -85,6 +95,7 @@ def run(args: argparse.Namespace, comm) -> int:
     from ..checkpoints.tokenizer import Tokenizer
     from ..runtime.trace import COMPUTE, Timeline, summary_lines
     from ..serve.app import Defaults, ServedModel
+    from ..serve.limits import MB  # as the app: starlette and pydantic are slow to import for every command
     from ..serve.server import HTTPServer, listen
 
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -110,7 +121,8 @@ def run(args: argparse.Namespace, comm) -> int:
         config = job.plan.config
         model = ServedModel(args.model_name or job.plan.folder.name, tokenizer, config.max_position_embeddings,
                             config.vocab_size)
-        server = HTTPServer(model, Defaults(args.sampling, list(args.stop), args.max_tokens), sock, args.host,
+        server = HTTPServer(model, Defaults(args.sampling, list(args.stop), args.max_tokens,
+                                                   int(args.max_request_mb * MB)), sock, args.host,
                             api_key=args.api_key, capacity=args.max_batch + args.max_queue, drain_s=args.drain,
                             busy_seconds=lambda: {0: timeline.totals[COMPUTE]})
         comm.Barrier()

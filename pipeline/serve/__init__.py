@@ -1,6 +1,7 @@
 """`pipeline serve`'s HTTP front-end, above the scheduler (the command itself: commands/serve.py).
 
 protocol.py     the OpenAI wire format: request schemas, response and chunk bodies, error bodies
+limits.py       how much of a request is read: the body's cap (413), refused before the rest arrives
 prompts.py      a request's prompt as token ids (chat template, context check), in the HTTP threads
 gateway.py      the hand-off to the scheduler's thread (its QueueSource) and back; capacity, draining
 adapters.py     engine events (Tokens, Finished) as chunks of a stream or one response body

@@ -33,7 +33,7 @@ from starlette.routing import Route
 
 from ..runtime.requests import Failed, Finished, SamplingParams, Tokens
 from ..checkpoints.tokenizer import Tokenizer
-from . import chat_output, protocol
+from . import chat_output, limits, protocol
 from .adapters import API, ChatAPI, CompletionsAPI, Generation
 from .gateway import Gateway, Submission, shutting_down
 from .metrics import CONTENT_TYPE, Metrics
@@ -57,10 +57,12 @@ class ServedModel:
 @dataclass
 class Defaults:
     """What a request that sets none gets: the command line's sampling flags, --stop, --max-tokens
-    (the cap of a request without max_tokens, which otherwise gets the rest of the context)."""
+    (the cap of a request without max_tokens, which otherwise gets the rest of the context); and
+    the most bytes any request's body may have (--max-request-mb; limits.py)."""
     sampling: SamplingParams
     stop: list[str]
     max_tokens: int
+    max_request_bytes: int
 
 
 def log(line: str) -> None:
@@ -232,7 +234,10 @@ class Server:
         self._authorize(http, api.x_api_key)
         if self.gateway.draining:
             raise shutting_down()
-        request = api.parse(await http.body(), self.defaults.sampling, self._check_model)
+        body = await limits.read_body(http, self.defaults.max_request_bytes)
+        # In a worker thread: a body of megabytes takes milliseconds to parse, which the loop's other requests need
+        request = await run_in_threadpool(api.parse, body, self.defaults.sampling, self._check_model)
+        del body  # the parsed request holds what is needed of it
         ids, output = await self._prompt(request)
         max_tokens = request.max_tokens or min(self.defaults.max_tokens, self.model.context - len(ids))
         stop = request.stop if request.stop is not None else self.defaults.stop
