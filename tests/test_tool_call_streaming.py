@@ -25,7 +25,8 @@ from openai.types.chat import ChatCompletionChunk
 from pipeline.chat.events import ContentDelta, ToolCallArguments, ToolCallEnd, ToolCallStart
 from pipeline.chat.output import ChatMessage, ChatOutputParser
 from pipeline.chat.scan import JsonObjectScanner, dump_json, read_json
-from pipeline.chat.tool_calls import DEEPSEEK_V3, DEEPSEEK_V31, FORMATS, HEAD_LIMIT, KIMI_K2, QWEN
+from pipeline.chat.tool_calls import (DEEPSEEK_SEP, DEEPSEEK_V3, DEEPSEEK_V31, FORMATS, HEAD_LIMIT, KIMI_ARGUMENT_BEGIN,
+                                      KIMI_K2, QWEN)
 from pipeline.runtime.requests import Finished, Tokens
 from pipeline.serve.adapters import ChatAdapter
 from test_chat_parsers import TOOL_CASES, call, ids, stream_tokens
@@ -130,7 +131,8 @@ def splits(text: str, fmt, seed: int, count: int = 60):
         bounds = [0, *cuts, len(text)]
         yield [text[a:b] for a, b in zip(bounds, bounds[1:])]
     yield list(text)
-    markers = [m for m in (fmt.call_begin, fmt.call_end, fmt.section_begin, fmt.section_end) if m]
+    markers = [m for m in (fmt.call_begin, fmt.call_end, fmt.section_begin, fmt.section_end, DEEPSEEK_SEP,
+                           KIMI_ARGUMENT_BEGIN) if m]
     for marker in markers:
         at = text.find(marker)
         while at >= 0:
