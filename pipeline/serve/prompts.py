@@ -65,7 +65,10 @@ def completion_prompt_ids(tokenizer: Tokenizer, prompt: str | list[int], context
 
 def text_prompt_ids(tokenizer: Tokenizer, text: str, context: int, param: str, add_special_tokens: bool) -> list[int]:
     """`text`'s token ids, or APIError(400, context_length_exceeded) as soon as it is certain that
-    they cannot fit in `context` (their count must be below it: one position is left to generate)."""
+    they cannot fit in `context` (their count must be below it: one position is left to generate).
+    `context` also bounds the work: the text is tokenized whole, in one call that holds the GIL,
+    only once its pieces are known to fit; a caller that passes no real bound (to count the tokens
+    of any text) gets that one long call for a long text."""
     _refuse_by_characters(tokenizer, len(text), context, param)
     if len(text) > PIECE_CHARS:
         counted = 0
