@@ -2,6 +2,7 @@
 
     POST /v1/chat/completions, POST /v1/completions   (streaming or not)
     POST /v1/responses, GET and DELETE /v1/responses/{id}   (OpenAI's Responses API)
+    POST /v1/messages, /v1/messages/count_tokens      (Anthropic's Messages API)
     GET  /v1/models, /v1/models/{id}, /health, /metrics
     GET  /                                            the chat page (static/chat.html)
 
@@ -34,14 +35,19 @@ from starlette.routing import Route
 from ..runtime.requests import Failed, Finished, SamplingParams, Tokens
 from ..checkpoints.tokenizer import Tokenizer
 from . import chat_output, limits, protocol
+from ..chat.reasoning import prompt_opens_reasoning, template_thinks
+from ..chat.tool_calls import format_for_template
 from .adapters import API, ChatAPI, CompletionsAPI, Generation
+from .anthropic_adapter import MessagesAPI
+from .forced_calls import forced_call_prefix
 from .gateway import Gateway, Submission, shutting_down
 from .metrics import CONTENT_TYPE, Metrics
 from .prompts import chat_prompt_ids, completion_prompt_ids
 from .responses_adapter import ResponsesAPI
 from .protocol import APIError
 
-CHAT, COMPLETIONS = ChatAPI(), CompletionsAPI()
+CHAT, COMPLETIONS, MESSAGES = ChatAPI(), CompletionsAPI(), MessagesAPI()
+COUNT_TOKENS = "/v1/messages/count_tokens"
 ALIAS = "default"  # the model's other name, for clients that do not ask /v1/models first
 
 
@@ -109,6 +115,8 @@ class Server:
                   Route("/static/{name}", self.static_file, methods=["GET"]),
                   Route(CHAT.endpoint, self.chat_completions, methods=["POST"]),
                   Route(COMPLETIONS.endpoint, self.completions, methods=["POST"]),
+                  Route(MESSAGES.endpoint, self.messages, methods=["POST"]),
+                  Route(COUNT_TOKENS, self.count_tokens, methods=["POST"]),
                   Route(self.responses.endpoint, self.create_response, methods=["POST"]),
                   Route(self.responses.endpoint + "/{id}", self.stored_response, methods=["GET", "DELETE"]),
                   Route("/v1/models", self.models, methods=["GET"]),
@@ -124,6 +132,27 @@ class Server:
 
     async def completions(self, http: HTTPRequest) -> Response:
         return await self._generate(http, COMPLETIONS)
+
+    async def messages(self, http: HTTPRequest) -> Response:
+        return await self._generate(http, MESSAGES)
+
+    async def count_tokens(self, http: HTTPRequest) -> Response:
+        """Anthropic's count_tokens: the prompt's tokens as /v1/messages renders it (any length)."""
+        tokenizer = self.model.tokenizer
+        try:
+            self._authorize(http, x_api_key=True)
+            body = await limits.read_body(http, self.defaults.max_request_bytes)
+            request = await run_in_threadpool(MESSAGES.parse_count, body)
+            tools = request.template_tools()
+            if tools is not None:
+                chat_output.check_tools(tokenizer)
+            ids = await run_in_threadpool(chat_prompt_ids, tokenizer, request.template_messages(), sys.maxsize, tools,
+                                          request.template_kwargs())
+            response = JSONResponse({"input_tokens": len(ids)})
+        except APIError as e:
+            response = self.error_response(MESSAGES, e)
+        self.metrics.answered(COUNT_TOKENS, response.status_code)
+        return response
 
     async def create_response(self, http: HTTPRequest) -> Response:
         return await self._generate(http, self.responses)
@@ -240,7 +269,7 @@ class Server:
         del body  # the parsed request holds what is needed of it
         ids, output = await self._prompt(request)
         max_tokens = request.max_tokens or min(self.defaults.max_tokens, self.model.context - len(ids))
-        stop = request.stop if request.stop is not None else self.defaults.stop
+        stop = request.stop = request.stop if request.stop is not None else self.defaults.stop
         id = f"{api.id_prefix}{uuid.uuid4().hex[:24]}"
         submission = self.gateway.submit(ids, request.sampling, max_tokens, stop, request.logprobs, tag=id)
         adapter = api.adapter(id, int(submission.submitted), self.model.id, self._token_text, request, output)
@@ -257,7 +286,27 @@ class Server:
             chat_output.check_tools(model.tokenizer)
         ids = await run_in_threadpool(chat_prompt_ids, model.tokenizer, request.messages, model.context,
                                       request.tools, request.template_kwargs)
-        return ids, chat_output.output_parser(model.tokenizer, ids, parse_tools=request.tools is not None)
+        output = chat_output.output_parser(model.tokenizer, ids, parse_tools=request.tools is not None)
+        if request.forced_call is not None and request.tools is not None:
+            ids = self._force_call(request, ids, output)
+        request.prompt_tokens = len(ids)
+        return ids, output
+
+    def _force_call(self, request: Generation, ids: list[int], output) -> list[int]:
+        """The prompt with the answer opened by a call (forced_calls.py), which the parser reads first."""
+        tokenizer = self.model.tokenizer
+        if template_thinks(tokenizer.chat_template) and prompt_opens_reasoning(tokenizer.decode(ids[-16:])):
+            raise APIError("this model's template opens a thinking block in the prompt, so a tool call cannot be "
+                           "forced: use tool_choice auto", param="tool_choice")
+        calls_so_far = sum(len(m.get("tool_calls") or []) for m in request.messages)
+        prefix = forced_call_prefix(format_for_template(tokenizer.chat_template), request.forced_call or None,
+                                    calls_so_far)
+        ids = ids + tokenizer.encode(prefix, add_special_tokens=False)
+        if len(ids) >= self.model.context:
+            raise APIError(f"the prompt has {len(ids)} tokens but the model's context is {self.model.context}: "
+                           f"shorten it", param="messages", code="context_length_exceeded")
+        output.feed(prefix)  # no events: the parser is now inside the call
+        return ids
 
     def _token_text(self, token_id: int) -> str:
         return self.model.tokenizer.decode([token_id])
@@ -344,12 +393,19 @@ def error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
+def _path_error(http: HTTPRequest, error: APIError) -> JSONResponse:
+    """An error outside any route's own handling, in the shape of the API its path belongs to."""
+    if http.url.path.startswith(MESSAGES.endpoint):
+        return JSONResponse(MESSAGES.error_body(error), status_code=MESSAGES.error_status(error))
+    return error_response(error)
+
+
 async def _http_error(http: HTTPRequest, exc: HTTPException) -> Response:
-    """Starlette's own 404 (no such route) and 405, as OpenAI-style bodies."""
+    """Starlette's own 404 (no such route) and 405, as OpenAI-style (or Anthropic-style) bodies."""
     message = f"{http.method} {http.url.path}: {exc.detail}"
-    return error_response(APIError(message, status=exc.status_code))
+    return _path_error(http, APIError(message, status=exc.status_code))
 
 
 async def _internal_error(http: HTTPRequest, exc: Exception) -> Response:
     traceback.print_exception(exc, file=sys.stderr)
-    return error_response(APIError(f"internal error: {type(exc).__name__}: {exc}", status=500))
+    return _path_error(http, APIError(f"internal error: {type(exc).__name__}: {exc}", status=500))
