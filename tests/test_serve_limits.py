@@ -124,7 +124,8 @@ def response_of(sock: socket.socket) -> tuple[int, dict]:
     while b"\r\n\r\n" not in data:
         data += sock.recv(65536)
     head, _, body = data.partition(b"\r\n\r\n")
-    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    headers = dict(line.lower().split(b": ", 1) for line in head.split(b"\r\n")[1:])
+    length = int(headers[b"content-length"])
     while len(body) < length:
         body += sock.recv(65536)
     sock.close()
@@ -193,4 +194,4 @@ def test_huge_prompts_are_refused_at_once_while_a_small_request_answers(server, 
     assert "at least" in under["error"]["message"] and "more than" in counted["error"]["message"], (under, counted)
     assert "from its messages'" in under["error"]["message"]  # refused before the template made a text of it
     assert max(over_s, under_s, pieces_s) < REFUSED_WITHIN_S
-    assert len(small_times) >= 2 and max(small_times) < 3 * usual + 0.5, (usual, small_times)
+    assert len(small_times) >= 2 and max(small_times) < 3 * usual + 1.5, (usual, small_times)  # stalled: 4-30 s
