@@ -46,7 +46,6 @@ TEMPLATE = (
 
 def make_scripted_chat_model(folder: Path) -> Path:
     import tokenizers
-    from safetensors.numpy import load_file, save_file
 
     make_tiny_model("llama", folder, vocab_size=400)
     tok = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
@@ -63,6 +62,14 @@ def make_scripted_chat_model(folder: Path) -> Path:
     newline = tok.encode("assistant\n", add_special_tokens=False).ids[-1]  # the tool script's start
     scripts = [[newline, *map(id_of, ["<tool_call>", CALL, "</tool_call>", EOS])],
                [*map(id_of, ["<think>", THOUGHT, "</think>", ANSWER, EOS])]]
+    return script_weights(folder, scripts)
+
+
+def script_weights(folder: Path, scripts: list[list[int]]) -> Path:
+    """The saved model's weights rewritten so that greedy decoding follows each script: after a
+    script's token, the next one (one axis of the hidden state per step, so fewer steps than the
+    hidden size; a token followed in two scripts must be followed by the same one)."""
+    from safetensors.numpy import load_file, save_file
 
     weights_file = folder / "model.safetensors"
     weights = load_file(str(weights_file))

