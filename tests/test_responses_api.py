@@ -7,8 +7,9 @@ in the order and with the indices the official client's stream helper checks. Th
 tool call, or a thinking block and an answer) and the official `openai` client: streaming and
 not, a function call round trip with previous_response_id and the same by resending the items,
 cached tokens on the follow-up, GET and DELETE. Last, the real agent: Codex CLI (`codex exec`
-with a provider whose wire_api is "responses") completes a turn on a tiny random model with a
-32k context, its ~8.5k-token prompt (developer instructions, 8 tools) and all.
+with a provider whose wire_api is "responses") completes a turn on a tiny model with a 32k
+context, its ~8.5k-token prompt (developer instructions, 9 tools) and all: the model's scripted
+call of Codex's exec_command, Codex running it, and the answer after its output.
 """
 
 from __future__ import annotations
