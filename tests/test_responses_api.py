@@ -114,6 +114,26 @@ def test_bad_requests_name_the_field(body, param, words):
     assert caught.value.status == 400 and caught.value.param == param and words in caught.value.message
 
 
+def test_tool_choice_as_the_call_to_force():
+    def forced(choice):
+        request = rp.parse(json.dumps({**CODEX_BODY, "tool_choice": choice}).encode())
+        return request.forced_call(request.function_tools()[0])
+
+    assert forced("auto") is None and forced("none") is None and forced("required") == ""
+    assert forced({"type": "function", "name": "exec_command"}) == "exec_command"
+    assert forced({"type": "function", "name": "wait_agent", "namespace": "multi_agent_v1"}) == \
+        "multi_agent_v1__wait_agent"
+    for bad, words in (({"type": "function", "name": "nope"}, "no function tool named"),
+                       ({"type": "web_search"}, "not supported")):
+        with pytest.raises(APIError) as caught:
+            forced(bad)
+        assert caught.value.param == "tool_choice" and words in caught.value.message
+    with pytest.raises(APIError) as caught:
+        request = rp.parse(json.dumps({"input": "hi", "tool_choice": "required"}).encode())
+        request.forced_call([])
+    assert "needs a function tool" in caught.value.message
+
+
 def test_unknown_fields_are_ignored():
     request = rp.parse(json.dumps({"input": "hi", "a_field_from_2027": {"x": 1}, "service_tier": "auto"}).encode())
     assert rp.template_messages(request.instructions, request.input) == [{"role": "user", "content": "hi"}]
@@ -311,6 +331,17 @@ def test_function_call_round_trip_with_previous_response_id_and_by_resending(ser
         server.client.responses.retrieve(resent.id)
 
 
+def test_tool_choice_required_opens_the_answer_with_a_call(server):
+    """The prompt ends with the format's call opening (forced_calls.py): the scripted model, whose
+    next token after `<tool_call>` is its call, completes it; the parser read the opening first."""
+    answer = server.client.responses.create(model="default", input=QUESTION, tools=TOOLS, tool_choice="required")
+    [call] = answer.output
+    assert (call.type, call.name, json.loads(call.arguments)) == ("function_call", "get_weather",
+                                                                  json.loads(CALL)["arguments"])
+    plain = server.client.responses.create(model="default", input=QUESTION, tools=TOOLS)
+    assert answer.usage.input_tokens == plain.usage.input_tokens + 1  # the opening's token is the prompt's
+
+
 def test_get_and_delete(server):
     answer = server.client.responses.create(model="default", input=QUESTION)
     got = server.client.responses.retrieve(answer.id)
@@ -331,7 +362,8 @@ def test_web_search_is_left_out_and_bad_requests_get_openai_errors(server):
     assert answer.output_text == f"<tool_call>{CALL}</tool_call>"  # no function tools: the markup is text
     assert server.stderr.count("tools of type 'web_search' are left out of the prompt") == 1
     with pytest.raises(openai.BadRequestError) as caught:
-        server.client.responses.create(model="default", input=QUESTION, tool_choice="required", tools=TOOLS)
+        server.client.responses.create(model="default", input=QUESTION, tools=TOOLS, tool_choice={
+            "type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": "get_weather"}]})
     assert caught.value.body["param"] == "tool_choice"
     with pytest.raises(openai.NotFoundError):
         server.client.responses.create(model="gpt-5", input=QUESTION)

@@ -78,7 +78,8 @@ class ResponsesAPI(API):
         return Generation(request.model or "", bool(request.stream), request.sampling(sampling),
                           request.max_output_tokens, None, ResponsesCall(request, conversation, ToolNames(tools)),
                           messages=rp.template_messages(request.instructions, conversation),
-                          tools=request.template_tools(tools), template_kwargs=request.chat_template_kwargs)
+                          tools=request.template_tools(tools), template_kwargs=request.chat_template_kwargs,
+                          forced_call=request.forced_call(tools))
 
     def adapter(self, id, created, model, token_text, generation, output):
         call = generation.body

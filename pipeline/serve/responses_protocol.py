@@ -7,13 +7,14 @@ What Codex CLI and the official `openai` client send is read: `input` (a string,
 `function_call_output`, `reasoning`), `instructions`, `tools` of type `function` and `namespace`
 (a group of functions: the model sees each as a function named NAMESPACE__NAME, and a call to
 one comes back with its `namespace` and `name` apart, as Codex routes it), `tool_choice`,
-`max_output_tokens`, `temperature`, `top_p`, `stream`, `store`, `previous_response_id`. Tools
+`max_output_tokens`, `temperature`, `top_p`, `stream`, `store`, `previous_response_id`; a
+`tool_choice` of "required" or a named function opens the answer with a call (forced_calls.py). Tools
 of other types (`web_search`, `file_search`, `custom`, ...) are left out of the prompt, not
 refused: an agent offers them whatever the server. Fields that change nothing here (`include`,
 `reasoning`, `prompt_cache_key`, `client_metadata`, ...) and fields this server has never heard
 of are accepted and ignored, as OpenAI's own server ignores what it does not know; a value that
 would change the output in a way this server cannot (`text.format` json_schema, `background`,
-`tool_choice: "required"`) is refused with 400 naming it.
+`tool_choice: {"type": "allowed_tools", ...}`) is refused with 400 naming it.
 
 Nothing here touches the engine: plain data in, plain dicts out.
 """
@@ -224,8 +225,6 @@ class ResponsesRequest(BaseModel):
                                                    "/v1/chat/completions"),
         "truncation": (lambda v: v in (None, "disabled"), "only \"disabled\": a prompt longer than the context is "
                                                           "an error, never cut"),
-        "tool_choice": (lambda v: v in (None, "auto", "none"),
-                        'only "auto" and "none": the model decides whether to call a tool'),
     }
 
     @field_validator("input", mode="before")
@@ -270,6 +269,30 @@ class ResponsesRequest(BaseModel):
             except ValidationError as e:
                 raise validation_error(e, prefix=("tools", i)) from None
         return tools, left_out
+
+    def forced_call(self, tools: list[FunctionTool | NamespaceTool]) -> str | None:
+        """The call tool_choice forces the answer to open with: "" for any tool ("required"), the
+        function's name as the model sees it (`{"type": "function", "name": ...}`), or None."""
+        choice = self.tool_choice
+        if choice in (None, "auto", "none"):
+            return None
+        offered = [name for tool in tools for name in
+                   ([flat_name(tool.name, child.name) for child in tool.tools] if isinstance(tool, NamespaceTool)
+                    else [tool.name])]
+        if not offered:
+            raise APIError(f"tool_choice={json.dumps(choice)} needs a function tool to call: none was given",
+                           param="tool_choice")
+        if choice == "required":
+            return ""
+        if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+            name = flat_name(choice.get("namespace"), choice["name"])
+            if name not in offered:
+                raise APIError(f"tool_choice: no function tool named {json.dumps(name)} was given",
+                               param="tool_choice")
+            return name
+        raise APIError(f"tool_choice={json.dumps(choice)} is not supported by this server: only \"auto\", "
+                       f"\"none\", \"required\" and {{\"type\": \"function\", \"name\": ...}}", param="tool_choice",
+                       code="unsupported_value")
 
     def template_tools(self, tools: list[FunctionTool | NamespaceTool]) -> list[dict] | None:
         """The tools for the chat template, a namespace's as functions of their own; None where
