@@ -377,7 +377,14 @@ def codex_binary() -> Path:
     folder = Path(os.environ.get("PIPELINE_NPM_CACHE", Path.home() / ".cache" / "pipeline" / "npm"))
     folder = folder / f"codex-{CODEX_VERSION}"
     binary = folder / "node_modules" / ".bin" / "codex"
-    if binary.exists():
+
+    def works() -> bool:  # the native binary comes in an optional dependency, which npm may have skipped
+        try:
+            return subprocess.run([str(binary), "--version"], capture_output=True, timeout=60).returncode == 0
+        except OSError:
+            return False
+
+    if binary.exists() and works():
         return binary
     why = None
     if shutil.which("npm") is None:
@@ -386,7 +393,7 @@ def codex_binary() -> Path:
         folder.mkdir(parents=True, exist_ok=True)
         result = subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--prefix", str(folder),
                                  f"@openai/codex@{CODEX_VERSION}"], capture_output=True, text=True, timeout=600)
-        if result.returncode != 0 or not binary.exists():
+        if result.returncode != 0 or not works():
             why = f"npm install @openai/codex@{CODEX_VERSION} failed: {result.stderr.strip()[-300:]}"
     if why is not None:
         if os.environ.get("CI") == "true":
