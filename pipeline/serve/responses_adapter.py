@@ -1,8 +1,10 @@
-"""Engine events turned into the Responses API: output items (`reasoning`, `message`,
-`function_call`) built from the chat-output parser's events, as the stream of events OpenAI's
-server sends (each with its `sequence_number`, each item's with its `output_index`) or as the one
-`response` object at the end. Both come from the same events, so a streamed answer and a plain
-one are the same answer.
+"""`POST /v1/responses` on the one request path: `ResponsesAPI` parses a request into a Generation
+(its conversation, previous responses' included, as the chat template's messages) and keeps the
+responses for GET, DELETE and previous_response_id; `ResponsesAdapter` turns the engine's events
+into output items (`reasoning`, `message`, `function_call`) built from the chat-output parser's
+events, as the stream of events OpenAI's server sends (each with its `sequence_number`, each
+item's with its `output_index`) or as the one `response` object at the end. Both come from the
+same events, so a streamed answer and a plain one are the same answer.
 
 The stream, in order: `response.created`, `response.in_progress`; per item
 `response.output_item.added`, its parts and deltas (`response.reasoning_summary_part.added`,
@@ -27,7 +29,7 @@ from . import responses_protocol as rp
 from .adapters import API, Generation
 from .protocol import APIError
 from .responses_protocol import FunctionCallItem, MessageItem, ReasoningItem, ResponsesRequest, ToolNames
-from .responses_store import CAPACITY, ResponseStore
+from .responses_store import ResponseStore
 
 PING_S = 15.0  # an SSE comment after this long with nothing sent (a long prefill), which clients skip
 
@@ -91,12 +93,12 @@ class ResponsesAPI(API):
         """GET /v1/responses/{id}: the stored response object."""
         stored = self.store.get(id)
         if stored is None:
-            raise _not_stored(id)
+            raise _not_stored(id, self.store.capacity)
         return stored.response
 
     def delete(self, id: str) -> dict:
         if not self.store.delete(id):
-            raise _not_stored(id)
+            raise _not_stored(id, self.store.capacity)
         return rp.deleted(id)
 
     def event(self, chunk: dict) -> bytes:
@@ -124,8 +126,8 @@ class _OpenItem:
         self.text = ""  # the reasoning, the text or the arguments so far
 
 
-def _not_stored(id: str) -> APIError:
-    return APIError(f"no response '{id}' is stored here: the server keeps the last {CAPACITY} responses (not those "
+def _not_stored(id: str, capacity: int) -> APIError:
+    return APIError(f"no response '{id}' is stored here: the server keeps the last {capacity} responses (not those "
                     f"sent with store: false), in memory, until it stops", status=404, param="response_id",
                     code="not_found")
 
