@@ -60,7 +60,7 @@ def test_adapter_streams_blocks_and_the_whole_message_agrees():
     assert kinds.count("content_block_stop") == 3
     pieces = [e["delta"]["partial_json"] for e in events if e["type"] == "content_block_delta"
               and e["delta"]["type"] == "input_json_delta"]
-    assert len(pieces) >= 1 and json.loads("".join(pieces)) == {"city": "Paris"}
+    assert len(pieces) == 2 and json.loads("".join(pieces)) == {"city": "Paris"}  # a delta per piece the parser makes
     signature = [e["delta"]["signature"] for e in events if e["type"] == "content_block_delta"
                  and e["delta"]["type"] == "signature_delta"]
     assert events[-2]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
@@ -142,6 +142,17 @@ def test_bad_requests_name_the_field(fields, words):
     error = MessagesAPI().error_body(caught.value)
     assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
     assert words in error["error"]["message"], error
+
+
+def test_a_full_queue_is_overloaded():
+    """The gateway's 429 (capacity) is Anthropic's 529 overloaded_error, which its clients retry."""
+    from pipeline.serve.protocol import APIError
+
+    error = APIError("the server is at capacity", status=429, code="rate_limit_exceeded")
+    api = MessagesAPI()
+    assert api.error_status(error) == 529
+    assert api.error_body(error) == {"type": "error", "error": {"type": "overloaded_error",
+                                                                "message": "the server is at capacity"}}
 
 
 def test_pings_while_nothing_comes():
@@ -266,6 +277,9 @@ def test_errors_in_anthropics_shape(server):
     status, body, _ = server.post("/v1/messages?beta=true", {"model": "x", "max_tokens": 4, "messages": QUESTION},
                                   {"authorization": f"Bearer {KEY}", "anthropic-version": "2023-06-01"})
     assert status == 200 and body["type"] == "message"
+    status, body, _ = server.post("/v1/messages/count_tokens", {"model": "x", "messages": QUESTION},
+                                  {"x-api-key": KEY})  # as Claude Code sends it (this client sends a Bearer)
+    assert status == 200 and body["input_tokens"] > 0
     status, body, _ = server.post("/v1/messages", {"model": "x", "max_tokens": 4, "messages": QUESTION})
     assert status == 401 and body["error"]["type"] == "authentication_error" and "x-api-key" in body["error"]["message"]
     status, body, _ = server.post("/v1/messages/nothing", {}, {"x-api-key": KEY})
