@@ -324,6 +324,14 @@ def test_function_call_round_trip_with_previous_response_id_and_by_resending(ser
         model="default", input=[{"role": "user", "content": QUESTION}, *[i.model_dump() for i in first.output], result],
         tools=TOOLS, store=False)
     assert resent.usage.input_tokens == chained.usage.input_tokens > first.usage.input_tokens
+    # and the prompt of the same turns through Chat Completions (one rendering for both APIs)
+    chat = server.client.chat.completions.create(model="default", messages=[
+        {"role": "user", "content": QUESTION},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": call.call_id, "type": "function", "function": {
+            "name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "sunny, 21 C"}],
+        tools=[{"type": "function", "function": {k: v for k, v in TOOLS[0].items() if k != "type"}}])
+    assert chat.usage.prompt_tokens == chained.usage.input_tokens
     # The prefix cache holds the first turn: the follow-up prefills only what is new
     assert chained.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
     assert resent.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
