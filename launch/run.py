@@ -21,7 +21,12 @@ launcher:
 - with --mlx-hostfile (what `mlx.distributed_config --backend jaccl` writes), hands every rank
   its RDMA devices for --transport mlx, so no device file has to be copied to the hosts;
 - forwards the environment the ranks need (PYTHONPATH, PIPELINE_*, MLX_*, JACCL_*, HF_*,
-  MPI4PY_*, OMP_NUM_THREADS, and each --env);
+  MPI4PY_*, OMP_NUM_THREADS, and each --env) by name (MPICH -genvlist, Open MPI -x NAME): the
+  values travel in the environment, never on a command line, where `ps` would show every user
+  of the host a PIPELINE_API_KEY;
+- checks that the Python the ranks will run imports the package and mpi4py (one `error:` line if
+  not), then becomes the MPI launcher (same pid), so the signals a batch script or a terminal
+  sends reach it.
 
 Inside a Slurm allocation (sbatch, salloc) leave out --hostfile: both MPIs read the allocation.
 """
@@ -188,24 +193,56 @@ def build_command(flavor: str, launcher: str, version: str, ranks: int, hosts: l
             oob = ["--prtemca", "oob_tcp_if_include", iface] if openmpi_major(version) >= 5 else \
                 ["--mca", "oob_tcp_if_include", iface]
             cmd += ["--mca", "btl_tcp_if_include", iface] + oob
-        for name in sorted(env):
-            cmd += ["-x", f"{name}={env[name]}"]
+        for name in sorted(env):  # by name: mpirun takes the value from its environment
+            cmd += ["-x", name]
     else:
         if hosts:
             cmd += ["-hosts", inline_hosts(hosts)]
         if iface:
             cmd += ["-iface", iface]
-        for name in sorted(env):
-            cmd += ["-genv", name, env[name]]
+        if env:  # by name: mpiexec takes the values from its environment
+            cmd += ["-genvlist", ",".join(sorted(env))]
     return cmd + [python, "-m", "pipeline", *command]
 
 
-def run(cmd: list[str], env: dict[str, str]) -> int:
+def printed_command(cmd: list[str], env: dict[str, str]) -> str:
+    """The command as a shell line: the values this launcher chose or was given (NAME=VALUE before the
+    command, which puts them in its environment, not on its command line), then the command. What the
+    ranks inherit from this shell (a PIPELINE_API_KEY exported here) stays out of the line."""
+    chosen = [f"{name}={value}" for name, value in sorted(env.items()) if os.environ.get(name) != value]
+    return " ".join([*map(shlex.quote, chosen), shlex.join(cmd)])
+
+
+PROBE = ("import importlib.util as u; "
+         "print(' '.join(n for n in ('pipeline', 'mpi4py') if u.find_spec(n) is None))")
+
+
+def check_python(python: str, env: dict[str, str]) -> None:
+    """The Python the ranks will start imports the package and mpi4py (checked here: every host has it
+    at the same path); else one line naming what is missing, instead of a traceback from every rank."""
     try:
-        rc = subprocess.call(cmd, env={**os.environ, **env})
-    except KeyboardInterrupt:  # mpiexec got the Ctrl-C too and is ending the job
-        rc = 130
-    return rc if rc >= 0 else 128 - rc
+        probe = subprocess.run([python, "-c", PROBE], env={**os.environ, **env}, capture_output=True, text=True,
+                               timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise UserError(f"cannot run the ranks' Python {python}: {getattr(e, 'strerror', None) or e}") from None
+    missing = probe.stdout.split()
+    if probe.returncode != 0 or missing:
+        what = " and ".join(missing) if missing else "anything (it fails to start)"
+        raise UserError(f"the ranks' Python {python} cannot import {what}: activate the environment the "
+                        f"README sets up (. .venv/bin/activate in the checkout; the sbatch templates take "
+                        f"VENV=DIR), or name another with --python")
+
+
+def run(cmd: list[str], env: dict[str, str]) -> int:
+    """Become the launcher: a signal for this process (scancel, a batch script's trap, Ctrl-C) is then
+    mpiexec's to pass on to the ranks."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execve(cmd[0], cmd, {**os.environ, **env})
+    except OSError as e:
+        print(f"error: cannot start {cmd[0]}: {e.strerror}", file=sys.stderr)
+        return 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -230,15 +267,18 @@ def main(argv: list[str] | None = None) -> int:
         env = forwarded_env(args.env, args.iface)
         if args.mlx_hostfile:
             env["PIPELINE_JACCL_DEVICES"] = jaccl_devices(args.mlx_hostfile, ranks)
+        python = args.python or sys.executable
+        if args.python is None or os.path.exists(args.python):  # else it is only on the hosts
+            check_python(python, env)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    cmd = build_command(flavor, launcher, version, ranks, hosts, args.iface, env, args.python or sys.executable,
+    cmd = build_command(flavor, launcher, version, ranks, hosts, args.iface, env, python,
                         command, is_root=os.geteuid() == 0, cores=physical_cores())
     if args.dry_run:
         print(f"# {version}")
-        print(shlex.join(cmd))
+        print(printed_command(cmd, env))
         return 0
     return run(cmd, env)
 

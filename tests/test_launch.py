@@ -76,7 +76,7 @@ def test_commands_for_each_mpi():
     assert "--allow-run-as-root" in ompi and "--oversubscribe" not in ompi
     joined = " ".join(ompi)
     assert "--mca btl_tcp_if_include bridge0 --mca oob_tcp_if_include bridge0" in joined
-    assert "-x PIPELINE_IFACE=bridge0 -x PYTHONPATH=/src" in joined
+    assert "-x PIPELINE_IFACE -x PYTHONPATH " in joined  # by name: no value on the command line
     assert ompi[-6:] == ["/usr/bin/python3", "-m", "pipeline", "generate", "--prompt", "hi"]
     ompi5 = " ".join(build("openmpi", "mpirun", "mpirun (Open MPI) 5.0.6", 2, None, "bridge0", {}, "py", ["ping"],
                            is_root=False, cores=1))
@@ -86,7 +86,8 @@ def test_commands_for_each_mpi():
     mpich = build("mpich", "/usr/bin/mpiexec", "MPICH (Hydra) 5.0.2", 4, hosts, "bridge0", env,
                   "/usr/bin/python3", ["generate", "--prompt", "hi"], is_root=True, cores=1)
     assert mpich[:5] == ["/usr/bin/mpiexec", "-n", "4", "-hosts", "studio-1:1,studio-2:3"]
-    assert "-iface bridge0" in " ".join(mpich) and "-genv PYTHONPATH /src" in " ".join(mpich)
+    assert "-iface bridge0" in " ".join(mpich) and "-genvlist PIPELINE_IFACE,PYTHONPATH " in " ".join(mpich)
+    assert not any("/src" in arg or "bridge0" == arg for arg in mpich[mpich.index("-genvlist"):]), mpich
     assert not {"--allow-run-as-root", "--oversubscribe"} & set(mpich)
     assert mpich[-6:] == ["/usr/bin/python3", "-m", "pipeline", "generate", "--prompt", "hi"]
 
@@ -99,7 +100,36 @@ def test_dry_run_carries_the_hosts_of_either_dialect_inline(tmp_path):
     assert result.returncode == 0, result.stderr
     command = result.stdout.splitlines()[-1]
     assert " -n 2 -hosts studio-1:1,studio-2:1 " in command and "-iface bridge0" in command, command
-    assert "-genv FOO bar" in command and command.endswith("-m pipeline generate --prompt hi"), command
+    assert command.startswith("FOO=bar ") and "-genvlist FOO," in command, command
+    assert command.endswith("-m pipeline generate --prompt hi"), command
+
+
+def test_no_value_of_the_environment_on_the_command_line(tmp_path):
+    """A key the ranks inherit (serve.sbatch exports PIPELINE_API_KEY) is named, never written, in the
+    command both MPIs get, and --dry-run leaves it out too: `ps` shows command lines to every user."""
+    key = "sk-do-not-show-me-1234"
+    for mpi in ("mpich", "openmpi"):
+        command = launch_run.build_command(mpi, "mpiexec", "4.1.4", 2, None, None,
+                                           {"PIPELINE_API_KEY": key, "PYTHONPATH": "/src"}, "py", ["serve"],
+                                           is_root=False, cores=4)
+        assert "PIPELINE_API_KEY" in " ".join(command) and key not in " ".join(command), command
+    result = subprocess.run([sys.executable, str(REPO / "launch" / "run.py"), "--mpi", "mpich", "-n", "2",
+                             "--env", "PIPELINE_API_KEY", "--dry-run", "serve"], capture_output=True, text=True,
+                            timeout=60, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), "PIPELINE_API_KEY": key})
+    assert result.returncode == 0, result.stderr
+    assert key not in result.stdout and "PIPELINE_API_KEY" in result.stdout, result.stdout
+
+
+@pytest.mark.skipif(not os.path.exists("/usr/bin/python3") or subprocess.run(
+    ["/usr/bin/python3", "-c", "import mpi4py"], capture_output=True).returncode == 0,
+    reason="needs a system Python without mpi4py")
+def test_a_python_without_mpi4py_is_one_line_before_launching():
+    """The batch script's python3 outside the README's environment: one line, not a traceback per rank."""
+    result = launch("--mpi", "mpich", "-n", "2", "--python", "/usr/bin/python3", "ping", "--rounds", "1")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: the ranks' Python /usr/bin/python3 cannot import mpi4py:"), lines
+    assert ".venv/bin/activate" in lines[0] and "Traceback" not in result.stderr
 
 
 @pytest.mark.parametrize("mpi", ["mpich", pytest.param("openmpi", marks=pytest.mark.skipif(
