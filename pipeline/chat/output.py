@@ -10,26 +10,30 @@ from typing import Callable
 
 from .events import ContentDelta, Event, ReasoningDelta, ToolCallArguments, ToolCallEnd, ToolCallStart
 from .reasoning import ReasoningParser, prompt_opens_reasoning, template_thinks
+from .markup_arguments import Schemas, tool_schemas
 from .tool_calls import ToolCallFormat, ToolCallParser, format_for_template, new_call_id
 
 
 class ChatOutputParser:
     def __init__(self, *, in_reasoning: bool | None, tool_format: ToolCallFormat | None,
-                 new_id: Callable[[], str] = new_call_id):
+                 new_id: Callable[[], str] = new_call_id, schemas: Schemas | None = None):
         """in_reasoning: None when the model does not think (no reasoning is split off), else
         whether its output starts inside the thinking. tool_format: None when tool calls are
-        not parsed (no tools in the request, or tool_choice "none")."""
+        not parsed (no tools in the request, or tool_choice "none"). schemas: the request's tool
+        schemas, which type the values of formats that write every value as text."""
         self._reasoning = ReasoningParser(in_reasoning) if in_reasoning is not None else None
-        self._tools = ToolCallParser(tool_format, new_id) if tool_format is not None else None
+        self._tools = ToolCallParser(tool_format, new_id, schemas) if tool_format is not None else None
 
     @classmethod
     def for_prompt(cls, chat_template: str | None, prompt_text: str, parse_tools: bool,
-                   new_id: Callable[[], str] = new_call_id) -> "ChatOutputParser":
+                   new_id: Callable[[], str] = new_call_id, tools: list | None = None) -> "ChatOutputParser":
         """The parser for a prompt rendered with `chat_template` (its text decides where the
-        output starts); tool calls in the template's format when `parse_tools`."""
+        output starts); tool calls in the template's format when `parse_tools`, their values typed
+        from `tools` (the request's, OpenAI's or Anthropic's shape) where the format needs it."""
         thinks = template_thinks(chat_template)
         return cls(in_reasoning=prompt_opens_reasoning(prompt_text) if thinks else None,
-                   tool_format=format_for_template(chat_template) if parse_tools else None, new_id=new_id)
+                   tool_format=format_for_template(chat_template) if parse_tools else None, new_id=new_id,
+                   schemas=tool_schemas(tools))
 
     @property
     def reasoned(self) -> bool:
@@ -98,9 +102,9 @@ class ChatMessage:
 
 
 def parse_output(text: str, *, in_reasoning: bool | None, tool_format: ToolCallFormat | None,
-                 new_id: Callable[[], str] = new_call_id) -> ChatMessage:
+                 new_id: Callable[[], str] = new_call_id, schemas: Schemas | None = None) -> ChatMessage:
     """A whole output at once."""
-    parser = ChatOutputParser(in_reasoning=in_reasoning, tool_format=tool_format, new_id=new_id)
+    parser = ChatOutputParser(in_reasoning=in_reasoning, tool_format=tool_format, new_id=new_id, schemas=schemas)
     message = ChatMessage()
     message.add(parser.feed(text) + parser.finish())
     if parser.reasoned and message.reasoning is None:

@@ -89,6 +89,10 @@ class JsonObjectScanner:
     def closed(self) -> bool:
         return self._expect == _DONE
 
+    def finish(self) -> str:
+        """The call's end marker came: nothing more (a JSON object closes by its own `}`)."""
+        return ""
+
     def feed(self, text: str) -> str:
         out: list[str] = []
         for c in text:

@@ -9,6 +9,20 @@ its published chat template writes calls back into a conversation (and its docs 
   `functions.NAME:IDX` is kept as the call's id, because Kimi's template writes it back as is)
 - Qwen and Hermes-style templates: `<tool_call>\\n{"name": NAME, "arguments": {ARGS}}\\n</tool_call>`
 
+and, with every value written as text (markup_arguments.py reads them into a JSON object, typed
+from the request's tool schemas):
+
+- Qwen3-Coder and Qwen3.5: `<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n...
+  </function>\\n</tool_call>` (their templates also hold `<tool_call>`: told from Hermes by `<function=`)
+- GLM-4.5 to GLM-5: `<tool_call>NAME\\n<arg_key>KEY</arg_key>\\n<arg_value>VALUE</arg_value>...</tool_call>`
+  (GLM-4.7 and later without the newlines)
+- MiniMax-M2: `<minimax:tool_call>\\n<invoke name="NAME">\\n<parameter name="KEY">VALUE</parameter>\\n...
+  </invoke>\\n</minimax:tool_call>`
+- DeepSeek V3.2 and V4 (DSML, their encoding_dsv32.py / encoding_dsv4.py): `<｜DSML｜function_calls>` (V3.2) or
+  `<｜DSML｜tool_calls>` (V4), then `\\n<｜DSML｜invoke name="NAME">\\n<｜DSML｜parameter name="KEY"
+  string="true|false">VALUE</｜DSML｜parameter>\\n...</｜DSML｜invoke>` per call and the section's end tag;
+  `string="true"` values are the text, `string="false"` ones JSON
+
 A call streams as the model writes it: ToolCallStart once its name is known and its arguments
 have begun as a JSON object (`{`), then its arguments in ToolCallArguments pieces, each only text
 that is certainly part of them (a possible end marker's first characters, and an unfinished number
@@ -17,7 +31,10 @@ pieces joined are exactly the arguments the call's whole text parses to: the mod
 written (DeepSeek, Kimi: stripped, as the whole parse has it), or, for Qwen, whose whole parse
 re-serializes the object, the same re-serialization token by token (scan.JsonObjectScanner).
 A Qwen call written another way (keys in another order, arguments as a JSON string) is passed on
-whole at its end marker.
+whole at its end marker. A markup call starts once its name is read; its arguments go out as
+markup_arguments.py reads them (`{` at once, each key with its value, a string's characters as they
+come), and its object closes at the arguments' closing tag or the call's end marker. Where a format
+wraps its calls in a section (MiniMax, DSML), a call begins only inside one.
 
 A call that never starts (no name, no JSON object after it, or a malformed start) is passed on as
 plain text, markers and all, once it is known to be malformed or the output ends inside it, so the
@@ -39,6 +56,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .events import ContentDelta, Event, ToolCallArguments, ToolCallEnd, ToolCallStart
+from .markup_arguments import Markup, MarkupArgumentsScanner, Schemas
 from .scan import JsonObjectScanner, JsonPairs, dump_json, find_first, partial_tail, read_json
 
 
@@ -70,9 +88,19 @@ class ToolCallFormat:
     call_end: str
     section_begin: str | None    # formats that wrap their calls in a section
     section_end: str | None
-    parse: Callable[[str], ParsedCall | None]  # a call's text between its markers, or None when malformed
+    # a call's text between its markers, and the request's tool schemas: the call, or None when malformed
+    parse: Callable[[str, Schemas | None], ParsedCall | None]
     head: Callable[[str], CallHead | None | bool]  # a call's text so far: CallHead, None or NOT_STREAMED
     normalizes: bool = False     # parse re-serializes the arguments (else they are the JSON text as written)
+    markup: Markup | None = None  # arguments written as markup, from the head's arguments_at (else JSON)
+    section_required: bool = False  # a call begins only inside a section
+
+    def arguments_scanner(self, name: str, schemas: Schemas | None):
+        """What reads the arguments of a call of tool `name` as they stream: `feed(text)` gives back
+        pieces of their JSON text, `finish()` the last one at the call's end marker."""
+        if self.markup is not None:
+            return MarkupArgumentsScanner(self.markup, (schemas or {}).get(name))
+        return JsonObjectScanner(self.normalizes)
 
 
 def _json_object(text: str) -> str | None:
@@ -114,7 +142,7 @@ _DEEPSEEK_V3_CALL = re.compile(_DEEPSEEK_V3_HEAD + r"(.*)\n```\s*", re.DOTALL)
 _DEEPSEEK_V3_START = re.compile(_DEEPSEEK_V3_HEAD)
 
 
-def _parse_deepseek_v3(text: str) -> ParsedCall | None:
+def _parse_deepseek_v3(text: str, schemas: Schemas | None = None) -> ParsedCall | None:  # JSON: typed as written
     match = _DEEPSEEK_V3_CALL.fullmatch(text)
     return _call(match[1], _json_object(match[2])) if match else None
 
@@ -124,7 +152,7 @@ def _head_deepseek_v3(text: str) -> CallHead | None | bool:
     return _head(match[1], text, match.end()) if match else None
 
 
-def _parse_deepseek_v31(text: str) -> ParsedCall | None:
+def _parse_deepseek_v31(text: str, schemas: Schemas | None = None) -> ParsedCall | None:  # JSON: typed as written
     name, sep, arguments = text.partition(DEEPSEEK_SEP)
     return _call(name, _json_object(arguments)) if sep else None
 
@@ -138,7 +166,7 @@ KIMI_ARGUMENT_BEGIN = "<|tool_call_argument_begin|>"
 _KIMI_ID = re.compile(r"(?:functions\.)?([^\s:]+):\d+")
 
 
-def _parse_kimi_k2(text: str) -> ParsedCall | None:
+def _parse_kimi_k2(text: str, schemas: Schemas | None = None) -> ParsedCall | None:  # JSON: typed as written
     call_id, sep, arguments = text.partition(KIMI_ARGUMENT_BEGIN)
     call_id = call_id.strip()
     match = _KIMI_ID.fullmatch(call_id)
@@ -153,7 +181,7 @@ def _head_kimi_k2(text: str) -> CallHead | None | bool:
     return _head(match[1], text, len(call_id) + len(sep), call_id.strip()) if match else NOT_STREAMED
 
 
-def _parse_qwen(text: str) -> ParsedCall | None:
+def _parse_qwen(text: str, schemas: Schemas | None = None) -> ParsedCall | None:  # JSON: typed as written
     try:
         call = read_json(text)
     except (ValueError, RecursionError):
@@ -199,7 +227,106 @@ DEEPSEEK_V31 = ToolCallFormat("deepseek_v31", "<｜tool▁call▁begin｜>", "<�
 KIMI_K2 = ToolCallFormat("kimi_k2", "<|tool_call_begin|>", "<|tool_call_end|>",
                          "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", _parse_kimi_k2, _head_kimi_k2)
 QWEN = ToolCallFormat("qwen", "<tool_call>", "</tool_call>", None, None, _parse_qwen, _head_qwen, normalizes=True)
-FORMATS = (DEEPSEEK_V3, DEEPSEEK_V31, KIMI_K2, QWEN)
+FORMATS = (DEEPSEEK_V3, DEEPSEEK_V31, KIMI_K2, QWEN)  # the formats whose arguments are JSON text
+
+
+# -- formats whose arguments are markup (markup_arguments.py) ---------------------------------------------------------
+
+def _markup_head(match: re.Match | None, text: str, prefix: str) -> CallHead | None | bool:
+    """The head of a markup call from `match` (its group 1 the name, the arguments after it): None
+    while `text` (after blank space) could still become a match of the head's `prefix...>`."""
+    if match is not None:
+        return CallHead(match[1].strip(), match.end()) if _good_name(match[1].strip()) else NOT_STREAMED
+    stripped = text.lstrip()
+    if prefix.startswith(stripped) or (stripped.startswith(prefix) and ">" not in stripped):
+        return None
+    return NOT_STREAMED
+
+
+def _parse_markup(format: "ToolCallFormat", text: str, schemas: Schemas | None) -> ParsedCall | None:
+    """A markup call's whole text: its head, then its arguments read by the same scanner that
+    streams them (so the two agree however the text was split)."""
+    head = format.head(text)
+    if not isinstance(head, CallHead):
+        return None
+    scanner = format.arguments_scanner(head.name, schemas)
+    arguments = scanner.feed(text[head.arguments_at:]) + scanner.finish()
+    return None if scanner.broken or not scanner.closed else ParsedCall(head.name, arguments)
+
+
+_QWEN_XML_HEAD = re.compile(r"[ \t\n\r]*<function=([^>\n]*)>")
+
+
+def _head_qwen_xml(text: str) -> CallHead | None | bool:
+    return _markup_head(_QWEN_XML_HEAD.match(text), text, "<function=")
+
+
+def _parse_qwen_xml(text: str, schemas: Schemas | None = None) -> ParsedCall | None:
+    return _parse_markup(QWEN_XML, text, schemas)
+
+
+GLM_ARG_KEY = "<arg_key>"
+_GLM_NAME_END = re.compile(r"\n|" + GLM_ARG_KEY)
+
+
+def _head_glm(text: str) -> CallHead | None | bool:
+    """The name runs to its line's end (GLM-4.5/4.6) or to the first `<arg_key>` (GLM-4.7, 5)."""
+    start = len(text) - len(text.lstrip())
+    end = _GLM_NAME_END.search(text, start)
+    if end is None:
+        return None
+    name = text[start:end.start()].strip()
+    return CallHead(name, end.start()) if _good_name(name) and "<" not in name else NOT_STREAMED
+
+
+def _parse_glm(text: str, schemas: Schemas | None = None) -> ParsedCall | None:
+    if _GLM_NAME_END.search(text, len(text) - len(text.lstrip())) is None:  # a call with no arguments
+        name = text.strip()
+        return ParsedCall(name, "{}") if _good_name(name) and "<" not in name else None
+    return _parse_markup(GLM, text, schemas)
+
+
+_INVOKE_HEAD = re.compile(r'[ \t\n\r]+name="([^"\n]*)"[ \t]*>')  # after `<invoke` / `<｜DSML｜invoke`
+
+
+def _head_invoke(text: str) -> CallHead | None | bool:
+    return _markup_head(_INVOKE_HEAD.match(text), text, 'name="')
+
+
+def _parse_minimax(text: str, schemas: Schemas | None = None) -> ParsedCall | None:
+    return _parse_markup(MINIMAX_M2, text, schemas)
+
+
+def _parse_dsml_v32(text: str, schemas: Schemas | None = None) -> ParsedCall | None:
+    return _parse_markup(DSML_V32, text, schemas)
+
+
+def _parse_dsml_v4(text: str, schemas: Schemas | None = None) -> ParsedCall | None:
+    return _parse_markup(DSML_V4, text, schemas)
+
+
+DSML = "｜DSML｜"
+_DSML_PARAMETER = Markup(f"<{DSML}parameter", ">", re.compile(
+    f'<{DSML}parameter[ \\t]+name="(?P<key>[^"]*)"(?:[ \\t]+string="(?P<string>true|false)")?[ \\t]*>'),
+    f"</{DSML}parameter>")
+QWEN_XML = ToolCallFormat("qwen_xml", "<tool_call>", "</tool_call>", None, None, _parse_qwen_xml, _head_qwen_xml,
+                          markup=Markup("<parameter=", ">", re.compile(r"<parameter=(?P<key>[^>\n]*)>"), "</parameter>",
+                                        arguments_end="</function>", trim_newline=True))
+GLM = ToolCallFormat("glm", "<tool_call>", "</tool_call>", None, None, _parse_glm, _head_glm,
+                     markup=Markup(GLM_ARG_KEY, "<arg_value>", re.compile(
+                         r"<arg_key>(?P<key>[^<]*)</arg_key>[ \t\n\r]*<arg_value>"), "</arg_value>"))
+MINIMAX_M2 = ToolCallFormat("minimax_m2", "<invoke", "</invoke>", "<minimax:tool_call>", "</minimax:tool_call>",
+                            _parse_minimax, _head_invoke, section_required=True,
+                            markup=Markup("<parameter", ">", re.compile(r'<parameter[ \t]+name="(?P<key>[^"]*)"[ \t]*>'),
+                                          "</parameter>"))
+DSML_V32 = ToolCallFormat("dsml_v32", f"<{DSML}invoke", f"</{DSML}invoke>", f"<{DSML}function_calls>",
+                          f"</{DSML}function_calls>", _parse_dsml_v32, _head_invoke, section_required=True,
+                          markup=_DSML_PARAMETER)
+DSML_V4 = ToolCallFormat("dsml_v4", f"<{DSML}invoke", f"</{DSML}invoke>", f"<{DSML}tool_calls>",
+                         f"</{DSML}tool_calls>", _parse_dsml_v4, _head_invoke, section_required=True,
+                         markup=_DSML_PARAMETER)
+MARKUP_FORMATS = (QWEN_XML, GLM, MINIMAX_M2, DSML_V32, DSML_V4)
+ALL_FORMATS = FORMATS + MARKUP_FORMATS
 
 
 def format_for_template(chat_template: str | None) -> ToolCallFormat | None:
@@ -209,9 +336,18 @@ def format_for_template(chat_template: str | None) -> ToolCallFormat | None:
         return None
     if KIMI_K2.call_begin in chat_template or KIMI_K2.section_begin in chat_template or "tool_declare" in chat_template:
         return KIMI_K2
+    if DSML in chat_template:  # V3.2 calls its section function_calls, V4 tool_calls
+        return DSML_V32 if DSML_V32.section_begin in chat_template else DSML_V4
     if DEEPSEEK_V3.call_begin in chat_template:
         # V3 / R1 fence the arguments in a ```json block; V3.1 writes them straight after the name
         return DEEPSEEK_V3 if "```json" in chat_template else DEEPSEEK_V31
+    if MINIMAX_M2.section_begin in chat_template:
+        return MINIMAX_M2
+    # GLM's, Qwen3-Coder's and Qwen3.5's templates hold <tool_call> too, with their own markup inside
+    if GLM_ARG_KEY in chat_template:
+        return GLM
+    if "<function=" in chat_template:
+        return QWEN_XML
     if QWEN.call_begin in chat_template:
         return QWEN
     return None
@@ -227,10 +363,10 @@ _TEXT, _BETWEEN, _CALL = "text", "between", "call"
 class _Streamed:
     """A call whose start has been sent: what of its arguments went out so far."""
 
-    def __init__(self, index: int, head: CallHead, normalize: bool):
+    def __init__(self, index: int, head: CallHead, scanner):
         self.index = index
         self.head = head
-        self.scanner = JsonObjectScanner(normalize)
+        self.scanner = scanner
         self.read = head.arguments_at  # how much of the call's text the scanner has read
         self.sent = ""
 
@@ -238,9 +374,12 @@ class _Streamed:
 class ToolCallParser:
     """Answer text pieces in; ContentDelta and ToolCallStart/Arguments/End events out."""
 
-    def __init__(self, format: ToolCallFormat, new_id: Callable[[], str] = new_call_id):
+    def __init__(self, format: ToolCallFormat, new_id: Callable[[], str] = new_call_id, schemas: Schemas | None = None):
+        """schemas: the request's tool schemas (markup_arguments.tool_schemas), which type the
+        values of formats that write them as text."""
         self.format = format
         self._new_id = new_id
+        self._schemas = schemas
         self.calls = 0            # calls started so far (the next call's index)
         self._state = _TEXT
         self._in_section = False  # between a section's begin and end markers
@@ -259,7 +398,7 @@ class ToolCallParser:
             return (f.call_end, f.call_begin) + ((f.section_end,) if self._in_section else ())
         if self._in_section:
             return (f.call_begin, f.section_end)
-        return (f.call_begin,) + ((f.section_begin,) if f.section_begin else ())
+        return ((f.call_begin,) if not f.section_required else ()) + ((f.section_begin,) if f.section_begin else ())
 
     def feed(self, text: str) -> list[Event]:
         events: list[Event] = []
@@ -323,7 +462,8 @@ class ToolCallParser:
             if head is None or head is NOT_STREAMED:
                 self._whole = True
                 return
-            call = self._streamed = _Streamed(self._start(head.id, head.name, events), head, self.format.normalizes)
+            scanner = self.format.arguments_scanner(head.name, self._schemas)
+            call = self._streamed = _Streamed(self._start(head.id, head.name, events), head, scanner)
         piece = call.scanner.feed(self._call[call.read:])
         call.read = len(self._call)
         if piece:
@@ -364,7 +504,7 @@ class ToolCallParser:
 
     def _end(self, events: list[Event]) -> None:
         """The current call's end marker: its whole text decides it."""
-        parsed = self.format.parse(self._call)
+        parsed = self.format.parse(self._call, self._schemas)
         call = self._streamed
         if call is None:
             if parsed is None:
@@ -373,10 +513,14 @@ class ToolCallParser:
                 index = self._start(parsed.id, parsed.name, events)
                 events += [ToolCallArguments(index, parsed.arguments), ToolCallEnd(index)]
             return
-        # by its end marker a well-formed call's object has closed: all of its arguments went out
-        if parsed is None or parsed.name != call.head.name or parsed.arguments != call.sent:
+        # by its end marker a well-formed call's object has closed (a markup call's closes with it): all
+        # of its arguments went out
+        last = call.scanner.finish()
+        if parsed is None or parsed.name != call.head.name or parsed.arguments != call.sent + last:
             self._broken(events)
             return
+        if last:
+            events.append(ToolCallArguments(call.index, last))
         events.append(ToolCallEnd(call.index))
         self._streamed = None
 

@@ -22,14 +22,19 @@ def check_tools(tokenizer: Tokenizer) -> None:
                        "or put a chat_template.jinja that renders `tools` into the model folder", param="tools",
                        code="unsupported_value")
     if format_for_template(tokenizer.chat_template) is None:
-        raise APIError("this model's tool-call format is not one the server parses (DeepSeek V3/R1, V3.1, Kimi K2, "
-                       "Qwen <tool_call>)", param="tools", code="unsupported_value")
+        raise APIError("this model's tool-call format is not one the server parses (DeepSeek V3/R1, V3.1, V3.2/V4 "
+                       "DSML, Kimi K2, Qwen <tool_call> JSON or <function=...> XML, GLM, MiniMax-M2)", param="tools",
+                       code="unsupported_value")
 
 
-def output_parser(tokenizer: Tokenizer, prompt_ids: list[int], parse_tools: bool) -> ChatOutputParser:
+def output_parser(tokenizer: Tokenizer, prompt_ids: list[int], parse_tools: bool,
+                  tools: list | None = None) -> ChatOutputParser:
     """The parser of one answer. Whether the answer starts inside a thinking block is in the
-    rendered prompt's last tokens (R1's and V3.1's templates open `<think>` there)."""
-    return ChatOutputParser.for_prompt(tokenizer.chat_template, tokenizer.decode(prompt_ids[-16:]), parse_tools)
+    rendered prompt's last tokens (R1's and V3.1's templates open `<think>` there). `tools`: the
+    request's, whose schemas type the values of the formats that write every value as text (Qwen
+    XML, GLM, MiniMax); without them such values are JSON where they read as JSON."""
+    return ChatOutputParser.for_prompt(tokenizer.chat_template, tokenizer.decode(prompt_ids[-16:]), parse_tools,
+                                       tools=tools)
 
 
 def deltas(events: list[Event]) -> list[dict]:
