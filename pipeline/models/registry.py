@@ -49,9 +49,21 @@ FAMILIES: dict[str, Family] = {
 }
 
 
+# Families `pipeline plan` sizes (planner/shapes.py) before the runtime runs them: refused by name.
+PLANNED: dict[str, str] = {
+    "qwen3_5_moe": "Qwen3.5-MoE",
+    "qwen3_5_moe_text": "Qwen3.5-MoE",  # a published config's text_config type, which ModelConfig reads
+    "glm_moe_dsa": "GLM-5",
+    "minimax_m2": "MiniMax-M2",
+}
+
+
 def family_for(config: ModelConfig) -> Family:
-    try:
-        return FAMILIES[config.model_type]
-    except KeyError:
-        raise UserError(f"model_type {config.model_type!r} is not supported "
-                        f"(supported: {', '.join(sorted(FAMILIES))})") from None
+    family = FAMILIES.get(config.model_type)
+    if family is not None:
+        return family
+    if config.model_type in PLANNED:
+        raise UserError(f"{PLANNED[config.model_type]} ({config.model_type}) is not yet supported by the runtime "
+                        f"(issue 36); `pipeline plan --model ...` sizes it for a cluster")
+    raise UserError(f"model_type {config.model_type!r} is not supported "
+                    f"(supported: {', '.join(sorted(FAMILIES))})")

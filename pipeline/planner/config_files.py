@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from ..checkpoints.model_files import find
-from ..models.config import ModelConfig
+from ..models.config import ModelConfig, read_config_json
 from ..util.errors import UserError
 
 CONFIG_DIR = Path(__file__).with_name("configs")
@@ -25,7 +25,7 @@ def load_config(spec: str | Path) -> ModelConfig:
     if model is not None and model.format == "gguf":
         return model.open().model_config()
     if model is not None:
-        return ModelConfig.from_folder(model.path)
+        return _with_vision_config(read_config_json(model.path))
     path = Path(spec)
     if not path.is_file():
         path = bundled_configs().get(str(spec).lower().removesuffix(".json"))
@@ -34,6 +34,15 @@ def load_config(spec: str | Path) -> ModelConfig:
             raise UserError(f"--model {spec}: not a model folder, a config.json file or a bundled config "
                             f"({names})")
     try:
-        return ModelConfig.from_dict(json.loads(path.read_text()))
+        return _with_vision_config(json.loads(path.read_text()))
     except json.JSONDecodeError as e:
         raise UserError(f"{path} is not valid JSON ({e.msg} at line {e.lineno})") from None
+
+
+def _with_vision_config(raw: dict) -> ModelConfig:
+    """The config, its multimodal wrapper's vision_config kept beside the language model's keys (the
+    planner names the vision tower a checkpoint holds and no rank loads: Qwen3.5's)."""
+    config = ModelConfig.from_dict(raw)
+    if "text_config" in raw and raw.get("vision_config") and "vision_config" not in config.raw:
+        config.raw["vision_config"] = raw["vision_config"]
+    return config

@@ -3,6 +3,7 @@ weights, KV cache, headroom, fit, ms per token), and the predicted tok/s with th
 
 from __future__ import annotations
 
+from ..models.registry import FAMILIES
 from .memory import size
 from .speed import ClusterPlan
 
@@ -16,7 +17,11 @@ def format_plan(plan: ClusterPlan, title: str) -> str:
     cp = p.checkpoint
     lines = [f"{title} ({arch.name}): {len(arch.layers)} layers, {_b(c.total)} parameters, "
              f"{_b(c.active)} read per token (embedding table excluded)"
-             + (f"; MTP module {_b(c.unused)} in the checkpoint, run only with --draft mtp" if c.unused else "")]
+             + (f"; MTP module {_b(c.unused)} in the checkpoint, run only with --draft mtp" if c.unused else "")
+             + "".join(f"; {what} {_b(n)} in the checkpoint, loaded by no rank" for what, n in arch.not_loaded)]
+    if arch.name not in FAMILIES:
+        lines.append(f"note: the runtime does not run {arch.name} yet (issue 36): generate and serve refuse it; "
+                     f"this plan is what it will need")
     resident = sum(plan.mb.layers) + plan.mb.ends
     disk = sum(cp.disk_bytes(q) for layer in arch.layers for q in layer) + sum(cp.disk_bytes(q) for q in arch.ends)
     disk_unused = sum(cp.disk_bytes(q) for q in arch.unused)
@@ -27,11 +32,11 @@ def format_plan(plan: ClusterPlan, title: str) -> str:
     if arch.kv_layers is None:
         lines.append(f"KV cache: {arch.kv_note} = {arch.kv_values} values/token/layer, {kv_token / 1024:.1f} KiB per "
                      f"token ({p.dtype}); context {plan.context} x batch {plan.batch}")
-    else:
-        window = arch.kv_cached(0, len(arch.layers), 0) * p.dtype_bytes
+    else:  # layers differ: per token, plus what a sequence holds whatever its length (windows, linear states)
+        fixed = arch.kv_cached(0, len(arch.layers), 0) * p.dtype_bytes
         lines.append(f"KV cache: {arch.kv_note} = {arch.kv_values:.1f} values/token/layer on average, "
-                     f"{kv_token / 1024:.2f} KiB per token + {window / 2**20:.1f} MiB per sequence ({p.dtype}); "
-                     f"context {plan.context} x batch {plan.batch}")
+                     f"{kv_token / 1024:.2f} KiB per token" + (f" + {fixed / 2**20:.1f} MiB per sequence" if fixed else "")
+                     + f" ({p.dtype}); context {plan.context} x batch {plan.batch}")
     lines.append("")
     lines.append(f"{'rank':>4}  {'memory':>9}  {'layers':<14}  {'weights':>10}  {'KV cache':>9}  {'headroom':>10}  "
                  f"{'fits':>4}  {'bandwidth':>10}  {'ms/token':>8}")
@@ -63,7 +68,10 @@ def format_plan(plan: ClusterPlan, title: str) -> str:
                      f"{tps:.1f} tok/s, since the larger hosts are the slowest stages: generate --split "
                      f"{','.join(map(str, counts))}")
     lines.append("  model: stage time = bytes read / bandwidth (non-expert weights, distinct routed experts "
-                 "E*(1-(1-k/E)^m) for m tokens, KV cache at the full context)"
+                 "E*(1-(1-k/E)^m) for m tokens, KV cache at the full context"
+                 + ("; GLM's DSA: indexer keys + top-k latents" if arch.name == "glm_moe_dsa" else "")
+                 + ("; linear attention: its whole state" if any(c.kind == "linear_attention" for c in arch.kv_layers or ())
+                    else "") + ")"
                  + ("; compute-bound at 2 x params x tokens / --tflops" if hw.tflops else "; compute not modelled")
                  + "; peak numbers, no efficiency factor: real runs land below")
     return "\n".join(lines)

@@ -1,11 +1,12 @@
 """Every tensor of a model's checkpoint from config.json alone (no weights): the parameter shapes of
 each layer written out per family, under the names and shapes the published files hold, and the KV
-cache values each layer keeps per token."""
+cache values each layer keeps per token (and, for Qwen3.5's linear-attention layers, the fixed state
+it keeps per sequence instead)."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ..models.config import ModelConfig
@@ -14,7 +15,11 @@ from ..util.errors import UserError
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 DEEPSEEK_FAMILY = ("deepseek_v3", "kimi_k2", "kimi_k25", "deepseek_v32")
-KNOWN_TYPES = (*LLAMA_FAMILY, "qwen3_moe", *DEEPSEEK_FAMILY, "deepseek_v4")
+# Sized by the planner before the runtime runs them (issue 36): Qwen3.5-MoE (its wrapper's type, or its
+# text_config's, which ModelConfig takes from a published config.json), GLM-5, MiniMax-M2.
+QWEN3_5_MOE = ("qwen3_5_moe", "qwen3_5_moe_text")
+PLANNED_TYPES = (*QWEN3_5_MOE, "glm_moe_dsa", "minimax_m2")
+KNOWN_TYPES = (*LLAMA_FAMILY, "qwen3_moe", *DEEPSEEK_FAMILY, "deepseek_v4", *PLANNED_TYPES)
 
 
 @dataclass(frozen=True)
@@ -47,7 +52,8 @@ class Param:
 
     @property
     def is_router(self) -> bool:
-        return self.name.endswith("mlp.gate.weight")
+        """An MoE router (and Qwen3.5's one-row shared-expert gate): kept in float by --quantize."""
+        return self.name.endswith(("mlp.gate.weight", "mlp.shared_expert_gate.weight"))
 
     @property
     def is_embedding(self) -> bool:
@@ -66,10 +72,12 @@ class Param:
 
 
 class LayerCache(NamedTuple):
-    """One layer's KV cache, in values (DeepSeek V4, whose caches differ by layer)."""
+    """One layer's KV cache, in values, where caches differ by layer (DeepSeek V4, Qwen3.5, GLM-5)."""
     per_token: float  # cached per token of the sequence
-    per_sequence: int  # cached per sequence whatever its length (windows, unfinished compressions)
-    kind: str  # the layer's attention: sliding, compressed sparse or heavily compressed
+    per_sequence: int  # cached per sequence whatever its length (windows, unfinished compressions,
+    # a linear-attention layer's recurrent and convolution state)
+    kind: str  # the layer's attention: V4's sliding, compressed sparse or heavily compressed; Qwen3.5's
+    # linear_attention or full_attention; GLM's indexed_attention (its own indexer) or shared_indexed_attention
 
 
 @dataclass
@@ -81,8 +89,10 @@ class Architecture:
     top_k: int  # routed experts chosen per token (0: dense)
     kv_values: float  # cached values per token per layer (DeepSeek V4: the mean over its layers)
     kv_note: str
-    kv_layers: list[LayerCache] | None = None  # per layer (DeepSeek V4); None: kv_values per token in each
+    kv_layers: list[LayerCache] | None = None  # per layer (V4, Qwen3.5, GLM-5); None: kv_values per token in each
     hidden_values: int = 0  # values per token between ranks (V4: its residual streams); 0: hidden_size
+    not_loaded: list[tuple[str, int]] = field(default_factory=list)  # (what, parameters) in the checkpoint that
+    # no rank loads and no option runs (Qwen3.5's vision tower)
 
     @property
     def name(self) -> str:
@@ -101,8 +111,14 @@ class Architecture:
         if self.kv_layers is None:
             return self.kv_values * context
         cache = self.kv_layers[layer]
+        if cache.kind in ("indexed_attention", "shared_indexed_attention"):
+            # GLM's DSA: the indexer scores every cached key of its own, attention reads the top-k latents
+            r = self.config.raw
+            latent = int(r["kv_lora_rank"]) + int(r["qk_rope_head_dim"])
+            keys = int(r["index_head_dim"]) * context if cache.kind == "indexed_attention" else 0
+            return keys + min(context, int(r["index_topk"])) * latent
         if cache.kind != "compressed_sparse_attention":
-            return cache.per_token * context + cache.per_sequence
+            return cache.per_token * context + cache.per_sequence  # a linear layer: its whole state
         v4 = deepseek_v4_config(self.config)
         entries = context // compress_rate(self.config, cache.kind)
         return cache.per_sequence + entries * v4.index_head_dim + min(entries, v4.index_topk) * self.config.head_dim
@@ -137,6 +153,12 @@ def architecture(config: ModelConfig) -> Architecture:
                        Param(f"{p}.shared_head.head.weight", (config.vocab_size, d))]
     elif t == "deepseek_v4":
         return _deepseek_v4_architecture(config)
+    elif t in QWEN3_5_MOE:
+        return _qwen3_5_moe_architecture(config)
+    elif t == "glm_moe_dsa":
+        return _glm_moe_dsa_architecture(config)
+    elif t == "minimax_m2":
+        return _minimax_m2_architecture(config)
     else:
         raise UserError(f"the planner does not know model_type {t!r} (known: {', '.join(KNOWN_TYPES)})")
     v, d = config.vocab_size, config.hidden_size
@@ -186,9 +208,10 @@ def _gqa_layer(c: ModelConfig, i: int) -> list[Param]:
     return params
 
 
-def _deepseek_layer(c: ModelConfig, i: int) -> list[Param]:
+def _deepseek_layer(c: ModelConfig, i: int, indexer: bool | None = None, moe: bool | None = None) -> list[Param]:
     """DeepSeek V3 / Kimi K2: multi-head latent attention, then a dense MLP (the first
-    first_k_dense_replace layers) or routed + shared experts."""
+    first_k_dense_replace layers) or routed + shared experts. indexer, moe: whether the layer has
+    DSA's lightning indexer and routed experts (GLM-5 says so per layer; default: as DeepSeek's config)."""
     r, p, d = c.raw, f"model.layers.{i}", c.hidden_size
     heads = c.num_attention_heads
     nope, rope, v = int(r["qk_nope_head_dim"]), int(r["qk_rope_head_dim"]), int(r["v_head_dim"])
@@ -203,14 +226,16 @@ def _deepseek_layer(c: ModelConfig, i: int) -> list[Param]:
         params += _linear(f"{a}.q_proj", heads * (nope + rope), d)
     params += (_linear(f"{a}.kv_a_proj_with_mqa", kv_lora + rope, d, bias) + _norm(f"{a}.kv_a_layernorm", kv_lora)
                + _linear(f"{a}.kv_b_proj", heads * (nope + v), kv_lora) + _linear(f"{a}.o_proj", d, heads * v, bias))
-    if c.model_type == "deepseek_v32":  # DSA's lightning indexer
+    if c.model_type == "deepseek_v32" if indexer is None else indexer:  # DSA's lightning indexer
         ih, idim = int(r["index_n_heads"]), int(r["index_head_dim"])
         x = f"{a}.indexer"
         params += (_linear(f"{x}.wq_b", ih * idim, int(q_lora)) + _linear(f"{x}.wk", idim, d)
                    + [Param(f"{x}.k_norm.weight", (idim,)), Param(f"{x}.k_norm.bias", (idim,))]
                    + _linear(f"{x}.weights_proj", ih, d))
     experts = int(r.get("n_routed_experts") or 0)
-    if experts and i >= int(r.get("first_k_dense_replace", 0)) and i % int(r.get("moe_layer_freq", 1)) == 0:
+    if moe is None:
+        moe = i >= int(r.get("first_k_dense_replace", 0)) and i % int(r.get("moe_layer_freq", 1)) == 0
+    if experts and moe:
         inter = int(r["moe_intermediate_size"])
         params += [Param(f"{p}.mlp.gate.weight", (experts, d)), Param(f"{p}.mlp.gate.e_score_correction_bias", (experts,))]
         params += _mlp(f"{p}.mlp.experts.0", d, inter, experts=experts)
@@ -301,12 +326,208 @@ def _deepseek_v4_layer(c: ModelConfig, p: str, kind: str, mlp: str) -> list[Para
     return params
 
 
+def qwen3_5_layer_types(c: ModelConfig) -> list[str]:
+    """Qwen3.5's `layer_types` as published, else transformers' default: full attention every
+    full_attention_interval-th layer (4), linear attention (Gated DeltaNet) in the others."""
+    r = c.raw
+    kinds = r.get("layer_types")
+    if kinds is None:
+        interval = int(r.get("full_attention_interval", 4))
+        kinds = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                 for i in range(c.num_hidden_layers)]
+    if len(kinds) != c.num_hidden_layers or set(kinds) - {"full_attention", "linear_attention"}:
+        raise UserError(f"config.json's layer_types must give full_attention or linear_attention for each of the "
+                        f"{c.num_hidden_layers} layers, got {kinds}")
+    return list(kinds)
+
+
+def _qwen3_5_moe_architecture(config: ModelConfig) -> Architecture:
+    """Qwen3.5-MoE's language model (models published as Qwen3_5MoeForConditionalGeneration, under
+    model.language_model.*; named model.* here): Gated DeltaNet layers and gated full-attention
+    layers per layer_types, each with routed experts plus one gated shared expert. A full-attention
+    layer caches keys and values per token; a linear layer keeps, per sequence whatever its length,
+    its recurrent state (num_v_heads x head_k_dim x head_v_dim) and its convolution's last
+    conv_kernel - 1 inputs (conv_dim = 2 x key heads x head_k_dim + value heads x head_v_dim).
+    mtp.* (one more full-attention layer behind a projection) is the MTP module; model.visual.* the
+    vision tower, which no rank loads."""
+    r, d, hd = config.raw, config.hidden_size, config.head_dim
+    kinds = qwen3_5_layer_types(config)
+    layers = [_qwen3_5_layer(config, f"model.layers.{i}", kind) for i, kind in enumerate(kinds)]
+    kv_full = 2 * config.num_key_value_heads * hd
+    state, conv = _qwen3_5_linear_state(config)
+    kv_layers = [LayerCache(kv_full, 0, kind) if kind == "full_attention" else LayerCache(0, state + conv, kind)
+                 for kind in kinds]
+    unused: list[Param] = []
+    for k in range(int(r.get("mtp_num_hidden_layers") or 0)):
+        unused += _qwen3_5_layer(config, f"mtp.layers.{k}", "full_attention")
+    if unused:
+        unused += (_linear("mtp.fc", d, 2 * d) + _norm("mtp.pre_fc_norm_embedding", d)
+                   + _norm("mtp.pre_fc_norm_hidden", d) + _norm("mtp.norm", d))
+    v = config.vocab_size
+    ends = [Param("model.embed_tokens.weight", (v, d)), Param("model.norm.weight", (d,))]
+    if not config.tie_word_embeddings:
+        ends.append(Param("lm_head.weight", (v, d)))
+    linear = kinds.count("linear_attention")
+    note = (f"keys+values in the {len(kinds) - linear} full-attention layers ({config.num_key_value_heads} KV heads x "
+            f"{hd}); each of the {linear} linear-attention layers keeps a fixed state per sequence instead "
+            f"({r['linear_num_value_heads']} x {r['linear_key_head_dim']} x {r['linear_value_head_dim']} recurrent + "
+            f"{conv} convolution values)")
+    not_loaded = [("vision tower (model.visual.*)", qwen3_5_vision_params(r["vision_config"]))] \
+        if r.get("vision_config") else []
+    return Architecture(config, layers, ends, unused, int(r["num_experts_per_tok"]),
+                        kv_full * (len(kinds) - linear) / len(kinds), note, kv_layers, not_loaded=not_loaded)
+
+
+def _qwen3_5_linear_state(c: ModelConfig) -> tuple[int, int]:
+    """Values one sequence keeps in one Gated DeltaNet layer: (recurrent state, convolution state)."""
+    r = c.raw
+    key_dim = int(r["linear_num_key_heads"]) * int(r["linear_key_head_dim"])
+    value_dim = int(r["linear_num_value_heads"]) * int(r["linear_value_head_dim"])
+    state = int(r["linear_num_value_heads"]) * int(r["linear_key_head_dim"]) * int(r["linear_value_head_dim"])
+    return state, (int(r.get("linear_conv_kernel_dim", 4)) - 1) * (2 * key_dim + value_dim)
+
+
+def _qwen3_5_layer(c: ModelConfig, p: str, kind: str) -> list[Param]:
+    r, d, hd = c.raw, c.hidden_size, c.head_dim
+    params = _norm(f"{p}.input_layernorm", d) + _norm(f"{p}.post_attention_layernorm", d)
+    if kind == "full_attention":  # q_proj also yields the output gate: twice the query width
+        a, heads, kv = f"{p}.self_attn", c.num_attention_heads, c.num_key_value_heads
+        bias = c.attention_bias
+        params += (_linear(f"{a}.q_proj", 2 * heads * hd, d, bias) + _linear(f"{a}.k_proj", kv * hd, d, bias)
+                   + _linear(f"{a}.v_proj", kv * hd, d, bias) + _linear(f"{a}.o_proj", d, heads * hd, bias)
+                   + _norm(f"{a}.q_norm", hd) + _norm(f"{a}.k_norm", hd))
+    else:
+        a = f"{p}.linear_attn"
+        v_heads = int(r["linear_num_value_heads"])
+        key_dim = int(r["linear_num_key_heads"]) * int(r["linear_key_head_dim"])
+        value_dim = v_heads * int(r["linear_value_head_dim"])
+        conv_dim = 2 * key_dim + value_dim
+        params += (_linear(f"{a}.in_proj_qkv", conv_dim, d) + _linear(f"{a}.in_proj_z", value_dim, d)
+                   + _linear(f"{a}.in_proj_b", v_heads, d) + _linear(f"{a}.in_proj_a", v_heads, d)
+                   + [Param(f"{a}.conv1d.weight", (conv_dim, 1, int(r.get("linear_conv_kernel_dim", 4)))),
+                      Param(f"{a}.dt_bias", (v_heads,)), Param(f"{a}.A_log", (v_heads,))]
+                   + _norm(f"{a}.norm", int(r["linear_value_head_dim"])) + _linear(f"{a}.out_proj", d, value_dim))
+    experts = int(r["num_experts"])
+    params += [Param(f"{p}.mlp.gate.weight", (experts, d))]
+    params += _mlp(f"{p}.mlp.experts.0", d, int(r["moe_intermediate_size"]), experts=experts)
+    params += _mlp(f"{p}.mlp.shared_expert", d, int(r["shared_expert_intermediate_size"]))
+    return params + _linear(f"{p}.mlp.shared_expert_gate", 1, d)
+
+
+def qwen3_5_vision_params(vision: dict) -> int:
+    """Parameters of Qwen3.5's vision tower (transformers' Qwen3_5MoeVisionModel, its defaults where
+    the config is silent): a patch embedding, learned positions, ViT blocks, a patch merger."""
+    h, inter = int(vision.get("hidden_size", 1152)), int(vision.get("intermediate_size", 4304))
+    patch, frames = int(vision.get("patch_size", 16)), int(vision.get("temporal_patch_size", 2))
+    merged = h * int(vision.get("spatial_merge_size", 2)) ** 2
+    out = int(vision.get("out_hidden_size", 3584))
+    embed = h * int(vision.get("in_channels", 3)) * frames * patch * patch + h
+    positions = int(vision.get("num_position_embeddings", 2304)) * h
+    block = 2 * 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (inter * h + inter) + (h * inter + h)
+    merger = 2 * h + (merged * merged + merged) + (out * merged + out)
+    return embed + positions + int(vision.get("depth", 27)) * block + merger
+
+
+def glm_indexer_types(c: ModelConfig) -> list[str]:
+    """GLM's per-layer indexer: "full" runs its own lightning indexer, "shared" reuses the previous
+    full layer's top-k. As transformers derives it: indexer_types, else index_topk_pattern, else
+    every index_topk_freq-th layer from index_skip_topk_offset (GLM-5: every layer)."""
+    r, n = c.raw, c.num_hidden_layers
+    kinds = r.get("indexer_types")
+    if kinds is None and r.get("index_topk_pattern") is not None:
+        pattern = r["index_topk_pattern"]
+        kinds = [{"F": "full", "S": "shared"}[ch] for ch in pattern] if isinstance(pattern, str) else list(pattern)
+    if kinds is None:
+        freq, offset = max(int(r.get("index_topk_freq", 1)), 1), int(r.get("index_skip_topk_offset", 2))
+        kinds = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
+    if len(kinds) != n or set(kinds) - {"full", "shared"}:
+        raise UserError(f"config.json's indexer_types must give full or shared for each of the {n} layers, got {kinds}")
+    return list(kinds)
+
+
+def glm_mlp_layer_types(c: ModelConfig) -> list[str]:
+    """GLM's mlp_layer_types ("dense" or "sparse" per layer), else first_k_dense_replace dense layers."""
+    r, n = c.raw, c.num_hidden_layers
+    kinds = r.get("mlp_layer_types")
+    if kinds is None:
+        dense = min(int(r.get("first_k_dense_replace", 3)), n)
+        kinds = ["dense"] * dense + ["sparse"] * (n - dense)
+    if len(kinds) != n or set(kinds) - {"dense", "sparse"}:
+        raise UserError(f"config.json's mlp_layer_types must give dense or sparse for each of the {n} layers, "
+                        f"got {kinds}")
+    return list(kinds)
+
+
+def _glm_moe_dsa_architecture(config: ModelConfig) -> Architecture:
+    """GLM-5 (glm_moe_dsa): DeepSeek V3.2's layer (MLA + DSA's lightning indexer, then a dense MLP or
+    routed + shared experts) under the same names, dense or MoE per mlp_layer_types; layers whose
+    indexer is "shared" have none and cache no indexer keys. The MTP layer follows the last layer,
+    DeepSeek's way (model.layers.{n}: enorm, hnorm, eh_proj, a decoder layer, shared_head)."""
+    r, d, n = config.raw, config.hidden_size, config.num_hidden_layers
+    indexers, mlps = glm_indexer_types(config), glm_mlp_layer_types(config)
+    layers = [_deepseek_layer(config, i, indexer=indexers[i] == "full", moe=mlps[i] == "sparse") for i in range(n)]
+    latent, index_key = int(r["kv_lora_rank"]) + int(r["qk_rope_head_dim"]), int(r["index_head_dim"])
+    kv_layers = [LayerCache(latent + index_key, 0, "indexed_attention") if kind == "full"
+                 else LayerCache(latent, 0, "shared_indexed_attention") for kind in indexers]
+    unused: list[Param] = []
+    for k in range(int(r.get("num_nextn_predict_layers") or 0)):
+        p = f"model.layers.{n + k}"
+        unused += [Param(f"{p}.enorm.weight", (d,)), Param(f"{p}.hnorm.weight", (d,)),
+                   Param(f"{p}.eh_proj.weight", (d, 2 * d)), *_deepseek_layer(config, n + k, indexer=True, moe=True),
+                   Param(f"{p}.shared_head.norm.weight", (d,)),
+                   # The checkpoint stores its own copies of the embedding and the LM head.
+                   Param(f"{p}.embed_tokens.weight", (config.vocab_size, d)),
+                   Param(f"{p}.shared_head.head.weight", (config.vocab_size, d))]
+    v = config.vocab_size
+    ends = [Param("model.embed_tokens.weight", (v, d)), Param("model.norm.weight", (d,))]
+    if not config.tie_word_embeddings:
+        ends.append(Param("lm_head.weight", (v, d)))
+    shared = indexers.count("shared")
+    note = (f"MLA latent, kv_lora_rank {r['kv_lora_rank']} + rope {r['qk_rope_head_dim']}, + indexer key "
+            f"{index_key} in the {n - shared} layers with their own indexer (a decode step reads the indexer keys "
+            f"and the top {r['index_topk']} latents)")
+    mean = sum(cache.per_token for cache in kv_layers) / n
+    return Architecture(config, layers, ends, unused, int(r["num_experts_per_tok"]), mean, note, kv_layers)
+
+
+def _minimax_m2_architecture(config: ModelConfig) -> Architecture:
+    """MiniMax-M2 (transformers' names; the published files call the MoE block_sparse_moe and its
+    experts' projections w1/w3/w2): full attention with an RMSNorm over all heads' queries (and all
+    KV heads' keys) together, partial rotary (rotary_dim, no parameters), sigmoid-routed experts with
+    a correction bias, no shared expert. The config's MTP modules are not in the published weights."""
+    r, d, hd = config.raw, config.hidden_size, config.head_dim
+    if int(r.get("shared_intermediate_size") or 0):
+        raise UserError("MiniMax-M2 with a shared expert (shared_intermediate_size > 0) is not a published "
+                        "model: the planner does not know its shapes")
+    heads, kv, experts = config.num_attention_heads, config.num_key_value_heads, int(r["num_local_experts"])
+    layers = []
+    for i in range(config.num_hidden_layers):
+        p, a = f"model.layers.{i}", f"model.layers.{i}.self_attn"
+        params = (_norm(f"{p}.input_layernorm", d) + _norm(f"{p}.post_attention_layernorm", d)
+                  + _linear(f"{a}.q_proj", heads * hd, d) + _linear(f"{a}.k_proj", kv * hd, d)
+                  + _linear(f"{a}.v_proj", kv * hd, d) + _linear(f"{a}.o_proj", d, heads * hd))
+        if r.get("use_qk_norm", True):
+            params += _norm(f"{a}.q_norm", heads * hd) + _norm(f"{a}.k_norm", kv * hd)
+        params += [Param(f"{p}.mlp.gate.weight", (experts, d))]
+        if r.get("use_routing_bias", True):
+            params += [Param(f"{p}.mlp.e_score_correction_bias", (experts,))]
+        params += _mlp(f"{p}.mlp.experts.0", d, config.intermediate_size, experts=experts)
+        layers.append(params)
+    v = config.vocab_size
+    ends = [Param("model.embed_tokens.weight", (v, d)), Param("model.norm.weight", (d,))]
+    if not config.tie_word_embeddings:
+        ends.append(Param("lm_head.weight", (v, d)))
+    note = f"keys+values, {kv} KV heads x {hd}"
+    return Architecture(config, layers, ends, [], int(r["num_experts_per_tok"]), 2 * kv * hd, note)
+
+
 @dataclass(frozen=True)
 class Counts:
     total: int  # parameters the model runs (layers + embedding + final norm + head)
     active: int  # read per token: all but the embedding table and the experts not chosen
     unused: int  # in the checkpoint, never run (MTP), excluding its copies of embedding/head
     unused_with_copies: int
+    not_loaded: int = 0  # in the checkpoint, loaded by no rank (Qwen3.5's vision tower)
 
 
 def count_params(arch: Architecture) -> Counts:
@@ -317,4 +538,5 @@ def count_params(arch: Architecture) -> Counts:
     embedding = 0 if tied else sum(p.numel for p in arch.ends if p.is_embedding)
     copies = ("embed_tokens.weight", "shared_head.head.weight")
     unused = sum(p.numel for p in arch.unused if not p.name.endswith(copies))
-    return Counts(total, total - skipped - embedding, unused, sum(p.numel for p in arch.unused))
+    return Counts(total, total - skipped - embedding, unused, sum(p.numel for p in arch.unused),
+                  sum(n for _, n in arch.not_loaded))
