@@ -134,6 +134,17 @@ def test_tool_choice_as_the_call_to_force():
     assert "needs a function tool" in caught.value.message
 
 
+def test_a_tools_image_output_becomes_a_note_for_the_model():
+    """Codex's view_image answers with an image part: the model is told it is left out, rather
+    than the agent's turn failing (a user's own image is still refused, see above)."""
+    output = [{"type": "input_text", "text": "the screenshot:"}, {"type": "input_image", "image_url": "data:,"}]
+    request = rp.parse(json.dumps({"input": [{"type": "function_call_output", "call_id": "c", "output": output}]})
+                       .encode())
+    assert rp.template_messages(None, request.input) == [
+        {"role": "tool", "tool_call_id": "c", "content": "the screenshot:\n[input_image left out: this server reads "
+                                                        "text only]"}]
+
+
 def test_unknown_fields_are_ignored():
     request = rp.parse(json.dumps({"input": "hi", "a_field_from_2027": {"x": 1}, "service_tier": "auto"}).encode())
     assert rp.template_messages(request.instructions, request.input) == [{"role": "user", "content": "hi"}]

@@ -36,13 +36,23 @@ NAMESPACE_SEPARATOR = "__"  # a namespace's function as the model sees it: NAMES
 
 # -- input items ----------------------------------------------------------------------------------------------
 
-def _text_of_parts(value, allowed: tuple[str, ...]):
-    """Text content parts joined with newlines (as chat's are); any other part is refused."""
+TEXT_PARTS = ("input_text", "output_text", "text")
+# A tool's output part this server cannot show the model (Codex's view_image returns an image): the
+# model is told so in its place, rather than the agent's whole turn failing on a 400
+UNSEEN_PART = "[{kind} left out: this server reads text only]"
+
+
+def _text_of_parts(value, allowed: tuple[str, ...] = TEXT_PARTS, unseen_ok: bool = False):
+    """Text content parts joined with newlines (as chat's are); any other part is refused, or
+    with `unseen_ok` replaced by UNSEEN_PART."""
     if not isinstance(value, list):
         return value
     texts = []
     for i, part in enumerate(value):
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in allowed and unseen_ok and isinstance(kind, str):
+            texts.append(UNSEEN_PART.format(kind=kind))
+            continue
         if kind not in allowed:
             raise ValueError(f"content part {i} is {json.dumps(kind) if kind else 'not a text part'}: only text "
                              f"parts ({', '.join(allowed)}) are supported, this server reads text")
@@ -65,7 +75,7 @@ class MessageItem(_Item):
     @field_validator("content", mode="before")
     @classmethod
     def _text(cls, value):
-        return _text_of_parts(value, ("input_text", "output_text", "text"))
+        return _text_of_parts(value)
 
 
 class FunctionCallItem(_Item):
@@ -84,7 +94,7 @@ class FunctionCallOutputItem(_Item):
     @field_validator("output", mode="before")
     @classmethod
     def _text(cls, value):
-        return _text_of_parts(value, ("input_text", "output_text", "text"))
+        return _text_of_parts(value, unseen_ok=True)
 
 
 class _SummaryText(_Item):
