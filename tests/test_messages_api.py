@@ -16,11 +16,12 @@ from pathlib import Path
 import anthropic
 import pytest
 
-from pipeline.chat.output import ChatOutputParser
-from pipeline.chat.tool_calls import KIMI_K2
+from pipeline.chat.output import ChatMessage, ChatOutputParser
+from pipeline.chat.tool_calls import FORMATS, KIMI_K2
 from pipeline.runtime.requests import Finished, SamplingParams, Tokens
 from pipeline.serve.anthropic_adapter import MessagesAPI
-from pipeline.serve.app import _with_pings
+from pipeline.serve.app import with_pings
+from pipeline.serve.forced_calls import forced_call_prefix
 from conftest import make_tiny_model
 from scripted_chat_model import ANSWER, CALL, TEMPLATE, THOUGHT, make_scripted_chat_model
 from test_chat_serve import KIMI_OUTPUT, env_vars  # noqa: F401 -- env_vars is a fixture used here
@@ -73,6 +74,41 @@ def test_adapter_streams_blocks_and_the_whole_message_agrees():
     assert call["type"] == "tool_use" and call["id"].startswith("toolu_") and call["name"] == "get_weather"
     assert call["input"] == {"city": "Paris"} and message["stop_reason"] == "tool_use"
     assert message["model"] == "served"
+
+
+def test_omitted_thinking_keeps_its_block_and_signature():
+    body = {"model": "m", "max_tokens": 64, "messages": QUESTION, "thinking": {"type": "adaptive", "display": "omitted"}}
+    events, message = run_adapter(body, ["<think>", "secret", "</think>", "Hi"],
+                                  ChatOutputParser(in_reasoning=False, tool_format=None))
+    assert not [e for e in events if e["type"] == "content_block_delta" and e["delta"]["type"] == "thinking_delta"]
+    thinking, text = message["content"]
+    assert thinking["thinking"] == "" and thinking["signature"] and text["text"] == "Hi"
+
+
+# What a model writes after each format's forced opening: of any tool (the name is the model's), of get_weather
+CONTINUATIONS = {
+    "qwen": ('\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', '{"city": "Paris"}}\n</tool_call>'),
+    "deepseek_v3": ('function<｜tool▁sep｜>get_weather\n```json\n{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+                    '{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
+    "deepseek_v31": ('get_weather<｜tool▁sep｜>{"city": "Paris"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+                     '{"city": "Paris"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
+    "kimi_k2": ('functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>'
+                '<|tool_calls_section_end|>', '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>'),
+}
+
+
+@pytest.mark.parametrize("format", [f for f in FORMATS if f.name in CONTINUATIONS], ids=lambda f: f.name)
+@pytest.mark.parametrize("name", [None, "get_weather"], ids=["any", "tool"])
+def test_forced_call_prefix_is_read_as_the_call_it_opens(format, name):
+    """The prefix fed to the parser first, as app.py does, and the model's continuation: one call."""
+    prefix = forced_call_prefix(format, name)
+    parser = ChatOutputParser(in_reasoning=None, tool_format=format)
+    assert parser.feed(prefix) == []
+    message = ChatMessage()
+    message.add(parser.feed(CONTINUATIONS[format.name][name is not None]) + parser.finish())
+    [call] = message.tool_calls
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    assert not (message.content or "").strip()
 
 
 def test_adapter_stop_reasons():
@@ -161,7 +197,7 @@ def test_pings_while_nothing_comes():
         yield "event"
 
     async def collect():
-        return [e async for e in _with_pings(slow(), 0.1)]
+        return [e async for e in with_pings(slow(), 0.1)]
 
     got = asyncio.run(collect())
     assert got[-1] == "event" and got[:-1] == [None] * len(got[:-1]) and len(got) >= 3

@@ -316,7 +316,7 @@ class Server:
         try:
             for chunk in adapter.opening():
                 yield api.event(chunk)
-            async for event in _with_pings(submission.events(), api.ping_s):
+            async for event in with_pings(submission.events(), api.ping_s):
                 if event is None:  # nothing to send for a while (a long prompt, a full queue): keep the line alive
                     yield api.ping()
                     continue
@@ -351,7 +351,7 @@ class Server:
         return adapter.finished(event)
 
 
-async def _with_pings(events: AsyncIterator, every_s: float | None) -> AsyncIterator:
+async def with_pings(events: AsyncIterator, every_s: float | None) -> AsyncIterator:
     """`events`, with a None put in whenever `every_s` seconds pass without one (never, where None)."""
     if every_s is None:
         async for event in events:
