@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ..util.errors import UserError
 from ..runtime.requests import SamplingParams
 from .protocol import APIError
 
@@ -159,7 +160,7 @@ class MessagesRequest(CountTokensRequest):
                                 defaults.min_p, defaults.repetition_penalty, defaults.seed)
         try:
             return params.validate()
-        except Exception as e:  # UserError: "top_p must be in (0, 1], ..."
+        except UserError as e:  # its message starts with the field's name ("top_p must be in (0, 1], ...")
             raise APIError(str(e), param=str(e).split(" ", 1)[0]) from None
 
 
