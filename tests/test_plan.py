@@ -342,3 +342,67 @@ def test_bytes_of_an_mlx_quantized_folder_match_the_loader(tmp_path, monkeypatch
         stage = Stage.load(config, Checkpoint(folder), (0, len(arch.layers)), has_ends=True,
                            dtype=getattr(mx, dtype), dense=dense)
         assert stage.weight_nbytes == sum(mb.layers) + mb.ends, (dtype, dense)
+
+
+# ------------------------------------------------------ families planned before the runtime runs them (issue 36)
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("name", ["Qwen3.5-397B-A17B", "GLM-5", "MiniMax-M2"])
+def test_planned_families_fit_the_seed_cluster(name, bits):
+    """The seed's cluster (2 x 512 + 2 x 256 GiB at 819 GB/s) holds each at 4 and 8 bits, and the
+    plan reads right: every layer placed once, the runtime's refusal said, speeds predicted."""
+    from pipeline.planner.config_files import load_config
+    from pipeline.planner.report import format_plan
+
+    config = load_config(name)
+    hw = Hardware(memory_gib=[512, 512, 256, 256], bandwidth_gbs=[819.0], link_gbs=5.0, link_latency_us=100.0)
+    plan = plan_cluster(config, 4, Precision(checkpoint_format(config), "bfloat16", bits), hw)
+    assert plan.fits
+    assert [(r.start, r.end) for r in plan.ranks] == layer_ranges([r.end - r.start for r in plan.ranks])
+    assert plan.ranks[-1].end == config.num_hidden_layers
+    assert 0 < plan.single_tps < plan.one_host_tps and plan.batch_tps > plan.single_tps
+    text = format_plan(plan, name)
+    assert text.startswith(f"{name} (") and "the runtime does not run" in text.splitlines()[1]
+    # the weights as held: between bits/8 and bits/8 + the group's scale and bias per parameter (bf16)
+    held = sum(plan.mb.layers) + plan.mb.ends
+    assert plan.counts.total * bits / 8 < held < plan.counts.total * (bits / 8 + 4 / 64) * 1.01
+
+
+def test_linear_attention_state_is_per_sequence_in_the_plan():
+    """Qwen3.5's Gated DeltaNet layers: their state counts per sequence whatever the context, the
+    full-attention layers' keys and values per token; a decode step reads the whole state."""
+    from pipeline.planner.config_files import load_config
+
+    config = load_config("Qwen3.5-397B-A17B")
+    hw = Hardware(memory_gib=[512, 512, 256, 256], bandwidth_gbs=[819.0])
+    fp = Precision(checkpoint_format(config), "bfloat16", 4)
+    short, long = (plan_cluster(config, 4, fp, hw, context=c, batch=2) for c in (1024, 2048))
+    state = 64 * 128 * 128 + 3 * (2 * 16 * 128 + 64 * 128)
+    for a, b in zip(short.ranks, long.ranks):
+        full = sum(1 for i in range(a.start, a.end) if i % 4 == 3)
+        linear = (a.end - a.start) - full
+        assert a.kv_bytes == 2 * 2 * (linear * state + full * 1024 * 1024)  # batch 2, bfloat16
+        assert b.kv_bytes - a.kv_bytes == 2 * 2 * full * 1024 * 1024  # only the full layers grow
+    arch = short.arch
+    assert arch.kv_read(0, 10) == arch.kv_read(0, 100_000) == state
+
+
+def test_plan_and_generate_for_a_planned_family(tmp_path):
+    """`plan` sizes a Qwen3.5-MoE folder as transformers saves it; `generate` refuses it in one line."""
+    from conftest import write_tokenizer
+
+    config = transformers.Qwen3_5MoeConfig(
+        text_config=dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                         linear_value_head_dim=12, moe_intermediate_size=24, shared_expert_intermediate_size=40,
+                         num_experts=6, num_experts_per_tok=2, vocab_size=VOCAB_SIZE),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
+                           num_position_embeddings=16, patch_size=4))
+    folder = tmp_path / "qwen3_5_moe"
+    transformers.Qwen3_5MoeForConditionalGeneration(config).save_pretrained(folder)
+    write_tokenizer(folder)
+    result = run_plan("--model", str(folder), "--hosts", "2")
+    assert result.returncode == 0, result.stderr
+    assert "vision tower (model.visual.*)" in result.stdout and "linear-attention layers" in result.stdout
+    one_error_line(mpiexec(1, "generate", "--model", str(folder), "--prompt", "hi", "--max-tokens", "2"),
+                   "Qwen3.5-MoE", "is not yet supported by the runtime (issue 36)")
