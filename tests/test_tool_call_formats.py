@@ -449,3 +449,55 @@ def test_the_request_tools_reach_the_parser():
     assert json.loads(message_of(untyped.feed(text) + untyped.finish()).tool_calls[0]["function"]["arguments"]) == {
         "query": 42, "limit": 42}
     assert jinja2  # the renderer the templates above need
+
+
+@pytest.mark.parametrize("template,prompt,fmt,calls_text", [
+    (GLM_5 + "<think>", "<|user|>Write it.<|assistant|><think>", GLM, glm47("search", SEARCH)),
+    (MINIMAX + "<think>", "]~b]user\nWrite it.[e~[\n]~b]ai\n<think>\n", MINIMAX_M2, minimax(("search", SEARCH))),
+    (v4_template(), "<｜User｜>Write it.<｜Assistant｜><think>", DSML_V4, dsml("tool_calls", ("search", SEARCH))),
+], ids=["glm-5", "minimax-m2", "deepseek-v4"])
+def test_thinking_then_calls(template, prompt, fmt, calls_text):
+    """These templates open the thinking in the prompt: the output's reasoning, up to `</think>`, is
+    reasoning (a call written in it is thinking too), then the calls; split anywhere."""
+    thought = "I should search " + calls_text.replace("\n", " ")[:40]
+    text = thought + "\n</think>\n\n" + calls_text
+    for pieces in [[text], list(text), *splits(text, fmt, seed=3, count=5)]:
+        parser = ChatOutputParser.for_prompt(template, prompt, True, new_id=ids(), tools=TOOLS)
+        message = ChatMessage()
+        for piece in pieces:
+            message.add(parser.feed(piece))
+        message.add(parser.finish())
+        assert message.reasoning == thought
+        assert message.tool_calls == expected_calls([("search", SEARCH)]) and not (message.content or "").strip()
+
+
+@pytest.mark.parametrize("fmt", MARKUP_FORMATS, ids=lambda f: f.name)
+def test_openai_client_accumulates_the_chunks(fmt):
+    """Chat Completions chunks of a markup call, put together by the official `openai` client's stream
+    helper, are the calls of the plain response: the expected ones."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+    from openai.types.chat import ChatCompletionChunk
+
+    from pipeline.runtime.requests import Finished, Tokens
+    from pipeline.serve.adapters import ChatAdapter
+
+    text, content, calls = CASES[fmt][0]
+    rng = random.Random(5)
+    cuts = sorted(rng.sample(range(1, len(text)), len(text) // 4))
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    adapter = ChatAdapter("chatcmpl-1", 1, "m", str, False, False,
+                          output=ChatOutputParser(in_reasoning=None, tool_format=fmt, new_id=ids(), schemas=SCHEMAS))
+    chunks = adapter.opening()
+    for i, piece in enumerate(pieces):
+        chunks += adapter.tokens(Tokens(i, piece))
+    chunks += adapter.finished(Finished("stop", text, "", prompt_tokens=5, completion_tokens=len(pieces),
+                                        cached_tokens=0, queued_s=0.0, ttft_s=0.1, total_s=1.0))
+    state = ChatCompletionStreamState()
+    for chunk in chunks:
+        state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
+    streamed = state.get_final_completion().choices[0]
+    plain = adapter.response()["choices"][0]
+    assert streamed.finish_reason == plain["finish_reason"] == "tool_calls"
+    assert [{"id": c.id, "type": c.type, "function": {"name": c.function.name, "arguments": c.function.arguments}}
+            for c in streamed.message.tool_calls] == plain["message"]["tool_calls"] == expected_calls(calls)
+    assert (streamed.message.content or None) == plain["message"]["content"] == content

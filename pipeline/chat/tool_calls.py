@@ -44,7 +44,8 @@ end comes before its end marker), or that the output ends inside (max_tokens), s
 pieces sent cannot be taken back, so it ends with ToolCallEnd(complete=False), its arguments the
 pieces sent (a JSON object's beginning, or all of one), and the rest of its text is dropped.
 Every decision depends only on the text before it, so any split of an output gives the same
-events joined. Blank space between calls is dropped; other text around them is the answer's text.
+events joined. Blank space before the first call (an answer's opening blank space) and between calls
+is dropped; other text around them is the answer's text.
 """
 
 from __future__ import annotations
@@ -381,7 +382,9 @@ class ToolCallParser:
         self._new_id = new_id
         self._schemas = schemas
         self.calls = 0            # calls started so far (the next call's index)
-        self._state = _TEXT
+        # blank space opening the answer is held as between calls: dropped where a call follows (DSML's
+        # encoding puts "\n\n" before its block, a chat-mode answer that is only calls has no content)
+        self._state = _BETWEEN
         self._in_section = False  # between a section's begin and end markers
         self._held = ""           # text not yet decided on (it may be the start of a marker)
         self._space = ""          # blank space after a call: dropped if another call follows
