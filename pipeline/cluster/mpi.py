@@ -45,8 +45,18 @@ def route_interrupts(comm) -> None:
     signal.signal(signal.SIGINT, interrupt_once)
 
 
+_ending: list[str] = []  # why this process is ending the job, once it is (abort_on_unhandled_exception)
+
+
+def job_ending() -> str | None:
+    """Why this rank is ending the whole job (a silent or dead peer, a bug), from the moment it knows
+    until MPI_Abort takes it down; None while the job runs. Rank 0's /health answers 503 with it."""
+    return _ending[0] if _ending else None
+
+
 def abort_on_unhandled_exception(comm) -> None:
     def hook(exc_type, exc, tb):
+        _ending.append(f"{exc_type.__name__}: {exc}" if str(exc) else exc_type.__name__)
         if exc_type is KeyboardInterrupt:
             print("pipeline: interrupted", file=sys.stderr)
         elif issubclass(exc_type, Interrupted):
@@ -106,10 +116,32 @@ def checkpoint(comm, step: Callable[[], T]) -> T:
     return result
 
 
+# What an MPI launcher tells each rank it starts (MPICH's Hydra and Slurm's pmi2 plugin, Open MPI,
+# PMIx): a process with none of these was not started as a rank of a job.
+_LAUNCHER_RANK = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+
+
+def stop_unwired_srun_copies() -> None:
+    """Before mpi4py loads: `srun -n N python -m pipeline ...` where srun's MPI plugin is none (Slurm's
+    default MpiDefault) starts N separate one-rank jobs, each printing the whole answer. A task of a
+    Slurm step of N tasks that no launcher gave a rank is such a copy: task 0 says so, in one line,
+    and every copy exits 1."""
+    tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "")
+    if not tasks.isdigit() or int(tasks) < 2 or any(name in os.environ for name in _LAUNCHER_RANK):
+        return
+    if os.environ.get("SLURM_PROCID", "0") == "0":
+        print(f"error: srun started {tasks} separate copies of this command, not one job of {tasks} ranks: "
+              f"its MPI plugin is none here; run `srun --mpi=pmi2 ...` (the MPICH of the README's set-up), "
+              f"or launch/run.py inside the allocation", file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
 def use_the_launchers_mpi() -> None:
     """Before mpi4py loads: when Open MPI's mpirun started this process but mpi4py would load
     another MPI library first (Linux, where `pip install .` brings the MPICH wheel), point it at
-    Open MPI's. Otherwise every rank fails in MPI_Init with an obscure PMIx error."""
+    Open MPI's. Otherwise every rank fails in MPI_Init with an obscure PMIx error. And first: srun's
+    unconnected copies stop (stop_unwired_srun_copies)."""
+    stop_unwired_srun_copies()
     if sys.platform != "linux" or "OMPI_COMM_WORLD_SIZE" not in os.environ:
         return
     if os.environ.get("MPI4PY_LIBMPI") or os.environ.get("MPI4PY_MPIABI"):

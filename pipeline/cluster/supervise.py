@@ -12,10 +12,11 @@ the child dies of a signal the supervisor did not pass on, prints
 
     error: rank 2 (studio-3, pid 4242) was killed by signal 9 (SIGKILL): out of memory? ...
 
-and ends the job itself (`end_job`): MPICH's mpiexec cleans up after a rank that fails, but a
-launcher that does not (`mpiexec -disable-auto-cleanup`, Slurm's srun without --kill-on-bad-exit)
-or is slow to would leave the other ranks waiting on the dead one until their --watchdog (300 s by
-default), wherever they are: in the ring, or telling it to stop. It then exits with 128 + the
+and ends the job itself (`end_job`, through the process manager: MPICH's mpiexec or `srun --mpi=pmi2`):
+MPICH's mpiexec cleans up after a rank that fails, but a launcher that does not (`mpiexec
+-disable-auto-cleanup`, Slurm's srun without --kill-on-bad-exit) or is slow to would leave the
+other ranks waiting on the dead one until their --watchdog (300 s by default), wherever they are:
+in the ring, or telling it to stop; an idle server would answer /health for that long. It then exits with 128 + the
 signal, which mpiexec sees as that rank failing. If the supervisor is
 killed (mpiexec cleaning up, or a `kill -9` of the wrong pid), the child says so, naming its rank,
 and exits at once: PR_SET_PDEATHSIG delivers SIGUSR1 on Linux, a watcher thread notices
@@ -121,13 +122,15 @@ def supervise() -> None:
 
 def end_job(status: int) -> None:
     """Ask the process manager to end every rank of the job now, as MPI_Abort does: under MPICH's
-    mpiexec (and other PMI-1 process managers) a rank's connection to it is the inherited
-    descriptor $PMI_FD, and `cmd=abort` on it ends the job whatever its clean-up setting. The rank
-    that used the connection is gone, so nothing else writes to it. Elsewhere (Open MPI's PMIx)
-    this does nothing: the launcher's own clean-up, or the other ranks' --watchdog, ends the job."""
+    mpiexec, and under `srun --mpi=pmi2` (whose plugin also speaks PMI-1, the wire MPICH's ranks use),
+    a rank's connection to it is the inherited descriptor $PMI_FD, and `cmd=abort` on it ends the
+    job (srun: the step, SIGKILL to every task) whatever its clean-up setting: srun without
+    --kill-on-bad-exit would otherwise let the other ranks run on. The rank that used the connection
+    is gone, so nothing else writes to it. Elsewhere (Open MPI's PMIx) this does nothing: the
+    launcher's own clean-up, or the other ranks' --watchdog, ends the job."""
     fd = os.environ.get("PMI_FD", "")
-    if not fd.isdigit() or "PMI_JOBID" in os.environ:  # Slurm's PMI plugins set it; PMI-2's wire
-        return  # format differs from this line's, so srun's own clean-up (or the watchdog) it is
+    if not fd.isdigit():
+        return
     # The abort ends mpiexec at once, and the line just written could be lost on the way (seen 2 in
     # 3 times): its proxy forwards what ranks write asynchronously, so it is given a moment first.
     time.sleep(LAST_WORD_S)
