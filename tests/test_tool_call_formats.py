@@ -501,3 +501,21 @@ def test_openai_client_accumulates_the_chunks(fmt):
     assert [{"id": c.id, "type": c.type, "function": {"name": c.function.name, "arguments": c.function.arguments}}
             for c in streamed.message.tool_calls] == plain["message"]["tool_calls"] == expected_calls(calls)
     assert (streamed.message.content or None) == plain["message"]["content"] == content
+
+
+@pytest.mark.parametrize("fmt", MARKUP_FORMATS, ids=lambda f: f.name)
+def test_a_call_opened_for_the_model_reads_on(fmt):
+    """markup_call_opening (a forced call's prefix), then the model's rest of the call: the call."""
+    from pipeline.chat.tool_calls import markup_call_opening
+
+    whole = {QWEN_XML: qwen_xml("search", SEARCH), GLM: glm45("search", SEARCH), MINIMAX_M2: minimax(("search", SEARCH)),
+             DSML_V32: dsml("function_calls", ("search", SEARCH)).lstrip(),
+             DSML_V4: dsml("tool_calls", ("search", SEARCH)).lstrip()}[fmt]
+    opening = markup_call_opening(fmt, "search")
+    assert whole.startswith(opening)
+    parser = ChatOutputParser(in_reasoning=None, tool_format=fmt, new_id=ids(), schemas=SCHEMAS)
+    events = parser.feed(opening)
+    assert events[:1] == ([] if fmt is GLM else [ToolCallStart(0, "call_0", "search")])  # GLM's name ends at what follows
+    assert message_of(events + parser.feed(whole[len(opening):]) + parser.finish()).tool_calls == expected_calls(
+        [("search", SEARCH)])
+    assert markup_call_opening(QWEN, "search") is None

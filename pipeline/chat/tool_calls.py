@@ -330,6 +330,19 @@ MARKUP_FORMATS = (QWEN_XML, GLM, MINIMAX_M2, DSML_V32, DSML_V4)
 ALL_FORMATS = FORMATS + MARKUP_FORMATS
 
 
+def markup_call_opening(format: ToolCallFormat, name: str) -> str | None:
+    """The text that opens a call of tool `name` in a markup format, up to where its arguments
+    begin, as the published templates write it (to force a call: the model writes the rest); None
+    for the other formats."""
+    if format is QWEN_XML:
+        return f"{format.call_begin}\n<function={name}>\n"
+    if format is GLM:
+        return f"{format.call_begin}{name}"
+    if format in (MINIMAX_M2, DSML_V32, DSML_V4):
+        return f'{format.section_begin}\n{format.call_begin} name="{name}">\n'
+    return None
+
+
 def format_for_template(chat_template: str | None) -> ToolCallFormat | None:
     """The tool-call format a chat template writes calls back in (so the model was trained to
     make them that way), or None when it has none of ours."""
