@@ -351,7 +351,7 @@ def test_bytes_of_an_mlx_quantized_folder_match_the_loader(tmp_path, monkeypatch
 def test_planned_families_fit_the_seed_cluster(name, bits):
     """The seed's cluster (2 x 512 + 2 x 256 GiB at 819 GB/s) holds each at 4 and 8 bits, and the
     plan reads right: every layer placed once, the runtime's refusal said, speeds predicted."""
-    from pipeline.planner.config_files import load_config
+    from pipeline.planner.config_files import load_config  # here, as in the tests above
     from pipeline.planner.report import format_plan
 
     config = load_config(name)
@@ -371,7 +371,7 @@ def test_planned_families_fit_the_seed_cluster(name, bits):
 def test_linear_attention_state_is_per_sequence_in_the_plan():
     """Qwen3.5's Gated DeltaNet layers: their state counts per sequence whatever the context, the
     full-attention layers' keys and values per token; a decode step reads the whole state."""
-    from pipeline.planner.config_files import load_config
+    from pipeline.planner.config_files import load_config  # here, as in the tests above
 
     config = load_config("Qwen3.5-397B-A17B")
     hw = Hardware(memory_gib=[512, 512, 256, 256], bandwidth_gbs=[819.0])
@@ -389,7 +389,7 @@ def test_linear_attention_state_is_per_sequence_in_the_plan():
 
 def test_plan_and_generate_for_a_planned_family(tmp_path):
     """`plan` sizes a Qwen3.5-MoE folder as transformers saves it; `generate` refuses it in one line."""
-    from conftest import write_tokenizer
+    from conftest import write_tokenizer  # here: only this test writes a model folder of its own
 
     config = transformers.Qwen3_5MoeConfig(
         text_config=dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,

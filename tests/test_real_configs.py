@@ -197,7 +197,7 @@ def test_minimax_m2_counts():
 
 def _tiny_configs():
     """Tiny instances of transformers' config classes, layer kinds mixed so each kind occurs."""
-    import transformers
+    import transformers  # here: the other tests of this file count from config.json alone, without torch
 
     qwen = transformers.Qwen3_5MoeConfig(
         text_config=dict(hidden_size=64, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -225,7 +225,7 @@ def test_tiny_instances_count_what_transformers_builds(family):
     """Our shapes against transformers' own model of each family: the parameter counts agree (routers'
     correction biases, buffers in transformers, left out; Qwen3.5's vision tower separately; MTP
     modules, which transformers does not build, not compared)."""
-    import torch
+    import torch  # here, as in _tiny_configs: only these tests build models
     import transformers
 
     config = _tiny_configs()[family]
