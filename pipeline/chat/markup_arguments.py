@@ -98,14 +98,18 @@ class Markup:
     its group `key` the parameter's name, an optional group `string` DSML's true/false), the
     value, `value_end`. Blank space may come between parameters. `arguments_end`: the tag that
     closes the arguments (Qwen's `</function>`), else the call's end marker closes them.
-    `trim_newline`: one newline after the opening and one before `value_end` are not the value's
-    (Qwen writes the value on lines of its own)."""
+    `trim`: what around a value is not the value's: NEWLINE, one newline after the opening and one
+    before `value_end` (Qwen writes the value on lines of its own); SPACE, all blank space at either
+    end (MiniMax's published parser strips values); "" none."""
     open_start: str
     open_end: str
     opening: re.Pattern
     value_end: str
     arguments_end: str | None = None
-    trim_newline: bool = False
+    trim: str = ""
+
+
+NEWLINE, SPACE = "newline", "space"  # Markup.trim
 
 
 _BETWEEN, _VALUE, _DONE = "between", "value", "done"
@@ -128,7 +132,7 @@ class MarkupArgumentsScanner:
         self._keys = 0              # parameters read so far
         self._string = False        # the current value streams as a string
         self._schema = None         # the current value's schema
-        self._lead_checked = False  # trim_newline: the value's first character was looked at
+        self._lead_checked = False  # trim: the blank space opening the value was dropped
         self._searched = 0          # where in _text the value's end was not found
 
     @property
@@ -203,27 +207,33 @@ class MarkupArgumentsScanner:
 
     def _value(self, out: list[str]) -> bool:
         m = self.markup
-        if m.trim_newline and not self._lead_checked:
+        if m.trim and not self._lead_checked:
+            if m.trim == SPACE:
+                self._text = self._text.lstrip()
             if not self._text:
                 return False
             self._lead_checked = True
-            if self._text[0] == "\n":
+            if m.trim == NEWLINE and self._text[0] == "\n":
                 self._text = self._text[1:]
         at = self._text.find(m.value_end, self._searched)
         if at < 0:
             self._searched = max(0, len(self._text) - len(m.value_end) + 1)
             if self._string:  # what cannot be the value's end goes out now
                 end = len(self._text) - partial_tail(self._text, (m.value_end,))
-                if m.trim_newline and end > 0 and self._text[end - 1] == "\n":
+                if m.trim == NEWLINE and end > 0 and self._text[end - 1] == "\n":
                     end -= 1  # perhaps the newline before the closing tag
+                elif m.trim == SPACE:
+                    end = len(self._text[:end].rstrip())  # perhaps the blank space before it
                 if end > 0:
                     out.append(dump_json(self._text[:end])[1:-1])
                     self._text = self._text[end:]
                     self._searched = max(0, self._searched - end)
             return False
         value = self._text[:at]
-        if m.trim_newline and value.endswith("\n"):
+        if m.trim == NEWLINE and value.endswith("\n"):
             value = value[:-1]
+        elif m.trim == SPACE:
+            value = value.rstrip()
         out.append(dump_json(value)[1:-1] + '"' if self._string else typed_value(value, self._schema))
         self._text = self._text[at + len(m.value_end):]
         self._state = _BETWEEN

@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .events import ContentDelta, Event, ToolCallArguments, ToolCallEnd, ToolCallStart
-from .markup_arguments import Markup, MarkupArgumentsScanner, Schemas
+from .markup_arguments import NEWLINE, SPACE, Markup, MarkupArgumentsScanner, Schemas
 from .scan import JsonObjectScanner, JsonPairs, dump_json, find_first, partial_tail, read_json
 
 
@@ -312,14 +312,14 @@ _DSML_PARAMETER = Markup(f"<{DSML}parameter", ">", re.compile(
     f"</{DSML}parameter>")
 QWEN_XML = ToolCallFormat("qwen_xml", "<tool_call>", "</tool_call>", None, None, _parse_qwen_xml, _head_qwen_xml,
                           markup=Markup("<parameter=", ">", re.compile(r"<parameter=(?P<key>[^>\n]*)>"), "</parameter>",
-                                        arguments_end="</function>", trim_newline=True))
+                                        arguments_end="</function>", trim=NEWLINE))
 GLM = ToolCallFormat("glm", "<tool_call>", "</tool_call>", None, None, _parse_glm, _head_glm,
                      markup=Markup(GLM_ARG_KEY, "<arg_value>", re.compile(
                          r"<arg_key>(?P<key>[^<]*)</arg_key>[ \t\n\r]*<arg_value>"), "</arg_value>"))
 MINIMAX_M2 = ToolCallFormat("minimax_m2", "<invoke", "</invoke>", "<minimax:tool_call>", "</minimax:tool_call>",
                             _parse_minimax, _head_invoke, section_required=True,
                             markup=Markup("<parameter", ">", re.compile(r'<parameter[ \t]+name="(?P<key>[^"]*)"[ \t]*>'),
-                                          "</parameter>"))
+                                          "</parameter>", trim=SPACE))
 DSML_V32 = ToolCallFormat("dsml_v32", f"<{DSML}invoke", f"</{DSML}invoke>", f"<{DSML}function_calls>",
                           f"</{DSML}function_calls>", _parse_dsml_v32, _head_invoke, section_required=True,
                           markup=_DSML_PARAMETER)
