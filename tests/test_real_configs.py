@@ -236,6 +236,15 @@ def test_tiny_instances_count_what_transformers_builds(family):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
     assert counted == sum(p.numel() for p in model.parameters())
+    # tensor by tensor too, transformers' stacked experts (gate_up_proj, down_proj) against ours per projection
+    by_name: dict[str, int] = {}
+    for p in [p for layer in arch.layers for p in layer] + arch.ends:
+        if not p.name.endswith("e_score_correction_bias"):
+            name = p.name.replace(".experts.0.gate_proj.weight", ".experts.gate_up_proj")
+            name = name.replace(".experts.0.up_proj.weight", ".experts.gate_up_proj")
+            name = name.replace(".experts.0.down_proj.weight", ".experts.down_proj")
+            by_name[name] = by_name.get(name, 0) + p.numel
+    assert by_name == {name: p.numel() for name, p in model.named_parameters()}
     assert len(arch.layers) == config.get_text_config().num_hidden_layers
     if family == "qwen3_5_moe":
         assert [c.kind for c in arch.kv_layers] == config.text_config.layer_types
