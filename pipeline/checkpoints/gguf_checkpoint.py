@@ -4,8 +4,8 @@ Hugging Face names, read from the GGUF in place, each rank only its own.
 The index is built from the header alone (gguf_file.py): llama.cpp's tensor names map to the names
 our modules load (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`), and a
 quantized tensor appears as the three arrays MLX quantization holds (`.weight` packed, `.scales`,
-`.biases`), in the layout quants.py maps it to: exactly where MLX can carry its values, re-quantized
-otherwise. Reading one of the three decodes the GGUF tensor once, in row chunks, from its byte range.
+`.biases`), in the layout quants.py maps it to: exactly where MLX can carry its values, in the file's own
+blocks for the types pipeline's kernels compute so (quants.NATIVE: IQ4_NL, IQ4_XS), re-quantized otherwise. Reading one of the three decodes the GGUF tensor once, in row chunks, from its byte range.
 The index loads no MLX (the planner reads it): MLX is imported where arrays are made.
 
 What llama.cpp's converter changed from the Hugging Face checkpoint is undone here:
@@ -81,7 +81,7 @@ class Entry:
     dtype: str  # safetensors-style: "U32", "U8", "F32", "F16", "BF16"
     shape: tuple[int, ...]
     source: tuple[GGUFTensor, ...]  # the GGUF tensor(s) it comes from
-    how: str  # "float", "dequantized", "exact", "requantized", "mla_kv_b"
+    how: str  # "float", "dequantized", "exact", "requantized", "native", "mla_kv_b"
     part: str = "weight"  # of an MLX-quantized triple: "weight", "scales", "biases"
     layout: quants.Layout | None = None
     unpermute_heads: int = 0  # Llama q/k: undo llama.cpp's row permutation over this many heads
@@ -91,7 +91,7 @@ class Entry:
         n = 1
         for d in self.shape:
             n *= d
-        return n * {"U32": 4, "U8": 1, "F32": 4, "F16": 2, "BF16": 2, "F64": 8}.get(self.dtype, 4)
+        return n * {"U32": 4, "U8": 1, "F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I8": 1, "U16": 2}.get(self.dtype, 4)
 
 
 def hf_name(gguf_name: str) -> tuple[int | None, str] | None:
@@ -113,14 +113,17 @@ def hf_name(gguf_name: str) -> tuple[int | None, str] | None:
 class GGUFCheckpoint(Checkpoint):
     """A GGUF model as a Checkpoint (see the module docstring). `requantize_bits`/`group_size`: the
     MLX layout for types that cannot map exactly (--quantize / --group-size; None: 8 bits for
-    6-bit sources, 4 for the rest)."""
+    6-bit sources, 4 for the rest). native: whether quants.NATIVE types stay in their own blocks where
+    --quantize is not given (None: where pipeline's kernels are expected, which compute them; a conversion
+    to a folder says False: other tools read MLX layouts only)."""
 
     def __init__(self, path: Path | str, requantize_bits: int | None = None, group_size: int = 64,
-                 model: GGUFModel | None = None):
+                 model: GGUFModel | None = None, native: bool | None = None):
         self.gguf = model or open_gguf(path)
         self.folder = self.gguf.path  # what error messages name
         self.files = {part: None for part in self.gguf.parts}
         self.requantize_bits, self.group_size = requantize_bits, group_size
+        self.native = quants.native_kernels() if native is None else native
         self.config_dict = build_config(self.gguf)
         self.tensors: dict[str, Entry] = {}
         self._pending: dict[str, Any] = {}  # the other arrays of a triple already decoded
@@ -167,7 +170,10 @@ class GGUFCheckpoint(Checkpoint):
         if t not in quants.SUPPORTED and t not in quants.INTEGERS:
             raise UserError(f"{self.gguf.path}: tensor {tensor.name} has GGML type {t}, which pipeline cannot read "
                             f"(supported: {', '.join(quants.SUPPORTED)})")
-        lay = quants.layout(t, tensor.cols, self.requantize_bits, self.group_size)
+        # in its own blocks: a layer's matrix (the kernels' products; an embedding's lookups, a head's share and
+        # an expert stack's gathers run MLX's code)
+        native = self.native and name.startswith("model.layers.") and len(tensor.shape) == 2 and not float_only
+        lay = quants.layout(t, tensor.cols, self.requantize_bits, self.group_size, native)
         if lay.kind == "float" or float_only or len(tensor.shape) < 2 or not name.endswith(".weight"):
             if lay.kind == "float":
                 dtype = {"F64": "F32"}.get(t, t if t in quants.FLOATS else "F32")
@@ -197,7 +203,7 @@ class GGUFCheckpoint(Checkpoint):
     def _read(self, entry: Entry, name: str):
         import mlx.core as mx  # here, where arrays are made: the index (the planner's GGUFFormat) loads no MLX
 
-        if entry.how in ("exact", "requantized"):
+        if entry.how in ("exact", "requantized", "native"):
             module = name.rsplit(".", 1)[0]
             arrays = self._read_quantized(entry)
             for part, array in arrays.items():
@@ -321,7 +327,19 @@ class GGUFCheckpoint(Checkpoint):
         lead = tensor.shape[:-1]
         arrays = {}
         worst = largest = 0.0
-        if entry.how == "exact":  # numpy only: pieces decode on the decoder's threads at once
+        if entry.how == "native":  # the file's bytes, codes apart from scales (quants.native_arrays)
+            parts = {"weight": [], "scales": []}
+            for _, raw in self._chunks(tensor):
+                for part, array in zip(parts, quants.native_arrays(raw, tensor.ggml_type)):
+                    parts[part].append(array)
+            for part, chunks in parts.items():
+                array = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
+                chunks.clear()
+                if entry.unpermute_heads:
+                    array = unpermute_rows(array, entry.unpermute_heads)
+                arrays[part] = mx.array(array).reshape(*lead, array.shape[-1])
+                del array
+        elif entry.how == "exact":  # numpy only: pieces decode on the decoder's threads at once
             pool = self._decoder()
             kernels = quants.repacker()
             # every piece decodes its rows of the weight straight into the whole tensor's (no joining copy),

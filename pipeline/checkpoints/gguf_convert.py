@@ -51,7 +51,8 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, progr
     empty (also when another process finished first), UserError for any unusable input.
     """
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
-    checkpoint = GGUFCheckpoint(gguf_path, requantize_bits, group_size)  # every check on the input is here
+    # every check on the input is here; MLX layouts only (no blocks held as the file's: other tools read the folder)
+    checkpoint = GGUFCheckpoint(gguf_path, requantize_bits, group_size, native=False)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise OutputExistsError(f"output folder {out_dir} already exists and is not empty: remove it or pick another")
     meta = checkpoint.gguf.metadata

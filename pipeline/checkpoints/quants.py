@@ -18,6 +18,14 @@ offsets become MLX scales and biases, held in float32 (every value below is exac
 so d sc_j is exact in float32 but generally not in fp16; and MLX's s q + b then rounds exactly
 once, as gguf's own dequantizer does.)
 
+Types held in their own blocks (NATIVE: IQ4_NL, IQ4_XS). Where pipeline's kernels are built and no
+--quantize asks otherwise, a layer's matrix of these types is held as the file's bytes, split per row
+into the blocks' 4-bit codes and their scales (native_arrays), and its products run on them as llama.cpp
+computes (kernels/gguf_kernels.cpp, through kernels/qmm.py): no value changes. The module looks like
+MLX's mxfp4 (4-bit codes, one scale per 32, no biases); its scales' dtype says the type (uint16: IQ4_NL's
+fp16 d per 32, as bits, which no cast to --dtype touches; int8: IQ4_XS's 8 header bytes per 256). Embeddings, the LM head and expert stacks of those
+types are re-quantized as below (their lookups and gathers run MLX's own code).
+
 Re-quantized types. Q6_K, Q3_K and Q2_K scale 16-value sub-blocks, which no MLX group size
 (32, 64, 128) carries, and the i-quants look values up in codebooks: they are dequantized by the
 `gguf` package's own dequantizers and re-quantized by MLX, a row chunk at a time, so memory stays
@@ -42,6 +50,9 @@ REQUANTIZED = {
     "Q6_K": 8, "Q2_K": 4, "Q3_K": 4, "IQ1_S": 4, "IQ1_M": 4, "IQ2_XXS": 4, "IQ2_XS": 4, "IQ2_S": 4,
     "IQ3_XXS": 4, "IQ3_S": 4, "IQ4_NL": 4, "IQ4_XS": 4, "TQ1_0": 4, "TQ2_0": 4, "NVFP4": 4,
 }
+# GGML type -> (its ggml type id, the dtype its scales are held in, values per block) for types held in their own
+# blocks (see the module docstring): the kernels' `gguf_matmul` takes them (kernels/qmm.py GGUF_NATIVE)
+NATIVE = {"IQ4_NL": (20, "U16", 32), "IQ4_XS": (23, "I8", 256)}
 # Types whose MLX scales and biases fp16 holds exactly (d, m, or d times a power of two), kept in fp16;
 # the K-quants' d x sc_j needs float32.
 FP16_SCALES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
@@ -64,7 +75,7 @@ CHUNK_VALUES = 1 << 24
 @dataclass(frozen=True)
 class Layout:
     """How a GGUF tensor is held once loaded: floats as stored, or MLX-quantized."""
-    kind: str  # "float", "exact", "requantized"
+    kind: str  # "float", "exact", "requantized", "native" (the file's blocks, NATIVE)
     bits: int = 0
     group_size: int = 0
     mode: str = "affine"
@@ -74,12 +85,15 @@ class Layout:
         return self.kind != "float"
 
 
-def layout(ggml_type: str, cols: int, requantize_bits: int | None, group_size: int) -> Layout | None:
+def layout(ggml_type: str, cols: int, requantize_bits: int | None, group_size: int, native: bool = False) -> Layout | None:
     """The layout of a `ggml_type` matrix with rows of `cols` values (None: not supported).
     `requantize_bits`/`group_size`: --quantize and --group-size, for the types that cannot map
-    exactly (exact types ignore them)."""
+    exactly (exact types ignore them). native: a NATIVE type may stay in its own blocks (the caller
+    knows the kernels take this matrix; --quantize not given)."""
     if ggml_type in FLOATS or ggml_type in INTEGERS:
         return Layout("float")
+    if native and ggml_type in NATIVE and not requantize_bits:
+        return Layout("native", 4, 32, "mxfp4")
     if ggml_type in EXACT:
         bits, group, mode = EXACT[ggml_type]
         return Layout("exact", bits, group, mode)
@@ -92,7 +106,9 @@ def layout(ggml_type: str, cols: int, requantize_bits: int | None, group_size: i
 def packed_shapes(rows: tuple[int, ...], cols: int, lay: Layout, ggml_type: str) -> dict[str, tuple[tuple[int, ...], str]]:
     """suffix -> (shape, safetensors-style dtype) of the arrays an MLX-quantized tensor becomes."""
     shapes = {"weight": ((*rows, cols * lay.bits // 32), "U32")}
-    if lay.mode == "mxfp4":
+    if lay.kind == "native":
+        shapes["scales"] = ((*rows, cols // 32), NATIVE[ggml_type][1])
+    elif lay.mode == "mxfp4":
         shapes["scales"] = ((*rows, cols // lay.group_size), "U8")
     else:
         dtype = "F16" if ggml_type in FP16_SCALES else "F32"
@@ -160,6 +176,12 @@ def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 # GGML type -> its number, for the types pipeline's kernel repacks in one pass (requantize_kernels.cpp)
 REPACKED = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12}
+
+
+def native_kernels() -> bool:
+    """Whether NATIVE types may stay in their own blocks: pipeline's kernels, which compute them, are
+    expected in this process (build.expected(): loads no MLX, for the planner)."""
+    return build.expected()
 
 
 def repacker():
@@ -236,6 +258,19 @@ def _decode_exact(raw: np.ndarray, ggml_type: str) -> tuple[np.ndarray, np.ndarr
         biases = -(dmin[..., None] * mn.astype(np.float32)).reshape(rows, -1)
         return pack_bits(q.reshape(rows, -1), 4 if ggml_type == "Q4_K" else 5), scales, biases
     raise ValueError(f"{ggml_type} does not map exactly onto MLX")
+
+
+def native_arrays(raw: np.ndarray, ggml_type: str) -> tuple[np.ndarray, np.ndarray]:
+    """GGML rows of a NATIVE type (uint8 [rows, bytes per row]) -> (codes uint32 [rows, cols / 8], scales
+    [rows, cols / 32]): the same bytes, the blocks' codes apart from their scales (see the module docstring
+    and kernels/gguf_kernels.cpp): IQ4_NL blocks are d (fp16) + 16 code bytes, IQ4_XS super-blocks 8 header
+    bytes (d, scales_h, scales_l) + 128 code bytes."""
+    rows = raw.shape[0]
+    header = 2 if ggml_type == "IQ4_NL" else 8
+    blocks = raw.reshape(rows, -1, header + (16 if ggml_type == "IQ4_NL" else 128))
+    codes = np.ascontiguousarray(blocks[..., header:]).reshape(rows, -1).view("<u4")
+    scales = np.ascontiguousarray(blocks[..., :header]).reshape(rows, -1)
+    return codes, scales.view("<u2") if ggml_type == "IQ4_NL" else scales.view(np.int8)
 
 
 def dequantize(raw: np.ndarray, ggml_type: str) -> np.ndarray:

@@ -182,10 +182,10 @@ KERNELS_ENV = "PIPELINE_QMM"
 SOURCE = Path(__file__).with_name("qmm_kernels.cpp")
 # compiled with it into the one extension: the attention (attention.py), RMSNorm and RoPE (layer_kernels.py),
 # re-quantization at load (requantize.py), int8 products (--int8-activations, checkpoints/int8_repack.py),
-# weight files mapped without a copy (mapped_files.py)
+# weight files mapped without a copy (mapped_files.py), GGUF tensors in their own blocks (qmm.py's gguf_matmul)
 SOURCES = (SOURCE, SOURCE.with_name("attention_kernels.cpp"), SOURCE.with_name("layer_kernels.cpp"),
            SOURCE.with_name("requantize_kernels.cpp"), SOURCE.with_name("int8_kernels.cpp"),
-           SOURCE.with_name("mapped_files.cpp"))
+           SOURCE.with_name("mapped_files.cpp"), SOURCE.with_name("gguf_kernels.cpp"))
 HEADERS = (SOURCE.with_name("kernels_common.h"),)
 MODULE = "pipeline_qmm"
 NB_DOMAIN = "mlx"  # mlx.core's nanobind domain: types are shared only within one domain
@@ -200,6 +200,7 @@ class KernelsState:
     path: str = ""
     why_not: str = ""  # why MLX's kernels run (opted out, no compiler, refused, ...)
     threads: int = 0  # set by qmm.set_threads
+    gguf_int8: bool | None = None  # qmm.gguf_int8, decided once
     used: dict = field(default_factory=lambda: {"pipeline": 0, "int8": 0, "mlx": 0})  # products built, by kernel
 
 

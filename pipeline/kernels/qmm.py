@@ -18,6 +18,11 @@ activations rounded to int8 per 32 inputs, integer dot products (AVX-512 VNNI wh
 as llama.cpp computes; 2-6x faster than the float32 kernels, outputs within about 1% of them, and
 still the same bits whatever the batch, row count or ISA.
 
+GGUF tensors held in their own blocks (IQ4_NL, IQ4_XS: checkpoints/quants.py NATIVE) look like MLX's mxfp4
+modules whose scales are not e8m0 bytes (uint16: IQ4_NL's fp16 bits, int8: IQ4_XS's); their products run
+gguf_kernels.cpp, as llama.cpp computes them: int8 activations rounded per block where this machine's
+int8 products are the default (x86-64 with AVX2), float products elsewhere (`gguf_int8`).
+
 Without a compiler, with the build or a check failing, or with `PIPELINE_QMM=0`, every product goes
 to MLX's `quantized_matmul` / `gather_qmm` as before, and the stats line says so (`describe()`).
 Products the kernels do not cover go there too: activations other than float32, MLX's mxfp4/mxfp8
@@ -30,12 +35,14 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import blas
-from .build import load, loaded
+from .build import int8_by_default, load, loaded
 from .int8_layout import INT8_BLOCK
 
 BITS = (2, 3, 4, 5, 6, 8)
 GROUP_SIZES = (32, 64, 128)
 SCALE_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+# the scales' dtype of a GGUF tensor held in its own blocks -> its GGML type id (gguf_kernels.cpp)
+GGUF_NATIVE = {mx.uint16: 20, mx.int8: 23}
 
 
 def extension_for(x: mx.array) -> object:
@@ -64,11 +71,38 @@ def covers(w: mx.array, scales: mx.array, biases: mx.array | None, group_size: i
             and w.dtype == mx.uint32 and scales.dtype in SCALE_DTYPES and biases.dtype == scales.dtype)
 
 
+def is_gguf_native(scales: mx.array, mode: str) -> bool:
+    """Whether a quantized module's arrays are a GGUF tensor held in its own blocks (see the module docstring)."""
+    return mode == "mxfp4" and scales.dtype in GGUF_NATIVE
+
+
+def gguf_int8() -> bool:
+    """Whether products of GGUF tensors in their own blocks round activations to int8 per block (llama.cpp's
+    arithmetic): where this machine's int8 products are the default (build.int8_by_default)."""
+    state = load()
+    if state.gguf_int8 is None:
+        state.gguf_int8 = int8_by_default(None, "float32")
+    return state.gguf_int8
+
+
+def gguf_matmul(x: mx.array, codes: mx.array, scales: mx.array, int8: bool | None = None) -> mx.array:
+    """x @ w.T for a GGUF tensor held in its own blocks (codes, scales: checkpoints/quants.py native_arrays);
+    int8: activations rounded per block (None: gguf_int8())."""
+    state = load()
+    if state.module is None:
+        raise RuntimeError(f"GGUF tensors held in their own blocks need pipeline's kernels ({state.why_not})")
+    int8 = gguf_int8() if int8 is None else int8
+    state.used["int8" if int8 else "pipeline"] += 1
+    return _in_dtype_of(x, state.module.gguf_matmul(_float32(x), codes, scales, GGUF_NATIVE[scales.dtype], int8))
+
+
 def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None = None,
                      transpose: bool = True, group_size: int = 64, bits: int = 4, mode: str = "affine",
                      int8: bool = False) -> mx.array:
     """`mx.quantized_matmul`, through pipeline's kernels where they cover the product. int8: w, scales
     and biases are in the int8 products' layout (checkpoints/int8_repack.py)."""
+    if is_gguf_native(scales, mode):
+        return gguf_matmul(x, w, scales)
     state = load()
     if int8:
         state.used["int8"] += 1

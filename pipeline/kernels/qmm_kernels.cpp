@@ -525,6 +525,7 @@ void register_layer_kernels(nb::module_ &m);  // layer_kernels.cpp
 void register_requantize(nb::module_ &m);     // requantize_kernels.cpp
 void register_int8(nb::module_ &m);           // int8_kernels.cpp
 void register_mapped(nb::module_ &m);         // mapped_files.cpp
+void register_gguf(nb::module_ &m);           // gguf_kernels.cpp
 
 static mx::Stream cpu_stream() { return mx::default_stream(mx::Device(mx::Device::cpu)); }
 
@@ -576,4 +577,5 @@ NB_MODULE(pipeline_qmm, m) {
     register_requantize(m);
     register_int8(m);
     register_mapped(m);
+    register_gguf(m);
 }

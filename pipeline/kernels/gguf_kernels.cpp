@@ -1,0 +1,345 @@
+/* Products with GGUF tensors held in their own block layout (no re-quantization): IQ4_NL and IQ4_XS,
+ * as llama.cpp computes them on CPU (ggml-cpu's vec_dot_iq4_nl_q8_0, vec_dot_iq4_xs_q8_K).
+ *
+ * The held layout (checkpoints/quants.py native_arrays): a tensor's rows, each split in two arrays whose
+ * bytes together are the file's bytes of that row, verbatim:
+ *   codes  uint8 [n, k / 2]: per 32 values the block's 16 bytes `qs`, byte i holding value i in its low
+ *          nibble and value i + 16 in its high nibble (both types; an IQ4_XS super-block is 8 of these);
+ *   scales IQ4_NL: uint16 [n, k / 32], each block's d (fp16 bits);
+ *          IQ4_XS: int8 [n, k / 32] (raw bytes), per 256 values the block's 8 header bytes (d fp16, scales_h
+ *          uint16, scales_l[4]): sub-block j's scale is d * (ls_j - 32), ls_j 6 bits (4 in scales_l,
+ *          2 in scales_h).
+ * A value is w = scale * KVALUES[code] (KVALUES: ggml's kvalues_iq4nl).
+ *
+ * Two products, each out[m][n] = sum_k x[m][k] * w[n][k]:
+ *   float: each weight dequantized to float32, exactly (fp16 d x a 6-bit integer x an int8: at most 24
+ *          significant bits), 16 lane accumulators fma(w, x, acc) over k in order, one lane-sum tree;
+ *   int8 (llama.cpp's): x rounded per block as ggml's q8 types: IQ4_NL pairs with 32-value blocks,
+ *          IQ4_XS with 256-value ones (Q8_K): d = max|x| / 127, xq = rint(x / d). Per 32 weights the
+ *          integer dot product sum(KVALUES[q] * xq) is exact, in 8 lanes of 4 products each
+ *          (|KVALUES| <= 127 times the sign of the weight on xq: vpmaddubsw cannot saturate, or
+ *          vpdpbusd with AVX-512 VNNI); IQ4_NL: acc = fma(float(lanes), d_w * d_x, acc) per block;
+ *          IQ4_XS: lanes times (ls_j - 32), summed as integers over the super-block, then
+ *          acc = fma(float(lanes), d_w * d_x, acc); finally the 8 lanes in one tree.
+ * Every output element is that fixed sequence on its row of x and its weight row whatever the number of
+ * rows, their order or the threads (batch invariance); the AVX2, AVX-512 and generic code give the same
+ * bits (integer sums are exact; the float steps are the same fused multiply-adds, std::fma in the generic
+ * code). Built with the rest of the extension by build.py (-march=native): the ISA is this machine's.
+ */
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/primitives.h"
+#include "mlx/stream.h"
+#include "mlx/types/half_types.h"
+
+#include "kernels_common.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+enum GGMLType { IQ4_NL = 20, IQ4_XS = 23 };  // ggml's type ids (GGMLQuantizationType)
+
+constexpr int BLOCK = 32;  // values per code block (qs of 16 bytes)
+constexpr int SUPER = 256;  // values per IQ4_XS super-block and per Q8_K activation block
+constexpr int8_t KVALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+inline float half_at(const uint8_t *p) {
+    mx::float16_t h;
+    std::memcpy(&h, p, 2);
+    return static_cast<float>(h);
+}
+
+/* One held matrix: row r's codes at codes + r * k / 2, its scales at scales + r * scale_row_bytes. */
+struct NativeMatrix {
+    const uint8_t *codes, *scales;
+    int type;
+    int64_t n, k;
+
+    int64_t scale_row_bytes() const { return type == IQ4_NL ? k / BLOCK * 2 : k / BLOCK; }
+    const uint8_t *codes_of(int64_t r) const { return codes + r * (k / 2); }
+    const uint8_t *scales_of(int64_t r) const { return scales + r * scale_row_bytes(); }
+};
+
+/* IQ4_XS: the 6-bit scale of sub-block j (0..7) of a super-block's 8 header bytes, minus 32. */
+inline int xs_scale(const uint8_t *head, int j) {
+    uint16_t high;
+    std::memcpy(&high, head + 2, 2);
+    const int low = (head[4 + j / 2] >> (4 * (j % 2))) & 15;
+    return (low | (((high >> (2 * j)) & 3) << 4)) - 32;
+}
+
+/* Block b's scale (float, exact) of a row's scales. */
+inline float block_scale(const NativeMatrix &m, const uint8_t *scales, int64_t b) {
+    if (m.type == IQ4_NL) return half_at(scales + 2 * b);
+    const uint8_t *head = scales + (b / 8) * 8;
+    return half_at(head) * float(xs_scale(head, int(b % 8)));
+}
+
+/* ---- float products ------------------------------------------------------------------------------ */
+
+/* The 32 weights of a block, w = scale * KVALUES[q], as two vectors: values 0-15 (low nibbles), 16-31. */
+inline void dequantize_block(const uint8_t *qs, float scale, v16 &w0, v16 &w1) {
+    alignas(64) float table[16];
+    for (int i = 0; i < 16; i++) table[i] = scale * float(KVALUES[i]);  // exact (at most 24 bits)
+#if defined(__AVX512F__)
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(qs)));
+    const __m512 t = _mm512_load_ps(table);
+    w0 = (v16)_mm512_permutexvar_ps(v, t);  // vpermps reads the low 4 bits of each index
+    w1 = (v16)_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), t);
+#else
+    float a[16], b[16];
+    for (int i = 0; i < 16; i++) {
+        a[i] = table[qs[i] & 15];
+        b[i] = table[qs[i] >> 4];
+    }
+    w0 = load16(a);
+    w1 = load16(b);
+#endif
+}
+
+constexpr int FLOAT_TILE = 8;  // rows sharing each dequantized block
+
+/* out[r][col] for rows [0, R) of x: one weight row, every block dequantized once for the R rows. */
+template <int R>
+void float_tile(const NativeMatrix &m, int64_t col, const float *const *x, float *const *out) {
+    const uint8_t *codes = m.codes_of(col), *scales = m.scales_of(col);
+    v16 acc[R] = {};
+    for (int64_t b = 0; b < m.k / BLOCK; b++) {
+        v16 w0, w1;
+        dequantize_block(codes + 16 * b, block_scale(m, scales, b), w0, w1);
+        for (int r = 0; r < R; r++) {
+            acc[r] = fma16(w0, load16(x[r] + BLOCK * b), acc[r]);
+            acc[r] = fma16(w1, load16(x[r] + BLOCK * b + 16), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r][col] = lanes_sum(acc[r]);
+}
+
+template <int R = 1>
+void float_rows(int64_t count, const NativeMatrix &m, int64_t col, const float *const *x, float *const *out) {
+    if constexpr (R < FLOAT_TILE) {
+        if (count != R) return float_rows<R + 1>(count, m, col, x, out);
+    }
+    float_tile<R>(m, col, x, out);
+}
+
+/* ---- int8 products ------------------------------------------------------------------------------- */
+
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+typedef float f32x8 __attribute__((vector_size(32)));
+
+/* x's rows rounded as ggml's q8 blocks of `block` values: q [rows, k], d [rows, k / block]. */
+struct RoundedRows {
+    std::vector<int8_t> q;
+    std::vector<float> d;
+};
+
+RoundedRows round_rows(const float *x, int64_t rows, int64_t k, int64_t block) {
+    RoundedRows out{std::vector<int8_t>(rows * k), std::vector<float>(rows * (k / block))};
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < k / block; c++) {
+            const float *v = x + r * k + c * block;
+            float amax = 0.0f;
+            for (int64_t i = 0; i < block; i++) amax = std::max(amax, std::fabs(v[i]));
+            const float d = amax / 127.0f;
+            float inverse = d > 0.0f ? 1.0f / d : 0.0f;
+            if (!(inverse < INFINITY)) inverse = 0.0f;  // tiny or not finite: the block counts as zeros
+            out.d[r * (k / block) + c] = d;
+            int8_t *q = out.q.data() + r * k + c * block;
+            for (int64_t i = 0; i < block; i++) {
+                const float f = std::nearbyint(v[i] * inverse);
+                q[i] = f >= 127.0f ? 127 : f <= -127.0f ? -127 : f == f ? int8_t(f) : 0;  // NaN: 0
+            }
+        }
+    return out;
+}
+
+/* 8 int32 lanes, lane l = sum over i < 4 of KVALUES[code of value 4l + i] * xq[4l + i], for one block of
+   32 (16 code bytes, 32 activations). Exact integers on every path. */
+inline i32x8 block_dot(const uint8_t *qs, const int8_t *xq) {
+#if defined(__AVX2__)
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i *>(qs));
+    const __m128i nibble = _mm_set1_epi8(15);
+    const __m256i idx = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), nibble), _mm_and_si128(packed, nibble));
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i *>(KVALUES)));
+    const __m256i w = _mm256_shuffle_epi8(table, idx);  // the weights' int8 values, in order
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(xq));
+    const __m256i magnitude = _mm256_sign_epi8(w, w), signed_x = _mm256_sign_epi8(x, w);  // |w| * (x sign w) = w * x
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return (i32x8)_mm256_dpbusd_epi32(_mm256_setzero_si256(), magnitude, signed_x);
+#else
+    return (i32x8)_mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_x), _mm256_set1_epi16(1));
+#endif
+#else
+    i32x8 lanes{};
+    for (int i = 0; i < 32; i++) {
+        const int code = i < 16 ? qs[i] & 15 : qs[i - 16] >> 4;
+        lanes[i / 4] += int32_t(KVALUES[code]) * xq[i];
+    }
+    return lanes;
+#endif
+}
+
+inline f32x8 fma8(f32x8 a, f32x8 b, f32x8 acc) {
+#if defined(__FMA__) || defined(__AVX512F__)
+    return (f32x8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)acc);
+#else
+    for (int i = 0; i < 8; i++) acc[i] = std::fma(a[i], b[i], acc[i]);
+    return acc;
+#endif
+}
+
+inline float lanes_sum8(f32x8 v) { return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7])); }
+
+/* One output: weight row `col` times one rounded row of x (q, its block scales d). */
+float int8_dot(const NativeMatrix &m, int64_t col, const int8_t *xq, const float *xd) {
+    const uint8_t *codes = m.codes_of(col), *scales = m.scales_of(col);
+    f32x8 acc{};
+    if (m.type == IQ4_NL) {
+        for (int64_t b = 0; b < m.k / BLOCK; b++) {
+            const i32x8 lanes = block_dot(codes + 16 * b, xq + BLOCK * b);
+            const float s = half_at(scales + 2 * b) * xd[b];
+            acc = fma8(__builtin_convertvector(lanes, f32x8), f32x8{s, s, s, s, s, s, s, s}, acc);
+        }
+    } else {
+        for (int64_t sb = 0; sb < m.k / SUPER; sb++) {
+            const uint8_t *head = scales + 8 * sb;
+            i32x8 sum{};
+            for (int j = 0; j < 8; j++) {
+                const int64_t b = sb * 8 + j;
+                sum += block_dot(codes + 16 * b, xq + BLOCK * b) * xs_scale(head, j);
+            }
+            const float s = half_at(head) * xd[sb];
+            acc = fma8(__builtin_convertvector(sum, f32x8), f32x8{s, s, s, s, s, s, s, s}, acc);
+        }
+    }
+    return lanes_sum8(acc);
+}
+
+/* ---- one product over the threads ---------------------------------------------------------------- */
+
+/* Below this many multiply-adds a product runs on one thread (as qmm_kernels.cpp's float products). */
+constexpr int64_t THREADED_MIN_WORK = int64_t(1) << 16;
+
+void product(const NativeMatrix &m, const float *x, int64_t rows, float *out, bool int8) {
+    const int64_t k = m.k, n = m.n;
+    const bool threaded = g_threads > 1 && n > 1 && rows * n * k >= THREADED_MIN_WORK;
+    if (int8) {
+        const int64_t block = m.type == IQ4_NL ? BLOCK : SUPER;
+        const RoundedRows xq = round_rows(x, rows, k, block);
+#pragma omp parallel for schedule(static) num_threads(g_threads) if (threaded)
+        for (int64_t col = 0; col < n; col++)
+            for (int64_t r = 0; r < rows; r++)
+                out[r * n + col] = int8_dot(m, col, xq.q.data() + r * k, xq.d.data() + r * (k / block));
+        return;
+    }
+#pragma omp parallel for schedule(static) num_threads(g_threads) if (threaded)
+    for (int64_t col = 0; col < n; col++) {
+        const float *xs[FLOAT_TILE];
+        float *outs[FLOAT_TILE];
+        for (int64_t r0 = 0; r0 < rows; r0 += FLOAT_TILE) {
+            const int64_t count = std::min<int64_t>(FLOAT_TILE, rows - r0);
+            for (int64_t i = 0; i < count; i++) {
+                xs[i] = x + (r0 + i) * k;
+                outs[i] = out + (r0 + i) * n;
+            }
+            float_rows(count, m, col, xs, outs);
+        }
+    }
+}
+
+/* ---- the MLX operation ---------------------------------------------------------------------------- */
+
+/* Inputs: x [..., k] float32, codes [n, k / 2] uint8 (or uint32 [n, k / 8]), scales as the opening comment. */
+class NativeProduct : public mx::UnaryPrimitive {
+   public:
+    NativeProduct(mx::Stream stream, int type, bool int8) : mx::UnaryPrimitive(stream), type_(type), int8_(int8) {}
+
+    void eval_cpu(const std::vector<mx::array> &inputs, mx::array &out) override {
+        out.set_data(mx::allocator::malloc(out.nbytes()));
+        auto &encoder = mx::cpu::get_command_encoder(stream());
+        for (auto &a : inputs) encoder.set_input_array(a);
+        encoder.set_output_array(out);
+        const int type = type_;
+        const bool int8 = int8_;
+        encoder.dispatch([inputs, out, type, int8]() mutable {
+            std::vector<mx::array> keep;
+            const mx::array x = contiguous(inputs[0], keep), codes = contiguous(inputs[1], keep),
+                            scales = contiguous(inputs[2], keep);
+            const int64_t k = x.shape(-1), rows = k ? int64_t(x.size()) / k : 0, n = codes.shape(0);
+            if (rows == 0 || n == 0) return;
+            const NativeMatrix m{codes.data<uint8_t>(), scales.data<uint8_t>(), type, n, k};
+            product(m, x.data<float>(), rows, out.data<float>(), int8);
+        });
+    }
+
+    void eval_gpu(const std::vector<mx::array> &, mx::array &) override {
+        throw std::runtime_error("pipeline's GGUF products run on the CPU only");
+    }
+
+    const char *name() const override { return "PipelineGGUFProduct"; }
+
+    bool is_equivalent(const mx::Primitive &other) const override {
+        auto *o = dynamic_cast<const NativeProduct *>(&other);
+        return o && o->type_ == type_ && o->int8_ == int8_;
+    }
+
+    std::vector<mx::Shape> output_shapes(const std::vector<mx::array> &inputs) override {
+        mx::Shape shape = inputs[0].shape();
+        shape.back() = inputs[1].shape(0);
+        return {shape};
+    }
+
+   private:
+    int type_;
+    bool int8_;
+};
+
+void check(const mx::array &x, const mx::array &codes, const mx::array &scales, int type) {
+    auto fail = [](const std::string &why) { throw std::invalid_argument("pipeline GGUF product: " + why); };
+    if (type != IQ4_NL && type != IQ4_XS) fail("type must be IQ4_NL (20) or IQ4_XS (23)");
+    if (x.ndim() < 1 || x.dtype() != mx::float32) fail("x must be float32 [..., k]");
+    const int64_t k = x.shape(-1);
+    if (codes.ndim() != 2 || (codes.dtype() != mx::uint8 && codes.dtype() != mx::uint32) ||
+        codes.nbytes() != size_t(codes.shape(0) * (k / 2)))
+        fail("codes must be uint8 [n, k / 2] (or uint32 [n, k / 8])");
+    const bool nl = type == IQ4_NL;
+    if (k % (nl ? BLOCK : SUPER)) fail(nl ? "k must be a multiple of 32" : "k must be a multiple of 256");
+    if (scales.ndim() != 2 || scales.shape(0) != codes.shape(0) || scales.shape(1) != k / BLOCK ||
+        scales.dtype() != (nl ? mx::uint16 : mx::int8))
+        fail(nl ? "scales must be uint16 (fp16 bits) [n, k / 32]" : "scales must be int8 [n, k / 32]");
+}
+
+mx::Stream cpu_stream() { return mx::default_stream(mx::Device(mx::Device::cpu)); }
+
+}  // namespace
+
+void register_gguf(nb::module_ &m) {
+    m.def(
+        "gguf_matmul",
+        [](const mx::array &x, const mx::array &codes, const mx::array &scales, int type, bool int8) {
+            check(x, codes, scales, type);
+            mx::Shape shape = x.shape();
+            shape.back() = codes.shape(0);
+            return mx::array(shape, mx::float32, std::make_shared<NativeProduct>(cpu_stream(), type, int8),
+                             {x, codes, scales});
+        },
+        nb::arg("x"), nb::arg("codes"), nb::arg("scales"), nb::arg("type"), nb::arg("int8"),
+        "x [..., k] float32 @ w.T for a GGUF tensor held in its own blocks (IQ4_NL, IQ4_XS), lazily; int8: x "
+        "rounded per block as llama.cpp's q8 pairs (else float products)");
+}
