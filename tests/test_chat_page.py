@@ -324,7 +324,7 @@ def test_settings_checked_and_reachable_on_a_phone(server, driver):
 
 
 def test_server_gone_and_back(server, driver):
-    """The server's URLs blocked (Chromium fails the page's requests as it does for a stopped server; no
+    """A request the server refuses (400) says why in words. The server's URLs blocked (Chromium fails the page's requests as it does for a stopped server; no
     "offline" event, unlike its offline emulation): the question's answer says so in words and the dot
     turns red; unblocked, the dot turns green by itself (polling) and Regenerate answers the question."""
     from selenium.webdriver.common.by import By
@@ -333,6 +333,12 @@ def test_server_gone_and_back(server, driver):
     wait = open_page(driver, server)
     dot = driver.find_element(By.ID, "connection")
     assert dot.get_attribute("data-state") == "online" and dot.text == "connected"
+    # A 400 first: the server's own message, in a sentence
+    driver.execute_script("document.getElementById('prompt').value = 'word '.repeat(2000)")
+    answer = ask_and_wait(driver, wait, "")
+    error = answer.find_element(By.CLASS_NAME, "error-text").text
+    assert error.startswith("The server could not take this request: ") and "context" in error, error
+    driver.find_element(By.ID, "clear").click()
     driver.execute_cdp_cmd("Network.enable", {})
     driver.execute_cdp_cmd("Network.setBlockedURLs", {"urls": ["*/health", "*/v1/*"]})
     answer = ask_and_wait(driver, wait, CODE_QUESTION)
@@ -348,6 +354,41 @@ def test_server_gone_and_back(server, driver):
     wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, ".msg.assistant .content pre")) == 1)
     answer = driver.find_element(By.CSS_SELECTOR, ".msg.assistant")
     wait.until(lambda d: answer.get_attribute("data-finish") == "stop")
-    (chat,) = stored_chats(driver)
+    chat, refused = stored_chats(driver)
     assert [m["role"] for m in chat["messages"]] == ["user", "assistant"] and not chat["messages"][1]["error"]
-    assert [e for e in page_errors(driver) if "ERR_BLOCKED_BY_CLIENT" not in e] == []
+    assert refused["messages"][1]["finish"] == "error"
+    assert [e for e in page_errors(driver) if "ERR_BLOCKED_BY_CLIENT" not in e and "status of 400" not in e] == []
+
+
+def test_scrolling_yields_to_the_reader(server, driver):
+    """While an answer streams: the view follows it at the bottom, stays where the reader scrolled up
+    to (a "Latest" button shown), and follows again once they are back at the bottom."""
+    from selenium.webdriver.common.by import By
+
+    open_page(driver, server)
+    driver.find_element(By.ID, "max-tokens").send_keys("1000")  # the server clips it at the context's end
+    driver.set_window_size(390, 520)  # a phone's width, a short screen: the endless answer soon overflows it
+    driver.find_element(By.ID, "prompt").send_keys(LONG_QUESTION, "\n")
+    seen = driver.execute_async_script("""const done = arguments[0], box = document.getElementById('conversation');
+        const sleep = (ms) => new Promise((wake) => setTimeout(wake, ms));
+        const gap = () => box.scrollHeight - box.scrollTop - box.clientHeight;
+        const answer = () => document.querySelector('.msg.assistant');
+        const length = () => answer().querySelector('.content').textContent.length;
+        (async () => {
+            while (!answer() || box.scrollHeight < box.clientHeight + 40) await sleep(5);
+            const following = gap();
+            box.scrollTop = 0;  // the reader scrolls up
+            await sleep(200);
+            const before = length();
+            await sleep(200);
+            const reading = {top: box.scrollTop, grew: length() > before,
+                             button: !document.getElementById('to-bottom').hidden};
+            box.scrollTop = box.scrollHeight;  // and back down
+            await sleep(100);
+            const resumed = length();
+            await sleep(200);
+            done({following, reading, back: {gap: gap(), grew: length() > resumed, finish: answer().dataset.finish}});
+        })();""")
+    assert seen["following"] < 12, seen
+    assert seen["reading"] == {"top": 0, "grew": True, "button": True}, seen
+    assert seen["back"]["grew"] and seen["back"]["gap"] < 12, seen  # the answer went on, and the view with it
