@@ -155,11 +155,13 @@ def test_a_restarted_server_starts_from_disk_and_a_bad_file_runs_cold(model, env
     long = [rng.randrange(3, 384) for _ in range(PROMPT_TOKENS)]  # a long system prompt, as agents send
     turn = long + [rng.randrange(3, 384) for _ in range(20)]  # ... and the next turn
     other = [rng.randrange(3, 384) for _ in range(300)]
+    fourth = [rng.randrange(3, 384) for _ in range(400)]
     cached = ["--model", str(model), "--prompt-cache-dir", str(folder)]
 
     def cold_answers() -> dict:
         cold = Server(2, "--model", str(model), "--prefix-cache-gb", "0", env=env)
-        answers = {name: completion(cold, prompt) for name, prompt in (("turn", turn), ("other", other))}
+        answers = {name: completion(cold, prompt) for name, prompt in (("turn", turn), ("other", other),
+                                                                       ("fourth", fourth))}
         assert cold.stop() == 0
         return answers
 
@@ -167,14 +169,15 @@ def test_a_restarted_server_starts_from_disk_and_a_bad_file_runs_cold(model, env
         server = Server(2, *cached, env=env)
         completion(server, long)
         completion(server, other)
+        completion(server, fourth)
         assert server.stop() == 0, server.stderr
-        assert "3 entries stored" not in server.stderr and "2 entries stored" in server.stderr
+        assert "3 entries stored" in server.stderr
 
     with ThreadPoolExecutor(2) as pool:
         cold, _ = pool.submit(cold_answers), pool.submit(first_run).result()
         cold = cold.result()
     files = sorted(folder.iterdir())
-    assert len(files) == 4  # two entries, a file per rank each
+    assert len(files) == 6  # three entries, a file per rank each
 
     restarted = Server(2, *cached, env=env)
     warm = completion(restarted, turn)  # the first request after the restart
@@ -183,24 +186,29 @@ def test_a_restarted_server_starts_from_disk_and_a_bad_file_runs_cold(model, env
     assert restarted.stop() == 0
     assert "from disk: 1 requests" in restarted.stderr and "warning: prompt cache" not in restarted.stderr
 
-    # rank 1's files (layers 2-4): the entry of `turn` fails its checksum when loaded, the other is truncated
-    rank1 = {f.stat().st_size: f for f in folder.iterdir() if "-L2-4-" in f.name}
-    turn_file, other_file = max(rank1.items())[1], min(rank1.items())[1]
-    data = bytearray(turn_file.read_bytes())
-    data[-7] ^= 0x40
-    turn_file.write_bytes(bytes(data))
+    # Files by size: other < fourth < long < turn. Rank 1's (layers 2-4) of `turn` fails its checksum when
+    # loaded (the ring's answer), rank 1's of `other` is truncated (its start-up scan), rank 0's of `fourth`
+    # fails its checksum (rank 0's own load)
+    rank0, rank1 = ([f for f in sorted(folder.iterdir(), key=lambda f: f.stat().st_size) if layers in f.name]
+                    for layers in ("-L0-2-", "-L2-4-"))
+    turn_file, other_file, fourth_file = rank1[-1], rank1[0], rank0[1]
+    for corrupt in (turn_file, fourth_file):
+        data = bytearray(corrupt.read_bytes())
+        data[-7] ^= 0x40
+        corrupt.write_bytes(bytes(data))
     other_file.write_bytes(other_file.read_bytes()[:-100])
     broken = Server(2, *cached, env=env)
-    for name, prompt in (("turn", turn), ("other", other)):
+    for name, prompt in (("turn", turn), ("other", other), ("fourth", fourth)):
         answer = completion(broken, prompt)
         assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, name
         assert_close(answer, cold[name])
     assert broken.stop() == 0
     warnings = [line for line in broken.stderr.splitlines() if line.startswith("warning: prompt cache")]
-    assert len(warnings) == 2, broken.stderr
+    assert len(warnings) == 3, broken.stderr
     assert "truncated" in warnings[0] and other_file.name in warnings[0]
     assert "checksum" in warnings[1] and turn_file.name in warnings[1]
-    assert "from disk: 0 requests, 0 prompt tokens, 1 failed" in broken.stderr
+    assert "checksum" in warnings[2] and fourth_file.name in warnings[2]
+    assert "from disk: 0 requests, 0 prompt tokens, 2 failed" in broken.stderr
 
 
 def test_a_folder_others_may_write_to_stops_the_server(model, env, tmp_path):

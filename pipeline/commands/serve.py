@@ -169,6 +169,9 @@ def cache_label(cache, stored=None) -> str:
     label = f"; prefix cache: {cache.hits} of {cache.lookups} requests hit, {cache.reused_tokens} prompt tokens reused"
     if stored is not None and stored.index is not None:
         index = stored.index
+        store = stored.store
         label += (f"; from disk: {index.loads} requests, {index.loaded_tokens} prompt tokens"
-                  f"{f', {index.failed} failed' if index.failed else ''}, {len(index)} entries stored")
+                  f"{f', {index.failed} failed' if index.failed else ''} (read in {index.load_s:.2f} s), "
+                  f"{len(index)} entries stored; rank 0 wrote {store.written} files, {store.written_bytes / 1e6:.0f} MB "
+                  f"({index.save_s:.3f} s on the scheduler's thread, {store.write_s:.2f} s in the writer's)")
     return label

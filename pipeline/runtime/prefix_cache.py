@@ -114,6 +114,7 @@ class StoredIndex:
         self.loads = 0  # confirmed by every rank
         self.failed = 0  # a rank could not load its part: the request ran without it
         self.loaded_tokens = 0
+        self.load_s = self.save_s = 0.0  # rank 0's reading and handing over of entries, on the scheduler's thread
 
     def restore(self, stored: list[tuple[int, tuple[int, ...]]]) -> list[int]:
         """The entries found at start-up, (key, tokens) least recently used first; returns the keys

@@ -192,6 +192,7 @@ class PendingLoad:
     seq: Sequence
     key: int
     positions: int
+    own: bool = True  # rank 0 loaded its part
 
 
 @dataclass
@@ -332,20 +333,25 @@ class Scheduler:
         self.ready.append(seq)
 
     def _load(self, seq: Sequence, key: int, positions: int) -> bool:
-        """Start `seq` from a stored entry's first `positions` positions: rank 0 loads its part, and the
-        other ranks theirs on LOAD, whose answer (_loaded) lets it run. False where rank 0's own part
-        fails (its one warning said why): the entry goes, and the request runs as if never stored."""
-        with self.timeline.span(COMPUTE, "load stored entry"):
-            stored = self.store.load(key, positions)
-            if stored is None or not self.stage.load_stored(seq.seq_id, *stored):
-                self._unstore([key], failed=True)
-                return False
-        if self.transport.size == 1:
-            self._loaded(PendingLoad(seq, key, positions), loaded=True)
-        else:
+        """Start `seq` from a stored entry's first `positions` positions: the other ranks load theirs on
+        LOAD (sent first, so that every rank reads at once), rank 0 its own, and the answer (_loaded)
+        lets it run. False on one rank where its part fails (its one warning said why): the entry
+        goes, and the request runs as if never stored."""
+        if self.transport.size > 1:
             self.sends.append(self.transport.isend_message(1, Kind.LOAD, [seq.seq_id], entries=[key],
                                                            prefix=[positions]))
-            self.in_flight.append(PendingLoad(seq, key, positions))
+        started = time.perf_counter()
+        with self.timeline.span(COMPUTE, "load stored entry"):
+            stored = self.store.load(key, positions)
+            own = stored is not None and self.stage.load_stored(seq.seq_id, *stored)
+        self.stored.load_s += time.perf_counter() - started
+        if self.transport.size > 1:
+            self.in_flight.append(PendingLoad(seq, key, positions, own))
+        elif own:
+            self._loaded(PendingLoad(seq, key, positions), loaded=True)
+        else:
+            self._unstore([key], failed=True)
+            return False
         return True
 
     def _loaded(self, load: PendingLoad, loaded: bool | None = None) -> None:
@@ -357,7 +363,7 @@ class Scheduler:
             if message.kind != Kind.LOAD or message.seq_ids != [seq.seq_id]:
                 raise RuntimeError(f"expected the answer to loading sequence {seq.seq_id} from the last rank, "
                                    f"got {message.kind.name} for sequences {message.seq_ids}")
-            loaded = message.prefix[0] > 0
+            loaded = message.prefix[0] > 0 and load.own
         if loaded:
             self.stored.loads += 1
             self.stored.loaded_tokens += load.positions
@@ -537,9 +543,11 @@ class Scheduler:
         self._unstore(removed)
         if key is None:
             return
+        started = time.perf_counter()
         with self.timeline.span(COMPUTE, "save stored entry"):
             arrays, dtype = self.stage.stored_arrays(seq_id)
             self.store.save(key, len(tokens), arrays, dtype, tokens=tokens)
+        self.stored.save_s += time.perf_counter() - started
         if self.transport.size > 1:
             self.sends.append(self.transport.isend_message(1, Kind.SAVE, [seq_id], entries=[key],
                                                            prefix=[len(tokens)]))
