@@ -32,7 +32,7 @@ from pipeline.runtime.requests import Finished, Tokens
 from pipeline.serve import responses_protocol as rp
 from pipeline.serve.protocol import APIError
 from pipeline.serve.responses_adapter import ResponsesAdapter, ResponsesAPI
-from pipeline.serve.responses_store import ResponseStore
+from pipeline.serve.responses_store import ResponseStore, conversation_chars
 from scripted_chat_model import ANSWER, CALL, TEMPLATE, THOUGHT, make_scripted_chat_model, script_weights
 from test_serve import ENV, Server
 
@@ -250,6 +250,26 @@ def test_a_failed_stream_ends_with_response_failed():
     assert events[-1]["type"] == "response.failed" and events[-1]["response"]["status"] == "failed"
     assert events[-1]["response"]["error"] == {"code": "cancelled", "message": error.message}
     assert raw.startswith("event: response.output_text.done\ndata: ")
+
+
+def test_the_store_is_bounded_by_count_and_characters():
+    big = rp.parse(json.dumps({"input": [{"role": "user", "content": "x" * 1000},
+                                         {"type": "reasoning", "summary": [{"type": "summary_text",
+                                                                            "text": "y" * 500}]}]}).encode()).input
+    assert 1500 <= conversation_chars(big) < 1600  # text in nested parts counts too
+    items = rp.parse(json.dumps(CODEX_BODY).encode()).input
+    chars = conversation_chars(items)
+    store = ResponseStore(capacity=3, max_chars=2 * chars)
+    for n in range(4):
+        assert store.put({"id": f"r{n}"}, list(items))
+    assert [id for id in ("r0", "r1", "r2", "r3") if store.get(id)] == ["r2", "r3"]  # by characters
+    store = ResponseStore(capacity=2, max_chars=10 * chars)
+    for n in range(3):
+        store.put({"id": f"r{n}"}, list(items))
+        store.get("r0")  # used: kept
+    assert [id for id in ("r0", "r1", "r2") if store.get(id)] == ["r0", "r2"]  # by count, least recently used out
+    assert not ResponseStore(max_chars=chars - 1).put({"id": "big"}, list(items))  # alone over the bound
+    assert store.delete("r0") and not store.delete("r0") and len(store) == 1
 
 
 def test_events_of_any_split_make_the_same_items():

@@ -66,7 +66,8 @@ class ResponsesAPI(API):
             previous = self.store.get(request.previous_response_id)
             if previous is None:
                 raise APIError(f"previous_response_id: no response '{request.previous_response_id}' is stored "
-                               f"here (the server keeps the last {self.store.capacity} responses, not those sent "
+                               f"here (the server keeps the last {self.store.capacity} responses and "
+                               f"{self.store.max_chars // 2**20}M characters of their conversations, not those sent "
                                f"with store: false, in memory): resend the conversation's items instead",
                                param="previous_response_id", code="previous_response_not_found")
             conversation = list(previous.conversation) + conversation
@@ -93,12 +94,12 @@ class ResponsesAPI(API):
         """GET /v1/responses/{id}: the stored response object."""
         stored = self.store.get(id)
         if stored is None:
-            raise _not_stored(id, self.store.capacity)
+            raise _not_stored(id, self.store)
         return stored.response
 
     def delete(self, id: str) -> dict:
         if not self.store.delete(id):
-            raise _not_stored(id, self.store.capacity)
+            raise _not_stored(id, self.store)
         return rp.deleted(id)
 
     def event(self, chunk: dict) -> bytes:
@@ -126,10 +127,10 @@ class _OpenItem:
         self.text = ""  # the reasoning, the text or the arguments so far
 
 
-def _not_stored(id: str, capacity: int) -> APIError:
-    return APIError(f"no response '{id}' is stored here: the server keeps the last {capacity} responses (not those "
-                    f"sent with store: false), in memory, until it stops", status=404, param="response_id",
-                    code="not_found")
+def _not_stored(id: str, store: ResponseStore) -> APIError:
+    return APIError(f"no response '{id}' is stored here: the server keeps the last {store.capacity} responses and "
+                    f"{store.max_chars // 2**20}M characters of their conversations (not those sent with store: "
+                    f"false), in memory, until it stops", status=404, param="response_id", code="not_found")
 
 
 class ResponsesAdapter:
