@@ -392,3 +392,27 @@ def test_scrolling_yields_to_the_reader(server, driver):
     assert seen["following"] < 12, seen
     assert seen["reading"] == {"top": 0, "grew": True, "button": True}, seen
     assert seen["back"]["grew"] and seen["back"]["gap"] < 12, seen  # the answer went on, and the view with it
+
+
+def test_vendored_files_served_and_nothing_else(server):
+    """GET /static/NAME: the vendored scripts and style with their types, cacheable; not the folder's
+    README or licenses, nor a path out of it."""
+    import http.client
+
+    def get(path: str):
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+        conn.request("GET", path)
+        response = conn.getresponse()
+        body = response.read()
+        conn.close()
+        return response.status, response.getheader("content-type"), response.getheader("cache-control"), body
+
+    vendor = Path(__file__).resolve().parent.parent / "pipeline" / "serve" / "static" / "vendor"
+    for name, kind in [("marked.umd.js", "text/javascript"), ("purify.min.js", "text/javascript"),
+                       ("highlight.min.js", "text/javascript"), ("highlight-github.min.css", "text/css")]:
+        status, content_type, cache, body = get("/static/" + name)
+        assert (status, content_type.split(";")[0], cache) == (200, kind, "public, max-age=86400"), name
+        assert body == (vendor / name).read_bytes()
+    for path in ["/static/README.md", "/static/marked.LICENSE", "/static/chat.html", "/static/..%2Fapp.py",
+                 "/static/../app.py", "/static/nothing.js"]:
+        assert get(path)[0] == 404, path
