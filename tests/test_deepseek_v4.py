@@ -442,15 +442,3 @@ def test_chat_format_as_published(model_type, messages, expected, tmp_path):
     # chat mode closes the thinking block at once
     assert tokenizer.apply_chat_template(messages).endswith("<｜Assistant｜></think>")
 
-
-def test_chat_format_refuses_tools(tmp_path):
-    from pipeline.util.errors import UserError
-    from pipeline.checkpoints.tokenizer import Tokenizer
-
-    write_tokenizer(tmp_path)
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v4"}))
-    tokenizer = Tokenizer.from_folder(tmp_path)
-    with pytest.raises(UserError, match="tools are not supported"):
-        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=[{"type": "function"}])
-    assert not tokenizer.renders_tools()
