@@ -114,6 +114,36 @@ def test_the_index_keeps_the_folder_within_its_bound():
     assert restored.restore([(k1, tuple(first)), (k2, tuple(second)), (k3, tuple(third))]) == [k1]
 
 
+FRAMING = r"""
+from mpi4py import MPI
+from pipeline.cluster.transport import Kind, MpiTransport
+from pipeline.runtime.prompt_cache_store import entry_key
+t = MpiTransport(MPI.COMM_WORLD)
+keys = [entry_key([k] * 9) for k in range(60)]  # 63-bit keys; 60 of them: a DROP's layout apart from its header
+if t.rank == 0:
+    t.send_message(1, Kind.SAVE, [4, 5], entries=keys[:2], prefix=[700, 300])
+    t.send_message(1, Kind.LOAD, [6], entries=keys[2:3], prefix=[-699])
+    for n in (3, 60):
+        t.send_message(1, Kind.DROP, entries=keys[:n])
+else:
+    m = t.recv_message(0)
+    assert m.kind == Kind.SAVE and m.seq_ids == [4, 5] and m.entries == keys[:2] and m.prefix == [700, 300], m
+    m = t.recv_message(0)
+    assert m.kind == Kind.LOAD and m.seq_ids == [6] and m.entries == keys[2:3] and m.prefix == [-699], m
+    for n in (3, 60):
+        m = t.recv_message(0)
+        assert m.kind == Kind.DROP and m.seq_ids == [] and m.entries == keys[:n], m
+    print("ok")
+"""
+
+
+def test_save_load_and_drop_round_trip_the_ring(env):
+    result = subprocess.run(["mpiexec", "-n", "2", sys.executable, "-c", FRAMING], capture_output=True, text=True,
+                            timeout=120, cwd=REPO, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+
+
 # -- a real server ------------------------------------------------------------------------------------------------
 
 PROMPT_TOKENS = 700
