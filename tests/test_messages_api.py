@@ -189,6 +189,8 @@ def test_a_full_queue_is_overloaded():
     assert api.error_status(error) == 529
     assert api.error_body(error) == {"type": "error", "error": {"type": "overloaded_error",
                                                                 "message": "the server is at capacity"}}
+    assert api.stream_error(error) == (b'event: error\ndata: {"type":"error","error":{"type":"overloaded_error",'
+                                       b'"message":"the server is at capacity"}}\n\n')
 
 
 def test_pings_while_nothing_comes():
