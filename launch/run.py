@@ -276,6 +276,10 @@ def main(argv: list[str] | None = None) -> int:
 
     cmd = build_command(flavor, launcher, version, ranks, hosts, args.iface, env, python,
                         command, is_root=os.geteuid() == 0, cores=physical_cores())
+    if flavor == "openmpi" and command[:1] == ["serve"]:
+        print("note: Open MPI's mpirun kills the ranks about 3 s after SIGTERM (scancel, a time limit), so "
+              "serve's drain is cut short; MPICH's mpiexec (--mpi mpich) lets requests in progress finish",
+              file=sys.stderr)
     if args.dry_run:
         print(f"# {version}")
         print(printed_command(cmd, env))

@@ -9,7 +9,10 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -161,3 +164,63 @@ def test_a_killed_supervisor_is_named():
     assert elapsed < 10, f"took {elapsed:.1f} s"
     named = [line for line in err.splitlines() if line.startswith("error: rank 1 ")]
     assert named and f"pid {pids[1]}" in named[0] and f"supervisor process (pid {supervisor})" in named[0], err
+
+
+def test_an_idle_server_notices_a_hung_rank_and_health_says_so(tiny_models):
+    """A stopped rank, which no launcher notices: an idle server's heartbeat does not come back round
+    the ring, rank 0's watchdog ends the job naming the rank (after the next heartbeat, watchdog / 4,
+    then the watchdog), and from that moment /health answers 503 with the reason, not 200."""
+    marker = f"hung-probe-{os.getpid()}"
+    proc = subprocess.Popen(["mpiexec", "-n", "2", sys.executable, "-m", "pipeline", "serve", "--port", "0",
+                             "--model", str(tiny_models["llama"]), "--model-name", marker, "--watchdog", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    rank1 = None
+    try:
+        port = int(re.search(r"http://127\.0\.0\.1:(\d+) ", proc.stdout.readline()).group(1))
+        rank1 = next(pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
+                     if marker in _read(f"/proc/{pid}/cmdline") and "PMI_RANK=1\0" in _read(f"/proc/{pid}/environ")
+                     and "PIPELINE_SUPERVISED=" in _read(f"/proc/{pid}/environ"))
+        answers: list[tuple[int, str]] = []
+
+        def poll():  # what a load balancer sees, every 10 ms, until the server is gone
+            while True:
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                        answers.append((r.status, r.read().decode()))
+                except urllib.error.HTTPError as e:
+                    answers.append((e.code, e.read().decode()))
+                except OSError:
+                    return
+                time.sleep(0.01)
+
+        poller = threading.Thread(target=poll, daemon=True)
+        poller.start()
+        start = time.monotonic()
+        os.kill(rank1, signal.SIGSTOP)
+        elapsed, err = finish(proc, start)
+        poller.join(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if rank1 is not None:
+            try:
+                os.kill(rank1, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert proc.returncode != 0
+    assert elapsed < 2 * 1.25 + 5, f"took {elapsed:.1f} s:\n{err}"
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert errors and "got nothing from rank 1" in errors[0] and "--watchdog 2" in errors[0], err
+    assert answers and answers[0][0] == 200, answers[:3]
+    ending = [body for status, body in answers if status == 503]
+    assert ending and "got nothing from rank 1" in ending[0], answers[-3:]
+    print(f"the job ended {elapsed:.2f} s after rank 1 stopped; /health 503 for {len(ending)} polls first")
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""

@@ -22,6 +22,9 @@ from ..util.errors import UserError
 # Chats and agents re-send their history with every turn: a server keeps finished sequences'
 # caches by default (batch, whose prompts rarely share a prefix, does not).
 PREFIX_CACHE_GB = 4.0
+# scancel sends SIGTERM, then SIGKILL KillWait seconds later (30 by default): the drain ends well
+# before, leaving time for STOP round the ring and every rank's exit.
+DRAIN_S = 20.0
 # A request's body: ~4M tokens of text, far past any context, yet a bounded share of rank 0's memory
 MAX_REQUEST_MB = 16.0
 
@@ -57,9 +60,10 @@ def add_parser(commands) -> None:
                             f"bytes read say so, without reading the rest (default {MAX_REQUEST_MB:g}; 1 MB = "
                             "2^20 bytes). A prompt under it that cannot fit the context is refused (400) before "
                             "it is all tokenized")
-    serve.add_argument("--drain", type=float, default=30.0, metavar="SECONDS",
+    serve.add_argument("--drain", type=float, default=DRAIN_S, metavar="SECONDS",
                        help="on SIGTERM or SIGINT, how long requests in progress may take to finish before "
-                            "they are cancelled (default 30)")
+                            f"they are cancelled (default {DRAIN_S:g}: inside Slurm's default KillWait of 30 s, "
+                            "after which scancel sends SIGKILL)")
     flags.add_sampling_args(serve, per_request=True)
     flags.add_draft_args(serve)
     flags.add_weights_args(serve)

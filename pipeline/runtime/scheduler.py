@@ -285,6 +285,11 @@ class Scheduler:
         elif not self.source.closed and self.transport.size > 1:
             self.sends.append(self.transport.isend_message(1, Kind.HEARTBEAT))
             self._reap()
+            # Back round the ring (nothing else is on its way: nothing is in flight). A rank gone, and a
+            # launcher that lets the others run on (srun), ends the job here instead of at the next request
+            back = self.transport.recv_message(self.transport.size - 1)
+            if back.kind != Kind.HEARTBEAT:
+                raise RuntimeError(f"rank 0 expected its heartbeat back, got {back.kind.name}")
 
     def _admit(self) -> None:
         """Start requests while there is room."""
@@ -797,8 +802,8 @@ def follow(stage: Stage, transport: Transport, timeline: Timeline, group_rows: i
             if message.kind == Kind.LOAD or nxt != 0:  # the last rank answers a LOAD to rank 0
                 send(message.kind, message.seq_ids, entries=message.entries, prefix=prefix)
             continue
-        if nxt != 0:  # RELEASE, HEARTBEAT and STOP go round the ring once
-            send(message.kind, message.seq_ids)
+        if nxt != 0 or message.kind == Kind.HEARTBEAT:  # RELEASE and STOP go round the ring once, HEARTBEAT
+            send(message.kind, message.seq_ids)        # back to rank 0 too (Scheduler._idle waits for it)
         if message.kind == Kind.STOP:
             with timeline.span(SEND, "drain"):
                 for p in pending:

@@ -32,6 +32,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
+from ..cluster import mpi
 from ..runtime.requests import Failed, Finished, SamplingParams, Tokens
 from ..checkpoints.tokenizer import Tokenizer
 from . import chat_output, limits, protocol
@@ -187,6 +188,8 @@ class Server:
                         headers={"cache-control": "public, max-age=86400"})
 
     async def health(self, http: HTTPRequest) -> Response:
+        if mpi.job_ending():  # a rank is known gone (or another failure): the job ends in a moment
+            return JSONResponse({"status": "ending", "reason": mpi.job_ending()}, status_code=503)
         if self.gateway.draining:
             return JSONResponse({"status": "shutting down"}, status_code=503)
         return JSONResponse({"status": "ok"})
