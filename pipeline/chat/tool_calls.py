@@ -330,16 +330,16 @@ MARKUP_FORMATS = (QWEN_XML, GLM, MINIMAX_M2, DSML_V32, DSML_V4)
 ALL_FORMATS = FORMATS + MARKUP_FORMATS
 
 
-def markup_call_opening(format: ToolCallFormat, name: str) -> str | None:
+def markup_call_opening(format: ToolCallFormat, name: str | None) -> str | None:
     """The text that opens a call of tool `name` in a markup format, up to where its arguments
-    begin, as the published templates write it (to force a call: the model writes the rest); None
-    for the other formats."""
+    begin, as the published templates write it (to force a call: the model writes the rest); with
+    `name` None, up to where the name begins. None for the other formats."""
     if format is QWEN_XML:
-        return f"{format.call_begin}\n<function={name}>\n"
+        return f"{format.call_begin}\n<function=" + ("" if name is None else f"{name}>\n")
     if format is GLM:
-        return f"{format.call_begin}{name}"
+        return f"{format.call_begin}{name or ''}"
     if format in (MINIMAX_M2, DSML_V32, DSML_V4):
-        return f'{format.section_begin}\n{format.call_begin} name="{name}">\n'
+        return f'{format.section_begin}\n{format.call_begin} name="' + ("" if name is None else f'{name}">\n')
     return None
 
 
