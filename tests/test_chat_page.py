@@ -416,3 +416,20 @@ def test_vendored_files_served_and_nothing_else(server):
     for path in ["/static/README.md", "/static/marked.LICENSE", "/static/chat.html", "/static/..%2Fapp.py",
                  "/static/../app.py", "/static/nothing.js"]:
         assert get(path)[0] == 404, path
+
+
+def test_two_tabs_keep_both_their_chats(server, driver):
+    """Two tabs of the page write one list in localStorage: a chat started in each is kept (and listed in both)."""
+    from selenium.webdriver.common.by import By
+
+    wait = open_page(driver, server)
+    first = driver.current_window_handle
+    driver.switch_to.new_window("tab")
+    open_page(driver, server)
+    ask_and_wait(driver, wait, CODE_QUESTION)
+    driver.switch_to.window(first)  # this tab loaded its list before the other tab's chat existed
+    assert [e.text for e in driver.find_elements(By.CSS_SELECTOR, "#chat-list .open-chat")] == [CODE_QUESTION]
+    ask_and_wait(driver, wait, HOSTILE_QUESTION)
+    assert [c["title"] for c in stored_chats(driver)] == [HOSTILE_QUESTION, CODE_QUESTION]
+    assert [e.text for e in driver.find_elements(By.CSS_SELECTOR, "#chat-list .open-chat")] == [HOSTILE_QUESTION,
+                                                                                                 CODE_QUESTION]
