@@ -367,13 +367,15 @@ def _rank_pids(marker: str) -> dict[int, int]:
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
 def test_a_dead_rank_under_srun_ends_the_serve_job_within_the_watchdog(cluster, tiny_models, how):
     """srun without --kill-on-bad-exit lets the other tasks run on. A killed rank: its supervisor ends
-    the step through srun's PMI at once. A hung one (SIGSTOP: no launcher sees it): an idle rank 0's
-    heartbeat does not come back, and its watchdog ends the job, naming the rank (after the next
-    heartbeat, watchdog / 4, then the watchdog). Either way /health stops answering."""
+    the step through srun's PMI at once (the watchdog here is long, so that nothing else could end it
+    in time). A hung one (SIGSTOP: no launcher sees it): an idle rank 0's heartbeat does not come back,
+    and its watchdog ends the job, naming the rank (after the next heartbeat, watchdog / 4, then the
+    watchdog). Either way /health stops answering."""
     port = _free_port()
+    watchdog = 60 if how == signal.SIGKILL else WATCHDOG_S
     env = {**cluster.env, "PYTHONPATH": str(REPO)}
     srun = subprocess.Popen(["srun", "--mpi=pmi2", "-n", "2", sys.executable, "-m", "pipeline", "serve",
-                             "--model", str(tiny_models["llama"]), "--port", str(port), "--watchdog", str(WATCHDOG_S)],
+                             "--model", str(tiny_models["llama"]), "--port", str(port), "--watchdog", str(watchdog)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
     try:
         lines = []
@@ -388,7 +390,7 @@ def test_a_dead_rank_under_srun_ends_the_serve_job_within_the_watchdog(cluster, 
         killed = time.monotonic()
         os.kill(ranks[1], how)
         try:
-            _, err = srun.communicate(timeout=WATCHDOG_S * 2 + 20)
+            _, err = srun.communicate(timeout=WATCHDOG_S * 2 + 20)  # the killed case: far less than its watchdog
         except subprocess.TimeoutExpired:
             pytest.fail("the job outlived its rank 1 by far more than the watchdog")
         ended = time.monotonic() - killed
