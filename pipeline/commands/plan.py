@@ -10,10 +10,13 @@ from pathlib import Path
 
 from ..checkpoints.model_files import find
 from ..kernels.build import int8_by_default
+from ..planner.calibration import known_measurement
+from ..planner.cluster_costs import TERM_SETS
 from ..planner.config_files import load_config
 from ..planner.host_memory import parse_per_host
-from ..planner.memory import size
-from ..planner.report import format_plan
+from ..planner.memory import GIB, size
+from ..planner.layouts import check_tensor_parallel, plan_layouts
+from ..planner.report import format_layouts, format_plan
 from ..planner.speed import Hardware, plan_cluster
 from ..planner.stored_formats import checkpoint_format
 from ..planner.weights_bytes import Precision
@@ -69,6 +72,19 @@ def add_parser(commands) -> None:
                            "each drafted token is accepted, e.g. 0.85")
     plan.add_argument("--draft-tokens", type=int, action="append", default=None, metavar="K",
                       help="drafted tokens per trip for that prediction; repeat for several (default: 1 and 2)")
+    plan.add_argument("--tensor-parallel", type=int, default=None, metavar="T",
+                      help="plan stages of T consecutive ranks each (ranks = stages x T; T must divide the hosts; "
+                           "T = hosts is pure tensor parallelism): each rank of a stage holds 1/T of its layers' "
+                           "split parts (heads, MLPs, every expert sliced, the LM head) plus the parts every rank "
+                           "holds whole (MLA's latent projections and KV cache, V4's shared KV head and compressors, "
+                           "routers, indexers, norms, the embedding); a stage's memory is its group's smallest host "
+                           "times T. Prints that layout's prediction; without it a multi-host plan prints every "
+                           "layout. Planned only: generate, batch and serve do not run it yet (issue 34)")
+    plan.add_argument("--cluster-terms", choices=sorted(TERM_SETS), default="m3-ultra-rdma",
+                      help="the fitted host and link terms the layouts are predicted with "
+                           "(pipeline/planner/cluster_costs.py): m3-ultra-rdma (MLX on M3 Ultra, Thunderbolt 5 RDMA; "
+                           "fitted on exo's published runs) or linux-tcp (CPU ranks, TCP over 10 Gigabit Ethernet; "
+                           "not yet fitted). Default m3-ultra-rdma")
     plan.add_argument("--reserve-gb", type=float, default=0.0,
                       help="GiB per host to keep free for the OS and activations when judging the fit (default 0)")
 
@@ -102,10 +118,29 @@ def run(args: argparse.Namespace, comm=None) -> int:
     drafts = args.draft_tokens or ([1, 2] if acceptance is not None else [])
     if any(not 1 <= k <= MAX_DRAFT_TOKENS for k in drafts):
         raise UserError(f"--draft-tokens must be from 1 to {MAX_DRAFT_TOKENS}, got {drafts}")
+    t = args.tensor_parallel
+    if t is not None:
+        check_tensor_parallel(t, hosts)
     plan = plan_cluster(config, hosts, precision, hardware, args.context, args.batch, drafts,
                         0.0 if acceptance is None else acceptance)
     title = Path(str(args.model)).name.removesuffix(".json") or str(args.model)
     print(format_plan(plan, title), flush=True)
+    if hosts > 1 or t is not None:
+        host_terms, link_terms = TERM_SETS[args.cluster_terms]
+        layouts = plan_layouts(plan.arch, precision, hardware.bandwidth_gbs, memory, host_terms, link_terms,
+                               plan.context, args.batch or 16, drafts, 0.0 if acceptance is None else acceptance)
+        measured = None
+        if args.cluster_terms == "m3-ultra-rdma":  # the published runs are MLX's on M3 Ultras over RDMA
+            measured = known_measurement(title, memory, args.quantize, t or hosts)
+        print(format_layouts(layouts, host_terms, link_terms, plan.context, t, measured, args.dtype), flush=True)
+        chosen = next((lay for lay in layouts if lay.tensor_parallel == t), None)
+        if chosen is not None and chosen.fits is False:
+            short = [f"stage {s} needs {size(r.total)} per rank of {m:g} GiB"
+                     for s, (r, m) in enumerate(zip(chosen.ranks, chosen.stage_memory_gib)) if r.total > m * GIB]
+            raise UserError(f"the model does not fit as {chosen.name}: {'; '.join(short)}; try another "
+                            f"--tensor-parallel, more memory, or fewer bytes (--quantize 4)")
+        if chosen is not None:
+            return 0
     if plan.fits is False:
         short = [f"rank {r.rank} needs {size(r.needed)} of {r.memory_gib:g} GiB" for r in plan.ranks if not r.fits]
         raise UserError(f"the model does not fit: {'; '.join(short)}"

@@ -1,9 +1,12 @@
 """The text `pipeline plan` prints: the model's parameters and bytes, one line per rank (layers,
-weights, KV cache, headroom, fit, ms per token), and the predicted tok/s with the model behind it."""
+weights, KV cache, headroom, fit, ms per token), and the predicted tok/s with the model behind it;
+for a cluster, the layouts table (stages x T) predicted with the fitted terms."""
 
 from __future__ import annotations
 
 from ..models.registry import FAMILIES
+from .cluster_costs import HostTerms, LinkTerms, Measurement
+from .layouts import Layout
 from .memory import size
 from .speed import ClusterPlan
 
@@ -74,4 +77,42 @@ def format_plan(plan: ClusterPlan, title: str) -> str:
                     else "") + ")"
                  + ("; compute-bound at 2 x params x tokens / --tflops" if hw.tflops else "; compute not modelled")
                  + "; peak numbers, no efficiency factor: real runs land below")
+    return "\n".join(lines)
+
+
+def format_layouts(layouts: list[Layout], host: HostTerms, link: LinkTerms, context: int,
+                   chosen: int | None = None, measured: Measurement | None = None, dtype: str = "") -> str:
+    """The layouts table (every stages x T of the hosts), or with `chosen` (--tensor-parallel T) that
+    layout's lines; a published figure of the same run beside its prediction."""
+    rows = [lay for lay in layouts if chosen is None or lay.tensor_parallel == chosen]
+    batch = rows[0].batch
+    lines = ["", f"layouts, predicted with fitted terms (pipeline/planner/cluster_costs.py): {host.name} reads "
+                 f"{100 * host.bandwidth_fraction:.1f}% of --bandwidth-gbs; a group sum of T ranks costs "
+                 f"{link.latency_us:g} us + (T-1) x hidden x 4 B at {link.gbs:g} GB/s x {host.link_fraction:.3g} "
+                 f"({link.name}), 2 per layer; a stage's memory is its group's smallest host x T; KV cache for "
+                 f"{batch} sequences of {context} tokens"]
+    lines.append(f"  {'stages x T':<20}  {'layers per stage':<18}  {'per rank (largest)':>18}  {'fits':>4}  "
+                 f"{'1 stream':>12}  {'sums/token':>10}  {f'{batch} streams':>12}")
+    for lay in rows:
+        largest = max(lay.ranks, key=lambda r: r.total)
+        fits = "-" if lay.fits is None else ("yes" if lay.fits else "NO")
+        lines.append(f"  {lay.name:<20}  {','.join(map(str, lay.counts)):<18}  {size(largest.total):>18}  {fits:>4}  "
+                     f"{lay.single_tps:>6.1f} tok/s  {lay.sums_ms:>7.1f} ms  {lay.batch_tps:>6.1f} tok/s")
+        for k, tps in lay.speculative or ():
+            lines.append(f"  {'':<20}  speculative, {k} draft{'s' if k > 1 else ''}: 1 stream {tps:.1f} tok/s")
+    fitting = [lay for lay in rows if lay.fits is not False]
+    if chosen is None and len(fitting) > 1:
+        single = max(fitting, key=lambda lay: lay.single_tps)
+        batched = max(fitting, key=lambda lay: lay.batch_tps)
+        lines.append(f"  best single stream: {single.name}; best {batch}-stream throughput: {batched.name}"
+                     + ("" if single.tensor_parallel == 1 else
+                        " (tensor parallelism is planned only: the runtime does not run --tensor-parallel yet, "
+                        "issue 34)"))
+    if measured:
+        lay = next(lay for lay in rows if lay.tensor_parallel == measured.tensor_parallel)
+        lines.append(f"  measured by {measured.who}: {measured.tps:g} tok/s for this model and cluster "
+                     f"(T = {measured.tensor_parallel}); predicted {lay.single_tps:.1f} tok/s "
+                     f"({100 * (lay.single_tps / measured.tps - 1):+.0f}%)"
+                     + (f"; the run held scales and unquantized tensors in bfloat16, this plan counts {dtype}"
+                        if dtype and dtype != "bfloat16" else ""))
     return "\n".join(lines)
