@@ -360,9 +360,13 @@ def render(template: str, calls) -> str:
     return env.from_string(template).render(message=message)
 
 
-def v4_template() -> str:
+def our_template(name: str) -> str:
     from importlib import resources
-    return (resources.files("pipeline.checkpoints") / "templates" / "deepseek-v3.2-v4.jinja").read_text("utf-8")
+    return (resources.files("pipeline.checkpoints") / "templates" / name).read_text("utf-8")
+
+
+def v4_template() -> str:
+    return our_template("deepseek-v4.jinja")
 
 
 def test_formats_detected_from_the_published_templates():
@@ -374,6 +378,7 @@ def test_formats_detected_from_the_published_templates():
     assert format_for_template(MINIMAX) is MINIMAX_M2
     assert format_for_template(v4_template()) is DSML_V4
     assert format_for_template(DSV32_TOOLS) is DSML_V32
+    assert format_for_template(our_template("deepseek-v3.2.jinja")) is DSML_V32
 
 
 SIMPLE = {"path": "notes/a b.md", "content": SOURCE, "mode": 644, "overwrite": True, "ratio": 0.5}
@@ -397,7 +402,7 @@ def test_what_the_published_template_writes_is_read_back(template, fmt, args):
 
 
 def test_deepseek_v4_template_writes_tools_calls_and_results_as_published(tmp_path):
-    """Our V3.2/V4 template (pipeline/checkpoints/templates) against V4's encoding_dsv4.py, worked by
+    """Our V4 template (pipeline/checkpoints/templates) against V4's encoding_dsv4.py, worked by
     hand for a system prompt, tools, a user turn, an assistant's reasoning and two calls, their two
     results (one user turn of <tool_result> blocks), in thinking mode; and its calls parse back."""
     from pipeline.checkpoints.tokenizer import Tokenizer
@@ -440,6 +445,135 @@ def test_deepseek_v4_template_writes_tools_calls_and_results_as_published(tmp_pa
     from pipeline.util.errors import UserError
     with pytest.raises(UserError, match="must be given as an object"):
         tokenizer.apply_chat_template(messages, tools=tools)
+
+
+def deepseek_tokenizer(folder, model_type):
+    """A tokenizer whose folder has no chat template: ours for the model type."""
+    from pipeline.checkpoints.tokenizer import Tokenizer
+
+    write_tokenizer(folder)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    (folder / "config.json").write_text(json.dumps({"model_type": model_type}))
+    return Tokenizer.from_folder(folder)
+
+
+def test_deepseek_v32_template_writes_tools_calls_and_results_as_published(tmp_path):
+    """Our V3.2 template against V3.2's encoding_dsv32.py (its render_message, worked by hand): the
+    tools after the system prompt (render_tools), the calls as a `function_calls` block, their
+    results as one <function_results> block after the assistant's turn (no user turn), which then
+    opens <think> (thinking mode, after the last user message) or closes it; a V3.2 model gets it."""
+    tokenizer = deepseek_tokenizer(tmp_path, "deepseek_v32")
+    tools = TOOLS[1:]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Find cats."},
+                {"role": "assistant", "content": "", "reasoning_content": "Search twice.", "tool_calls": [
+                    {"id": "a", "type": "function", "function": {"name": "search", "arguments": SEARCH}},
+                    {"id": "b", "type": "function", "function": {"name": "search", "arguments": {"query": "dogs"}}}]},
+                {"role": "tool", "tool_call_id": "a", "content": "3 cats"},
+                {"role": "tool", "tool_call_id": "b", "content": "no dogs"}]
+    system = (
+        "<｜begin▁of▁sentence｜>Be brief.\n\n## Tools\nYou have access to a set of tools you can use to answer the "
+        "user's question.\nYou can invoke functions by writing a \"<｜DSML｜function_calls>\" block like the following "
+        "as part of your reply to the user:\n<｜DSML｜function_calls>\n<｜DSML｜invoke name=\"$FUNCTION_NAME\">\n"
+        '<｜DSML｜parameter name="$PARAMETER_NAME" string="true|false">$PARAMETER_VALUE</｜DSML｜parameter>\n...\n'
+        '</｜DSML｜invoke>\n<｜DSML｜invoke name="$FUNCTION_NAME2">\n...\n</｜DSML｜invoke>\n</｜DSML｜function_calls>\n'
+        "String and scalar parameters should be specified as is without any escaping or quotes, while lists and "
+        'objects should use JSON format. The "string" attribute should be set to "true" for string type parameters '
+        'and "false" for other types (numbers, booleans, arrays, objects).\nIf the thinking_mode is enabled, then '
+        "after function results you should strongly consider outputting a thinking block. Here is an example:\n"
+        "<｜DSML｜function_calls>\n...\n</｜DSML｜function_calls>\n<function_results>\n...\n</function_results>\n"
+        "<think>...thinking about results</think>\nHere are the functions available in JSONSchema format:\n"
+        f"<functions>\n{json.dumps(tools[0]['function'], ensure_ascii=False)}\n</functions>\n")
+    calls = dsml("function_calls", ("search", SEARCH), ("search", {"query": "dogs"}))
+    results = "\n\n<function_results>\n<result>3 cats</result>\n<result>no dogs</result>\n</function_results>\n\n"
+    prompt = tokenizer.apply_chat_template(messages, tools=tools, template_kwargs={"thinking": True})
+    assert prompt == (system + "<｜User｜>Find cats.<｜Assistant｜><think>Search twice.</think>" + calls
+                      + "<｜end▁of▁sentence｜>" + results + "<think>")
+    assert tokenizer.apply_chat_template(messages, tools=tools) == (
+        system + "<｜User｜>Find cats.<｜Assistant｜></think>" + calls + "<｜end▁of▁sentence｜>" + results + "</think>")
+    # the answer and a new user turn: the results before it close the thinking, earlier reasoning is not written
+    messages += [{"role": "assistant", "content": "3 cats, no dogs."}, {"role": "user", "content": "Thanks"}]
+    assert tokenizer.apply_chat_template(messages, tools=tools, template_kwargs={"thinking": True}) == (
+        system + "<｜User｜>Find cats.<｜Assistant｜></think>" + calls + "<｜end▁of▁sentence｜>" + results
+        + "</think>3 cats, no dogs.<｜end▁of▁sentence｜><｜User｜>Thanks<｜Assistant｜><think>")
+    # without a system message the tools open the prompt (as vLLM's V3.2 tokenizer puts them, in an empty one)
+    assert tokenizer.apply_chat_template(messages[1:2], tools=tools) == (
+        system.replace("Be brief.", "") + "<｜User｜>Find cats.<｜Assistant｜></think>")
+    assert tokenizer.renders_tools() and format_for_template(tokenizer.chat_template) is DSML_V32
+    assert message_of(parse_events([calls], DSML_V32, tools)).tool_calls == expected_calls(
+        [("search", SEARCH), ("search", {"query": "dogs"})])
+    from pipeline.util.errors import UserError
+    with pytest.raises(UserError, match=r"messages\[1\]: a tool result without a call"):
+        tokenizer.apply_chat_template([messages[1], messages[3]])
+
+
+# Qwen3.5's template around the excerpt above: its tool prompt, then each turn, the calls argument by argument
+QWEN3_5_TOOL_PROMPT, QWEN3_5_CALLS = QWEN3_5.split("\n", 1)
+QWEN3_5_CHAT = ("{%- if tools %}<|im_start|>system\n# Tools" + QWEN3_5_TOOL_PROMPT + "<|im_end|>\n{% endif %}"
+                "{%- for message in messages %}{%- if message.role == 'assistant' %}<|im_start|>assistant\n"
+                "{{- message.content or '' }}" + QWEN3_5_CALLS + "<|im_end|>\n"
+                "{%- elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{- message.content }}"
+                "\n</tool_response><|im_end|>\n{%- else %}<|im_start|>{{ message.role }}\n{{- message.content }}"
+                "<|im_end|>\n{%- endif %}{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def a_call_and_its_result(arguments):
+    """A conversation as a client sends it back: an assistant's call (`arguments` as given) and its result."""
+    return [{"role": "user", "content": "Find cats."},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "search", "arguments": arguments}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "3 cats"}]
+
+
+@pytest.mark.parametrize("source", ["qwen3.5", "deepseek_v32", "deepseek_v4"])
+def test_earlier_calls_reach_markup_templates_as_objects(source, tmp_path):
+    """serve's one rendering step (prompts.chat_prompt_ids, for Chat Completions, Messages and
+    Responses alike) gives a template that writes arguments one by one each earlier call's
+    arguments as the object their JSON text holds: the prompt is the render of the objects (the
+    text alone fails in these templates); the request's messages stay as sent; no arguments are
+    `{}`; text that is not a JSON object is a 400 naming the call."""
+    from pipeline.checkpoints.tokenizer import Tokenizer
+    from pipeline.serve.prompts import chat_prompt_ids
+    from pipeline.serve.protocol import APIError
+
+    if source == "qwen3.5":
+        write_tokenizer(tmp_path)
+        (tmp_path / "chat_template.jinja").write_text(QWEN3_5_CHAT)
+        tokenizer = Tokenizer.from_folder(tmp_path)
+    else:
+        tokenizer = deepseek_tokenizer(tmp_path, source)
+    sent = a_call_and_its_result(json.dumps(SEARCH))
+    rendered = tokenizer.apply_chat_template(a_call_and_its_result(SEARCH), tools=TOOLS)
+    assert chat_prompt_ids(tokenizer, sent, 10**6, TOOLS) == tokenizer.encode(rendered, add_special_tokens=False)
+    assert sent[1]["tool_calls"][0]["function"]["arguments"] == json.dumps(SEARCH)
+    written = {"qwen3.5": qwen_xml("search", SEARCH), "deepseek_v32": dsml("function_calls", ("search", SEARCH)),
+               "deepseek_v4": dsml("tool_calls", ("search", SEARCH))}[source]
+    assert written in rendered
+    empty = tokenizer.apply_chat_template(a_call_and_its_result({}), tools=TOOLS)
+    assert chat_prompt_ids(tokenizer, a_call_and_its_result(""), 10**6, TOOLS) == tokenizer.encode(
+        empty, add_special_tokens=False)
+    for bad in ['[1, 2]', '{"query": ']:
+        with pytest.raises(APIError, match=r"messages\[1\]\.tool_calls\[0\]\.function\.arguments: tool call "
+                                           r"'call_1' \('search'\) has arguments that are not a JSON object") as e:
+            chat_prompt_ids(tokenizer, a_call_and_its_result(bad), 10**6, TOOLS)
+        assert e.value.status == 400 and e.value.param == "messages"
+
+
+def test_json_format_templates_get_the_arguments_as_sent(tmp_path):
+    """DeepSeek V3.1's published template (a JSON format) writes a call's arguments text as is: it
+    gets the client's text, spacing and all (an object there would be a failed render)."""
+    from importlib import resources
+
+    from pipeline.checkpoints.tokenizer import Tokenizer
+    from pipeline.serve.prompts import chat_prompt_ids
+
+    write_tokenizer(tmp_path)
+    template = (resources.files("pipeline.chat") / "templates" / "deepseek-v3.1.jinja").read_text("utf-8")
+    (tmp_path / "chat_template.jinja").write_text(template)
+    tokenizer = Tokenizer.from_folder(tmp_path)
+    sent = a_call_and_its_result('{"query":"cats",  "limit":3}')
+    rendered = tokenizer.apply_chat_template(sent)
+    assert 'search<｜tool▁sep｜>{"query":"cats",  "limit":3}<｜tool▁call▁end｜>' in rendered
+    assert chat_prompt_ids(tokenizer, sent, 10**6) == tokenizer.encode(rendered, add_special_tokens=False)
 
 
 def test_the_request_tools_reach_the_parser():

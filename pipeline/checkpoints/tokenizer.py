@@ -20,6 +20,10 @@ from ..util.errors import UserError
 from .gguf_tokenizer import tokenizer_settings
 from .split_patterns import KIMI_PAT_STR
 
+# The model types whose chat format is published as a Python script, not a template: ours, by model type
+# (V3.2 and V4 write tool calls and results differently, and a template cannot see the model type)
+OUR_TEMPLATES = {"deepseek_v32": "deepseek-v3.2.jinja", "deepseek_v4": "deepseek-v4.jinja"}
+
 # The named special tokens transformers hands to a chat template (when they are set).
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _REPLACEMENT = "\ufffd"  # what decode gives for an incomplete UTF-8 sequence
@@ -185,9 +189,9 @@ class Tokenizer:
             template = jinja_file.read_text(encoding="utf-8")
         elif tcfg.get("chat_template") is not None:
             template = _pick_default_template(tcfg["chat_template"], folder / "tokenizer_config.json")
-        elif _read_json(folder / "config.json").get("model_type") in ("deepseek_v32", "deepseek_v4"):
+        elif (model_type := _read_json(folder / "config.json").get("model_type")) in OUR_TEMPLATES:
             # published as a Python script: ours, written from its docs (templates/README.md)
-            ours = resources.files(__package__) / "templates" / "deepseek-v3.2-v4.jinja"
+            ours = resources.files(__package__) / "templates" / OUR_TEMPLATES[model_type]
             template = ours.read_text(encoding="utf-8")
 
         extra_eos = []

@@ -17,11 +17,13 @@ tokenized whole, for its exact ids.
 from __future__ import annotations
 
 import functools
+import json
 import re
 import time
 
 from ..util.errors import UserError
 from ..checkpoints.tokenizer import Tokenizer
+from ..chat.tool_calls import format_for_template
 from .protocol import APIError
 
 PIECE_CHARS = 16_384  # characters tokenized in one call: ~8 ms of the GIL for English text
@@ -40,6 +42,8 @@ def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict], context: int, to
     # not served megabytes of it)
     content = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
     _refuse_by_characters(tokenizer, content, context, "messages", of="its messages'")
+    if _writes_arguments_one_by_one(tokenizer.chat_template):
+        messages = _arguments_as_objects(messages)
     try:
         # The rendered text holds the special tokens the model wants (a BOS where it needs one)
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools,
@@ -47,6 +51,53 @@ def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict], context: int, to
         return text_prompt_ids(tokenizer, text, context, "messages", add_special_tokens=False)
     except UserError as e:
         raise APIError(str(e), param="messages") from None
+
+
+def _writes_arguments_one_by_one(chat_template: str | None) -> bool:
+    """Whether the template writes an earlier call's arguments argument by argument (iterating
+    `arguments.items()`), so that it needs them as an object: the markup formats' templates (Qwen3-Coder's
+    and Qwen3.5's XML, GLM's, MiniMax-M2's, our DeepSeek V3.2/V4 DSML ones). The JSON formats' templates
+    print the text as it came: Kimi K2's and DeepSeek V3/V3.1's write `arguments` as is (an object would
+    be written as Python's repr), so they get the client's JSON text."""
+    tool_format = format_for_template(chat_template)
+    return tool_format is not None and tool_format.markup is not None
+
+
+def _arguments_as_objects(messages: list[dict]) -> list[dict]:
+    """`messages` with each assistant call's `function.arguments` JSON text given as the object it holds
+    (as vLLM's chat_utils does; empty text is no arguments, `{}`), new dicts where they change (the
+    request's own stay as sent). Text that is not a JSON object is the request's error (400)."""
+    converted = []
+    for i, message in enumerate(messages):
+        calls = message.get("tool_calls") if message.get("role") == "assistant" else None
+        if not calls:
+            converted.append(message)
+            continue
+        new_calls = []
+        for j, call in enumerate(calls):
+            function = call.get("function") if isinstance(call, dict) else None
+            arguments = function.get("arguments") if isinstance(function, dict) else None
+            if not isinstance(arguments, str):  # already an object (or no function: the template's to judge)
+                new_calls.append(call)
+                continue
+            new_calls.append({**call, "function": {**function, "arguments": _arguments_object(arguments, i, j, call)}})
+        converted.append({**message, "tool_calls": new_calls})
+    return converted
+
+
+def _arguments_object(text: str, i: int, j: int, call: dict) -> dict:
+    if not text.strip():
+        return {}
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        value = None
+    if not isinstance(value, dict):
+        what = f"tool call {call.get('id')!r} ({call['function'].get('name')!r})"
+        raise APIError(f"messages[{i}].tool_calls[{j}].function.arguments: {what} has arguments that are not a JSON "
+                       f"object; this model's chat template writes them one by one: send them as a JSON object",
+                       param="messages")
+    return value
 
 
 def completion_prompt_ids(tokenizer: Tokenizer, prompt: str | list[int], context: int, vocab_size: int) -> list[int]:
