@@ -419,7 +419,8 @@ def test_vendored_files_served_and_nothing_else(server):
 
 
 def test_two_tabs_keep_both_their_chats(server, driver):
-    """Two tabs of the page write one list in localStorage: a chat started in each is kept (and listed in both)."""
+    """Two tabs of the page write one list in localStorage: a chat started in each is kept (and listed in
+    both). Deleting one takes two clicks."""
     from selenium.webdriver.common.by import By
 
     wait = open_page(driver, server)
@@ -433,3 +434,9 @@ def test_two_tabs_keep_both_their_chats(server, driver):
     assert [c["title"] for c in stored_chats(driver)] == [HOSTILE_QUESTION, CODE_QUESTION]
     assert [e.text for e in driver.find_elements(By.CSS_SELECTOR, "#chat-list .open-chat")] == [HOSTILE_QUESTION,
                                                                                                  CODE_QUESTION]
+    delete = driver.find_elements(By.CSS_SELECTOR, "#chat-list .delete-chat")[1]
+    delete.click()
+    assert delete.text == "Delete?" and len(stored_chats(driver)) == 2  # a second click deletes
+    delete.click()
+    assert [c["title"] for c in stored_chats(driver)] == [HOSTILE_QUESTION]
+    assert [e.text for e in driver.find_elements(By.CSS_SELECTOR, "#chat-list .open-chat")] == [HOSTILE_QUESTION]
