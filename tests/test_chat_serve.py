@@ -158,10 +158,28 @@ def test_thinking_through_chat_template_kwargs(server):
     assert server.client.chat.completions.create(model="default", messages=history).choices[0].message.content
 
 
+def test_tool_choice_forces_a_call(server):
+    """`required` and a named function open the answer with the format's call opening
+    (forced_calls.py): the scripted model, whose next token after `<tool_call>` is its call,
+    completes it; the opening is counted in the prompt."""
+    plain = server.client.chat.completions.create(model="default", messages=QUESTION, tools=TOOLS)
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        answer = server.client.chat.completions.create(model="default", messages=QUESTION, tools=TOOLS,
+                                                       tool_choice=choice)
+        [call] = answer.choices[0].message.tool_calls
+        assert answer.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+        assert json.loads(call.function.arguments) == json.loads(CALL)["arguments"]
+        assert answer.usage.prompt_tokens > plain.usage.prompt_tokens
+
+
 def test_bad_tool_requests(server):
+    for choice in ({"type": "function", "function": {"name": "get_time"}}, {"type": "function"}, "sometimes"):
+        status, body, _ = server.post("/v1/chat/completions", {"model": "default", "messages": QUESTION,
+                                                               "tools": TOOLS, "tool_choice": choice})
+        assert status == 400 and body["error"]["param"] == "tool_choice", body
     status, body, _ = server.post("/v1/chat/completions", {"model": "default", "messages": QUESTION,
-                                                           "tools": TOOLS, "tool_choice": "required"})
-    assert status == 400 and body["error"]["param"] == "tool_choice"
+                                                           "tool_choice": "required"})
+    assert status == 400 and body["error"]["param"] == "tool_choice" and "none were given" in body["error"]["message"]
     status, body, _ = server.post("/v1/chat/completions", {"model": "default", "messages": QUESTION,
                                                            "chat_template_kwargs": {"add_generation_prompt": False}})
     assert status == 400 and "add_generation_prompt" in body["error"]["message"]

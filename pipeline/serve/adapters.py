@@ -90,7 +90,7 @@ class ChatAPI(API):
         return Generation(request.model, bool(request.stream), request.sampling(sampling), request.token_limit(),
                           request.stop, request, messages=request.template_messages(),
                           tools=request.template_tools(), template_kwargs=request.chat_template_kwargs,
-                          logprobs=request.top_logprobs_wanted())
+                          logprobs=request.top_logprobs_wanted(), forced_call=request.forced_call())
 
     def adapter(self, id, created, model, token_text, generation, output):
         return ChatAdapter(id, created, model, token_text, generation.logprobs is not None,

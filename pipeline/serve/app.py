@@ -289,7 +289,8 @@ class Server:
             chat_output.check_tools(model.tokenizer)
         ids = await run_in_threadpool(chat_prompt_ids, model.tokenizer, request.messages, model.context,
                                       request.tools, request.template_kwargs)
-        output = chat_output.output_parser(model.tokenizer, ids, parse_tools=request.tools is not None)
+        output = chat_output.output_parser(model.tokenizer, ids, parse_tools=request.tools is not None,
+                                            tools=request.tools)
         if request.forced_call is not None and request.tools is not None:
             ids = self._force_call(request, ids, output)
         request.prompt_tokens = len(ids)

@@ -63,6 +63,11 @@ def _empty(value) -> bool:
     return value is None or value == [] or value == {}
 
 
+def _names_a_function(value) -> bool:
+    return (isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("function"), dict)
+            and isinstance(value["function"].get("name"), str))
+
+
 def _null(value) -> bool:
     return value is None
 
@@ -240,8 +245,8 @@ class ChatCompletionRequest(_Request):
     UNIMPLEMENTED = {
         **_Request.UNIMPLEMENTED,
         "response_format": (lambda v: v is None or v == {"type": "text"}, "only {\"type\": \"text\"}"),
-        "tool_choice": (lambda v: v in (None, "none", "auto"),
-                        'only "auto" and "none": the model decides whether to call a tool'),
+        "tool_choice": (lambda v: v in (None, "none", "auto", "required") or _names_a_function(v),
+                        '"auto", "none", "required" or {"type": "function", "function": {"name": ...}}'),
         "functions": (_empty, "this server does not call functions"),
         "function_call": (lambda v: v in (None, "none", "auto"), "this server does not call functions"),
         "audio": (_null, "text only"),
@@ -294,6 +299,22 @@ class ChatCompletionRequest(_Request):
 
     def template_messages(self) -> list[dict]:
         return [m.for_template() for m in self.messages]
+
+    def forced_call(self) -> str | None:
+        """The call tool_choice makes the answer open with (forced_calls.py): "" for any tool
+        ("required"), a function's name (`{"type": "function", "function": {"name": ...}}`), or None."""
+        choice = self.tool_choice
+        if choice in (None, "auto", "none"):
+            return None
+        if not self.tools:
+            raise APIError(f"tool_choice={json.dumps(choice)} needs tools to call: none were given",
+                           param="tool_choice")
+        if choice == "required":
+            return ""
+        name = choice["function"]["name"]
+        if name not in [tool.function.name for tool in self.tools]:
+            raise APIError(f"tool_choice: no tool named {json.dumps(name)} was given", param="tool_choice")
+        return name
 
     def template_tools(self) -> list[dict] | None:
         """The tools for the chat template; None where there are none or tool_choice is "none"
