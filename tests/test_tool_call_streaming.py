@@ -25,12 +25,13 @@ from openai.types.chat import ChatCompletionChunk
 from pipeline.chat.events import ContentDelta, ToolCallArguments, ToolCallEnd, ToolCallStart
 from pipeline.chat.output import ChatMessage, ChatOutputParser
 from pipeline.chat.scan import JsonObjectScanner, dump_json, read_json
-from pipeline.chat.tool_calls import (DEEPSEEK_SEP, DEEPSEEK_V3, DEEPSEEK_V31, FORMATS, HEAD_LIMIT, KIMI_ARGUMENT_BEGIN,
-                                      KIMI_K2, QWEN)
+from pipeline.chat.tool_calls import (ALL_FORMATS, DEEPSEEK_SEP, DEEPSEEK_V3, DEEPSEEK_V31, FORMATS, HEAD_LIMIT,
+                                      KIMI_ARGUMENT_BEGIN, KIMI_K2, MARKUP_FORMATS, QWEN)
 from pipeline.runtime.requests import Finished, Tokens
 from pipeline.serve.adapters import ChatAdapter
 from test_chat_parsers import TOOL_CASES, call, ids, stream_tokens
 from test_chat_parsers import deepseek_folder, deepseek_v3, kimi  # noqa: F401 (fixtures: the real tokenizers)
+from test_tool_call_formats import CASES as MARKUP_CASES
 
 # A long call's arguments, as a model writes them: a file with code in it (braces, quotes,
 # backslashes, newlines as escapes), escaped and literal non-ASCII text, nested objects and lists
@@ -338,10 +339,13 @@ def test_scanner_stops_where_json_breaks(text):
 
 
 def test_formats_other_than_these_four_need_cases():
-    """A format added to FORMATS (issue 23's) must come with outputs above: its head must
-    stream, and its parse decides."""
-    for fmt in FORMATS:
-        assert fmt.head is not None and fmt in CASES and fmt in LONG_CASES
+    """Every format the parsers know (ALL_FORMATS, what format_for_template can pick) must come with
+    outputs: a JSON format (FORMATS, issue 23's) above, its head streaming and its parse deciding; a
+    markup format (issue 36's) in test_tool_call_formats.py, which runs the same checks on them."""
+    assert set(ALL_FORMATS) == set(FORMATS) | set(MARKUP_FORMATS)
+    for fmt in ALL_FORMATS:
+        assert fmt.head is not None
+        assert fmt in CASES and fmt in LONG_CASES if fmt in FORMATS else fmt in MARKUP_CASES
     assert {DEEPSEEK_V3, DEEPSEEK_V31, KIMI_K2, QWEN} <= set(FORMATS)
 
 
