@@ -80,7 +80,7 @@ def add_parser(commands) -> None:
                            "routers, indexers, norms, the embedding); a stage's memory is its group's smallest host "
                            "times T. Prints that layout's prediction; without it a multi-host plan prints every "
                            "layout. Planned only: generate, batch and serve do not run it yet (issue 34)")
-    plan.add_argument("--cluster-terms", choices=sorted(TERM_SETS), default="m3-ultra-rdma",
+    plan.add_argument("--cluster-terms", choices=sorted(TERM_SETS), default="m3-ultra-rdma", metavar="TERMS",
                       help="the fitted host and link terms the layouts are predicted with "
                            "(pipeline/planner/cluster_costs.py): m3-ultra-rdma (MLX on M3 Ultra, Thunderbolt 5 RDMA; "
                            "fitted on exo's published runs) or linux-tcp (CPU ranks, TCP over 10 Gigabit Ethernet; "
