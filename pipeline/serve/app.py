@@ -49,6 +49,7 @@ from .protocol import APIError
 
 CHAT, COMPLETIONS, MESSAGES = ChatAPI(), CompletionsAPI(), MessagesAPI()
 COUNT_TOKENS = "/v1/messages/count_tokens"
+COUNT_LIMIT = 4  # count_tokens counts prompts up to this many times the context
 ALIAS = "default"  # the model's other name, for clients that do not ask /v1/models first
 
 
@@ -138,7 +139,9 @@ class Server:
         return await self._generate(http, MESSAGES)
 
     async def count_tokens(self, http: HTTPRequest) -> Response:
-        """Anthropic's count_tokens: the prompt's tokens as /v1/messages renders it (any length)."""
+        """Anthropic's count_tokens: the prompt's tokens as /v1/messages renders it, counted up to
+        COUNT_LIMIT contexts (past that a 400: tokenizing megabytes whole would hold the GIL for
+        seconds, stalling every other request, to count a prompt that can never run)."""
         tokenizer = self.model.tokenizer
         try:
             self._authorize(http, x_api_key=True)
@@ -147,7 +150,8 @@ class Server:
             tools = request.template_tools()
             if tools is not None:
                 chat_output.check_tools(tokenizer)
-            ids = await run_in_threadpool(chat_prompt_ids, tokenizer, request.template_messages(), sys.maxsize, tools,
+            ids = await run_in_threadpool(chat_prompt_ids, tokenizer, request.template_messages(),
+                                          COUNT_LIMIT * self.model.context, tools,
                                           request.template_kwargs())
             response = JSONResponse({"input_tokens": len(ids)})
         except APIError as e:
