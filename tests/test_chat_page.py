@@ -226,6 +226,9 @@ def test_markdown_answers_and_conversations_kept(server, driver, tmp_path):
     wait.until(lambda d: d.execute_script("return window.copied.length"))
     assert driver.execute_script("return window.copied") == [CODE[1].rstrip("\n")]
     assert copy.text == "Copied"
+    answer.find_element(By.CSS_SELECTOR, ".actions button.copy").click()  # the whole answer: its Markdown
+    wait.until(lambda d: d.execute_script("return window.copied.length") == 2)
+    assert driver.execute_script("return window.copied[1]") == "".join(CODE)
 
     screenshot = tmp_path / "chat_page_markdown.png"
     assert driver.save_screenshot(str(screenshot))
