@@ -558,22 +558,39 @@ def test_earlier_calls_reach_markup_templates_as_objects(source, tmp_path):
         assert e.value.status == 400 and e.value.param == "messages"
 
 
-def test_json_format_templates_get_the_arguments_as_sent(tmp_path):
-    """DeepSeek V3.1's published template (a JSON format) writes a call's arguments text as is: it
-    gets the client's text, spacing and all (an object there would be a failed render)."""
+# Qwen2.5's chat_template (Apache-2.0): an assistant's calls, their arguments written with tojson
+QWEN2_5 = ("{%- for message in messages %}{%- if message.role == 'assistant' %}<|im_start|>assistant\n"
+           "{{- message.content or '' }}{%- for tool_call in message.tool_calls or [] %}"
+           "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+           "{{- '\\n<tool_call>\\n{\"name\": \"' }}{{- tool_call.name }}{{- '\", \"arguments\": ' }}"
+           "{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}{%- endfor %}<|im_end|>\n"
+           "{%- else %}<|im_start|>{{ message.role }}\n{{- message.content }}<|im_end|>\n{%- endif %}{%- endfor %}")
+
+
+@pytest.mark.parametrize("template,written", [
+    ("deepseek-v3.1", 'search<｜tool▁sep｜>{"query":"cats",  "limit":3}<｜tool▁call▁end｜>'),
+    (QWEN2_5, '<tool_call>\n{"name": "search", "arguments": {"query": "cats", "limit": 3}}\n</tool_call>'),
+], ids=["deepseek-v3.1", "qwen2.5"])
+def test_json_format_templates_get_what_they_print(template, written, tmp_path):
+    """The JSON formats' templates, probed (prompts.wants_argument_objects): DeepSeek V3.1's published
+    one writes a call's arguments text as is, and gets the client's text, spacing and all (an object
+    there fails); Qwen2.5's writes them with tojson, and gets the object (the text would be a quoted
+    string)."""
     from importlib import resources
 
     from pipeline.checkpoints.tokenizer import Tokenizer
     from pipeline.serve.prompts import chat_prompt_ids
 
     write_tokenizer(tmp_path)
-    template = (resources.files("pipeline.chat") / "templates" / "deepseek-v3.1.jinja").read_text("utf-8")
+    if template == "deepseek-v3.1":
+        template = (resources.files("pipeline.chat") / "templates" / "deepseek-v3.1.jinja").read_text("utf-8")
     (tmp_path / "chat_template.jinja").write_text(template)
     tokenizer = Tokenizer.from_folder(tmp_path)
     sent = a_call_and_its_result('{"query":"cats",  "limit":3}')
-    rendered = tokenizer.apply_chat_template(sent)
-    assert 'search<｜tool▁sep｜>{"query":"cats",  "limit":3}<｜tool▁call▁end｜>' in rendered
-    assert chat_prompt_ids(tokenizer, sent, 10**6) == tokenizer.encode(rendered, add_special_tokens=False)
+    ids = chat_prompt_ids(tokenizer, sent, 10**6)
+    rendered = tokenizer.decode(ids)
+    assert written in rendered
+    assert ids == tokenizer.encode(rendered, add_special_tokens=False)
 
 
 def test_the_request_tools_reach_the_parser():

@@ -42,7 +42,7 @@ def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict], context: int, to
     # not served megabytes of it)
     content = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
     _refuse_by_characters(tokenizer, content, context, "messages", of="its messages'")
-    if _writes_arguments_one_by_one(tokenizer.chat_template):
+    if any(m.get("tool_calls") for m in messages) and wants_argument_objects(tokenizer):
         messages = _arguments_as_objects(messages)
     try:
         # The rendered text holds the special tokens the model wants (a BOS where it needs one)
@@ -53,14 +53,32 @@ def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict], context: int, to
         raise APIError(str(e), param="messages") from None
 
 
-def _writes_arguments_one_by_one(chat_template: str | None) -> bool:
-    """Whether the template writes an earlier call's arguments argument by argument (iterating
-    `arguments.items()`), so that it needs them as an object: the markup formats' templates (Qwen3-Coder's
-    and Qwen3.5's XML, GLM's, MiniMax-M2's, our DeepSeek V3.2/V4 DSML ones). The JSON formats' templates
-    print the text as it came: Kimi K2's and DeepSeek V3/V3.1's write `arguments` as is (an object would
-    be written as Python's repr), so they get the client's JSON text."""
-    tool_format = format_for_template(chat_template)
-    return tool_format is not None and tool_format.markup is not None
+PROBE_ARGUMENTS = {"pipeline_probe_argument": "5f3a"}
+
+
+@functools.cache
+def wants_argument_objects(tokenizer: Tokenizer) -> bool:
+    """Whether the chat template needs an earlier call's `arguments` as an object, not the JSON text
+    clients send. The markup formats' templates (Qwen3-Coder's and Qwen3.5's XML, GLM's, MiniMax-M2's,
+    our DeepSeek V3.2/V4 DSML ones) write them argument by argument: they do. A JSON format's template
+    either prints the text as is (Kimi K2's, DeepSeek V3/V3.1's, Qwen3's: an object would come out as
+    Python's repr, or fail) or writes an object with `tojson` (Qwen2.5's and other Hermes-style ones: the
+    text would come out as a quoted string); which one is found as llama.cpp's minja does, by rendering
+    a probe call both ways (once per tokenizer)."""
+    tool_format = format_for_template(tokenizer.chat_template)
+    if tool_format is not None and tool_format.markup is not None:
+        return True
+    text = json.dumps(PROBE_ARGUMENTS)
+    return text not in _probe_render(tokenizer, text) and text in _probe_render(tokenizer, PROBE_ARGUMENTS)
+
+
+def _probe_render(tokenizer: Tokenizer, arguments) -> str:
+    call = {"id": "call_probe", "type": "function", "function": {"name": "probe_tool", "arguments": arguments}}
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+    except UserError:  # a template that fails on this kind of arguments does not write them
+        return ""
 
 
 def _arguments_as_objects(messages: list[dict]) -> list[dict]:
