@@ -215,3 +215,19 @@ def test_model_matches_transformers_on_the_files_weights(iq_model, kernels):
                 assert error < 4.5 and (ours.argmax(-1) == truth.argmax(-1)).mean() > 0.75, error
     finally:
         state.gguf_int8 = saved
+
+
+def test_plan_counts_the_files_bytes(iq_model):
+    """What `plan` and preflight count a rank holding each layer is the layer's bytes in the file (its IQ4
+    matrices as stored, its F32 norms as float32), with or without the int8 products."""
+    from pipeline.models.config import ModelConfig
+    from pipeline.planner.weights_bytes import held_and_dense
+
+    _, _, written = iq_model
+    path = written["files"][0]
+    checkpoint = GGUFCheckpoint(path)
+    in_file = [sum(t.nbytes for t in checkpoint.gguf.tensors.values() if t.name.startswith(f"blk.{i}.")) for i in range(4)]
+    config = checkpoint.model_config()
+    for int8 in (False, True):
+        assert held_and_dense(config, path, int8=int8)[0].layers == in_file
+

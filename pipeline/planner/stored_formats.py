@@ -48,6 +48,11 @@ class CheckpointFormat:
         listed so (a GGUF's Q4_0 and Q8_0); other folders are not assumed to be."""
         return self.kind == "mlx" and p.module in self.config.raw.get(quants.SYMMETRIC_KEY, ())
 
+    def held_in_blocks(self, p: Param) -> bool:
+        """Whether a tensor is held as the file's own blocks, its bytes on disk (a GGUF's IQ4_NL / IQ4_XS
+        layer matrices: checkpoints/quants.py NATIVE)."""
+        return False
+
     def mx_bits(self, p: Param) -> int | None:
         """4 or 8: a tensor held in MLX's mxfp4 / mxfp8 mode as stored (DeepSeek V4); else None."""
         if not self.mx or not p.is_matrix:
@@ -237,6 +242,10 @@ class GGUFFormat(CheckpointFormat):
     def is_fp8(self, p) -> bool:
         return False
 
+    def held_in_blocks(self, p) -> bool:
+        info = self._info(p)
+        return info is not None and info.how == "native"
+
     def half_scales(self, p) -> bool:
         """Q4_0, Q4_1 and Q8_0 blocks store float16 scales (and offsets): held exactly, they stay float16 values."""
         return self._held_exactly_from(p, ("Q4_0", "Q4_1", "Q8_0"))
@@ -270,7 +279,10 @@ class GGUFFormat(CheckpointFormat):
         exact = sorted({t for i in self.modules.values() if i.how == "exact" for t in i.types if t != "MXFP4"})
         mxfp4 = any("MXFP4" in i.types for i in self.modules.values() if i.how == "exact")
         requant = sorted({(t, i.native) for i in self.modules.values() if i.how == "requantized" for t in i.types})
+        blocks = sorted({t for i in self.modules.values() if i.how == "native" for t in i.types})
         parts = []
+        if blocks:
+            parts.append(f"{', '.join(blocks)} layer matrices in their own blocks, as the file's bytes")
         if exact:
             parts.append(f"{', '.join(exact)} exactly as MLX affine, group 32")
         if mxfp4:
