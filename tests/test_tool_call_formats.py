@@ -663,8 +663,7 @@ def test_a_call_opened_for_the_model_reads_on(fmt):
     from pipeline.chat.tool_calls import markup_call_opening
 
     whole = {QWEN_XML: qwen_xml("search", SEARCH), GLM: glm45("search", SEARCH), MINIMAX_M2: minimax(("search", SEARCH)),
-             DSML_V32: dsml("function_calls", ("search", SEARCH)).lstrip(),
-             DSML_V4: dsml("tool_calls", ("search", SEARCH)).lstrip()}[fmt]
+             DSML_V32: dsml("function_calls", ("search", SEARCH)), DSML_V4: dsml("tool_calls", ("search", SEARCH))}[fmt]
     opening = markup_call_opening(fmt, "search")
     assert whole.startswith(opening) and opening.startswith(markup_call_opening(fmt, None) + "search")
     parser = ChatOutputParser(in_reasoning=None, tool_format=fmt, new_id=ids(), schemas=SCHEMAS)

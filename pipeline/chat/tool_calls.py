@@ -333,13 +333,15 @@ ALL_FORMATS = FORMATS + MARKUP_FORMATS
 def markup_call_opening(format: ToolCallFormat, name: str | None) -> str | None:
     """The text that opens a call of tool `name` in a markup format, up to where its arguments
     begin, as the published templates write it (to force a call: the model writes the rest); with
-    `name` None, up to where the name begins. None for the other formats."""
+    `name` None, up to where the name begins. None for the other formats. DSML's block follows a blank
+    line, even after no text (encoding_dsv32.py / encoding_dsv4.py; V3.2's parser looks for it)."""
     if format is QWEN_XML:
         return f"{format.call_begin}\n<function=" + ("" if name is None else f"{name}>\n")
     if format is GLM:
         return f"{format.call_begin}{name or ''}"
     if format in (MINIMAX_M2, DSML_V32, DSML_V4):
-        return f'{format.section_begin}\n{format.call_begin} name="' + ("" if name is None else f'{name}">\n')
+        blank = "\n\n" if format is not MINIMAX_M2 else ""
+        return f'{blank}{format.section_begin}\n{format.call_begin} name="' + ("" if name is None else f'{name}">\n')
     return None
 
 
