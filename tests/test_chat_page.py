@@ -443,3 +443,15 @@ def test_two_tabs_keep_both_their_chats(server, driver):
     delete.click()
     assert [c["title"] for c in stored_chats(driver)] == [HOSTILE_QUESTION]
     assert [e.text for e in driver.find_elements(By.CSS_SELECTOR, "#chat-list .open-chat")] == [HOSTILE_QUESTION]
+
+
+def test_without_its_libraries_the_page_still_works(server, driver):
+    """/static/ unreachable (its URLs blocked): the page says so and shows answers as plain text."""
+    from selenium.webdriver.common.by import By
+
+    driver.execute_cdp_cmd("Network.enable", {})
+    driver.execute_cdp_cmd("Network.setBlockedURLs", {"urls": ["*/static/*"]})
+    wait = open_page(driver, server)
+    assert driver.find_element(By.ID, "notice").text.startswith("The page's Markdown libraries did not load")
+    content = ask_and_wait(driver, wait, CODE_QUESTION).find_element(By.CLASS_NAME, "content")
+    assert content.text == "".join(CODE).strip() and content.find_elements(By.CSS_SELECTOR, "*") == []
