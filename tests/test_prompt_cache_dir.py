@@ -247,7 +247,7 @@ def test_a_folder_others_may_write_to_stops_the_server(model, env, tmp_path):
     folder.chmod(0o777)
     result = subprocess.run(["mpiexec", "-n", "2", sys.executable, "-m", "pipeline", "serve", "--port", "0",
                              "--model", str(model), "--prompt-cache-dir", str(folder)],
-                            capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+                            capture_output=True, text=True, timeout=60, cwd=REPO, env=env)
     assert result.returncode != 0
     lines = [line for line in result.stderr.splitlines() if "prompt-cache-dir" in line]
     assert len(lines) == 1 and "every user may write to it" in lines[0] and "Traceback" not in result.stderr
