@@ -257,6 +257,16 @@ for bits, group in ((4, 32), (8, 64), (5, 128)):
     for rows in (1, 2, 3, 5, 9, 13, 17, 64):
         x = mx.array(rng.standard_normal((rows, 640)).astype(np.float32))
         out[f"qmm {bits} {group} {rows}"] = np.array(module.quantized_matmul(x, w, s, b, group, bits))
+from pipeline.checkpoints.quants import native_arrays
+for qtype, type_id, block, header in (("IQ4_NL", 20, 32, 2), ("IQ4_XS", 23, 256, 8)):  # GGUF blocks (gguf_kernels.cpp)
+    raw = rng.integers(0, 256, (32, 1024 // block, header + block // 2), dtype=np.uint8)
+    raw[..., :2] = rng.uniform(1e-3, 1e-2, raw.shape[:2]).astype(np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
+    codes, block_scales = (mx.array(a) for a in native_arrays(raw.reshape(32, -1), qtype))
+    for rows in (1, 2, 3, 5, 70):
+        x = mx.array(rng.standard_normal((rows, 1024)).astype(np.float32))
+        for int8 in (False, True):
+            out[f"{'int8 ' if int8 else ''}gguf {qtype} {rows}"] = np.array(module.gguf_matmul(x, codes, block_scales,
+                                                                                                type_id, int8))
 fp8 = mx.array(rng.integers(0, 126, size=(256, 384), dtype=np.uint8))
 scales = mx.array(rng.uniform(0.01, 1, (2, 3)).astype(np.float32))
 for bits in (3, 4, 8):

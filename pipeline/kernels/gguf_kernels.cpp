@@ -169,28 +169,45 @@ RoundedRows round_rows(const float *x, int64_t rows, int64_t k, int64_t block) {
     return out;
 }
 
-/* 8 int32 lanes, lane l = sum over i < 4 of KVALUES[code of value 4l + i] * xq[4l + i], for one block of
-   32 (16 code bytes, 32 activations). Exact integers on every path. */
-inline i32x8 block_dot(const uint8_t *qs, const int8_t *xq) {
+/* A block's 32 weights as int8 values (KVALUES[code], in order), and their magnitudes. */
+struct BlockWeights {
+#if defined(__AVX2__)
+    __m256i w, magnitude;
+#else
+    int8_t w[32];
+#endif
+};
+
+inline BlockWeights block_weights(const uint8_t *qs) {
+    BlockWeights out;
 #if defined(__AVX2__)
     const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i *>(qs));
     const __m128i nibble = _mm_set1_epi8(15);
     const __m256i idx = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), nibble), _mm_and_si128(packed, nibble));
     const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i *>(KVALUES)));
-    const __m256i w = _mm256_shuffle_epi8(table, idx);  // the weights' int8 values, in order
-    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(xq));
-    const __m256i magnitude = _mm256_sign_epi8(w, w), signed_x = _mm256_sign_epi8(x, w);  // |w| * (x sign w) = w * x
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return (i32x8)_mm256_dpbusd_epi32(_mm256_setzero_si256(), magnitude, signed_x);
+    out.w = _mm256_shuffle_epi8(table, idx);  // the weights' int8 values, in order
+    out.magnitude = _mm256_sign_epi8(out.w, out.w);
 #else
-    return (i32x8)_mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_x), _mm256_set1_epi16(1));
+    for (int i = 0; i < 32; i++) out.w[i] = KVALUES[i < 16 ? qs[i] & 15 : qs[i - 16] >> 4];
+#endif
+    return out;
+}
+
+/* 8 int32 lanes, lane l = sum over i < 4 of w[4l + i] * xq[4l + i], for one block of 32 weights and 32
+   activations. Exact integers on every path: |w| <= 127 times the sign of w on xq (so vpmaddubsw's pair sums
+   cannot saturate), or vpdpbusd with AVX-512 VNNI. */
+inline i32x8 block_dot(const BlockWeights &b, const int8_t *xq) {
+#if defined(__AVX2__)
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(xq));
+    const __m256i signed_x = _mm256_sign_epi8(x, b.w);  // |w| * (x sign w) = w * x
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return (i32x8)_mm256_dpbusd_epi32(_mm256_setzero_si256(), b.magnitude, signed_x);
+#else
+    return (i32x8)_mm256_madd_epi16(_mm256_maddubs_epi16(b.magnitude, signed_x), _mm256_set1_epi16(1));
 #endif
 #else
     i32x8 lanes{};
-    for (int i = 0; i < 32; i++) {
-        const int code = i < 16 ? qs[i] & 15 : qs[i - 16] >> 4;
-        lanes[i / 4] += int32_t(KVALUES[code]) * xq[i];
-    }
+    for (int i = 0; i < 32; i++) lanes[i / 4] += int32_t(b.w[i]) * xq[i];
     return lanes;
 #endif
 }
@@ -204,31 +221,50 @@ inline f32x8 fma8(f32x8 a, f32x8 b, f32x8 acc) {
 #endif
 }
 
+inline f32x8 splat8(float s) { return f32x8{s, s, s, s, s, s, s, s}; }
+
 inline float lanes_sum8(f32x8 v) { return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7])); }
 
-/* One output: weight row `col` times one rounded row of x (q, its block scales d). */
-float int8_dot(const NativeMatrix &m, int64_t col, const int8_t *xq, const float *xd) {
+constexpr int INT8_TILE = 4;  // rows sharing each block's looked-up weights
+
+/* out[r][col] for R rounded rows of x (q, block scales d): weight row `col`, each block looked up once for the
+   R rows; every row's arithmetic the same whatever R. */
+template <int R>
+void int8_tile(const NativeMatrix &m, int64_t col, const int8_t *const *xq, const float *const *xd, float *const *out) {
     const uint8_t *codes = m.codes_of(col), *scales = m.scales_of(col);
-    f32x8 acc{};
+    f32x8 acc[R] = {};
     if (m.type == IQ4_NL) {
         for (int64_t b = 0; b < m.k / BLOCK; b++) {
-            const i32x8 lanes = block_dot(codes + 16 * b, xq + BLOCK * b);
-            const float s = half_at(scales + 2 * b) * xd[b];
-            acc = fma8(__builtin_convertvector(lanes, f32x8), f32x8{s, s, s, s, s, s, s, s}, acc);
+            const BlockWeights w = block_weights(codes + 16 * b);
+            const float d = half_at(scales + 2 * b);
+            for (int r = 0; r < R; r++)
+                acc[r] = fma8(__builtin_convertvector(block_dot(w, xq[r] + BLOCK * b), f32x8), splat8(d * xd[r][b]), acc[r]);
         }
     } else {
         for (int64_t sb = 0; sb < m.k / SUPER; sb++) {
             const uint8_t *head = scales + 8 * sb;
-            i32x8 sum{};
+            i32x8 sum[R] = {};
             for (int j = 0; j < 8; j++) {
                 const int64_t b = sb * 8 + j;
-                sum += block_dot(codes + 16 * b, xq + BLOCK * b) * xs_scale(head, j);
+                const BlockWeights w = block_weights(codes + 16 * b);
+                const int ls = xs_scale(head, j);
+                for (int r = 0; r < R; r++) sum[r] += block_dot(w, xq[r] + BLOCK * b) * ls;
             }
-            const float s = half_at(head) * xd[sb];
-            acc = fma8(__builtin_convertvector(sum, f32x8), f32x8{s, s, s, s, s, s, s, s}, acc);
+            const float d = half_at(head);
+            for (int r = 0; r < R; r++)
+                acc[r] = fma8(__builtin_convertvector(sum[r], f32x8), splat8(d * xd[r][sb]), acc[r]);
         }
     }
-    return lanes_sum8(acc);
+    for (int r = 0; r < R; r++) out[r][col] = lanes_sum8(acc[r]);
+}
+
+template <int R = 1>
+void int8_rows(int64_t count, const NativeMatrix &m, int64_t col, const int8_t *const *xq, const float *const *xd,
+               float *const *out) {
+    if constexpr (R < INT8_TILE) {
+        if (count != R) return int8_rows<R + 1>(count, m, col, xq, xd, out);
+    }
+    int8_tile<R>(m, col, xq, xd, out);
 }
 
 /* ---- one product over the threads ---------------------------------------------------------------- */
@@ -243,9 +279,20 @@ void product(const NativeMatrix &m, const float *x, int64_t rows, float *out, bo
         const int64_t block = m.type == IQ4_NL ? BLOCK : SUPER;
         const RoundedRows xq = round_rows(x, rows, k, block);
 #pragma omp parallel for schedule(static) num_threads(g_threads) if (threaded)
-        for (int64_t col = 0; col < n; col++)
-            for (int64_t r = 0; r < rows; r++)
-                out[r * n + col] = int8_dot(m, col, xq.q.data() + r * k, xq.d.data() + r * (k / block));
+        for (int64_t col = 0; col < n; col++) {
+            const int8_t *qs[INT8_TILE];
+            const float *ds[INT8_TILE];
+            float *outs[INT8_TILE];
+            for (int64_t r0 = 0; r0 < rows; r0 += INT8_TILE) {
+                const int64_t count = std::min<int64_t>(INT8_TILE, rows - r0);
+                for (int64_t i = 0; i < count; i++) {
+                    qs[i] = xq.q.data() + (r0 + i) * k;
+                    ds[i] = xq.d.data() + (r0 + i) * (k / block);
+                    outs[i] = out + (r0 + i) * n;
+                }
+                int8_rows(count, m, col, qs, ds, outs);
+            }
+        }
         return;
     }
 #pragma omp parallel for schedule(static) num_threads(g_threads) if (threaded)
