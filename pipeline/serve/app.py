@@ -5,6 +5,7 @@
     POST /v1/messages, /v1/messages/count_tokens      (Anthropic's Messages API)
     GET  /v1/models, /v1/models/{id}, /health, /metrics
     GET  /                                            the chat page (static/chat.html)
+    GET  /static/NAME                                 the chat page's vendored scripts and style (static/vendor/)
 
 A request is checked (API key, schema, model name), tokenized in a worker thread, and handed to
 the scheduler through the gateway; its events come back and an adapter writes them out. Every
