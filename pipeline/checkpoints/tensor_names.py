@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from ..models import deepseek_v4_names
+from ..models import deepseek_v4_names, minimax_m2_names
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _ENDS = ("model.embed_tokens.", "model.norm.", "lm_head.", "model.hc_head.")
@@ -32,14 +32,14 @@ _NEVER_RUN = ("vision_tower.", "mm_projector.", "model.vision_tower.", "model.mm
 
 def canonical_tensors(tensors: dict) -> dict:
     """A checkpoint's tensors under the loader's names (see above; DeepSeek's own names are mapped by
-    models/deepseek_v4_names.py); a wrapper's vision tower and projector are left out, so no rank
-    ever reads them."""
+    models/deepseek_v4_names.py, MiniMax's block_sparse_moe by models/minimax_m2_names.py); a
+    wrapper's vision tower and projector are left out, so no rank ever reads them."""
     native = deepseek_v4_names.uses_native_names(tensors)
     renamed = {}
     for name, info in tensors.items():
         new = deepseek_v4_names.transformers_name(name) if native else _wrapped_name(name)
         if new is not None:
-            renamed[new] = info
+            renamed[minimax_m2_names.transformers_name(new)] = info
     return renamed
 
 

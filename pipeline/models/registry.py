@@ -46,6 +46,7 @@ FAMILIES: dict[str, Family] = {
     "deepseek_v32": Family("deepseek_v32", mtp=True),
     "deepseek_v4": DEEPSEEK_V4,
     "kimi_k25": DEEPSEEK_V3,  # Kimi K2.5's language model is K2's (its text_config names deepseek_v3)
+    "minimax_m2": Family("minimax_m2"),  # plain KV caches, as qwen3_moe; its MTP modules are not published
 }
 
 
@@ -54,7 +55,6 @@ PLANNED: dict[str, str] = {
     "qwen3_5_moe": "Qwen3.5-MoE",
     "qwen3_5_moe_text": "Qwen3.5-MoE",  # a published config's text_config type, which ModelConfig reads
     "glm_moe_dsa": "GLM-5",
-    "minimax_m2": "MiniMax-M2",
 }
 
 

@@ -1,0 +1,154 @@
+"""MiniMax-M2 (issue 36) against transformers (our oracle), from tiny random models that transformers 5
+builds and saves under the published names (`block_sparse_moe`, experts' w1/w2/w3): its q/k RMSNorm over
+all heads together, RoPE over the first rotary_dim features of each head, and sigmoid routing whose
+correction bias only chooses the experts. Logits on one stage and split in three, token by token,
+greedy text with the prompt in several prefill chunks, and a batch job on three ranks."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors import safe_open
+
+from conftest import (INIT_STD, VOCAB_SIZE, assert_far_from_uniform, forward, greedy_ours, greedy_transformers,
+                      load_stages, long_prompt, mpiexec, write_tokenizer)
+
+LONG_PROMPT = long_prompt(64)
+
+
+def _perturb(model) -> None:
+    """Random init leaves norms at one and the correction bias at zero: perturb them (the bias by
+    more, negative too, so it changes which experts win)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+        for name, b in model.named_buffers():
+            if "e_score_correction_bias" in name:
+                b.copy_(torch.randn_like(b) * 0.5)
+
+
+def _greedy_text(reference, folder, prompt: str, max_tokens: int) -> str:
+    """transformers' greedy continuation of a text prompt, as text (stopping at id 2, the end)."""
+    from pipeline.checkpoints.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_folder(folder)
+    ids = tokenizer.prompt_ids(prompt, use_chat_template=False)
+    with torch.no_grad():
+        out = reference.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=2,
+                                 pad_token_id=0)[0, len(ids):].tolist()
+    return tokenizer.decode(out[:out.index(2)] if 2 in out else out, skip_special_tokens=True)
+
+
+def _batch_texts(folder, ranks: int, prompts: list[str], tmp_path, max_tokens: int = 10) -> dict[int, str]:
+    """`mpiexec -n RANKS ... batch` over the prompts: each id's text."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"id": i, "prompt": p, "max_tokens": max_tokens}) + "\n"
+                           for i, p in enumerate(prompts)))
+    result = mpiexec(ranks, "batch", "--model", str(folder), "--input", str(inp), "--output", str(out),
+                     "--no-chat-template", "--quiet", env={"OPENBLAS_NUM_THREADS": "1"}, timeout=180)
+    assert result.returncode == 0, result.stderr
+    return {r["id"]: r["text"] for r in map(json.loads, out.read_text().splitlines())}
+
+
+BATCH_PROMPTS = ["The capital of France is Paris.", "def hello(world):\n    return 42\n" * 4,
+                 "Pipeline parallel inference splits layers across ranks; hidden states travel between them."]
+
+
+# ------------------------------------------------------------------------------------------ MiniMax-M2
+
+def make_minimax_m2(folder, seed=0):
+    torch.manual_seed(seed)
+    config = transformers.MiniMaxM2Config(
+        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=32, num_local_experts=8, num_experts_per_tok=3, vocab_size=VOCAB_SIZE,
+        rotary_dim=8,  # the published config's legacy field: RoPE on half of each head
+        max_position_embeddings=512, bos_token_id=None, eos_token_id=2, initializer_range=INIT_STD)
+    model = transformers.MiniMaxM2ForCausalLM(config)
+    _perturb(model)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.eval().save_pretrained(folder)
+    write_tokenizer(folder)
+    return model
+
+
+@pytest.fixture(scope="module")
+def minimax_m2(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("minimax_m2")
+    reference = make_minimax_m2(folder)
+    with torch.no_grad():
+        expected = reference(torch.tensor([LONG_PROMPT])).logits[0].numpy()
+    return folder, reference, expected
+
+
+MINIMAX_TOLERANCE = 2e-5  # measured 5.0e-6 (whole prompt, split in three, token by token); logits up to |6.6|
+
+
+def test_minimax_m2_logits_match_transformers(minimax_m2):
+    folder, _, expected = minimax_m2
+    assert_far_from_uniform(expected)
+    with safe_open(folder / "model.safetensors", "np") as stored:
+        assert "model.layers.2.block_sparse_moe.experts.7.w3.weight" in stored.keys()  # as published
+    (stage,) = load_stages(folder, [(0, 4)])
+    # read as transformers' in-memory names
+    assert "model.layers.2.mlp.experts.7.up_proj.weight" in stage.loaded_tensors
+    assert "model.layers.2.mlp.e_score_correction_bias" in stage.loaded_tensors
+    assert np.abs(forward([stage], LONG_PROMPT) - expected).max() <= MINIMAX_TOLERANCE
+    assert stage.kv_bytes_per_token == 4 * 2 * (2 * 16) * 4  # 4 layers, keys and values of 2 KV heads x 16
+    stage.release([0])
+    incremental = np.concatenate([forward([stage], [t]) for t in LONG_PROMPT])  # decoding: one query at a time
+    assert np.abs(incremental - expected).max() <= MINIMAX_TOLERANCE
+    split = load_stages(folder, [(0, 1), (1, 3), (3, 4)])
+    assert np.abs(forward(split, LONG_PROMPT) - expected).max() <= MINIMAX_TOLERANCE
+
+
+def test_minimax_m2_greedy_matches_transformers_in_prefill_chunks(minimax_m2, monkeypatch):
+    """generate's path, the 48-token prompt fed in three prefill chunks of 16."""
+    from pipeline.runtime import engine
+
+    folder, reference, _ = minimax_m2
+    prompt = long_prompt(48, seed=6)
+    expected = greedy_transformers(reference, prompt, 24)
+    assert len(set(expected)) >= 12, expected
+    monkeypatch.setattr(engine, "PREFILL_CHUNK", 16)
+    (stage,) = load_stages(folder, [(0, 4)])
+    assert greedy_ours(stage, folder, prompt, 24).tokens == expected
+
+
+def _per_head_norm(self, x):
+    """The planted bug: each head normed alone (Qwen3's way), with its slice of the weight."""
+    heads, d = x.shape[-2], x.shape[-1]
+    variance = (x * x).mean(axis=-1, keepdims=True)
+    return x * mx.rsqrt(variance + self.eps) * self["weight"].reshape(heads, d)
+
+
+@pytest.mark.parametrize("bug", ["q/k norm per head", "routing without the correction bias",
+                                 "RoPE over the whole head"])
+def test_minimax_m2_planted_bugs_are_caught(bug, minimax_m2, monkeypatch):
+    """The comparison above can fail: each mechanism done the wrong way moves the logits far past the
+    tolerance."""
+    from pipeline.models import minimax_m2 as family
+
+    folder, _, expected = minimax_m2
+    if bug == "q/k norm per head":
+        monkeypatch.setattr(family.RMSNormOverHeads, "__call__", _per_head_norm)
+    elif bug == "RoPE over the whole head":
+        monkeypatch.setattr(family, "rotary_dims", lambda config: config.head_dim)
+    (stage,) = load_stages(folder, [(0, 4)])
+    if bug == "routing without the correction bias":
+        for layer in stage.model.layers:
+            del layer.mlp["e_score_correction_bias"]
+    assert np.abs(forward([stage], LONG_PROMPT) - expected).max() > 100 * MINIMAX_TOLERANCE
+
+
+def test_minimax_m2_batch_on_three_ranks_gives_transformers_text(minimax_m2, tmp_path):
+    """`mpiexec -n 3 ... batch`: prompts of several lengths in micro-batches over three ranks (a layer
+    boundary after layers 1 and 2 or so); each text is transformers' greedy one, as generate's is."""
+    folder, reference, _ = minimax_m2
+    texts = _batch_texts(folder, 3, BATCH_PROMPTS, tmp_path)
+    assert texts == {i: _greedy_text(reference, folder, p, 10) for i, p in enumerate(BATCH_PROMPTS)}
