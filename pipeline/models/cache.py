@@ -58,3 +58,33 @@ class KVCache:
             return 0
         per_key = self.keys.shape[1] * self.keys.shape[3] * self.keys.itemsize
         return per_key + self.values.shape[1] * self.values.shape[3] * self.values.itemsize
+
+
+class LinearAttentionState:
+    """The state of one linear-attention (Gated DeltaNet) layer and sequence: fixed in size
+    whatever the context, unlike a KV cache. `conv`: the last kernel - 1 inputs of the layer's causal
+    convolution [kernel - 1, channels] (the window the next token's convolution reads back);
+    `recurrent`: the delta rule's memory, one [key dim, value dim] matrix per value head, in float32.
+    A sequence's state sums up every position it has seen: it cannot be cut back to a shorter
+    prefix, nor drop a rejected draft's positions (registry: the family refuses both)."""
+
+    def __init__(self):
+        self.conv = None
+        self.recurrent = None
+        self.offset = 0  # positions seen (what packing.positions and the stats read)
+
+    def prefix(self, length: int) -> "LinearAttentionState":
+        """A copy of this state, which only holds for its whole length."""
+        if length != self.offset:
+            raise ValueError(f"a linear-attention state of {self.offset} positions cannot be cut back to {length}")
+        state = LinearAttentionState()
+        state.conv, state.recurrent, state.offset = self.conv, self.recurrent, self.offset
+        return state
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.conv, self.recurrent) if a is not None)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 0  # fixed in size: nothing grows with the context

@@ -34,6 +34,10 @@ DEEPSEEK_V3 = Family("deepseek_v3", mtp=True)
 # DeepSeek V4's LM head reads the collapsed streams, so a batch job's last rank cannot share it; a
 # compressed cache can neither be cut back to a shorter prefix nor drop a rejected draft's positions.
 DEEPSEEK_V4 = Family("deepseek_v4", drafts=False, head_share=False, prefix_cache=False)
+# Qwen3.5's linear-attention layers keep one fixed-size state per sequence (models/gated_deltanet.py),
+# which sums up every position seen: it can neither be cut back to a shorter prefix nor drop a
+# rejected draft's positions (that needs states kept per position: issue 36).
+QWEN3_5_MOE = Family("qwen3_5_moe", drafts=False, prefix_cache=False)
 
 FAMILIES: dict[str, Family] = {
     "llama": LLAMA,
@@ -47,13 +51,13 @@ FAMILIES: dict[str, Family] = {
     "deepseek_v4": DEEPSEEK_V4,
     "kimi_k25": DEEPSEEK_V3,  # Kimi K2.5's language model is K2's (its text_config names deepseek_v3)
     "minimax_m2": Family("minimax_m2"),  # plain KV caches, as qwen3_moe; its MTP modules are not published
+    "qwen3_5_moe": QWEN3_5_MOE,
+    "qwen3_5_moe_text": QWEN3_5_MOE,  # a published config's text_config type, which ModelConfig reads
 }
 
 
 # Families `pipeline plan` sizes (planner/shapes.py) before the runtime runs them: refused by name.
 PLANNED: dict[str, str] = {
-    "qwen3_5_moe": "Qwen3.5-MoE",
-    "qwen3_5_moe_text": "Qwen3.5-MoE",  # a published config's text_config type, which ModelConfig reads
     "glm_moe_dsa": "GLM-5",
 }
 
