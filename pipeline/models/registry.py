@@ -23,6 +23,7 @@ class Family:
     head_share: bool = True  # a batch job's last rank can hold a share of the LM head
     prefix_cache: bool = True  # a finished sequence's cache can be cut back to a shorter prefix
     mtp: bool = False  # DeepSeek's multi-token-prediction module runs as a drafter (models/mtp.py)
+    kept_state: str = "compressed caches"  # what makes drafts or the prefix cache refuse it, in their errors
 
     def module(self) -> ModuleType:
         """The family's module (imports MLX)."""
@@ -37,7 +38,7 @@ DEEPSEEK_V4 = Family("deepseek_v4", drafts=False, head_share=False, prefix_cache
 # Qwen3.5's linear-attention layers keep one fixed-size state per sequence (models/gated_deltanet.py),
 # which sums up every position seen: it can neither be cut back to a shorter prefix nor drop a
 # rejected draft's positions (that needs states kept per position: issue 36).
-QWEN3_5_MOE = Family("qwen3_5_moe", drafts=False, prefix_cache=False)
+QWEN3_5_MOE = Family("qwen3_5_moe", drafts=False, prefix_cache=False, kept_state="linear-attention states")
 
 FAMILIES: dict[str, Family] = {
     "llama": LLAMA,
@@ -51,6 +52,7 @@ FAMILIES: dict[str, Family] = {
     "deepseek_v4": DEEPSEEK_V4,
     "kimi_k25": DEEPSEEK_V3,  # Kimi K2.5's language model is K2's (its text_config names deepseek_v3)
     "minimax_m2": Family("minimax_m2"),  # plain KV caches, as qwen3_moe; its MTP modules are not published
+    "glm_moe_dsa": Family("glm_moe_dsa"),  # V3.2's caches; its MTP layer is not run (DeepSeek's drafter is not it)
     "qwen3_5_moe": QWEN3_5_MOE,
     "qwen3_5_moe_text": QWEN3_5_MOE,  # a published config's text_config type, which ModelConfig reads
 }
@@ -58,7 +60,6 @@ FAMILIES: dict[str, Family] = {
 
 # Families `pipeline plan` sizes (planner/shapes.py) before the runtime runs them: refused by name.
 PLANNED: dict[str, str] = {
-    "glm_moe_dsa": "GLM-5",
 }
 
 

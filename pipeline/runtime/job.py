@@ -97,7 +97,7 @@ def plan_job(settings: WeightSettings, comm, last_rank_head: float = 0.0) -> Pla
     config = checkpoint.model_config()
     family = family_for(config)
     if settings.draft != "none" and not family.drafts:
-        raise UserError(f"{config.model_type} keeps compressed caches that cannot drop a rejected draft's "
+        raise UserError(f"{config.model_type} keeps {family.kept_state} that cannot drop a rejected draft's "
                         f"positions: run it without --draft")
     if settings.draft == "mtp":
         check_mtp(checkpoint, config, folder)
@@ -237,8 +237,9 @@ def prompt_cache(settings: JobSettings, job: RingJob, comm) -> PromptCache | Non
     ring, plan = settings.ring, job.plan
     if ring.prompt_cache_dir is None:
         return None
-    if not family_for(plan.config).prefix_cache:
-        raise UserError(f"--prompt-cache-dir: {plan.config.model_type} keeps compressed caches that the prefix "
+    family = family_for(plan.config)
+    if not family.prefix_cache:
+        raise UserError(f"--prompt-cache-dir: {plan.config.model_type} keeps {family.kept_state} that the prefix "
                         f"cache cannot cut back to a shorter prefix: run it without --prompt-cache-dir")
     rank = comm.Get_rank()
     weights = settings.weights
