@@ -1,8 +1,11 @@
-"""MiniMax-M2 (issue 36) against transformers (our oracle), from tiny random models that transformers 5
-builds and saves under the published names (`block_sparse_moe`, experts' w1/w2/w3): its q/k RMSNorm over
-all heads together, RoPE over the first rotary_dim features of each head, and sigmoid routing whose
-correction bias only chooses the experts. Logits on one stage and split in three, token by token,
-greedy text with the prompt in several prefill chunks, and a batch job on three ranks."""
+"""MiniMax-M2 and GLM-5 (issue 36) against transformers (our oracle), from tiny random models that
+transformers 5 builds and saves. MiniMax-M2 under its published names (`block_sparse_moe`, experts'
+w1/w2/w3): its q/k RMSNorm over all heads together, RoPE over the first rotary_dim features of each head,
+and sigmoid routing whose correction bias only chooses the experts. GLM-5: V3.2's sparse attention with
+an interleaved-RoPE indexer, and layers that reuse the last full layer's top-k (both kinds on the first
+and last of three stages). Per family: logits on one stage, split in three and token by token, greedy
+text with the prompt in several prefill chunks, a batch job on three ranks, and a planted bug per
+mechanism."""
 
 from __future__ import annotations
 
@@ -45,13 +48,14 @@ def _greedy_text(reference, folder, prompt: str, max_tokens: int) -> str:
     return tokenizer.decode(out[:out.index(2)] if 2 in out else out, skip_special_tokens=True)
 
 
-def _batch_texts(folder, ranks: int, prompts: list[str], tmp_path, max_tokens: int = 10) -> dict[int, str]:
+def _batch_texts(folder, ranks: int, prompts: list[str], tmp_path, max_tokens: int = 10,
+                 extra: tuple[str, ...] = ()) -> dict[int, str]:
     """`mpiexec -n RANKS ... batch` over the prompts: each id's text."""
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("".join(json.dumps({"id": i, "prompt": p, "max_tokens": max_tokens}) + "\n"
                            for i, p in enumerate(prompts)))
     result = mpiexec(ranks, "batch", "--model", str(folder), "--input", str(inp), "--output", str(out),
-                     "--no-chat-template", "--quiet", env={"OPENBLAS_NUM_THREADS": "1"}, timeout=180)
+                     "--no-chat-template", "--quiet", *extra, env={"OPENBLAS_NUM_THREADS": "1"}, timeout=180)
     assert result.returncode == 0, result.stderr
     return {r["id"]: r["text"] for r in map(json.loads, out.read_text().splitlines())}
 
@@ -151,4 +155,112 @@ def test_minimax_m2_batch_on_three_ranks_gives_transformers_text(minimax_m2, tmp
     boundary after layers 1 and 2 or so); each text is transformers' greedy one, as generate's is."""
     folder, reference, _ = minimax_m2
     texts = _batch_texts(folder, 3, BATCH_PROMPTS, tmp_path)
+    assert texts == {i: _greedy_text(reference, folder, p, 10) for i, p in enumerate(BATCH_PROMPTS)}
+
+
+# --------------------------------------------------------------------------------------------- GLM-5
+
+GLM_INDEXERS = ["full", "shared", "full", "full", "shared"]  # layer 1 reuses layer 0's top-k, layer 4 layer 3's
+GLM_SPLIT = [(0, 2), (2, 3), (3, 5)]  # three stages, each beginning at a full layer; both kinds on the first and last
+GLM_INDEX_TOPK = 16  # LONG_PROMPT's later queries see up to 64 positions: the indexer keeps 16 (32 indexer
+# heads, so that no two positions tie at the top-k boundary: see test_new_models.py's INDEX_TOPK)
+
+
+def make_glm_moe_dsa(folder, seed=0):
+    torch.manual_seed(seed)
+    config = transformers.GlmMoeDsaConfig(
+        hidden_size=64, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=4, intermediate_size=128,
+        moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=3, vocab_size=VOCAB_SIZE, q_lora_rank=32,
+        kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        mlp_layer_types=["dense", "sparse", "sparse", "dense", "sparse"], indexer_types=GLM_INDEXERS,
+        index_topk=GLM_INDEX_TOPK, index_n_heads=32, index_head_dim=16, max_position_embeddings=512,
+        bos_token_id=None, eos_token_id=2, initializer_range=INIT_STD)
+    model = transformers.GlmMoeDsaForCausalLM(config)
+    _perturb(model)
+    with torch.no_grad():  # the indexer's LayerNorm bias too
+        for name, p in model.named_parameters():
+            if name.endswith("bias") and "norm" not in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.eval().save_pretrained(folder)
+    write_tokenizer(folder)
+    return model
+
+
+@pytest.fixture(scope="module")
+def glm_moe_dsa(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("glm_moe_dsa")
+    reference = make_glm_moe_dsa(folder)
+    with torch.no_grad():
+        expected = reference(torch.tensor([LONG_PROMPT])).logits[0].numpy()
+    return folder, reference, expected
+
+
+GLM_TOLERANCE = 3e-5  # measured 1.29e-5 (whole prompt, split in three, token by token); logits up to |6.2|
+
+
+def test_glm_moe_dsa_logits_match_transformers(glm_moe_dsa):
+    folder, _, expected = glm_moe_dsa
+    assert_far_from_uniform(expected)
+    (stage,) = load_stages(folder, [(0, 5)])
+    assert np.abs(forward([stage], LONG_PROMPT) - expected).max() <= GLM_TOLERANCE
+    # The caches: MLA's latent (16) and rotary key (8) in every layer, the indexer's key (16) in the full ones.
+    assert stage.kv_bytes_per_token == (5 * (16 + 8) + 3 * 16) * 4
+    stage.release([0])
+    incremental = np.concatenate([forward([stage], [t]) for t in LONG_PROMPT])  # decoding: one query at a time
+    assert np.abs(incremental - expected).max() <= GLM_TOLERANCE
+    split = load_stages(folder, GLM_SPLIT)
+    assert np.abs(forward(split, LONG_PROMPT) - expected).max() <= GLM_TOLERANCE
+
+
+def test_glm_moe_dsa_greedy_matches_transformers_in_prefill_chunks(glm_moe_dsa, monkeypatch):
+    from pipeline.runtime import engine
+
+    folder, reference, _ = glm_moe_dsa
+    prompt = long_prompt(48, seed=6)
+    expected = greedy_transformers(reference, prompt, 24)
+    assert len(set(expected)) >= 12, expected
+    monkeypatch.setattr(engine, "PREFILL_CHUNK", 16)
+    (stage,) = load_stages(folder, [(0, 5)])
+    assert greedy_ours(stage, folder, prompt, 24).tokens == expected
+
+
+def test_glm_moe_dsa_stage_cannot_begin_at_a_shared_layer(glm_moe_dsa):
+    """Layer 1 needs layer 0's top-k of the same step, which is not sent between ranks: one clear line."""
+    from pipeline.util.errors import UserError
+
+    folder, _, _ = glm_moe_dsa
+    with pytest.raises(UserError) as refused:
+        load_stages(folder, [(0, 1), (1, 5)])
+    assert "GLM layer 1 reuses the top-k" in str(refused.value) and "--split" in str(refused.value)
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("bug", ["top-k off by one", "reused top-k from the wrong layer", "indexer RoPE in halves"])
+def test_glm_moe_dsa_planted_bugs_are_caught(bug, glm_moe_dsa):
+    """The comparison above can fail: each mechanism done the wrong way moves the logits far past the
+    tolerance."""
+    from pipeline.models.glm_moe_dsa import TopKRelay
+
+    folder, _, expected = glm_moe_dsa
+    (stage,) = load_stages(folder, [(0, 5)])
+    attention = [layer.self_attn for layer in stage.model.layers]
+    if bug == "top-k off by one":
+        for a in attention:
+            if not a.shared:
+                a.indexer.top_k = GLM_INDEX_TOPK - 1
+    elif bug == "reused top-k from the wrong layer":  # layer 4 gets layer 2's choice, not layer 3's
+        attention[3].relay = TopKRelay()
+    else:  # V3.2's rotate-half pairs
+        for a in attention:
+            if not a.shared:
+                a.indexer.rope.traditional = False
+    assert np.abs(forward([stage], LONG_PROMPT) - expected).max() > 100 * GLM_TOLERANCE
+
+
+def test_glm_moe_dsa_batch_on_three_ranks_gives_transformers_text(glm_moe_dsa, tmp_path):
+    """`mpiexec -n 3 ... batch --split 2,1,2`: both kinds of layer on the first and last ranks, each rank
+    beginning at a full layer; the longest prompt past the top-k; each text is transformers' greedy one."""
+    folder, reference, _ = glm_moe_dsa
+    texts = _batch_texts(folder, 3, BATCH_PROMPTS, tmp_path, extra=("--split", "2,1,2"))
     assert texts == {i: _greedy_text(reference, folder, p, 10) for i, p in enumerate(BATCH_PROMPTS)}

@@ -1,0 +1,152 @@
+"""GLM-5 / GLM-5.1 (`model_type` glm_moe_dsa): DeepSeek V3.2's layer (MLA with DSA's lightning indexer,
+see deepseek_v32.py; dense MLP or DeepSeekMoE per `mlp_layer_types`), with two differences:
+
+- The indexer rotates its queries and keys in interleaved pairs, as MLA does (V3.2's indexer rotates
+  halves). Its heads are its own (index_n_heads x index_head_dim, from the config).
+- Layers may share a top-k (`indexer_types`): a "full" layer runs its indexer; a "shared" one has no
+  indexer (nor an indexer key in its cache) and attends to the positions the last full layer before it
+  chose for the same queries in the same step. A full layer hands its choice, per sequence, to the
+  shared layers after it in the same slice (`TopKRelay`). That choice is not sent between ranks: a
+  stage may not begin at a shared layer (its full layer's queries and indexer keys live on the rank
+  before), and such a split is refused with a clear message (`--split` chooses another). The published
+  GLM-5 and GLM-5.1 configs run the indexer on every layer, so any split serves them.
+
+The published checkpoint's MTP layer (`model.layers.78.*`) is of no layer we run, and is never read.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .cache import KVCache
+from .config import ModelConfig
+from .deepseek_v3 import DeepseekMoE, MultiHeadLatentAttention
+from .deepseek_v32 import LightningIndexer, is_sparse_layer
+from .layers import MLP, PreNormBlock, attend
+from .packing import kept_rows, positions, segments
+from .rope import RoPE
+from .stage_slice import TransformerSlice
+from ..util.errors import UserError
+
+
+def indexer_types(config: ModelConfig) -> list[str]:
+    """"full" or "shared" per layer, as transformers derives them: the config's list, else its
+    index_topk_pattern ("FSS..."), else every index_topk_freq-th layer from index_skip_topk_offset
+    (every layer by default)."""
+    r, n = config.raw, config.num_hidden_layers
+    if r.get("indexer_types"):
+        return list(r["indexer_types"])
+    pattern = r.get("index_topk_pattern")
+    if pattern is not None:
+        return [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else list(pattern)
+    freq, offset = max(int(r.get("index_topk_freq", 1) or 1), 1), int(r.get("index_skip_topk_offset", 2))
+    return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
+
+
+class TopKRelay:
+    """The positions the last full layer chose in this step, per sequence ([its query rows, positions]
+    True where attended, or None: every visible position), for the shared layers after it. A plain
+    object (not an MLX module): the layers of a slice share it, and it holds no parameters."""
+
+    def __init__(self):
+        self.chosen: list[mx.array | None] = []
+
+
+class GlmIndexer(LightningIndexer):
+    """V3.2's lightning indexer with interleaved RoPE (transformers' GlmMoeDsaIndexer)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__(config)
+        self.rope = RoPE(self.rope_dim, config.rope_theta, config.rope_scaling,
+                         traditional=bool(config.raw.get("indexer_rope_interleave", True)),
+                         max_position_embeddings=config.max_position_embeddings)
+
+
+class GlmSparseAttention(MultiHeadLatentAttention):
+    """MLA attending to the top-k positions of its own indexer (a full layer: the cache's "values"
+    hold each position's rotary key and, after it, the indexer's key) or of the last full layer's (a
+    shared layer: the rotary key alone)."""
+
+    def __init__(self, config: ModelConfig, layer_index: int):
+        super().__init__(config)
+        self.shared = indexer_types(config)[layer_index] == "shared"
+        if not self.shared:
+            self.indexer = GlmIndexer(config)
+        self.relay = TopKRelay()  # replaced by the slice's, which its layers share (Slice below)
+
+    def make_cache(self) -> KVCache:
+        return KVCache()
+
+    def __call__(self, x: mx.array, caches: list[KVCache], lengths: list[int], last_only: bool = False,
+                 full: list[bool] | None = None) -> mx.array:
+        _, T, _ = x.shape
+        offsets = positions(lengths, caches)
+        if last_only:  # queries at each sequence's last token only (all of a full one's)
+            last, kept = kept_rows(lengths, full)
+            xq, q_offsets = x[:, last], offsets[last]
+        else:
+            xq, q_offsets = x, offsets
+        q_latent = self.q_a_layernorm(self.q_a_proj(xq))[0]  # c_q: [queries, q_lora_rank]
+        q = self.q_b_proj(q_latent).reshape(xq.shape[1], self.n_heads, -1).transpose(1, 0, 2)
+        q_nope, q_rope = q[..., : self.qk_nope_head_dim], q[..., self.qk_nope_head_dim:]
+        q_absorbed = q_nope @ self.w_uk.swapaxes(-1, -2)  # [heads, queries, latent]
+
+        compressed = self.kv_a_proj_with_mqa(x)[0]
+        latent = self.kv_a_layernorm(compressed[:, : self.kv_lora_rank])
+        k_rope = self.rope(compressed[:, self.kv_lora_rank:][:, None, None], offset=offsets)[:, 0, 0]
+        q_rope = self.rope(q_rope.transpose(1, 0, 2)[:, :, None], offset=q_offsets)[:, :, 0].transpose(1, 0, 2)
+        if not self.shared:
+            index_keys = self.indexer.keys(x[0], offsets)
+            index_q, index_w = self.indexer.queries(q_latent, xq[0], q_offsets)
+            chosen_here = []
+
+        outputs = []
+        for i, ((begin, end), cache) in enumerate(zip(segments(lengths), caches)):
+            qb, qe = kept[i] if last_only else (begin, end)
+            new_values = k_rope[begin:end] if self.shared else \
+                mx.concatenate([k_rope[begin:end], index_keys[begin:end]], axis=-1)
+            cached_latent, values = cache.update_and_fetch(latent[None, None, begin:end], new_values[None, None])
+            cached_rope = values[..., : self.qk_rope_head_dim]
+            queries = mx.concatenate([q_absorbed[None, :, qb:qe], q_rope[None, :, qb:qe]], axis=-1)
+            keys = mx.concatenate([cached_latent, cached_rope], axis=-1)
+            if self.shared:  # the full layer's choice for this sequence's last qe - qb queries
+                chosen = self.relay.chosen[i]
+                chosen = None if chosen is None else chosen[chosen.shape[0] - (qe - qb):]
+            else:
+                chosen = self.indexer.selected(index_q[qb:qe], index_w[qb:qe],
+                                               values[0, 0, :, self.qk_rope_head_dim:], q_offsets[qb:qe])
+                chosen_here.append(chosen)
+            if chosen is None:  # every visible position chosen: V3's attention
+                out = attend(queries, keys, cached_latent, self.scale, cache.offset - (qe - qb))
+            else:
+                out = mx.fast.scaled_dot_product_attention(queries, keys, cached_latent, scale=self.scale,
+                                                           mask=chosen[None, None])
+            outputs.append(out[0])
+        if not self.shared:
+            self.relay.chosen = chosen_here
+        out = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=1)
+        out = out @ self.w_uv.swapaxes(-1, -2)
+        return self.o_proj(out.transpose(1, 0, 2).reshape(1, out.shape[1], -1))
+
+
+def DecoderLayer(config: ModelConfig, layer_index: int) -> PreNormBlock:
+    sparse = is_sparse_layer(config, layer_index)
+    mlp = DeepseekMoE(config) if sparse else MLP(config.hidden_size, config.intermediate_size)
+    return PreNormBlock(config, GlmSparseAttention(config, layer_index), mlp)
+
+
+class Slice(TransformerSlice):
+    """TransformerSlice whose layers share one TopKRelay; refused where it would begin at a shared layer."""
+
+    def __init__(self, config: ModelConfig, make_layer, start: int, end: int, has_ends: bool, head_rows: int = 0):
+        kinds = indexer_types(config)
+        if start < end and kinds[start] == "shared":
+            full = [i for i in range(1, config.num_hidden_layers) if kinds[i] == "full"]
+            raise UserError(f"GLM layer {start} reuses the top-k of the full-indexer layer before it "
+                            f"(indexer_types), so a rank cannot begin there: pass --split with each rank "
+                            f"after the first beginning at one of layers {', '.join(map(str, full))}")
+        super().__init__(config, make_layer, start, end, has_ends, head_rows)
+        relay = TopKRelay()
+        for layer in self.layers:
+            layer.self_attn.relay = relay
