@@ -264,3 +264,62 @@ def test_glm_moe_dsa_batch_on_three_ranks_gives_transformers_text(glm_moe_dsa, t
     folder, reference, _ = glm_moe_dsa
     texts = _batch_texts(folder, 3, BATCH_PROMPTS, tmp_path, extra=("--split", "2,1,2"))
     assert texts == {i: _greedy_text(reference, folder, p, 10) for i, p in enumerate(BATCH_PROMPTS)}
+
+
+# ------------------------------------------------------------- drafts and the prefix cache, per family
+
+@pytest.fixture(params=["minimax_m2", "glm_moe_dsa"])
+def family(request):
+    """(folder, transformers model) of each family's tiny model (its module fixture)."""
+    return request.getfixturevalue(request.param)[:2]
+
+
+@pytest.mark.parametrize("right", [2, 0])
+def test_drafts_right_or_wrong_give_the_same_tokens_and_caches(family, right):
+    """Drafts half right, all wrong, verified past GLM's top-k (a 40-token prompt, 24 more): the tokens
+    are plain greedy decoding's, and the caches hold what plain decoding's do, bit for bit."""
+    from test_speculative import Oracle, run
+
+    folder, _ = family
+    (stage,) = load_stages(folder, [(0, json.loads((folder / "config.json").read_text())["num_hidden_layers"])])
+    prompt = long_prompt(40, seed=6)
+    plain, plain_caches = run(stage, folder, prompt, 24)
+    assert len(set(plain.tokens)) >= 8, plain.tokens
+    drafted, caches = run(stage, folder, prompt, 24, Oracle(plain.tokens, len(prompt), 4, right))
+    assert drafted.tokens == plain.tokens and drafted.draft.drafted > 0
+    assert (drafted.draft.accepted > 0) == (right > 0)
+    for (k, v), (pk, pv) in zip(caches, plain_caches, strict=True):
+        assert k.shape == pk.shape and np.array_equal(k, pk) and np.array_equal(v, pv)
+
+
+def test_prefix_cache_hit_equals_a_cold_run(family):
+    """A second turn that re-sends the first turn's prompt and answer resumes from the kept caches: the
+    same greedy text as a cold run, each chosen token's logprob within float rounding."""
+    from test_scheduler import REUSE_TOLERANCE, Collect, scheduler
+
+    from pipeline.checkpoints.tokenizer import Tokenizer
+    from pipeline.runtime.prefix_cache import PrefixCache
+    from pipeline.runtime.requests import ListSource, Request, SamplingParams, Tokens
+
+    folder, _ = family
+    (stage,) = load_stages(folder, [(0, json.loads((folder / "config.json").read_text())["num_hidden_layers"])])
+    tokenizer = Tokenizer.from_folder(folder)
+    tokenizer.eos_token_ids = set()  # a random model says end-of-text early; decode the full length
+    first, greedy = long_prompt(40, seed=6), SamplingParams()
+    answer = greedy_ours(stage, folder, first, 12).tokens
+    stage.release([0])
+    second = first + answer + long_prompt(8, seed=7)
+    cold = Collect()
+    scheduler(stage, tokenizer, ListSource([Request(second, greedy, 12, cold, logprobs=0)])).run()
+    turns = [Collect(), Collect()]
+    cache = PrefixCache(capacity_tokens=4096)
+    warm = scheduler(stage, tokenizer, ListSource([Request(first, greedy, 12, turns[0]),
+                                                   Request(second, greedy, 12, turns[1], logprobs=0)]), max_batch=1)
+    warm.prefix_cache = cache
+    warm.run()
+    hit = turns[1].last
+    assert hit.cached_tokens >= len(first) + len(answer) - 1 and cold.last.cached_tokens == 0
+    assert hit.text == cold.last.text and hit.completion_tokens == cold.last.completion_tokens == 12
+    ours = [e.logprob.logprob for e in turns[1].events if isinstance(e, Tokens)]
+    theirs = [e.logprob.logprob for e in cold.events if isinstance(e, Tokens)]
+    assert max(abs(a - b) for a, b in zip(ours, theirs)) <= REUSE_TOLERANCE

@@ -23,7 +23,7 @@ from .cache import KVCache
 from .config import ModelConfig
 from .deepseek_v3 import DeepseekMoE, MultiHeadLatentAttention
 from .deepseek_v32 import LightningIndexer, is_sparse_layer
-from .layers import MLP, PreNormBlock, attend
+from .layers import EXACT_POSITIONS_MAX, MLP, PreNormBlock, attend
 from .packing import kept_rows, positions, segments
 from .rope import RoPE
 from .stage_slice import TransformerSlice
@@ -120,14 +120,29 @@ class GlmSparseAttention(MultiHeadLatentAttention):
             if chosen is None:  # every visible position chosen: V3's attention
                 out = attend(queries, keys, cached_latent, self.scale, cache.offset - (qe - qb))
             else:
-                out = mx.fast.scaled_dot_product_attention(queries, keys, cached_latent, scale=self.scale,
-                                                           mask=chosen[None, None])
+                out = attend_chosen(queries, keys, cached_latent, self.scale, cache.offset - (qe - qb), chosen)
             outputs.append(out[0])
         if not self.shared:
             self.relay.chosen = chosen_here
         out = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=1)
         out = out @ self.w_uv.swapaxes(-1, -2)
         return self.o_proj(out.transpose(1, 0, 2).reshape(1, out.shape[1], -1))
+
+
+def attend_chosen(queries: mx.array, keys: mx.array, values: mx.array, scale: float, cached: int,
+                  chosen: mx.array) -> mx.array:
+    """Attention of t new queries [1, heads, t, d] to the positions `chosen` [t, cached + t] marks. A few
+    new tokens after a cache (drafts being verified) are attended one query at a time over the keys up to
+    its own position, as decoding them one by one does (layers.attend), so verifying never changes a
+    result; a prompt chunk in one masked call."""
+    t = queries.shape[2]
+    if t == 1 or cached == 0 or t > EXACT_POSITIONS_MAX:
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=chosen[None, None])
+    return mx.concatenate([
+        mx.fast.scaled_dot_product_attention(queries[:, :, j:j + 1], keys[:, :, :cached + j + 1],
+                                             values[:, :, :cached + j + 1], scale=scale,
+                                             mask=chosen[None, None, j:j + 1, :cached + j + 1])
+        for j in range(t)], axis=2)
 
 
 def DecoderLayer(config: ModelConfig, layer_index: int) -> PreNormBlock:
