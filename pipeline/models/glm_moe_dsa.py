@@ -6,10 +6,9 @@ see deepseek_v32.py; dense MLP or DeepSeekMoE per `mlp_layer_types`), with two d
 - Layers may share a top-k (`indexer_types`): a "full" layer runs its indexer; a "shared" one has no
   indexer (nor an indexer key in its cache) and attends to the positions the last full layer before it
   chose for the same queries in the same step. A full layer hands its choice, per sequence, to the
-  shared layers after it in the same slice (`TopKRelay`). That choice is not sent between ranks: a
-  stage may not begin at a shared layer (its full layer's queries and indexer keys live on the rank
-  before), and such a split is refused with a clear message (`--split` chooses another). The published
-  GLM-5 and GLM-5.1 configs run the indexer on every layer, so any split serves them.
+  shared layers after it in the same slice (`TopKRelay`); where a rank begins at a shared layer, the
+  rank before sends that choice with the hidden states (`Slice`), since the full layer's queries and
+  indexer keys live there. (The published GLM-5 and GLM-5.1 configs run the indexer on every layer.)
 
 The published checkpoint's MTP layer (`model.layers.78.*`) is of no layer we run, and is never read.
 """
@@ -17,7 +16,6 @@ The published checkpoint's MTP layer (`model.layers.78.*`) is of no layer we run
 from __future__ import annotations
 
 import mlx.core as mx
-import mlx.nn as nn
 
 from .cache import KVCache
 from .config import ModelConfig
@@ -74,6 +72,7 @@ class GlmSparseAttention(MultiHeadLatentAttention):
         if not self.shared:
             self.indexer = GlmIndexer(config)
         self.relay = TopKRelay()  # replaced by the slice's, which its layers share (Slice below)
+        self.top_k = int(config.raw["index_topk"])
 
     def make_cache(self) -> KVCache:
         return KVCache()
@@ -111,7 +110,7 @@ class GlmSparseAttention(MultiHeadLatentAttention):
             queries = mx.concatenate([q_absorbed[None, :, qb:qe], q_rope[None, :, qb:qe]], axis=-1)
             keys = mx.concatenate([cached_latent, cached_rope], axis=-1)
             if self.shared:  # the full layer's choice for this sequence's last qe - qb queries
-                chosen = self.relay.chosen[i]
+                chosen = as_mask(self.relay.chosen[i], cached_latent.shape[2], self.top_k)
                 chosen = None if chosen is None else chosen[chosen.shape[0] - (qe - qb):]
             else:
                 chosen = self.indexer.selected(index_q[qb:qe], index_w[qb:qe],
@@ -151,17 +150,64 @@ def DecoderLayer(config: ModelConfig, layer_index: int) -> PreNormBlock:
     return PreNormBlock(config, GlmSparseAttention(config, layer_index), mlp)
 
 
+# A sent top-k's filler where a query chose fewer than index_topk positions: past any position, and an
+# int32 whose bits are no NaN's when the hidden state carrying it is float32 (2**30 reads as 2.0).
+NO_POSITION = 1 << 30
+
+
+def as_indices(chosen: mx.array | None, rows: int, top_k: int) -> mx.array:
+    """A sequence's top-k choice as it crosses to the next rank: [rows, top_k] int32 positions (filled
+    with NO_POSITION), from a full layer's mask [rows, positions] (or None: every visible position)."""
+    if chosen is None:
+        return mx.full((rows, top_k), NO_POSITION, dtype=mx.int32)
+    if chosen.dtype == mx.int32:  # received from the rank before, passed on as it came
+        return chosen
+    order = mx.argsort(mx.logical_not(chosen).astype(mx.int32), axis=-1)[:, :top_k]  # chosen positions first
+    kept = mx.take_along_axis(chosen, order, axis=-1)
+    return mx.where(kept, order, NO_POSITION).astype(mx.int32)
+
+
+def as_mask(chosen: mx.array | None, positions: int, top_k: int) -> mx.array | None:
+    """A relayed choice as a mask [rows, positions] (or None: every visible position), whether it is a
+    full layer's mask of this rank or the positions sent by the rank before (`as_indices`)."""
+    if chosen is None or chosen.dtype != mx.int32:
+        return chosen
+    if positions <= top_k:  # the full layer chose every visible position (LightningIndexer.selected)
+        return None
+    mask = mx.zeros((chosen.shape[0], positions + 1), dtype=mx.bool_)
+    mask = mx.put_along_axis(mask, mx.minimum(chosen, positions), mx.array(True), axis=-1)
+    return mask[:, :positions]
+
+
 class Slice(TransformerSlice):
-    """TransformerSlice whose layers share one TopKRelay; refused where it would begin at a shared layer."""
+    """TransformerSlice whose layers share one TopKRelay. Where the next rank begins at a shared layer,
+    the top-k this slice's last full layer chose goes with the hidden states: each token's positions
+    (`as_indices`) as int32 bits in top_k more columns of the hidden state's dtype, taken off again by
+    the next slice (as head_share.py returns its logits beside the rows)."""
 
     def __init__(self, config: ModelConfig, make_layer, start: int, end: int, has_ends: bool, head_rows: int = 0):
-        kinds = indexer_types(config)
-        if start < end and kinds[start] == "shared":
-            full = [i for i in range(1, config.num_hidden_layers) if kinds[i] == "full"]
-            raise UserError(f"GLM layer {start} reuses the top-k of the full-indexer layer before it "
-                            f"(indexer_types), so a rank cannot begin there: pass --split with each rank "
-                            f"after the first beginning at one of layers {', '.join(map(str, full))}")
         super().__init__(config, make_layer, start, end, has_ends, head_rows)
-        relay = TopKRelay()
+        kinds = indexer_types(config)
+        if kinds[0] == "shared":
+            raise UserError("GLM's first layer is a shared-indexer one in indexer_types: no layer before it "
+                            "chooses its top-k (config.json is not a published GLM model's)")
+        self.top_k = int(config.raw["index_topk"])
+        self.receives_top_k = start > 0 and kinds[start] == "shared"
+        self.sends_top_k = end < config.num_hidden_layers and kinds[end] == "shared"
+        self.relay = TopKRelay()
         for layer in self.layers:
-            layer.self_attn.relay = relay
+            layer.self_attn.relay = self.relay
+
+    def forward_layers(self, h: mx.array, caches: list[list], lengths: list[int], last_only: bool = False,
+                       full: list[bool] | None = None) -> mx.array:
+        if self.receives_top_k:
+            width = self.config.hidden_size
+            sent = mx.contiguous(h[0, :, width:]).view(mx.int32)  # [tokens, top_k]
+            h = h[..., :width]
+            self.relay.chosen = [sent[b:e] for b, e in segments(lengths)]
+        h = super().forward_layers(h, caches, lengths, last_only=last_only, full=full)
+        if self.sends_top_k:  # not the model's last slice: every token's row is here
+            sent = mx.concatenate([as_indices(c, e - b, self.top_k)
+                                   for c, (b, e) in zip(self.relay.chosen, segments(lengths))])
+            h = mx.concatenate([h, sent.view(h.dtype)[None]], axis=-1)
+        return h
