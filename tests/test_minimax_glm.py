@@ -10,6 +10,7 @@ mechanism."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import mlx.core as mx
 import numpy as np
@@ -17,9 +18,15 @@ import pytest
 import torch
 import transformers
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
-from conftest import (INIT_STD, VOCAB_SIZE, assert_far_from_uniform, forward, greedy_ours, greedy_transformers,
-                      load_stages, long_prompt, mpiexec, write_tokenizer)
+from conftest import (INIT_STD, VOCAB_SIZE, assert_far_from_uniform, forward, fp8_blocks, greedy_ours,
+                      greedy_transformers, load_stages, long_prompt, mpiexec, write_tokenizer)
+from pipeline.checkpoints.tokenizer import Tokenizer
+from pipeline.models import glm_moe_dsa as glm_family, minimax_m2 as minimax_family
+from pipeline.runtime import engine
+from pipeline.runtime.prefix_cache import PrefixCache
+from pipeline.runtime.requests import ListSource, Request, SamplingParams, Tokens
 
 LONG_PROMPT = long_prompt(64)
 
@@ -38,8 +45,6 @@ def _perturb(model) -> None:
 
 def _greedy_text(reference, folder, prompt: str, max_tokens: int) -> str:
     """transformers' greedy continuation of a text prompt, as text (stopping at id 2, the end)."""
-    from pipeline.checkpoints.tokenizer import Tokenizer
-
     tokenizer = Tokenizer.from_folder(folder)
     ids = tokenizer.prompt_ids(prompt, use_chat_template=False)
     with torch.no_grad():
@@ -113,8 +118,6 @@ def test_minimax_m2_logits_match_transformers(minimax_m2):
 
 def test_minimax_m2_greedy_matches_transformers_in_prefill_chunks(minimax_m2, monkeypatch):
     """generate's path, the 48-token prompt fed in three prefill chunks of 16."""
-    from pipeline.runtime import engine
-
     folder, reference, _ = minimax_m2
     prompt = long_prompt(48, seed=6)
     expected = greedy_transformers(reference, prompt, 24)
@@ -136,8 +139,7 @@ def _per_head_norm(self, x):
 def test_minimax_m2_planted_bugs_are_caught(bug, minimax_m2, monkeypatch):
     """The comparison above can fail: each mechanism done the wrong way moves the logits far past the
     tolerance."""
-    from pipeline.models import minimax_m2 as family
-
+    family = minimax_family
     folder, _, expected = minimax_m2
     if bug == "q/k norm per head":
         monkeypatch.setattr(family.RMSNormOverHeads, "__call__", _per_head_norm)
@@ -214,8 +216,6 @@ def test_glm_moe_dsa_logits_match_transformers(glm_moe_dsa):
 
 
 def test_glm_moe_dsa_greedy_matches_transformers_in_prefill_chunks(glm_moe_dsa, monkeypatch):
-    from pipeline.runtime import engine
-
     folder, reference, _ = glm_moe_dsa
     prompt = long_prompt(48, seed=6)
     expected = greedy_transformers(reference, prompt, 24)
@@ -245,8 +245,7 @@ def test_glm_moe_dsa_top_k_crosses_rank_boundaries(glm_moe_dsa):
 def test_glm_moe_dsa_planted_bugs_are_caught(bug, glm_moe_dsa, monkeypatch):
     """The comparison above can fail: each mechanism done the wrong way moves the logits far past the
     tolerance."""
-    from pipeline.models import glm_moe_dsa as family
-
+    family = glm_family
     folder, _, expected = glm_moe_dsa
     if bug == "sent top-k one position early":  # as received by ranks 1 and 2
         right = family.as_mask
@@ -291,7 +290,7 @@ def family(request):
 def test_drafts_right_or_wrong_give_the_same_tokens_and_caches(family, right):
     """Drafts half right, all wrong, verified past GLM's top-k (a 40-token prompt, 24 more): the tokens
     are plain greedy decoding's, and the caches hold what plain decoding's do, bit for bit."""
-    from test_speculative import Oracle, run
+    from test_speculative import Oracle, run  # here: another test module's helpers, for these tests alone
 
     folder, _ = family
     (stage,) = load_stages(folder, [(0, json.loads((folder / "config.json").read_text())["num_hidden_layers"])])
@@ -308,11 +307,7 @@ def test_drafts_right_or_wrong_give_the_same_tokens_and_caches(family, right):
 def test_prefix_cache_hit_equals_a_cold_run(family):
     """A second turn that re-sends the first turn's prompt and answer resumes from the kept caches: the
     same greedy text as a cold run, each chosen token's logprob within float rounding."""
-    from test_scheduler import REUSE_TOLERANCE, Collect, scheduler
-
-    from pipeline.checkpoints.tokenizer import Tokenizer
-    from pipeline.runtime.prefix_cache import PrefixCache
-    from pipeline.runtime.requests import ListSource, Request, SamplingParams, Tokens
+    from test_scheduler import REUSE_TOLERANCE, Collect, scheduler  # here: another test module's helpers
 
     folder, _ = family
     (stage,) = load_stages(folder, [(0, json.loads((folder / "config.json").read_text())["num_hidden_layers"])])
@@ -336,3 +331,35 @@ def test_prefix_cache_hit_equals_a_cold_run(family):
     ours = [e.logprob.logprob for e in turns[1].events if isinstance(e, Tokens)]
     theirs = [e.logprob.logprob for e in cold.events if isinstance(e, Tokens)]
     assert max(abs(a - b) for a, b in zip(ours, theirs)) <= REUSE_TOLERANCE
+
+
+def test_minimax_m2_fp8_as_published(minimax_m2, tmp_path):
+    """MiniMax-M2's files as published: FP8 e4m3 projections (the experts' w1/w2/w3 included) with a
+    weight_scale_inv per 128x128 block, the router and correction bias left unconverted. Our logits are
+    transformers' on the same weights dequantized."""
+    folder, _, _ = minimax_m2
+    stored = load_file(str(folder / "model.safetensors"))
+    fp8, dequantized = {}, {}
+    for name, t in stored.items():
+        if name.endswith("proj.weight") or name.endswith((".w1.weight", ".w2.weight", ".w3.weight")):
+            q, scale_inv = fp8_blocks(t.float())
+            fp8[name], fp8[name + "_scale_inv"] = q, scale_inv
+            blocks = scale_inv.repeat_interleave(128, 0).repeat_interleave(128, 1)[: t.shape[0], : t.shape[1]]
+            dequantized[name] = q.float() * blocks
+        else:
+            fp8[name] = dequantized[name] = t
+    assert sum(n.endswith("_scale_inv") for n in fp8) == 4 * (4 + 3 * 8)  # attention's 4, experts' 24, per layer
+    config = json.loads((folder / "config.json").read_text())
+    for name, tensors, extra in (("fp8", fp8, {"quantization_config": {
+            "quant_method": "fp8", "fmt": "float8_e4m3fn", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+            "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"]}}), ("dequantized", dequantized, {})):
+        (tmp_path / name).mkdir()
+        save_file(tensors, str(tmp_path / name / "model.safetensors"), metadata={"format": "pt"})
+        (tmp_path / name / "config.json").write_text(json.dumps({**config, **extra}))
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(folder / f, tmp_path / name / f)
+    reference = transformers.MiniMaxM2ForCausalLM.from_pretrained(tmp_path / "dequantized").eval()
+    with torch.no_grad():
+        expected = reference(torch.tensor([LONG_PROMPT])).logits[0].numpy()
+    (stage,) = load_stages(tmp_path / "fp8", [(0, 4)])
+    assert np.abs(forward([stage], LONG_PROMPT) - expected).max() <= MINIMAX_TOLERANCE
