@@ -235,3 +235,23 @@ def test_drafts_are_refused_in_one_line(qwen3_5_moe):
     result = mpiexec(1, "generate", "--model", str(folder), "--no-chat-template", "--prompt", "Paris",
                      "--draft", "ngram")
     assert_fails_cleanly(result, "qwen3_5_moe", "linear-attention states", "--draft")
+
+
+def test_bfloat16_is_as_close_as_transformers_bfloat16(qwen3_5_moe):
+    """--dtype bfloat16 (the linear layers' memory and decay parameters still float32) against the fp32
+    truth, beside transformers loaded in bfloat16 (whose recurrence also runs in float32). Measured on
+    64 tokens, ours / transformers': median of the per-position largest error 0.34 / 0.61, positions off
+    by more than 1: 9 / 19, top-1 agreeing with fp32's 0.92."""
+    from transformers.models.qwen3_5_moe import Qwen3_5MoeForConditionalGeneration  # here: this test alone reloads it
+
+    folder, _, expected = qwen3_5_moe
+    prompt = LONG_PROMPT[:64]
+    with torch.no_grad():
+        bf16 = Qwen3_5MoeForConditionalGeneration.from_pretrained(folder, dtype=torch.bfloat16).eval()
+        theirs = bf16(input_ids=torch.tensor([prompt])).logits[0].float().numpy()
+    truth = expected[:64]  # a causal model: the first 64 positions of the 80-token prompt's logits
+    ours = forward(load_stages(folder, [(0, 6)], dtype=mx.bfloat16), prompt)
+    ours_error, their_error = np.abs(ours - truth).max(-1), np.abs(theirs - truth).max(-1)
+    assert np.median(ours_error) <= 1.25 * np.median(their_error), (np.median(ours_error), np.median(their_error))
+    assert (ours_error > 1).sum() <= (their_error > 1).sum() + 2
+    assert (ours.argmax(-1) == truth.argmax(-1)).mean() >= 0.875
