@@ -43,9 +43,10 @@ def indexer_types(config: ModelConfig) -> list[str]:
 
 
 class TopKRelay:
-    """The positions the last full layer chose in this step, per sequence ([its query rows, positions]
-    True where attended, or None: every visible position), for the shared layers after it. A plain
-    object (not an MLX module): the layers of a slice share it, and it holds no parameters."""
+    """The positions the last full layer chose in this step, per sequence, for the shared layers after
+    it: a mask [its query rows, positions] True where attended, None (every visible position), or, as
+    received from the rank before, the positions themselves (`as_indices`). A plain object (not an MLX
+    module): the layers of a slice share it, and it holds no parameters."""
 
     def __init__(self):
         self.chosen: list[mx.array | None] = []
