@@ -6,8 +6,9 @@ token by token by the gated delta rule, read by the query, then a gated RMSNorm 
 Each sequence carries its state (cache.LinearAttentionState: the convolution's last inputs and S)
 as attention layers carry a KV cache. The recurrence runs token by token everywhere, prefill
 included: a prompt prefilled in chunks, a batch's packed sequences and one decoded token at a time
-all do the same operations in the same order, so their results are the same bits (the chunked
-form of the paper sums in another order and only agrees within float rounding)."""
+all do the same operations in the same order, so from the same inputs they reach the same bits (the
+chunked form of the paper sums in another order and only agrees within float rounding; the
+projections before it may still round differently with more than 64 rows, kernels/blas.py)."""
 
 from __future__ import annotations
 
