@@ -217,6 +217,17 @@ def test_model_matches_transformers_on_the_files_weights(iq_model, kernels):
         state.gguf_int8 = saved
 
 
+def test_dense_weights_keep_the_blocks(iq_model, kernels):
+    """--weights-in-memory fp32 dequantizes MLX-quantized modules; IQ4 layer matrices stay in their blocks
+    (qmm.GGUFLinear), with the same products."""
+    _, _, written = iq_model
+    checkpoint = GGUFCheckpoint(written["files"][0])
+    config = checkpoint.model_config()
+    held, dense = (Stage.load(config, checkpoint, (0, 4), has_ends=True, dtype=mx.float32, dense=d) for d in (False, True))
+    assert type(dense.model.layers[0].mlp.down_proj) is qmm.GGUFLinear
+    np.testing.assert_array_equal(forward([dense], LONG_PROMPT), forward([held], LONG_PROMPT))
+
+
 def test_plan_counts_the_files_bytes(iq_model):
     """What `plan` and preflight count a rank holding each layer is the layer's bytes in the file (its IQ4
     matrices as stored, its F32 norms as float32), with or without the int8 products."""

@@ -166,6 +166,23 @@ class QuantizedLinear(nn.QuantizedLinear):
         out = rows_product(self, x)
         return out + self["bias"] if "bias" in self else out
 
+    def after_load(self) -> None:
+        """Once its arrays are in (checkpoints/weights.py calls it): a GGUF tensor held in its own blocks
+        becomes a GGUFLinear."""
+        if is_gguf_native(self["scales"], getattr(self, "mode", "affine")):
+            self.__class__ = GGUFLinear
+
+
+class GGUFLinear(nn.Module):
+    """A Linear whose weight is a GGUF tensor held in its own blocks (IQ4_NL, IQ4_XS): `weight` (the codes) and
+    `scales` as checkpoints/quants.py native_arrays holds them, products by gguf_matmul. Loaded as an MLX
+    mxfp4 module (QuantizedLinear.after_load), then no longer one: what handles MLX's layouts (dequantizing a
+    slice for --weights-in-memory fp32, the int8 repack) leaves it as it is."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        out = gguf_matmul(x, self["weight"], self["scales"])
+        return out + self["bias"] if "bias" in self else out
+
 
 class QuantizedEmbedding(nn.QuantizedEmbedding):
     """nn.QuantizedEmbedding whose use as the LM head (tied embeddings) goes through `quantized_matmul`."""
