@@ -171,8 +171,10 @@ class GGUFCheckpoint(Checkpoint):
             raise UserError(f"{self.gguf.path}: tensor {tensor.name} has GGML type {t}, which pipeline cannot read "
                             f"(supported: {', '.join(quants.SUPPORTED)})")
         # in its own blocks: a layer's matrix (the kernels' products; an embedding's lookups, a head's share and
-        # an expert stack's gathers run MLX's code)
-        native = self.native and name.startswith("model.layers.") and len(tensor.shape) == 2 and not float_only
+        # an expert stack's gathers run MLX's code), but for MLA's kv_b, which DeepSeek's attention dequantizes
+        # after loading to split it
+        native = (self.native and name.startswith("model.layers.") and len(tensor.shape) == 2 and not float_only
+                  and not name.endswith("kv_b_proj.weight"))
         lay = quants.layout(t, tensor.cols, self.requantize_bits, self.group_size, native)
         if lay.kind == "float" or float_only or len(tensor.shape) < 2 or not name.endswith(".weight"):
             if lay.kind == "float":
