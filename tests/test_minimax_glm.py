@@ -350,9 +350,9 @@ def test_minimax_m2_fp8_as_published(minimax_m2, tmp_path):
             fp8[name] = dequantized[name] = t
     assert sum(n.endswith("_scale_inv") for n in fp8) == 4 * (4 + 3 * 8)  # attention's 4, experts' 24, per layer
     config = json.loads((folder / "config.json").read_text())
-    for name, tensors, extra in (("fp8", fp8, {"quantization_config": {
-            "quant_method": "fp8", "fmt": "float8_e4m3fn", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
-            "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"]}}), ("dequantized", dequantized, {})):
+    published = {"quant_method": "fp8", "fmt": "float8_e4m3fn", "activation_scheme": "dynamic",
+                 "weight_block_size": [128, 128], "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"]}
+    for name, tensors, extra in (("fp8", fp8, {"quantization_config": published}), ("dequantized", dequantized, {})):
         (tmp_path / name).mkdir()
         save_file(tensors, str(tmp_path / name / "model.safetensors"), metadata={"format": "pt"})
         (tmp_path / name / "config.json").write_text(json.dumps({**config, **extra}))
