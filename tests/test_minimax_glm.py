@@ -351,7 +351,8 @@ def test_minimax_m2_fp8_as_published(minimax_m2, tmp_path):
     assert sum(n.endswith("_scale_inv") for n in fp8) == 4 * (4 + 3 * 8)  # attention's 4, experts' 24, per layer
     config = json.loads((folder / "config.json").read_text())
     published = {"quant_method": "fp8", "fmt": "float8_e4m3fn", "activation_scheme": "dynamic",
-                 "weight_block_size": [128, 128], "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"]}
+                 "weight_block_size": [128, 128],
+                 "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"]}
     for name, tensors, extra in (("fp8", fp8, {"quantization_config": published}), ("dequantized", dequantized, {})):
         (tmp_path / name).mkdir()
         save_file(tensors, str(tmp_path / name / "model.safetensors"), metadata={"format": "pt"})
