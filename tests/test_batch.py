@@ -347,11 +347,11 @@ def test_sigkill_of_a_rank_mid_job_then_rerun_gives_one_record_per_id(llama, cra
 
 
 def test_a_rank_left_waiting_on_a_killed_peer_ends_the_job(llama, crash_reference, tmp_path):
-    """Where nothing ends the job for it (no mpiexec clean-up, and a PMI the supervisor cannot ask
-    to abort: PMI_JOBID says so), the rank waiting on a killed peer on its host notices within
+    """Where nothing ends the job for it (no mpiexec clean-up, and no abort through the process
+    manager: PIPELINE_PMI_ABORT=0, as for a PMI whose abort misbehaves), the rank waiting on a killed peer on its host notices within
     seconds that the peer's process is gone and ends the job, rather than waiting out --watchdog."""
     inp, _ = crash_reference
-    err, returncode, pids, _ = kill_a_rank_mid_job(llama, inp, tmp_path / "out.jsonl", 1, PMI_JOBID="not-mpich")
+    err, returncode, pids, _ = kill_a_rank_mid_job(llama, inp, tmp_path / "out.jsonl", 1, PIPELINE_PMI_ABORT="0")
     assert returncode != 0
     assert "rank 1 (" in err and "SIGKILL" in err, err
     assert "rank 0 (" in err and "was waiting on rank 1 " in err and f"(pid {pids[1]}) has ended" in err, err

@@ -34,6 +34,7 @@ import threading
 import time
 
 from ..util import huge_pages
+from ..util.switches import turned_off
 
 _RANK_ENV = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MPI_LOCALRANKID")
 _CHILD = "PIPELINE_SUPERVISED"
@@ -129,7 +130,7 @@ def end_job(status: int) -> None:
     is gone, so nothing else writes to it. Elsewhere (Open MPI's PMIx) this does nothing: the
     launcher's own clean-up, or the other ranks' --watchdog, ends the job."""
     fd = os.environ.get("PMI_FD", "")
-    if not fd.isdigit():
+    if not fd.isdigit() or turned_off("PIPELINE_PMI_ABORT"):  # off: for a process manager whose abort misbehaves
         return
     # The abort ends mpiexec at once, and the line just written could be lost on the way (seen 2 in
     # 3 times): its proxy forwards what ranks write asynchronously, so it is given a moment first.

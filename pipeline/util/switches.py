@@ -1,5 +1,6 @@
 """The environment switches that turn one of pipeline's parts off (PIPELINE_BLAS_SHIM,
-PIPELINE_QMM, PIPELINE_ATTENTION, PIPELINE_LAYER_KERNELS, PIPELINE_BIND, PIPELINE_MMAP): one spelling of "off"."""
+PIPELINE_QMM, PIPELINE_ATTENTION, PIPELINE_LAYER_KERNELS, PIPELINE_BIND, PIPELINE_MMAP,
+PIPELINE_PMI_ABORT): one spelling of "off"."""
 
 from __future__ import annotations
 
