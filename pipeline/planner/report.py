@@ -18,9 +18,12 @@ def _b(n: float) -> str:
 def format_plan(plan: ClusterPlan, title: str) -> str:
     arch, c, p, hw = plan.arch, plan.counts, plan.precision, plan.hardware
     cp = p.checkpoint
+    runs_mtp = arch.name in FAMILIES and FAMILIES[arch.name].mtp
     lines = [f"{title} ({arch.name}): {len(arch.layers)} layers, {_b(c.total)} parameters, "
              f"{_b(c.active)} read per token (embedding table excluded)"
-             + (f"; MTP module {_b(c.unused)} in the checkpoint, run only with --draft mtp" if c.unused else "")
+             + (f"; MTP module {_b(c.unused)} in the checkpoint, " + ("run only with --draft mtp" if runs_mtp
+                                                                         else "not run by the runtime")
+                if c.unused else "")
              + "".join(f"; {what} {_b(n)} in the published checkpoint, loaded by no rank" for what, n in arch.not_loaded)]
     if arch.name not in FAMILIES:
         lines.append(f"note: the runtime does not run {arch.name} yet (issue 36): generate and serve refuse it; "
