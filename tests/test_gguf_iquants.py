@@ -114,6 +114,14 @@ def test_products_match_gguf_dequantization_at_every_row_count(kernels, qtype):
             outputs[rows, int8] = got
     for (rows, int8), got in outputs.items():  # row-count invariance: every row's bits as in the largest call
         np.testing.assert_array_equal(got, outputs[max(ROW_COUNTS), int8][:rows], err_msg=f"{rows} rows, int8 {int8}")
+    if qtype == QT.IQ4_NL:  # an odd number of blocks: AVX-512 takes them in pairs, the last one alone
+        raw = random_blocks(qtype, 16, 96, rng)
+        w = gguf.quants.dequantize(raw, qtype).astype(np.float64)
+        x = rng.normal(0, 1, (5, 96)).astype(np.float32)
+        for int8 in (False, True):
+            got = np.array(qmm.gguf_matmul(mx.array(x), *held(raw, qtype), int8=int8))
+            truth = (rounded(x, block) if int8 else x.astype(np.float64)) @ w.T
+            assert (np.abs(got - truth) / (np.abs(x).astype(np.float64) @ np.abs(w).T)).max() < 2e-7
 
 
 def test_a_wrong_codebook_entry_fails(kernels):
