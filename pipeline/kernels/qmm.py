@@ -76,6 +76,12 @@ def is_gguf_native(scales: mx.array, mode: str) -> bool:
     return mode == "mxfp4" and scales.dtype in GGUF_NATIVE
 
 
+def set_gguf_int8(on: bool) -> None:
+    """The job's --int8-activations choice for the products of GGUF tensors in their own blocks (else
+    they follow this machine's default, as a test or a script without flags does)."""
+    load().gguf_int8 = on
+
+
 def gguf_int8() -> bool:
     """Whether products of GGUF tensors in their own blocks round activations to int8 per block (llama.cpp's
     arithmetic): where this machine's int8 products are the default (build.int8_by_default)."""

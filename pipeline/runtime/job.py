@@ -20,7 +20,7 @@ from ..checkpoints.tensor_names import layer_nbytes
 from ..checkpoints.weights_in_memory import available_memory_bytes, is_quantized
 from ..cluster import mpi
 from ..cluster.transport import MlxTransport, MpiTransport, this_process
-from ..kernels import blas, build
+from ..kernels import blas, build, qmm
 from ..kernels.int8_layout import INT8_BLOCK
 from ..models.config import ModelConfig
 from ..models.mtp import check_mtp, mtp_nbytes
@@ -151,6 +151,7 @@ def load_stage(settings: WeightSettings, plan: Plan, rank: int, progress: bool, 
                        dense=dense, head_rows=head_rows, int8_in_place=in_place if int8 else None)
     if settings.dtype == "float32":
         build.load()  # the kernels' extension (attention, quantized products): built now, not at the first token
+        qmm.set_gguf_int8(bool(int8))  # IQ4 blocks (gguf_kernels.cpp) round activations as the flag says
     if rank == 0 and settings.draft == "mtp":
         stage.mtp = load_mtp(plan.config, plan.checkpoint, getattr(mx, settings.dtype), settings.requantize, dense,
                              progress)
