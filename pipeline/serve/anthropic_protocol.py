@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..util.errors import UserError
 from ..runtime.requests import SamplingParams
-from .protocol import APIError
+from .protocol import APIError, validation_error
 
 BILLING_HEADER = "x-anthropic-billing-header:"  # Claude Code's first system block: changes per conversation
 
@@ -164,29 +164,18 @@ class MessagesRequest(CountTokensRequest):
             raise APIError(str(e), param=str(e).split(" ", 1)[0]) from None
 
 
+# The union members content and system may be (pydantic names them in a location; not fields)
+UNION_TAGS = ("str", "list[dict[str,any]]")
+
+
 def parse(kind: type[CountTokensRequest], body: bytes) -> CountTokensRequest:
     """A request body as `kind`, or APIError(400) naming the first thing wrong with it."""
     try:
         request = kind.model_validate_json(body)
     except ValidationError as e:
-        raise _validation_error(e) from None
+        raise validation_error(e, UNION_TAGS, pydantic_words=True) from None
     request.check()
     return request
-
-
-def _validation_error(e: ValidationError) -> APIError:
-    error = e.errors(include_url=False)[0]
-    kind, loc = error["type"], error["loc"]
-    # a union member's tag ("str", "list[dict[str,any]]") is not a field
-    parts = [part for part in loc if isinstance(part, int) or not (part == "str" or "[" in part)]
-    param = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in parts).lstrip(".")
-    if kind == "json_invalid":
-        return APIError(f"the body is not valid JSON: {error['msg'].removeprefix('Invalid JSON: ')}")
-    if kind == "model_type" and not loc:
-        return APIError("the body must be a JSON object")
-    if kind == "missing":
-        return APIError(f"{param}: Field required", param=param)
-    return APIError(f"{param}: {error['msg'].removeprefix('Value error, ')}", param=param)
 
 
 def _system_text(system: str | list[dict] | None) -> list[str]:

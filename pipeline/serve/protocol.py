@@ -354,15 +354,26 @@ def parse(kind: type[_Request], body: bytes) -> _Request:
     try:
         request = kind.model_validate_json(body)
     except ValidationError as e:
-        raise _validation_error(e) from None
+        raise validation_error(e) from None
     request.check_unimplemented()
     return request
 
 
-def _validation_error(e: ValidationError) -> APIError:
+# The tags pydantic puts in a location for the member of a union it tried ("str", "list[int]"):
+# not fields, so not in a parameter's name
+UNION_TAGS = ("str", "list[int]", "list[str]")
+
+
+def validation_error(e: ValidationError, union_tags: tuple[str, ...] = UNION_TAGS, prefix: tuple = (),
+                     pydantic_words: bool = False) -> APIError:
+    """The first thing wrong with a request as APIError(400) naming its parameter. `union_tags`
+    are left out of that name (a discriminated union's are also the item types it takes);
+    `prefix` goes before pydantic's location (for a part validated on its own); with
+    `pydantic_words` a missing field and a bad value keep pydantic's words and the value is not
+    echoed (Anthropic's API words its errors so: "max_tokens: Field required")."""
     error = e.errors(include_url=False)[0]
-    kind, loc = error["type"], error["loc"]
-    param = _param(loc)
+    kind, loc = error["type"], prefix + tuple(error["loc"])
+    param = parameter_name(loc, union_tags)
     if kind == "json_invalid":
         return APIError(f"the body is not valid JSON: {error['msg'].removeprefix('Invalid JSON: ')}",
                         code="invalid_json")
@@ -371,15 +382,19 @@ def _validation_error(e: ValidationError) -> APIError:
     if kind == "extra_forbidden":
         return APIError(f"Unrecognized request argument supplied: {param}", param=param,
                         code="unrecognized_argument")
-    if kind == "missing":
+    if kind == "union_tag_invalid":
+        tag = error.get("ctx", {}).get("tag")
+        return APIError(f"{param}: items of type {json.dumps(tag)} are not supported (only "
+                        f"{', '.join(union_tags)})", param=param, code="invalid_value")
+    if kind == "missing" and not pydantic_words:
         return APIError(f"missing required field: {param}", param=param)
     message = error["msg"].removeprefix("Value error, ")
-    if "input" in error and kind != "value_error":
+    if "input" in error and kind != "value_error" and not pydantic_words:
         message += f", got {_short(error['input'])}"
     return APIError(f"{param}: {message}", param=param, code="invalid_value")
 
 
-def _param(loc: tuple) -> str:
+def parameter_name(loc: tuple, union_tags: tuple[str, ...] = UNION_TAGS) -> str:
     """pydantic's location as OpenAI names a parameter: messages[0].content"""
     text = ""
     for part in loc:
@@ -387,7 +402,7 @@ def _param(loc: tuple) -> str:
             text += f"[{part}]"
         elif not text:
             text = str(part)
-        elif part not in ("str", "list[int]", "list[str]"):  # a union member's tag, not a field
+        elif part not in union_tags:
             text += f".{part}"
     return text
 

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, Validatio
 
 from ..runtime.requests import SamplingParams
 from ..util.errors import UserError
-from .protocol import APIError, FunctionDefinition, Tool
+from .protocol import APIError, FunctionDefinition, Tool, validation_error
 
 NAMESPACE_SEPARATOR = "__"  # a namespace's function as the model sees it: NAMESPACE__NAME
 
@@ -277,7 +277,7 @@ class ResponsesRequest(BaseModel):
                 else:
                     left_out.append(str(kind))
             except ValidationError as e:
-                raise validation_error(e, prefix=("tools", i)) from None
+                raise validation_error(e, ITEM_TYPES, prefix=("tools", i)) from None
         return tools, left_out
 
     def forced_call(self, tools: list[FunctionTool | NamespaceTool]) -> str | None:
@@ -324,44 +324,9 @@ def parse(body: bytes) -> ResponsesRequest:
     try:
         request = ResponsesRequest.model_validate_json(body)
     except ValidationError as e:
-        raise validation_error(e) from None
+        raise validation_error(e, ITEM_TYPES) from None
     request.check_refused()
     return request
-
-
-def validation_error(e: ValidationError, prefix: tuple = ()) -> APIError:
-    error = e.errors(include_url=False)[0]
-    kind, loc = error["type"], prefix + tuple(error["loc"])
-    param = _param(loc)
-    if kind == "json_invalid":
-        return APIError(f"the body is not valid JSON: {error['msg'].removeprefix('Invalid JSON: ')}",
-                        code="invalid_json")
-    if kind == "model_type" and not loc:
-        return APIError("the body must be a JSON object")
-    if kind == "union_tag_invalid":
-        tag = error.get("ctx", {}).get("tag")
-        return APIError(f"{param}: items of type {json.dumps(tag)} are not supported (only "
-                        f"{', '.join(ITEM_TYPES)})", param=param, code="invalid_value")
-    if kind == "missing":
-        return APIError(f"missing required field: {param}", param=param)
-    message = error["msg"].removeprefix("Value error, ")
-    if "input" in error and kind != "value_error":
-        text = json.dumps(error["input"])
-        message += f", got {text if len(text) <= 60 else text[:57] + '...'}"
-    return APIError(f"{param}: {message}", param=param, code="invalid_value")
-
-
-def _param(loc: tuple) -> str:
-    """pydantic's location as OpenAI names a parameter: input[2].content (union tags left out)."""
-    text = ""
-    for part in loc:
-        if isinstance(part, int):
-            text += f"[{part}]"
-        elif not text:
-            text = str(part)
-        elif part not in ITEM_TYPES:
-            text += f".{part}"
-    return text
 
 
 # -- input items as chat template messages ---------------------------------------------------------------------
