@@ -22,7 +22,7 @@ import mlx.nn as nn
 
 from .config import ModelConfig
 from .cache import KVCache
-from .layers import MLP, PreNormBlock, attend
+from .layers import EXACT_POSITIONS_MAX, MLP, PreNormBlock, attend
 from .packing import kept_rows, positions, segments
 from .rope import RoPE
 from .deepseek_v3 import DeepseekMoE, MultiHeadLatentAttention, is_moe_layer
@@ -75,11 +75,27 @@ class LightningIndexer(nn.Module):
 
 class SparseLatentAttention(MultiHeadLatentAttention):
     """MLA attending to the indexer's top-k positions. The cache's "values" hold each position's
-    rotary key and, after it, the indexer's key (so every cache operation keeps the two together)."""
+    rotary key and, after it, the indexer's key (so every cache operation keeps the two together).
 
-    def __init__(self, config: ModelConfig):
+    A subclass may make layers without an indexer of their own (`indexed` False: GLM's shared
+    layers): their cache holds the rotary key alone, and they attend to the positions
+    `reused_choice` gives; an indexed layer hands what it chose to `chose`."""
+
+    indexer_class = LightningIndexer
+
+    def __init__(self, config: ModelConfig, indexed: bool = True):
         super().__init__(config)
-        self.indexer = LightningIndexer(config)
+        self.indexed = indexed
+        if indexed:
+            self.indexer = self.indexer_class(config)
+
+    def reused_choice(self, sequence: int, positions: int, queries: int) -> mx.array | None:
+        """A layer without an indexer: which of the `sequence`-th sequence's `positions` cached
+        positions its last `queries` queries attend to (as LightningIndexer.selected)."""
+        raise NotImplementedError("every DeepSeek V3.2 layer has its own indexer")
+
+    def chose(self, chosen: list[mx.array | None]) -> None:
+        """What an indexed layer chose in this step, per sequence (for layers that reuse it)."""
 
     def __call__(self, x: mx.array, caches: list[KVCache], lengths: list[int], last_only: bool = False,
                  full: list[bool] | None = None) -> mx.array:
@@ -99,27 +115,51 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         latent = self.kv_a_layernorm(compressed[:, : self.kv_lora_rank])
         k_rope = self.rope(compressed[:, self.kv_lora_rank:][:, None, None], offset=offsets)[:, 0, 0]
         q_rope = self.rope(q_rope.transpose(1, 0, 2)[:, :, None], offset=q_offsets)[:, :, 0].transpose(1, 0, 2)
-        index_keys = self.indexer.keys(x[0], offsets)
-        index_q, index_w = self.indexer.queries(q_latent, xq[0], q_offsets)
+        if self.indexed:
+            index_keys = self.indexer.keys(x[0], offsets)
+            index_q, index_w = self.indexer.queries(q_latent, xq[0], q_offsets)
 
-        outputs = []
+        outputs, chosen_here = [], []
         for i, ((begin, end), cache) in enumerate(zip(segments(lengths), caches)):
             qb, qe = kept[i] if last_only else (begin, end)
-            new_values = mx.concatenate([k_rope[begin:end], index_keys[begin:end]], axis=-1)
+            new_values = mx.concatenate([k_rope[begin:end], index_keys[begin:end]], axis=-1) if self.indexed \
+                else k_rope[begin:end]
             cached_latent, values = cache.update_and_fetch(latent[None, None, begin:end], new_values[None, None])
-            cached_rope, cached_index = values[..., : self.qk_rope_head_dim], values[0, 0, :, self.qk_rope_head_dim:]
+            cached_rope = values[..., : self.qk_rope_head_dim]
             queries = mx.concatenate([q_absorbed[None, :, qb:qe], q_rope[None, :, qb:qe]], axis=-1)
             keys = mx.concatenate([cached_latent, cached_rope], axis=-1)
-            chosen = self.indexer.selected(index_q[qb:qe], index_w[qb:qe], cached_index, q_offsets[qb:qe])
+            if self.indexed:
+                chosen = self.indexer.selected(index_q[qb:qe], index_w[qb:qe],
+                                               values[0, 0, :, self.qk_rope_head_dim:], q_offsets[qb:qe])
+                chosen_here.append(chosen)
+            else:
+                chosen = self.reused_choice(i, cached_latent.shape[2], qe - qb)
             if chosen is None:  # every visible position chosen: V3's attention
                 out = attend(queries, keys, cached_latent, self.scale, cache.offset - (qe - qb))
             else:
-                out = mx.fast.scaled_dot_product_attention(queries, keys, cached_latent, scale=self.scale,
-                                                           mask=chosen[None, None])
+                out = attend_chosen(queries, keys, cached_latent, self.scale, cache.offset - (qe - qb), chosen)
             outputs.append(out[0])
+        if self.indexed:
+            self.chose(chosen_here)
         out = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=1)
         out = out @ self.w_uv.swapaxes(-1, -2)
         return self.o_proj(out.transpose(1, 0, 2).reshape(1, out.shape[1], -1))
+
+
+def attend_chosen(queries: mx.array, keys: mx.array, values: mx.array, scale: float, cached: int,
+                  chosen: mx.array) -> mx.array:
+    """Attention of t new queries [1, heads, t, d] to the positions `chosen` [t, cached + t] marks. A few
+    new tokens after a cache (drafts being verified) are attended one query at a time over the keys up to
+    its own position, as decoding them one by one does (layers.attend), so verifying never changes a
+    result; a prompt chunk in one masked call."""
+    t = queries.shape[2]
+    if t == 1 or cached == 0 or t > EXACT_POSITIONS_MAX:
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=chosen[None, None])
+    return mx.concatenate([
+        mx.fast.scaled_dot_product_attention(queries[:, :, j:j + 1], keys[:, :, :cached + j + 1],
+                                             values[:, :, :cached + j + 1], scale=scale,
+                                             mask=chosen[None, None, j:j + 1, :cached + j + 1])
+        for j in range(t)], axis=2)
 
 
 def is_sparse_layer(config: ModelConfig, layer_index: int) -> bool:

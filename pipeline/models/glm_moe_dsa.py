@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .cache import KVCache
 from .config import ModelConfig
-from .deepseek_v3 import DeepseekMoE, MultiHeadLatentAttention
-from .deepseek_v32 import LightningIndexer, is_sparse_layer
-from .layers import EXACT_POSITIONS_MAX, MLP, PreNormBlock, attend
-from .packing import kept_rows, positions, segments
+from .deepseek_v3 import DeepseekMoE
+from .deepseek_v32 import LightningIndexer, SparseLatentAttention, is_sparse_layer
+from .layers import MLP, PreNormBlock
+from .packing import segments
 from .rope import RoPE
 from .stage_slice import TransformerSlice
 from ..util.errors import UserError
@@ -62,87 +61,27 @@ class GlmIndexer(LightningIndexer):
                          max_position_embeddings=config.max_position_embeddings)
 
 
-class GlmSparseAttention(MultiHeadLatentAttention):
-    """MLA attending to the top-k positions of its own indexer (a full layer: the cache's "values"
-    hold each position's rotary key and, after it, the indexer's key) or of the last full layer's (a
-    shared layer: the rotary key alone)."""
+class GlmSparseAttention(SparseLatentAttention):
+    """V3.2's sparse MLA attending to the top-k positions of its own indexer (a full layer: the
+    cache's "values" hold each position's rotary key and, after it, the indexer's key) or of the last
+    full layer's (a shared layer: the rotary key alone)."""
+
+    indexer_class = GlmIndexer
 
     def __init__(self, config: ModelConfig, layer_index: int):
-        super().__init__(config)
-        self.shared = indexer_types(config)[layer_index] == "shared"
-        if not self.shared:
-            self.indexer = GlmIndexer(config)
+        shared = indexer_types(config)[layer_index] == "shared"
+        super().__init__(config, indexed=not shared)
+        self.shared = shared
         self.relay = TopKRelay()  # replaced by the slice's, which its layers share (Slice below)
         self.top_k = int(config.raw["index_topk"])
 
-    def make_cache(self) -> KVCache:
-        return KVCache()
+    def reused_choice(self, sequence: int, positions: int, queries: int) -> mx.array | None:
+        """The full layer's choice for this sequence's last `queries` queries."""
+        chosen = as_mask(self.relay.chosen[sequence], positions, self.top_k)
+        return None if chosen is None else chosen[chosen.shape[0] - queries:]
 
-    def __call__(self, x: mx.array, caches: list[KVCache], lengths: list[int], last_only: bool = False,
-                 full: list[bool] | None = None) -> mx.array:
-        _, T, _ = x.shape
-        offsets = positions(lengths, caches)
-        if last_only:  # queries at each sequence's last token only (all of a full one's)
-            last, kept = kept_rows(lengths, full)
-            xq, q_offsets = x[:, last], offsets[last]
-        else:
-            xq, q_offsets = x, offsets
-        q_latent = self.q_a_layernorm(self.q_a_proj(xq))[0]  # c_q: [queries, q_lora_rank]
-        q = self.q_b_proj(q_latent).reshape(xq.shape[1], self.n_heads, -1).transpose(1, 0, 2)
-        q_nope, q_rope = q[..., : self.qk_nope_head_dim], q[..., self.qk_nope_head_dim:]
-        q_absorbed = q_nope @ self.w_uk.swapaxes(-1, -2)  # [heads, queries, latent]
-
-        compressed = self.kv_a_proj_with_mqa(x)[0]
-        latent = self.kv_a_layernorm(compressed[:, : self.kv_lora_rank])
-        k_rope = self.rope(compressed[:, self.kv_lora_rank:][:, None, None], offset=offsets)[:, 0, 0]
-        q_rope = self.rope(q_rope.transpose(1, 0, 2)[:, :, None], offset=q_offsets)[:, :, 0].transpose(1, 0, 2)
-        if not self.shared:
-            index_keys = self.indexer.keys(x[0], offsets)
-            index_q, index_w = self.indexer.queries(q_latent, xq[0], q_offsets)
-            chosen_here = []
-
-        outputs = []
-        for i, ((begin, end), cache) in enumerate(zip(segments(lengths), caches)):
-            qb, qe = kept[i] if last_only else (begin, end)
-            new_values = k_rope[begin:end] if self.shared else \
-                mx.concatenate([k_rope[begin:end], index_keys[begin:end]], axis=-1)
-            cached_latent, values = cache.update_and_fetch(latent[None, None, begin:end], new_values[None, None])
-            cached_rope = values[..., : self.qk_rope_head_dim]
-            queries = mx.concatenate([q_absorbed[None, :, qb:qe], q_rope[None, :, qb:qe]], axis=-1)
-            keys = mx.concatenate([cached_latent, cached_rope], axis=-1)
-            if self.shared:  # the full layer's choice for this sequence's last qe - qb queries
-                chosen = as_mask(self.relay.chosen[i], cached_latent.shape[2], self.top_k)
-                chosen = None if chosen is None else chosen[chosen.shape[0] - (qe - qb):]
-            else:
-                chosen = self.indexer.selected(index_q[qb:qe], index_w[qb:qe],
-                                               values[0, 0, :, self.qk_rope_head_dim:], q_offsets[qb:qe])
-                chosen_here.append(chosen)
-            if chosen is None:  # every visible position chosen: V3's attention
-                out = attend(queries, keys, cached_latent, self.scale, cache.offset - (qe - qb))
-            else:
-                out = attend_chosen(queries, keys, cached_latent, self.scale, cache.offset - (qe - qb), chosen)
-            outputs.append(out[0])
-        if not self.shared:
-            self.relay.chosen = chosen_here
-        out = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=1)
-        out = out @ self.w_uv.swapaxes(-1, -2)
-        return self.o_proj(out.transpose(1, 0, 2).reshape(1, out.shape[1], -1))
-
-
-def attend_chosen(queries: mx.array, keys: mx.array, values: mx.array, scale: float, cached: int,
-                  chosen: mx.array) -> mx.array:
-    """Attention of t new queries [1, heads, t, d] to the positions `chosen` [t, cached + t] marks. A few
-    new tokens after a cache (drafts being verified) are attended one query at a time over the keys up to
-    its own position, as decoding them one by one does (layers.attend), so verifying never changes a
-    result; a prompt chunk in one masked call."""
-    t = queries.shape[2]
-    if t == 1 or cached == 0 or t > EXACT_POSITIONS_MAX:
-        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=chosen[None, None])
-    return mx.concatenate([
-        mx.fast.scaled_dot_product_attention(queries[:, :, j:j + 1], keys[:, :, :cached + j + 1],
-                                             values[:, :, :cached + j + 1], scale=scale,
-                                             mask=chosen[None, None, j:j + 1, :cached + j + 1])
-        for j in range(t)], axis=2)
+    def chose(self, chosen: list[mx.array | None]) -> None:
+        self.relay.chosen = chosen
 
 
 def DecoderLayer(config: ModelConfig, layer_index: int) -> PreNormBlock:
