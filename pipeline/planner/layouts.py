@@ -24,6 +24,7 @@ from .cluster_costs import SUMS_PER_LAYER, HostTerms, LinkTerms
 from .memory import GIB, RankBytes, rank_bytes
 from .partition import layer_counts, layer_ranges
 from .shapes import Architecture, Param, qwen3_5_layer_types
+from .speed import DecodeTiming
 from .weights_bytes import ModelBytes, Precision
 
 # Held whole by every rank of a group, wherever they appear in a layer.
@@ -133,7 +134,7 @@ class Layout:
         return all(r.total <= m * GIB for r, m in zip(self.ranks, self.stage_memory_gib))
 
 
-class _LayoutTiming:
+class _LayoutTiming(DecodeTiming):
     """Seconds per decode step of a layout, with the fitted host and link terms."""
 
     def __init__(self, arch: Architecture, precision: Precision, mb: ModelBytes, ranges, bandwidth, t: int,
@@ -155,43 +156,11 @@ class _LayoutTiming:
         return SUMS_PER_LAYER * (end - start) * layers + head
 
     def stage(self, s: int, m: int, sequences: int | None = None) -> float:
-        start, end = self.ranges[s]
-        sequences = m if sequences is None else sequences
-        read = 0.0
-        for i in range(start, end):
-            read += self.mb.fixed_read[i] + sequences * self.kv_read[i]
-            e = self.mb.experts[i]
-            if e:
-                k = min(self.arch.top_k, e)
-                read += e * (1 - (1 - k / e) ** m) * self.mb.expert_bytes[i]
-        if s == 0:
-            read += self.mb.head_read
+        read = self.bytes_read(s, m, m if sequences is None else sequences)
         return read / (self.bandwidth[s] * self.host.bandwidth_fraction * 1e9) + self.sum_seconds(s, m)
-
-    @property
-    def hops(self) -> int:
-        return len(self.ranges) if len(self.ranges) > 1 else 0
 
     def hop(self, m: int) -> float:
         return self.link.hop_seconds(self.host, m * self.hop_bytes)
-
-    def single_stream(self) -> float:
-        return 1 / (sum(self.stage(s, 1) for s in range(len(self.ranges))) + self.hops * self.hop(1))
-
-    def speculative(self, drafts: int, acceptance: float) -> float:
-        a, k = acceptance, drafts
-        tokens = k + 1 if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
-        trip = sum(self.stage(s, k + 1, sequences=1) for s in range(len(self.ranges))) + self.hops * self.hop(k + 1)
-        return tokens / trip
-
-    def batch(self, b: int) -> float:
-        n = len(self.ranges)
-        k = min(b, n)
-        m = math.ceil(b / k)
-        stages = [self.stage(s, m) for s in range(n)]
-        link = self.hop(m) if self.hops else 0.0
-        return b / max(sum(stages) + self.hops * link, k * max(max(stages), link))
-
 
 def plan_layout(arch: Architecture, precision: Precision, t: int, bandwidth_gbs: list[float],
                 memory_gib: list[float] | None, host: HostTerms, link: LinkTerms, context: int, batch: int = 16,

@@ -152,8 +152,67 @@ def _rank_plans(arch, mb, precision, hardware, counts, context, batch) -> list[R
             for r, (start, end) in enumerate(ranges)]
 
 
-class _Timing:
-    """The decode roofline of the module docstring, for one layer split."""
+class DecodeTiming:
+    """The decode roofline of the module docstring over stages of layers (`ranges`), given each
+    stage's seconds per step (`stage`) and a hop's (`hop`): single-stream, speculative and batch
+    tok/s. Subclasses: this module's pipeline ranks, layouts.py's stages of tensor-parallel groups."""
+
+    arch: Architecture
+    mb: ModelBytes
+    ranges: list[tuple[int, int]]
+    kv_read: list[float]  # per layer: bytes of one sequence's cache read per step
+
+    def stage(self, s: int, m: int, sequences: int | None = None) -> float:
+        raise NotImplementedError
+
+    def hop(self, m: int) -> float:
+        raise NotImplementedError
+
+    def bytes_read(self, s: int, m: int, sequences: int) -> float:
+        """Bytes stage s reads in one decode step of m tokens of `sequences` sequences: its layers'
+        fixed weights, each sequence's cache, the distinct experts its tokens choose, and on the
+        first stage the LM head."""
+        start, end = self.ranges[s]
+        read = 0.0
+        for i in range(start, end):
+            read += self.mb.fixed_read[i] + sequences * self.kv_read[i]
+            e = self.mb.experts[i]
+            if e:
+                k = min(self.arch.top_k, e)
+                read += e * (1 - (1 - k / e) ** m) * self.mb.expert_bytes[i]
+        if s == 0:
+            read += self.mb.head_read
+        return read
+
+    @property
+    def hops(self) -> int:
+        return len(self.ranges) if len(self.ranges) > 1 else 0  # the ring returns to rank 0
+
+    def single_stream(self) -> float:
+        return 1 / (sum(self.stage(s, 1) for s in range(len(self.ranges))) + self.hops * self.hop(1))
+
+    def speculative(self, drafts: int, acceptance: float, draft_seconds: float = 0.0) -> float:
+        """Single-stream tok/s when each trip checks `drafts` drafted tokens, each accepted with
+        probability `acceptance` once the ones before it were: (1 - a^(K+1)) / (1 - a) tokens per
+        trip, the trip reading the experts its K+1 positions choose; draft_seconds: the drafting
+        itself (the MTP module, on rank 0), per trip."""
+        a, k = acceptance, drafts
+        tokens = k + 1 if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
+        trip = sum(self.stage(s, k + 1, sequences=1) for s in range(len(self.ranges))) + self.hops * self.hop(k + 1)
+        return tokens / (trip + draft_seconds)
+
+    def batch(self, b: int) -> float:
+        n = len(self.ranges)
+        k = min(b, n)
+        m = math.ceil(b / k)
+        stages = [self.stage(s, m) for s in range(n)]
+        link = self.hop(m) if self.hops else 0.0
+        round_trip = sum(stages) + self.hops * link
+        return b / max(round_trip, k * max(max(stages), link))
+
+
+class _Timing(DecodeTiming):
+    """The decode roofline of the module docstring, for one layer split of pipeline ranks."""
 
     def __init__(self, arch, mb, precision, hardware, ranges, context):
         self.arch, self.mb, self.hw, self.ranges = arch, mb, hardware, ranges
@@ -166,18 +225,8 @@ class _Timing:
         """Seconds for rank r to run one decode step of m tokens of `sequences` sequences (default:
         one token each; a speculative chunk is m tokens of one sequence, which reads its cache once)."""
         start, end = self.ranges[r]
-        sequences = m if sequences is None else sequences
-        read = 0.0
-        for i in range(start, end):
-            read += self.mb.fixed_read[i] + sequences * self.kv_read[i]
-            e = self.mb.experts[i]
-            if e:
-                k = min(self.arch.top_k, e)
-                read += e * (1 - (1 - k / e) ** m) * self.mb.expert_bytes[i]
-        params = sum(self.mb.active_params[start:end])
-        if r == 0:
-            read += self.mb.head_read
-            params += self.mb.head_params
+        read = self.bytes_read(r, m, m if sequences is None else sequences)
+        params = sum(self.mb.active_params[start:end]) + (self.mb.head_params if r == 0 else 0)
         seconds = read / (self.bandwidth[r] * 1e9)
         if self.hw.tflops:
             flops = self.hw.tflops[r] if len(self.hw.tflops) == len(self.ranges) else self.hw.tflops[0]
@@ -187,23 +236,6 @@ class _Timing:
     def hop(self, m: int) -> float:
         return m * self.hidden_bytes / (self.hw.link_gbs * 1e9) + self.hw.link_latency_us * 1e-6
 
-    @property
-    def hops(self) -> int:
-        return len(self.ranges) if len(self.ranges) > 1 else 0  # the ring returns to rank 0
-
-    def single_stream(self) -> float:
-        return 1 / (sum(self.stage(r, 1) for r in range(len(self.ranges))) + self.hops * self.hop(1))
-
-    def speculative(self, drafts: int, acceptance: float, draft_seconds: float = 0.0) -> float:
-        """Single-stream tok/s when each trip checks `drafts` drafted tokens, each accepted with
-        probability `acceptance` once the ones before it were: (1 - a^(K+1)) / (1 - a) tokens per
-        trip, the trip reading the experts its K+1 positions choose; draft_seconds: the drafting
-        itself (the MTP module, on rank 0), per trip."""
-        a, k = acceptance, drafts
-        tokens = k + 1 if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
-        trip = sum(self.stage(r, k + 1, sequences=1) for r in range(len(self.ranges))) + self.hops * self.hop(k + 1)
-        return tokens / (trip + draft_seconds)
-
     def mtp_seconds(self, drafts: int) -> float:
         """Rank 0 running the MTP module (one more decoder layer shaped like the last, plus the
         head) once per drafted token."""
@@ -211,12 +243,3 @@ class _Timing:
         e = self.mb.experts[last]
         read = self.mb.fixed_read[last] + self.mb.head_read + (min(self.arch.top_k, e) * self.mb.expert_bytes[last] if e else 0)
         return drafts * read / (self.bandwidth[0] * 1e9)
-
-    def batch(self, b: int) -> float:
-        n = len(self.ranges)
-        k = min(b, n)
-        m = math.ceil(b / k)
-        stages = [self.stage(r, m) for r in range(n)]
-        link = self.hop(m) if self.hops else 0.0
-        round_trip = sum(stages) + self.hops * link
-        return b / max(round_trip, k * max(max(stages), link))
