@@ -32,8 +32,8 @@ from pipeline.serve import responses_protocol as rp
 from pipeline.serve.protocol import APIError
 from pipeline.serve.responses_adapter import ResponsesAdapter, ResponsesAPI
 from pipeline.serve.responses_store import ResponseStore, conversation_chars
-from scripted_chat_model import ANSWER, CALL, TEMPLATE, THOUGHT, make_scripted_chat_model
-from test_chat_serve import env_vars  # noqa: F401 -- env_vars is a fixture used here
+from scripted_chat_model import ANSWER, CALL, TEMPLATE, THOUGHT
+from test_chat_serve import env_vars, server  # noqa: F401 -- fixtures used here (server: the scripted model's)
 from test_serve import Server
 
 CODEX_VERSION = "0.169.0"  # what the issue's capture was made with
@@ -296,14 +296,6 @@ TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
 QUESTION = "What's the weather like in Paris?"
 THINKING = {"chat_template_kwargs": {"thinking": True}}
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, env_vars):
-    folder = make_scripted_chat_model(tmp_path_factory.mktemp("scripted") / "model")
-    server = Server(2, "--model", str(folder), "--max-tokens", "16", env=env_vars)
-    yield server
-    assert server.stop() == 0, server.stderr
 
 
 def streamed(server, **request) -> tuple[object, list[dict]]:
