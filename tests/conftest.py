@@ -61,6 +61,26 @@ def write_tokenizer(folder: Path) -> None:
         "tokenizer_class": "PreTrainedTokenizerFast"}))
 
 
+def save_reference(model, folder: Path):
+    """A transformers reference model saved to `folder` (safetensors, in eval mode) with
+    write_tokenizer's tokenizer; returns the model."""
+    folder.mkdir(parents=True, exist_ok=True)
+    model.eval().save_pretrained(folder)
+    write_tokenizer(folder)
+    return model
+
+
+def reference_logits(make, folder: Path, prompt: list[int]) -> tuple:
+    """A model fixture's value: `folder`, the reference `make(folder)` saves there, and its logits
+    on `prompt` ([tokens, vocab])."""
+    import torch  # heavy: loaded by the tests that build references only
+
+    reference = make(folder)
+    with torch.no_grad():
+        expected = reference(torch.tensor([prompt])).logits[0].numpy()
+    return folder, reference, expected
+
+
 def make_tiny_model(kind: str, folder: Path, **overrides) -> Path:
     """Build a tiny random model with transformers, save it (safetensors) with a tokenizer."""
     import torch
@@ -92,9 +112,7 @@ def make_tiny_model(kind: str, folder: Path, **overrides) -> Path:
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
-    folder.mkdir(parents=True, exist_ok=True)
-    model.eval().save_pretrained(folder)
-    write_tokenizer(folder)
+    save_reference(model, folder)
     return folder
 
 

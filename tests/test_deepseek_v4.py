@@ -18,7 +18,7 @@ import torch
 import transformers
 
 from conftest import (INIT_STD, REPO, VOCAB_SIZE, assert_far_from_uniform, forward, greedy_ours, load_stages,
-                      long_prompt, mpiexec, write_tokenizer)
+                      long_prompt, mpiexec, reference_logits, save_reference, write_tokenizer)
 
 LAYER_TYPES = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
                "compressed_sparse_attention", "heavily_compressed_attention"]
@@ -57,19 +57,12 @@ def make_deepseek_v4(folder, seed=0):
                 b.copy_(torch.randn_like(b) * 0.5)
             if "tid2eid" in name:  # two different experts per token
                 b.copy_(torch.stack([torch.randperm(8)[:2] for _ in range(b.shape[0])]))
-    folder.mkdir(parents=True, exist_ok=True)
-    model.eval().save_pretrained(folder)
-    write_tokenizer(folder)
-    return model
+    return save_reference(model, folder)
 
 
 @pytest.fixture(scope="module")
 def v4(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("deepseek_v4")
-    reference = make_deepseek_v4(folder)
-    with torch.no_grad():
-        expected = reference(torch.tensor([PROMPT])).logits[0].numpy()
-    return folder, reference, expected
+    return reference_logits(make_deepseek_v4, tmp_path_factory.mktemp("deepseek_v4"), PROMPT)
 
 
 def test_logits_match_transformers(v4):

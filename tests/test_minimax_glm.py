@@ -21,7 +21,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from conftest import (INIT_STD, VOCAB_SIZE, assert_bfloat16_close, assert_far_from_uniform, forward, fp8_blocks,
-                      greedy_ours, greedy_transformers, load_stages, long_prompt, mpiexec, write_tokenizer)
+                      greedy_ours, greedy_transformers, load_stages, long_prompt, mpiexec, reference_logits,
+                      save_reference)
 from pipeline.checkpoints.tokenizer import Tokenizer
 from pipeline.models import glm_moe_dsa as glm_family, minimax_m2 as minimax_family
 from pipeline.runtime import engine
@@ -80,19 +81,12 @@ def make_minimax_m2(folder, seed=0):
         max_position_embeddings=512, bos_token_id=None, eos_token_id=2, initializer_range=INIT_STD)
     model = transformers.MiniMaxM2ForCausalLM(config)
     _perturb(model)
-    folder.mkdir(parents=True, exist_ok=True)
-    model.eval().save_pretrained(folder)
-    write_tokenizer(folder)
-    return model
+    return save_reference(model, folder)
 
 
 @pytest.fixture(scope="module")
 def minimax_m2(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("minimax_m2")
-    reference = make_minimax_m2(folder)
-    with torch.no_grad():
-        expected = reference(torch.tensor([LONG_PROMPT])).logits[0].numpy()
-    return folder, reference, expected
+    return reference_logits(make_minimax_m2, tmp_path_factory.mktemp("minimax_m2"), LONG_PROMPT)
 
 
 MINIMAX_TOLERANCE = 2e-5  # measured 5.0e-6 (whole prompt, split in three, token by token); logits up to |6.6|
@@ -183,19 +177,12 @@ def make_glm_moe_dsa(folder, seed=0):
         for name, p in model.named_parameters():
             if name.endswith("bias") and "norm" not in name:
                 p.add_(torch.randn_like(p) * 0.1)
-    folder.mkdir(parents=True, exist_ok=True)
-    model.eval().save_pretrained(folder)
-    write_tokenizer(folder)
-    return model
+    return save_reference(model, folder)
 
 
 @pytest.fixture(scope="module")
 def glm_moe_dsa(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("glm_moe_dsa")
-    reference = make_glm_moe_dsa(folder)
-    with torch.no_grad():
-        expected = reference(torch.tensor([LONG_PROMPT])).logits[0].numpy()
-    return folder, reference, expected
+    return reference_logits(make_glm_moe_dsa, tmp_path_factory.mktemp("glm_moe_dsa"), LONG_PROMPT)
 
 
 GLM_TOLERANCE = 3e-5  # measured 1.23-1.57e-5 (whole prompt, split in three, token by token); logits up to |6.2|

@@ -13,7 +13,7 @@ import torch
 import transformers
 
 from conftest import (INIT_STD, VOCAB_SIZE, assert_far_from_uniform, forward, greedy_ours, greedy_transformers,
-                      load_stages, long_prompt, mpiexec, write_tokenizer)
+                      load_stages, long_prompt, mpiexec, reference_logits, save_reference, write_tokenizer)
 
 LONG_PROMPT = long_prompt(64)
 
@@ -159,19 +159,12 @@ def make_deepseek_v32(folder, seed=0):
         bos_token_id=None, initializer_range=INIT_STD, index_topk=INDEX_TOPK, index_n_heads=32, index_head_dim=16)
     model = transformers.DeepseekV32ForCausalLM(config)
     _perturb(model)
-    folder.mkdir(parents=True, exist_ok=True)
-    model.eval().save_pretrained(folder)
-    write_tokenizer(folder)
-    return model
+    return save_reference(model, folder)
 
 
 @pytest.fixture(scope="module")
 def deepseek_v32(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("deepseek_v32")
-    reference = make_deepseek_v32(folder)
-    with torch.no_grad():
-        expected = reference(torch.tensor([LONG_PROMPT])).logits[0].numpy()
-    return folder, reference, expected
+    return reference_logits(make_deepseek_v32, tmp_path_factory.mktemp("deepseek_v32"), LONG_PROMPT)
 
 
 V32_TOLERANCE = 2e-5  # measured 1.66e-5 (whole prompt, split in three), 1.73e-5 token by token; logits up to |7|

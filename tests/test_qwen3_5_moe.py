@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import (INIT_STD, VOCAB_SIZE, assert_far_from_uniform, forward, greedy_ours, greedy_transformers,
-                      load_stages, long_prompt, mpiexec, write_tokenizer)
+                      load_stages, long_prompt, mpiexec, reference_logits, write_tokenizer)
 
 # Ranks of 2 layers each: (linear, full), (full, linear), (linear, full); boundaries full|full, linear|linear.
 LAYER_TYPES = ["linear_attention", "full_attention", "full_attention", "linear_attention", "linear_attention",
@@ -60,11 +60,7 @@ def make_qwen3_5_moe(folder, seed=0):
 
 @pytest.fixture(scope="module")
 def qwen3_5_moe(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("qwen3_5_moe")
-    reference = make_qwen3_5_moe(folder)
-    with torch.no_grad():
-        expected = reference(input_ids=torch.tensor([LONG_PROMPT])).logits[0].numpy()
-    return folder, reference, expected
+    return reference_logits(make_qwen3_5_moe, tmp_path_factory.mktemp("qwen3_5_moe"), LONG_PROMPT)
 
 
 def test_logits_match_transformers_on_1_and_3_ranks(qwen3_5_moe):
