@@ -270,6 +270,21 @@ def greedy_transformers(model, prompt_ids: list[int], new_tokens: int) -> list[i
     return out[0, len(prompt_ids):].tolist()
 
 
+def transformers_text(reference, folder: Path, prompt: str, max_tokens: int) -> str:
+    """transformers' greedy continuation of a text prompt (no chat template), as text, stopping at
+    id 2 (the tiny models' end of sequence): what `generate` and `batch` should print for it."""
+    import torch  # heavy: loaded by the tests that build references only
+
+    from pipeline.checkpoints.tokenizer import Tokenizer  # as greedy_ours imports the engine: where used
+
+    tokenizer = Tokenizer.from_folder(folder)
+    ids = tokenizer.prompt_ids(prompt, use_chat_template=False)
+    with torch.no_grad():
+        out = reference.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=2,
+                                 pad_token_id=0)[0, len(ids):].tolist()
+    return tokenizer.decode(out[:out.index(2)] if 2 in out else out, skip_special_tokens=True)
+
+
 def greedy_ours(stage, folder: Path, prompt_ids: list[int], max_tokens: int):
     """Our generate path (engine.generate: prefill, then the overlapped one-rank decode loop)
     on one in-process rank; returns the Generation."""

@@ -18,7 +18,7 @@ import torch
 import transformers
 
 from conftest import (INIT_STD, REPO, VOCAB_SIZE, assert_far_from_uniform, forward, greedy_ours, load_stages,
-                      long_prompt, mpiexec, reference_logits, save_reference, write_tokenizer)
+                      long_prompt, mpiexec, reference_logits, save_reference, transformers_text, write_tokenizer)
 
 LAYER_TYPES = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
                "compressed_sparse_attention", "heavily_compressed_attention"]
@@ -110,17 +110,6 @@ def test_greedy_matches_transformers(v4):
     assert greedy_ours(stage, folder, prompt, 24).tokens == expected
 
 
-def _transformers_text(reference, folder, prompt: str, max_tokens: int) -> str:
-    from pipeline.checkpoints.tokenizer import Tokenizer
-
-    tokenizer = Tokenizer.from_folder(folder)
-    ids = tokenizer.prompt_ids(prompt, use_chat_template=False)
-    with torch.no_grad():
-        out = reference.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=2,
-                                 pad_token_id=0)[0, len(ids):].tolist()
-    return tokenizer.decode(out[:out.index(2)] if 2 in out else out, skip_special_tokens=True)
-
-
 TEXT = ("Pipeline parallel inference splits layers across ranks; hidden states travel between them. "
         "The quick brown fox jumps over the lazy dog.")
 
@@ -132,7 +121,7 @@ def test_two_ranks_generate_transformers_text(v4):
     result = mpiexec(2, "generate", "--model", str(folder), "--no-chat-template", "--prompt", TEXT,
                      "--max-tokens", "16", "--split", "1,4", env={"OPENBLAS_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr
-    assert result.stdout[:-1] == _transformers_text(reference, folder, TEXT, 16)
+    assert result.stdout[:-1] == transformers_text(reference, folder, TEXT, 16)
 
 
 def test_drafts_are_refused_in_one_line(v4):
@@ -157,7 +146,7 @@ def test_batch_on_three_ranks(v4, tmp_path):
                      timeout=180)
     assert result.returncode == 0, result.stderr
     texts = {r["id"]: r["text"] for r in map(json.loads, out.read_text().splitlines())}
-    assert texts == {i: _transformers_text(reference, folder, p, 10) for i, p in enumerate(prompts)}
+    assert texts == {i: transformers_text(reference, folder, p, 10) for i, p in enumerate(prompts)}
 
 
 def _bugs():

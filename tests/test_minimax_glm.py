@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import (INIT_STD, VOCAB_SIZE, assert_bfloat16_close, assert_far_from_uniform, forward, fp8_blocks,
                       greedy_ours, greedy_transformers, load_stages, long_prompt, mpiexec, reference_logits,
-                      save_reference)
+                      save_reference, transformers_text)
 from pipeline.checkpoints.tokenizer import Tokenizer
 from pipeline.models import glm_moe_dsa as glm_family, minimax_m2 as minimax_family
 from pipeline.runtime import engine
@@ -42,16 +42,6 @@ def _perturb(model) -> None:
         for name, b in model.named_buffers():
             if "e_score_correction_bias" in name:
                 b.copy_(torch.randn_like(b) * 0.5)
-
-
-def _greedy_text(reference, folder, prompt: str, max_tokens: int) -> str:
-    """transformers' greedy continuation of a text prompt, as text (stopping at id 2, the end)."""
-    tokenizer = Tokenizer.from_folder(folder)
-    ids = tokenizer.prompt_ids(prompt, use_chat_template=False)
-    with torch.no_grad():
-        out = reference.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=2,
-                                 pad_token_id=0)[0, len(ids):].tolist()
-    return tokenizer.decode(out[:out.index(2)] if 2 in out else out, skip_special_tokens=True)
 
 
 def _batch_texts(folder, ranks: int, prompts: list[str], tmp_path, max_tokens: int = 10,
@@ -151,7 +141,7 @@ def test_minimax_m2_batch_on_three_ranks_gives_transformers_text(minimax_m2, tmp
     boundary after layers 1 and 2 or so); each text is transformers' greedy one, as generate's is."""
     folder, reference, _ = minimax_m2
     texts = _batch_texts(folder, 3, BATCH_PROMPTS, tmp_path)
-    assert texts == {i: _greedy_text(reference, folder, p, 10) for i, p in enumerate(BATCH_PROMPTS)}
+    assert texts == {i: transformers_text(reference, folder, p, 10) for i, p in enumerate(BATCH_PROMPTS)}
 
 
 # --------------------------------------------------------------------------------------------- GLM-5
@@ -262,7 +252,7 @@ def test_glm_moe_dsa_batch_on_three_ranks_gives_transformers_text(glm_moe_dsa, t
     greedy one."""
     folder, reference, _ = glm_moe_dsa
     texts = _batch_texts(folder, 3, BATCH_PROMPTS, tmp_path, extra=("--split", "1,3,1"))
-    assert texts == {i: _greedy_text(reference, folder, p, 10) for i, p in enumerate(BATCH_PROMPTS)}
+    assert texts == {i: transformers_text(reference, folder, p, 10) for i, p in enumerate(BATCH_PROMPTS)}
 
 
 # ------------------------------------------------------------- drafts and the prefix cache, per family

@@ -13,7 +13,8 @@ import torch
 import transformers
 
 from conftest import (INIT_STD, VOCAB_SIZE, assert_far_from_uniform, forward, greedy_ours, greedy_transformers,
-                      load_stages, long_prompt, mpiexec, reference_logits, save_reference, write_tokenizer)
+                      load_stages, long_prompt, mpiexec, reference_logits, save_reference, transformers_text,
+                      write_tokenizer)
 
 LONG_PROMPT = long_prompt(64)
 
@@ -234,17 +235,6 @@ def test_deepseek_v32_published_config():
 
 # ------------------------------------------------------------------------------ across ranks, in batch
 
-def _greedy_text(reference, folder, prompt: str, max_tokens: int) -> str:
-    from pipeline.checkpoints.tokenizer import Tokenizer
-
-    tokenizer = Tokenizer.from_folder(folder)
-    ids = tokenizer.prompt_ids(prompt, use_chat_template=False)
-    with torch.no_grad():
-        out = reference.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=2,
-                                 pad_token_id=0)[0, len(ids):].tolist()
-    return tokenizer.decode(out[:out.index(2)] if 2 in out else out, skip_special_tokens=True)
-
-
 @pytest.mark.parametrize("family", ["kimi_k25", "deepseek_v32"])
 def test_batch_on_two_ranks_gives_transformers_text(family, kimi_k25, deepseek_v32, tmp_path):
     """`mpiexec -n 2 ... batch`: prompts of several lengths (the longest past V3.2's top-k) packed in
@@ -258,4 +248,4 @@ def test_batch_on_two_ranks_gives_transformers_text(family, kimi_k25, deepseek_v
                      "--no-chat-template", "--quiet", env={"OPENBLAS_NUM_THREADS": "1"}, timeout=180)
     assert result.returncode == 0, result.stderr
     texts = {r["id"]: r["text"] for r in map(json.loads, out.read_text().splitlines())}
-    assert texts == {i: _greedy_text(reference, folder, p, 10) for i, p in enumerate(prompts)}
+    assert texts == {i: transformers_text(reference, folder, p, 10) for i, p in enumerate(prompts)}

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import (INIT_STD, VOCAB_SIZE, assert_far_from_uniform, forward, greedy_ours, greedy_transformers,
-                      load_stages, long_prompt, mpiexec, reference_logits, write_tokenizer)
+                      load_stages, long_prompt, mpiexec, reference_logits, transformers_text, write_tokenizer)
 
 # Ranks of 2 layers each: (linear, full), (full, linear), (linear, full); boundaries full|full, linear|linear.
 LAYER_TYPES = ["linear_attention", "full_attention", "full_attention", "linear_attention", "linear_attention",
@@ -181,17 +181,6 @@ def test_planted_bugs_are_caught(bug, qwen3_5_moe, monkeypatch):
         assert np.abs(forward([stage], LONG_PROMPT[40:]) - expected[40:]).max() > 100 * TOLERANCE
 
 
-def _transformers_text(reference, folder, prompt: str, max_tokens: int) -> str:
-    from pipeline.checkpoints.tokenizer import Tokenizer  # here: only the tests that run the CLI need it
-
-    tokenizer = Tokenizer.from_folder(folder)
-    ids = tokenizer.prompt_ids(prompt, use_chat_template=False)
-    with torch.no_grad():
-        out = reference.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=2,
-                                 pad_token_id=0)[0, len(ids):].tolist()
-    return tokenizer.decode(out[:out.index(2)] if 2 in out else out, skip_special_tokens=True)
-
-
 PROMPTS = ["The capital of France is Paris.", "def hello(world):\n    return 42\n" * 4,
            "Pipeline parallel inference splits layers across ranks; hidden states travel between them."]
 
@@ -200,7 +189,7 @@ def test_three_ranks_generate_transformers_text(qwen3_5_moe):
     """`mpiexec -n 3 ... generate`: two layers a rank, both kinds on each, the hidden states crossing a
     full|full and a linear|linear boundary; transformers' greedy text."""
     folder, reference, _ = qwen3_5_moe
-    expected = _transformers_text(reference, folder, PROMPTS[2], 16)
+    expected = transformers_text(reference, folder, PROMPTS[2], 16)
     assert len(expected) >= 10, expected
     result = mpiexec(3, "generate", "--model", str(folder), "--no-chat-template", "--prompt", PROMPTS[2],
                      "--max-tokens", "16", "--split", "2,2,2", env={"OPENBLAS_NUM_THREADS": "1"})
@@ -212,7 +201,7 @@ def test_batch_on_two_ranks_is_generate(qwen3_5_moe, tmp_path):
     """`mpiexec -n 2 ... batch`: prompts of several lengths packed in micro-batches, each sequence's linear
     states its own; each text is transformers' greedy one."""
     folder, reference, _ = qwen3_5_moe
-    expected = {i: _transformers_text(reference, folder, p, 10) for i, p in enumerate(PROMPTS)}
+    expected = {i: transformers_text(reference, folder, p, 10) for i, p in enumerate(PROMPTS)}
     assert all(len(text) >= 10 for text in expected.values()), expected
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("".join(json.dumps({"id": i, "prompt": p, "max_tokens": 10}) + "\n" for i, p in enumerate(PROMPTS)))
