@@ -27,6 +27,7 @@ from pipeline.chat.markup_arguments import tool_schemas, typed_value
 from pipeline.chat.output import ChatMessage, ChatOutputParser
 from pipeline.chat.tool_calls import (DSML_V4, DSML_V32, GLM, MARKUP_FORMATS, MINIMAX_M2, QWEN, QWEN_XML,
                                       format_for_template)
+from test_chat_parsers import ids, message_of
 
 TOOLS = [{"type": "function", "function": {"name": "write_file", "description": "Write a file", "parameters": {
     "type": "object", "properties": {
@@ -136,33 +137,26 @@ def parse_events(pieces, fmt, tools=TOOLS) -> list:
     return events + parser.finish()
 
 
-def ids():
-    count = iter(range(1000))
-    return lambda: f"call_{next(count)}"
-
-
-def message_of(events) -> ChatMessage:
-    message = ChatMessage()
-    message.add(events)
-    return message
-
-
 def expected_calls(calls):
     return [{"id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": dumped(args)}}
             for i, (name, args) in enumerate(calls)]
 
 
 def splits(text: str, fmt, seed: int, count: int = 25):
-    """Random cuts (few and many), one character a piece, and every cut inside every marker."""
+    """The markup format's output cut as cuts_of does, at its markers."""
+    return cuts_of(text, {m for m in (fmt.call_begin, fmt.call_end, fmt.section_begin, fmt.section_end,
+                                      "<function=", "</function>", fmt.markup.open_start, fmt.markup.open_end,
+                                      fmt.markup.value_end, "</arg_key>") if m}, seed, count)
+
+
+def cuts_of(text: str, markers, seed: int, count: int):
+    """`count` random cuts (few and many), one character a piece, and every cut inside every marker."""
     rng = random.Random(seed)
     for _ in range(count):
         n = rng.choice([2, 5, 20, 100, len(text) // 3])
         cuts = sorted(rng.sample(range(1, len(text)), min(n, len(text) - 1)))
         yield [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
     yield list(text)
-    markers = {m for m in (fmt.call_begin, fmt.call_end, fmt.section_begin, fmt.section_end, "<function=",
-                           "</function>", fmt.markup.open_start, fmt.markup.open_end, fmt.markup.value_end,
-                           "</arg_key>") if m}
     for marker in markers:
         at = text.find(marker)
         while at >= 0:

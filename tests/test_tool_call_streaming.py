@@ -22,16 +22,16 @@ import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 
-from pipeline.chat.events import ContentDelta, ToolCallArguments, ToolCallEnd, ToolCallStart
-from pipeline.chat.output import ChatMessage, ChatOutputParser
+from pipeline.chat.events import ToolCallArguments, ToolCallEnd, ToolCallStart
+from pipeline.chat.output import ChatOutputParser
 from pipeline.chat.scan import JsonObjectScanner, dump_json, read_json
 from pipeline.chat.tool_calls import (ALL_FORMATS, DEEPSEEK_SEP, DEEPSEEK_V3, DEEPSEEK_V31, FORMATS, HEAD_LIMIT,
                                       KIMI_ARGUMENT_BEGIN, KIMI_K2, MARKUP_FORMATS, QWEN)
 from pipeline.runtime.requests import Finished, Tokens
 from pipeline.serve.adapters import ChatAdapter
-from test_chat_parsers import TOOL_CASES, call, ids, stream_tokens
+from test_chat_parsers import TOOL_CASES, call, ids, message_of, stream_tokens
 from test_chat_parsers import deepseek_folder, deepseek_v3, kimi  # noqa: F401 (fixtures: the real tokenizers)
-from test_tool_call_formats import CASES as MARKUP_CASES
+from test_tool_call_formats import CASES as MARKUP_CASES, check_events, cuts_of
 
 # A long call's arguments, as a model writes them: a file with code in it (braces, quotes,
 # backslashes, newlines as escapes), escaped and literal non-ASCII text, nested objects and lists
@@ -117,47 +117,10 @@ def parse_events(pieces, fmt) -> list:
     return events + parser.finish()
 
 
-def message_of(events) -> ChatMessage:
-    message = ChatMessage()
-    message.add(events)
-    return message
-
-
 def splits(text: str, fmt, seed: int, count: int = 60):
-    """Random cuts (few and many), one character a piece, and every cut inside every marker."""
-    rng = random.Random(seed)
-    for _ in range(count):
-        n = rng.choice([2, 5, 20, 100, len(text) // 3])
-        cuts = sorted(rng.sample(range(1, len(text)), min(n, len(text) - 1)))
-        bounds = [0, *cuts, len(text)]
-        yield [text[a:b] for a, b in zip(bounds, bounds[1:])]
-    yield list(text)
-    markers = [m for m in (fmt.call_begin, fmt.call_end, fmt.section_begin, fmt.section_end, DEEPSEEK_SEP,
-                           KIMI_ARGUMENT_BEGIN) if m]
-    for marker in markers:
-        at = text.find(marker)
-        while at >= 0:
-            for i in range(1, len(marker)):
-                yield [text[:at + i], text[at + i:]]
-            at = text.find(marker, at + 1)
-
-
-def check_events(events) -> None:
-    """Each call: a start, its pieces (none empty), an end, in index order."""
-    open_call = None
-    started = 0
-    for event in events:
-        if isinstance(event, ToolCallStart):
-            assert open_call is None and event.index == started
-            open_call, started = event.index, started + 1
-        elif isinstance(event, ToolCallArguments):
-            assert event.index == open_call and event.text
-        elif isinstance(event, ToolCallEnd):
-            assert event.index == open_call and event.complete
-            open_call = None
-        else:
-            assert isinstance(event, ContentDelta) and event.text
-    assert open_call is None
+    """The format's output cut as cuts_of does, at its markers."""
+    return cuts_of(text, [m for m in (fmt.call_begin, fmt.call_end, fmt.section_begin, fmt.section_end, DEEPSEEK_SEP,
+                                      KIMI_ARGUMENT_BEGIN) if m], seed, count)
 
 
 @pytest.mark.parametrize("fmt,text,content", [(f, *case) for f, cases in CASES.items() for case in cases]
