@@ -1,10 +1,11 @@
-"""GGUF i-quants held in their own blocks (IQ4_NL, IQ4_XS: checkpoints/quants.py NATIVE) and computed there
+"""GGUF types held in their own blocks (IQ4_NL, IQ4_XS, Q6_K: checkpoints/quants.py NATIVE) and computed there
 (kernels/gguf_kernels.cpp through kernels/qmm.py), against truths from elsewhere:
 - the gguf package's dequantizers (llama.cpp's) define what the blocks mean: the float products equal a
   float64 product of gguf's dequantization, and the int8 products one of gguf's dequantization times the
   activations rounded as ggml's q8_0 / q8_K round them (llama.cpp's vec_dot pairs);
 - blocks are packed here from ggml-common.h's published layouts (gguf's Python quantizers have no
-  IQ4_NL or IQ4_XS): random bytes for the kernels, codes fitted to floats for the models;
+  IQ4_NL, IQ4_XS or Q6_K; Q6_K's packer is test_gguf_inplace's pack_k): random bytes for the kernels, codes
+  fitted to floats for the models;
 - transformers runs the tiny model on gguf's dequantization of the file's weights.
 """
 
@@ -24,7 +25,7 @@ from pipeline.checkpoints.gguf_checkpoint import GGUFCheckpoint
 from pipeline.kernels import qmm
 from pipeline.runtime.stage import Stage
 
-TYPES = (QT.IQ4_NL, QT.IQ4_XS)
+TYPES = (QT.IQ4_NL, QT.IQ4_XS, QT.Q6_K)
 ROW_COUNTS = (1, 2, 3, 8, 17, 64, 65)  # decode, drafts, batches, a prompt's chunk, past a tile
 KVALUES = np.array(gguf.quants.IQ4_NL.kvalues, np.float32)
 
@@ -64,9 +65,14 @@ def pack_iq4(w: np.ndarray, qtype: QT) -> np.ndarray:
     return np.concatenate([header, qs.reshape(rows, -1, 128)], axis=-1).reshape(rows, -1)
 
 
-def held(raw: np.ndarray, qtype: QT):
-    codes, scales = quants.native_arrays(raw, qtype.name)
-    return mx.array(codes), mx.array(scales)
+def held(raw: np.ndarray, qtype: QT) -> tuple[mx.array, ...]:
+    """The arrays a rank holds: codes, scales (and Q6_K's d)."""
+    return tuple(mx.array(a) for a in quants.native_arrays(raw, qtype.name))
+
+
+def product(x: np.ndarray, arrays: tuple[mx.array, ...], int8: bool) -> np.ndarray:
+    codes, scales, *d = arrays
+    return np.array(qmm.gguf_matmul(mx.array(x), codes, scales, int8=int8, d=d[0] if d else None))
 
 
 def rounded(x: np.ndarray, block: int) -> np.ndarray:
@@ -98,7 +104,7 @@ def test_products_match_gguf_dequantization_at_every_row_count(kernels, qtype):
     n, k = 48, 1024
     raw = random_blocks(qtype, n, k, rng)
     w = gguf.quants.dequantize(raw, qtype).astype(np.float64)
-    codes, scales = held(raw, qtype)
+    arrays = held(raw, qtype)
     x_all = rng.normal(0, 1, (max(ROW_COUNTS), k)).astype(np.float32)
     x_all[3, :32] = 0  # an all-zero activation block
     block = 32 if qtype == QT.IQ4_NL else 256
@@ -107,10 +113,11 @@ def test_products_match_gguf_dequantization_at_every_row_count(kernels, qtype):
         x = x_all[:rows]
         scale = np.abs(x).astype(np.float64) @ np.abs(w).T  # what float32 rounding is relative to
         for int8 in (False, True):
-            got = np.array(qmm.gguf_matmul(mx.array(x), codes, scales, int8=int8))
+            got = product(x, arrays, int8)
             truth = (rounded(x, block) if int8 else x.astype(np.float64)) @ w.T
             error = (np.abs(got - truth) / scale).max()
-            assert error < 2e-7, (rows, int8, error)  # measured 6.3e-8 / 7.5e-8 (float), 5.8e-8 / 4.4e-8 (int8)
+            # measured 6.3e-8 / 7.5e-8 / 6.6e-8 (float), 5.8e-8 / 4.4e-8 / 4.1e-8 (int8) for IQ4_NL / IQ4_XS / Q6_K
+            assert error < 2e-7, (rows, int8, error)
             outputs[rows, int8] = got
     for (rows, int8), got in outputs.items():  # row-count invariance: every row's bits as in the largest call
         np.testing.assert_array_equal(got, outputs[max(ROW_COUNTS), int8][:rows], err_msg=f"{rows} rows, int8 {int8}")
@@ -119,7 +126,7 @@ def test_products_match_gguf_dequantization_at_every_row_count(kernels, qtype):
         w = gguf.quants.dequantize(raw, qtype).astype(np.float64)
         x = rng.normal(0, 1, (5, 96)).astype(np.float32)
         for int8 in (False, True):
-            got = np.array(qmm.gguf_matmul(mx.array(x), *held(raw, qtype), int8=int8))
+            got = product(x, held(raw, qtype), int8)
             truth = (rounded(x, block) if int8 else x.astype(np.float64)) @ w.T
             assert (np.abs(got - truth) / (np.abs(x).astype(np.float64) @ np.abs(w).T)).max() < 2e-7
 
@@ -129,9 +136,8 @@ def test_a_wrong_codebook_entry_fails(kernels):
     in the truth are off by far more than the tolerance above (so that test would catch a kernel with it)."""
     rng = np.random.default_rng(2)
     raw = random_blocks(QT.IQ4_NL, 16, 256, rng)
-    codes, scales = held(raw, QT.IQ4_NL)
     x = rng.normal(0, 1, (2, 256)).astype(np.float32)
-    got = np.array(qmm.gguf_matmul(mx.array(x), codes, scales, int8=False))
+    got = product(x, held(raw, QT.IQ4_NL), False)
     planted = gguf.quants.IQ4_NL.kvalues
     try:
         gguf.quants.IQ4_NL.kvalues = (*planted[:5], planted[5] + 1, *planted[6:])
@@ -140,6 +146,22 @@ def test_a_wrong_codebook_entry_fails(kernels):
         gguf.quants.IQ4_NL.kvalues = planted
     scale = np.abs(x).astype(np.float64) @ np.abs(wrong).T
     assert (np.abs(got - x.astype(np.float64) @ wrong.T) / scale).max() > 1e-4
+
+
+def test_q6_k_sub_block_scales_are_each_their_own(kernels):
+    """Each of a Q6_K block's 16 values x 16 sub-blocks takes its own int8 scale: with two neighbouring scales
+    swapped in the truth (sub-blocks 2c and 2c + 1 share a 32-value step of the kernels), both products are
+    off by far more than the tolerance above."""
+    rng = np.random.default_rng(4)
+    raw = random_blocks(QT.Q6_K, 16, 512, rng)
+    x = rng.normal(0, 1, (3, 512)).astype(np.float32)
+    swapped = raw.reshape(16, 2, 210).copy()
+    swapped[:, :, [196, 197]] = swapped[:, :, [197, 196]]  # sub-blocks 4 and 5 (scales at bytes 192-207)
+    wrong = gguf.quants.dequantize(swapped.reshape(16, -1), QT.Q6_K).astype(np.float64)
+    for int8 in (False, True):
+        got = product(x, held(raw, QT.Q6_K), int8)
+        truth = (rounded(x, 256) if int8 else x.astype(np.float64)) @ wrong.T
+        assert (np.abs(got - truth) / (np.abs(x).astype(np.float64) @ np.abs(wrong).T)).max() > 1e-4
 
 
 # ---- loading: the file's bytes, read in place -----------------------------------------------------------------
@@ -155,12 +177,17 @@ def test_layer_matrices_are_held_as_the_files_bytes(tmp_path, kernels, qtype):
     module = "model.layers.0.mlp.down_proj"
     entry = checkpoint.tensors[f"{module}.weight"]
     assert entry.how == "native"
-    weight, scales = checkpoint.read(f"{module}.weight"), checkpoint.read(f"{module}.scales")
-    assert f"{module}.biases" not in checkpoint.tensors
-    assert weight.nbytes + scales.nbytes == raw.nbytes == entry.source[0].nbytes
-    codes, expected_scales = quants.native_arrays(raw, qtype.name)
-    assert np.array_equal(np.array(weight), codes) and np.array_equal(np.array(scales), expected_scales)
-    assert sum(checkpoint.tensors[f"{module}.{p}"].nbytes for p in ("weight", "scales")) == raw.nbytes
+    parts = ("weight", "scales", "biases") if qtype == QT.Q6_K else ("weight", "scales")  # Q6_K's d as biases
+    assert {n for n in checkpoint.tensors if n.startswith(module)} == {f"{module}.{p}" for p in parts}
+    arrays = [checkpoint.read(f"{module}.{p}") for p in parts]
+    assert sum(a.nbytes for a in arrays) == raw.nbytes == entry.source[0].nbytes
+    held_bytes = np.concatenate([np.array(a).view(np.uint8).reshape(64, -1) for a in arrays], axis=1)
+    per_block = {QT.IQ4_NL: (16, 2), QT.IQ4_XS: (128, 8), QT.Q6_K: (192, 16, 2)}[qtype]  # bytes of each part
+    pieces = [p.reshape(64, -1, n) for p, n in zip(np.split(held_bytes, np.cumsum(
+        [a.nbytes // 64 for a in arrays])[:-1], axis=1), per_block)]
+    in_file = np.concatenate(pieces[1:] + pieces[:1], axis=-1) if qtype != QT.Q6_K else np.concatenate(pieces, axis=-1)
+    assert np.array_equal(in_file.reshape(64, -1), raw)  # the file's bytes, block by block
+    assert sum(checkpoint.tensors[f"{module}.{p}"].nbytes for p in parts) == raw.nbytes
     # --quantize asks for MLX's layout: re-quantized as before
     assert GGUFCheckpoint(path, 8).tensors[f"{module}.weight"].how == "requantized"
 
@@ -185,7 +212,7 @@ def iq_model(request, tmp_path_factory):
 
     encode = test_gguf_inplace.encode
     test_gguf_inplace.encode = lambda w, q: pack_iq4(w.reshape(-1, w.shape[-1]), q).reshape(*w.shape[:-1], -1) \
-        if q in TYPES else encode(w, q)
+        if q in (QT.IQ4_NL, QT.IQ4_XS) else encode(w, q)
     try:
         model, written = _model(tmp, request.param)
     finally:
@@ -217,10 +244,12 @@ def test_model_matches_transformers_on_the_files_weights(iq_model, kernels):
             ours = logits[0]
             assert_far_from_uniform(ours)
             error = np.abs(ours - truth).max()
-            if not int8:  # float32 rounding: measured 1.5e-4 both types (logits up to |14|), as the K-quants' 3.1e-4
+            if not int8:  # float32 rounding: measured 1.5e-4 all three types (logits up to |14|), as the K-quants' 3.1e-4
                 assert error < 4e-4 and (ours.argmax(-1) == truth.argmax(-1)).all(), error
-            else:  # measured 2.4 / 92% (IQ4_NL), 3.7 (IQ4_XS: blocks of 256); a Q8_0 file's int8 products: 4.3 / 70%
-                assert error < 4.5 and (ours.argmax(-1) == truth.argmax(-1)).mean() > 0.75, error
+            else:  # measured 2.4 / 92% (IQ4_NL), 3.7 / 77% (IQ4_XS: blocks of 256), 5.1 / 81% (Q6_K: blocks of 256);
+                # a Q8_0 file's int8 products: 4.3 / 70%
+                bound = 6.0 if qtype == QT.Q6_K else 4.5
+                assert error < bound and (ours.argmax(-1) == truth.argmax(-1)).mean() > 0.75, error
     finally:
         state.gguf_int8 = saved
 

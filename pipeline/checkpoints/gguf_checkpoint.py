@@ -5,7 +5,7 @@ The index is built from the header alone (gguf_file.py): llama.cpp's tensor name
 our modules load (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`), and a
 quantized tensor appears as the three arrays MLX quantization holds (`.weight` packed, `.scales`,
 `.biases`), in the layout quants.py maps it to: exactly where MLX can carry its values, in the file's own
-blocks for the types pipeline's kernels compute so (quants.NATIVE: IQ4_NL, IQ4_XS), re-quantized otherwise. Reading one of the three decodes the GGUF tensor once, in row chunks, from its byte range.
+blocks for the types pipeline's kernels compute so (quants.NATIVE: IQ4_NL, IQ4_XS, Q6_K), re-quantized otherwise. Reading one of the three decodes the GGUF tensor once, in row chunks, from its byte range.
 The index loads no MLX (the planner reads it): MLX is imported where arrays are made.
 
 What llama.cpp's converter changed from the Hugging Face checkpoint is undone here:
@@ -91,7 +91,7 @@ class Entry:
         n = 1
         for d in self.shape:
             n *= d
-        return n * {"U32": 4, "U8": 1, "F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I8": 1, "U16": 2}.get(self.dtype, 4)
+        return n * {"U32": 4, "U8": 1, "F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I8": 1, "U16": 2, "I64": 8}.get(self.dtype, 4)
 
 
 def hf_name(gguf_name: str) -> tuple[int | None, str] | None:
@@ -330,7 +330,7 @@ class GGUFCheckpoint(Checkpoint):
         arrays = {}
         worst = largest = 0.0
         if entry.how == "native":  # the file's bytes, codes apart from scales (quants.native_arrays)
-            parts = {"weight": [], "scales": []}
+            parts = {"weight": [], "scales": []} | ({"biases": []} if tensor.ggml_type == "Q6_K" else {})
             for _, raw in self._chunks(tensor):
                 for part, array in zip(parts, quants.native_arrays(raw, tensor.ggml_type)):
                     parts[part].append(array)

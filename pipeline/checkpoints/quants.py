@@ -23,10 +23,13 @@ Types held in their own blocks (NATIVE: IQ4_NL, IQ4_XS). Where pipeline's kernel
 into the blocks' 4-bit codes and their scales (native_arrays), and its products run on them as llama.cpp
 computes (kernels/gguf_kernels.cpp, through kernels/qmm.py): no value changes. The module looks like
 MLX's mxfp4 (4-bit codes, one scale per 32, no biases); its scales' dtype says the type (uint16: IQ4_NL's
-fp16 d per 32, as bits, which no cast to --dtype touches; int8: IQ4_XS's 8 header bytes per 256). Embeddings, the LM head and expert stacks of those
-types are re-quantized as below (their lookups and gathers run MLX's own code).
+fp16 d per 32, as bits, which no cast to --dtype touches; int8: IQ4_XS's 8 header bytes per 256). A Q6_K
+matrix (256 values: ql[128], qh[64], int8 scales[16], fp16 d) has no split into those shapes (210 bytes per
+256 values): it looks like MLX's 6-bit affine with groups of 128, its weight the 192 code bytes, its scales
+int64 (the 16 int8 scales, 2 per 256), its biases uint8 (d's 2 bytes). Embeddings, the LM head and expert
+stacks of those types are re-quantized as below (their lookups and gathers run MLX's own code).
 
-Re-quantized types. Q6_K, Q3_K and Q2_K scale 16-value sub-blocks, which no MLX group size
+Re-quantized types. Q6_K (but for layer matrices, above), Q3_K and Q2_K scale 16-value sub-blocks, which no MLX group size
 (32, 64, 128) carries, and the i-quants look values up in codebooks: they are dequantized by the
 `gguf` package's own dequantizers and re-quantized by MLX, a row chunk at a time, so memory stays
 near the quantized size. The largest error against the dequantized source is measured on the fly.
@@ -52,7 +55,7 @@ REQUANTIZED = {
 }
 # GGML type -> (its ggml type id, the dtype its scales are held in, values per block) for types held in their own
 # blocks (see the module docstring): the kernels' `gguf_matmul` takes them (kernels/qmm.py GGUF_NATIVE)
-NATIVE = {"IQ4_NL": (20, "U16", 32), "IQ4_XS": (23, "I8", 256)}
+NATIVE = {"IQ4_NL": (20, "U16", 32), "IQ4_XS": (23, "I8", 256), "Q6_K": (14, "I64", 256)}
 # Types whose MLX scales and biases fp16 holds exactly (d, m, or d times a power of two), kept in fp16;
 # the K-quants' d x sc_j needs float32.
 FP16_SCALES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
@@ -93,7 +96,7 @@ def layout(ggml_type: str, cols: int, requantize_bits: int | None, group_size: i
     if ggml_type in FLOATS or ggml_type in INTEGERS:
         return Layout("float")
     if native and ggml_type in NATIVE and not requantize_bits:
-        return Layout("native", 4, 32, "mxfp4")
+        return Layout("native", 6, 128, "affine") if ggml_type == "Q6_K" else Layout("native", 4, 32, "mxfp4")
     if ggml_type in EXACT:
         bits, group, mode = EXACT[ggml_type]
         return Layout("exact", bits, group, mode)
@@ -106,7 +109,10 @@ def layout(ggml_type: str, cols: int, requantize_bits: int | None, group_size: i
 def packed_shapes(rows: tuple[int, ...], cols: int, lay: Layout, ggml_type: str) -> dict[str, tuple[tuple[int, ...], str]]:
     """suffix -> (shape, safetensors-style dtype) of the arrays an MLX-quantized tensor becomes."""
     shapes = {"weight": ((*rows, cols * lay.bits // 32), "U32")}
-    if lay.kind == "native":
+    if lay.kind == "native" and ggml_type == "Q6_K":
+        shapes["scales"] = ((*rows, cols // 128), "I64")
+        shapes["biases"] = ((*rows, cols // 128), "U8")
+    elif lay.kind == "native":
         shapes["scales"] = ((*rows, cols // 32), NATIVE[ggml_type][1])
     elif lay.mode == "mxfp4":
         shapes["scales"] = ((*rows, cols // lay.group_size), "U8")
@@ -260,12 +266,18 @@ def _decode_exact(raw: np.ndarray, ggml_type: str) -> tuple[np.ndarray, np.ndarr
     raise ValueError(f"{ggml_type} does not map exactly onto MLX")
 
 
-def native_arrays(raw: np.ndarray, ggml_type: str) -> tuple[np.ndarray, np.ndarray]:
+def native_arrays(raw: np.ndarray, ggml_type: str) -> tuple[np.ndarray, ...]:
     """GGML rows of a NATIVE type (uint8 [rows, bytes per row]) -> (codes uint32 [rows, cols / 8], scales
     [rows, cols / 32]): the same bytes, the blocks' codes apart from their scales (see the module docstring
     and kernels/gguf_kernels.cpp): IQ4_NL blocks are d (fp16) + 16 code bytes, IQ4_XS super-blocks 8 header
-    bytes (d, scales_h, scales_l) + 128 code bytes."""
+    bytes (d, scales_h, scales_l) + 128 code bytes. Q6_K -> (codes uint32 [rows, 3 cols / 16]: ql and qh,
+    scales int64 [rows, cols / 128]: the 16 int8 scales, d uint8 [rows, cols / 128]: d's bytes)."""
     rows = raw.shape[0]
+    if ggml_type == "Q6_K":
+        blocks = raw.reshape(rows, -1, 210)
+        codes = np.ascontiguousarray(blocks[..., :192]).reshape(rows, -1).view("<u4")
+        scales = np.ascontiguousarray(blocks[..., 192:208]).reshape(rows, -1).view("<i8")
+        return codes, scales, np.ascontiguousarray(blocks[..., 208:]).reshape(rows, -1)
     header = 2 if ggml_type == "IQ4_NL" else 8
     blocks = raw.reshape(rows, -1, header + (16 if ggml_type == "IQ4_NL" else 128))
     codes = np.ascontiguousarray(blocks[..., header:]).reshape(rows, -1).view("<u4")

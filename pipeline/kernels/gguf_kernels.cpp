@@ -28,12 +28,14 @@
  * code). Built with the rest of the extension by build.py (-march=native): the ISA is this machine's.
  */
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -53,7 +55,7 @@ namespace nb = nanobind;
 
 namespace {
 
-enum GGMLType { IQ4_NL = 20, IQ4_XS = 23 };  // ggml's type ids (GGMLQuantizationType)
+enum GGMLType { Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23 };  // ggml's type ids (GGMLQuantizationType)
 
 constexpr int BLOCK = 32;  // values per code block (qs of 16 bytes)
 constexpr int SUPER = 256;  // values per IQ4_XS super-block and per Q8_K activation block
@@ -65,16 +67,30 @@ inline float half_at(const uint8_t *p) {
     return static_cast<float>(h);
 }
 
-/* One held matrix: row r's codes at codes + r * k / 2, its scales at scales + r * scale_row_bytes. */
+/* One held matrix: row r's codes at codes + r * code_row_bytes, its scales at scales + r * scale_row_bytes,
+   Q6_K's d (fp16) per 256 at ds + r * k / 128. */
 struct NativeMatrix {
-    const uint8_t *codes, *scales;
+    const uint8_t *codes, *scales, *ds;
     int type;
     int64_t n, k;
 
-    int64_t scale_row_bytes() const { return type == IQ4_NL ? k / BLOCK * 2 : k / BLOCK; }
-    const uint8_t *codes_of(int64_t r) const { return codes + r * (k / 2); }
+    int64_t code_row_bytes() const { return type == Q6_K ? k / SUPER * 192 : k / 2; }
+    int64_t scale_row_bytes() const { return type == IQ4_NL ? k / BLOCK * 2 : type == Q6_K ? k / 16 : k / BLOCK; }
+    const uint8_t *codes_of(int64_t r) const { return codes + r * code_row_bytes(); }
     const uint8_t *scales_of(int64_t r) const { return scales + r * scale_row_bytes(); }
+    const uint8_t *ds_of(int64_t r) const { return ds + r * (k / SUPER * 2); }
 };
+
+/* Q6_K: the 32 values of chunk c (0..3) of a 128-value half of a super-block (ql: its 64 bytes, qh: its 32),
+   minus 32, in order (ggml's dequantize_row_q6_K): value l's low 4 bits are the low (c < 2) or high nibble of
+   ql[l + 32 (c % 2)], its high 2 bits bits 2c, 2c + 1 of qh[l]; values 0-15 are sub-block 2c of the half,
+   16-31 sub-block 2c + 1. */
+inline void q6_values(const uint8_t *ql, const uint8_t *qh, int c, int8_t *out) {
+    for (int l = 0; l < 32; l++) {
+        const int low = (ql[l + 32 * (c % 2)] >> (4 * (c / 2))) & 15, high = (qh[l] >> (2 * c)) & 3;
+        out[l] = int8_t((low | (high << 4)) - 32);
+    }
+}
 
 /* IQ4_XS: the 6-bit scale of sub-block j (0..7) of a super-block's 8 header bytes, minus 32. */
 inline int xs_scale(const uint8_t *head, int j) {
@@ -120,6 +136,32 @@ template <int R>
 void float_tile(const NativeMatrix &m, int64_t col, const float *const *x, float *const *out) {
     const uint8_t *codes = m.codes_of(col), *scales = m.scales_of(col);
     v16 acc[R] = {};
+    if (m.type == Q6_K) {  // sub-block by sub-block of 16: w = (d sc_j) (q - 32), exact (at most 24 bits)
+        const int8_t *sc = reinterpret_cast<const int8_t *>(scales);
+        for (int64_t sb = 0; sb < m.k / SUPER; sb++) {
+            const float d = half_at(m.ds_of(col) + 2 * sb);
+            for (int h = 0; h < 2; h++)
+                for (int c = 0; c < 4; c++) {
+                    int8_t q[32];
+                    q6_values(codes + 192 * sb + 64 * h, codes + 192 * sb + 128 + 32 * h, c, q);
+                    const int j = 16 * int(sb) + 8 * h + 2 * c;  // the first sub-block's scale
+                    const float s0 = d * float(sc[j]), s1 = d * float(sc[j + 1]);
+                    float a[16], b[16];
+                    for (int i = 0; i < 16; i++) {
+                        a[i] = s0 * float(q[i]);
+                        b[i] = s1 * float(q[i + 16]);
+                    }
+                    const v16 w0 = load16(a), w1 = load16(b);
+                    const int64_t at = SUPER * sb + 128 * h + 32 * c;
+                    for (int r = 0; r < R; r++) {
+                        acc[r] = fma16(w0, load16(x[r] + at), acc[r]);
+                        acc[r] = fma16(w1, load16(x[r] + at + 16), acc[r]);
+                    }
+                }
+        }
+        for (int r = 0; r < R; r++) out[r][col] = lanes_sum(acc[r]);
+        return;
+    }
     for (int64_t b = 0; b < m.k / BLOCK; b++) {
         v16 w0, w1;
         dequantize_block(codes + 16 * b, block_scale(m, scales, b), w0, w1);
@@ -190,6 +232,23 @@ inline BlockWeights block_weights(const uint8_t *qs) {
     out.magnitude = _mm256_sign_epi8(out.w, out.w);
 #else
     for (int i = 0; i < 32; i++) out.w[i] = KVALUES[i < 16 ? qs[i] & 15 : qs[i - 16] >> 4];
+#endif
+    return out;
+}
+
+/* Q6_K chunk c of a half (q6_values) as int8 weights q - 32 (|w| <= 32), and their magnitudes. */
+inline BlockWeights q6_weights(const uint8_t *ql, const uint8_t *qh, int c) {
+    BlockWeights out;
+#if defined(__AVX2__)
+    const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(ql + 32 * (c % 2)));
+    const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(qh));
+    const __m256i three = _mm256_set1_epi8(3), fifteen = _mm256_set1_epi8(15);
+    const __m256i nibble = _mm256_and_si256(c < 2 ? low : _mm256_srli_epi16(low, 4), fifteen);
+    const __m256i top = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 2 * c), three), 4);
+    out.w = _mm256_sub_epi8(_mm256_or_si256(nibble, top), _mm256_set1_epi8(32));
+    out.magnitude = _mm256_sign_epi8(out.w, out.w);
+#else
+    q6_values(ql, qh, c, out.w);
 #endif
     return out;
 }
@@ -276,6 +335,24 @@ void int8_tile(const NativeMatrix &m, int64_t col, const int8_t *const *xq, cons
                                 chain[r]);
         }
         for (int r = 0; r < R; r++) acc[r] += odd[r];
+    } else if (m.type == Q6_K) {
+        // llama.cpp's vec_dot_q6_K_q8_K: per super-block the integer sum over its 16 sub-blocks of sc_j times
+        // sum((q - 32) * xq), exact (|value| < 2^31), then acc = fma(float(sum), d_w * d_x, acc)
+        const int8_t *sc = reinterpret_cast<const int8_t *>(scales);
+        for (int64_t sb = 0; sb < m.k / SUPER; sb++) {
+            i32x8 sum[R] = {};
+            for (int h = 0; h < 2; h++)
+                for (int c = 0; c < 4; c++) {
+                    const BlockWeights w = q6_weights(codes + 192 * sb + 64 * h, codes + 192 * sb + 128 + 32 * h, c);
+                    const int j = 16 * int(sb) + 8 * h + 2 * c;  // lanes 0-3: sub-block j, 4-7: j + 1
+                    const i32x8 s = {sc[j], sc[j], sc[j], sc[j], sc[j + 1], sc[j + 1], sc[j + 1], sc[j + 1]};
+                    const int64_t at = SUPER * sb + 128 * h + 32 * c;
+                    for (int r = 0; r < R; r++) sum[r] += block_dot(w, xq[r] + at) * s;
+                }
+            const float d = half_at(m.ds_of(col) + 2 * sb);
+            for (int r = 0; r < R; r++)
+                acc[r] = fma8(__builtin_convertvector(sum[r], f32x8), splat8(d * xd[r][sb]), acc[r]);
+        }
     } else {
         for (int64_t sb = 0; sb < m.k / SUPER; sb++) {
             const uint8_t *head = scales + 8 * sb;
@@ -365,9 +442,10 @@ class NativeProduct : public mx::UnaryPrimitive {
             std::vector<mx::array> keep;
             const mx::array x = contiguous(inputs[0], keep), codes = contiguous(inputs[1], keep),
                             scales = contiguous(inputs[2], keep);
+            const mx::array ds = inputs.size() > 3 ? contiguous(inputs[3], keep) : scales;
             const int64_t k = x.shape(-1), rows = k ? int64_t(x.size()) / k : 0, n = codes.shape(0);
             if (rows == 0 || n == 0) return;
-            const NativeMatrix m{codes.data<uint8_t>(), scales.data<uint8_t>(), type, n, k};
+            const NativeMatrix m{codes.data<uint8_t>(), scales.data<uint8_t>(), ds.data<uint8_t>(), type, n, k};
             product(m, x.data<float>(), rows, out.data<float>(), int8);
         });
     }
@@ -394,10 +472,25 @@ class NativeProduct : public mx::UnaryPrimitive {
     bool int8_;
 };
 
-void check(const mx::array &x, const mx::array &codes, const mx::array &scales, int type) {
+void check_q6_k(const mx::array &x, const mx::array &codes, const mx::array &scales, const std::optional<mx::array> &ds) {
+    auto fail = [](const std::string &why) { throw std::invalid_argument("pipeline GGUF product (Q6_K): " + why); };
+    const int64_t k = x.shape(-1);
+    if (k % SUPER) fail("k must be a multiple of 256");
+    if (codes.ndim() != 2 || (codes.dtype() != mx::uint8 && codes.dtype() != mx::uint32) ||
+        codes.nbytes() != size_t(codes.shape(0) * (k / SUPER * 192)))
+        fail("codes must be uint8 [n, 3 k / 4] (or uint32 [n, 3 k / 16])");
+    if (scales.ndim() != 2 || scales.shape(0) != codes.shape(0) || scales.shape(1) != k / 128 || scales.dtype() != mx::int64)
+        fail("scales must be int64 [n, k / 128] (the blocks' 16 int8 scales)");
+    if (!ds || ds->ndim() != 2 || ds->shape(0) != codes.shape(0) || ds->shape(1) != k / 128 || ds->dtype() != mx::uint8)
+        fail("d must be uint8 [n, k / 128] (the blocks' fp16 d)");
+}
+
+void check(const mx::array &x, const mx::array &codes, const mx::array &scales, const std::optional<mx::array> &ds,
+           int type) {
     auto fail = [](const std::string &why) { throw std::invalid_argument("pipeline GGUF product: " + why); };
-    if (type != IQ4_NL && type != IQ4_XS) fail("type must be IQ4_NL (20) or IQ4_XS (23)");
+    if (type != IQ4_NL && type != IQ4_XS && type != Q6_K) fail("type must be Q6_K (14), IQ4_NL (20) or IQ4_XS (23)");
     if (x.ndim() < 1 || x.dtype() != mx::float32) fail("x must be float32 [..., k]");
+    if (type == Q6_K) return check_q6_k(x, codes, scales, ds);
     const int64_t k = x.shape(-1);
     if (codes.ndim() != 2 || (codes.dtype() != mx::uint8 && codes.dtype() != mx::uint32) ||
         codes.nbytes() != size_t(codes.shape(0) * (k / 2)))
@@ -416,14 +509,16 @@ mx::Stream cpu_stream() { return mx::default_stream(mx::Device(mx::Device::cpu))
 void register_gguf(nb::module_ &m) {
     m.def(
         "gguf_matmul",
-        [](const mx::array &x, const mx::array &codes, const mx::array &scales, int type, bool int8) {
-            check(x, codes, scales, type);
+        [](const mx::array &x, const mx::array &codes, const mx::array &scales, int type, bool int8,
+           const std::optional<mx::array> &ds) {
+            check(x, codes, scales, ds, type);
             mx::Shape shape = x.shape();
             shape.back() = codes.shape(0);
-            return mx::array(shape, mx::float32, std::make_shared<NativeProduct>(cpu_stream(), type, int8),
-                             {x, codes, scales});
+            std::vector<mx::array> inputs{x, codes, scales};
+            if (type == Q6_K) inputs.push_back(*ds);
+            return mx::array(shape, mx::float32, std::make_shared<NativeProduct>(cpu_stream(), type, int8), inputs);
         },
-        nb::arg("x"), nb::arg("codes"), nb::arg("scales"), nb::arg("type"), nb::arg("int8"),
-        "x [..., k] float32 @ w.T for a GGUF tensor held in its own blocks (IQ4_NL, IQ4_XS), lazily; int8: x "
+        nb::arg("x"), nb::arg("codes"), nb::arg("scales"), nb::arg("type"), nb::arg("int8"), nb::arg("d") = nb::none(),
+        "x [..., k] float32 @ w.T for a GGUF tensor held in its own blocks (Q6_K, IQ4_NL, IQ4_XS), lazily; d: Q6_K's fp16 d bytes; int8: x "
         "rounded per block as llama.cpp's q8 pairs (else float products)");
 }

@@ -18,8 +18,10 @@ activations rounded to int8 per 32 inputs, integer dot products (AVX-512 VNNI wh
 as llama.cpp computes; 2-6x faster than the float32 kernels, outputs within about 1% of them, and
 still the same bits whatever the batch, row count or ISA.
 
-GGUF tensors held in their own blocks (IQ4_NL, IQ4_XS: checkpoints/quants.py NATIVE) look like MLX's mxfp4
-modules whose scales are not e8m0 bytes (uint16: IQ4_NL's fp16 bits, int8: IQ4_XS's); their products run
+GGUF tensors held in their own blocks (IQ4_NL, IQ4_XS, Q6_K: checkpoints/quants.py NATIVE) look like MLX's
+quantized modules whose scales are integers (IQ4: mxfp4 with uint16 scales, IQ4_NL's fp16 bits, or int8,
+IQ4_XS's; Q6_K: 6-bit affine, group 128, int64 scales holding the blocks' int8 scales and uint8 biases their
+fp16 d); their products run
 gguf_kernels.cpp, as llama.cpp computes them: int8 activations rounded per block where this machine's
 int8 products are the default (x86-64 with AVX2), float products elsewhere (`gguf_int8`).
 
@@ -42,7 +44,7 @@ BITS = (2, 3, 4, 5, 6, 8)
 GROUP_SIZES = (32, 64, 128)
 SCALE_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 # the scales' dtype of a GGUF tensor held in its own blocks -> its GGML type id (gguf_kernels.cpp)
-GGUF_NATIVE = {mx.uint16: 20, mx.int8: 23}
+GGUF_NATIVE = {mx.uint16: 20, mx.int8: 23, mx.int64: 14}
 
 
 def extension_for(x: mx.array) -> object:
@@ -73,7 +75,7 @@ def covers(w: mx.array, scales: mx.array, biases: mx.array | None, group_size: i
 
 def is_gguf_native(scales: mx.array, mode: str) -> bool:
     """Whether a quantized module's arrays are a GGUF tensor held in its own blocks (see the module docstring)."""
-    return mode == "mxfp4" and scales.dtype in GGUF_NATIVE
+    return mode in ("mxfp4", "affine") and scales.dtype in GGUF_NATIVE
 
 
 def set_gguf_int8(on: bool) -> None:
@@ -91,15 +93,16 @@ def gguf_int8() -> bool:
     return state.gguf_int8
 
 
-def gguf_matmul(x: mx.array, codes: mx.array, scales: mx.array, int8: bool | None = None) -> mx.array:
-    """x @ w.T for a GGUF tensor held in its own blocks (codes, scales: checkpoints/quants.py native_arrays);
-    int8: activations rounded per block (None: gguf_int8())."""
+def gguf_matmul(x: mx.array, codes: mx.array, scales: mx.array, int8: bool | None = None,
+                d: mx.array | None = None) -> mx.array:
+    """x @ w.T for a GGUF tensor held in its own blocks (codes, scales and Q6_K's d: checkpoints/quants.py
+    native_arrays); int8: activations rounded per block (None: gguf_int8())."""
     state = load()
     if state.module is None:
         raise RuntimeError(f"GGUF tensors held in their own blocks need pipeline's kernels ({state.why_not})")
     int8 = gguf_int8() if int8 is None else int8
     state.used["int8" if int8 else "pipeline"] += 1
-    return _in_dtype_of(x, state.module.gguf_matmul(_float32(x), codes, scales, GGUF_NATIVE[scales.dtype], int8))
+    return _in_dtype_of(x, state.module.gguf_matmul(_float32(x), codes, scales, GGUF_NATIVE[scales.dtype], int8, d))
 
 
 def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None = None,
@@ -108,7 +111,7 @@ def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
     """`mx.quantized_matmul`, through pipeline's kernels where they cover the product. int8: w, scales
     and biases are in the int8 products' layout (checkpoints/int8_repack.py)."""
     if is_gguf_native(scales, mode):
-        return gguf_matmul(x, w, scales)
+        return gguf_matmul(x, w, scales, d=biases)
     state = load()
     if int8:
         state.used["int8"] += 1
@@ -180,13 +183,13 @@ class QuantizedLinear(nn.QuantizedLinear):
 
 
 class GGUFLinear(nn.Module):
-    """A Linear whose weight is a GGUF tensor held in its own blocks (IQ4_NL, IQ4_XS): `weight` (the codes) and
-    `scales` as checkpoints/quants.py native_arrays holds them, products by gguf_matmul. Loaded as an MLX
-    mxfp4 module (QuantizedLinear.after_load), then no longer one: what handles MLX's layouts (dequantizing a
+    """A Linear whose weight is a GGUF tensor held in its own blocks (IQ4_NL, IQ4_XS, Q6_K): `weight` (the codes),
+    `scales` (and Q6_K's d as `biases`) as checkpoints/quants.py native_arrays holds them, products by
+    gguf_matmul. Loaded as an MLX quantized module (QuantizedLinear.after_load), then no longer one: what handles MLX's layouts (dequantizing a
     slice for --weights-in-memory fp32, the int8 repack) leaves it as it is."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        out = gguf_matmul(x, self["weight"], self["scales"])
+        out = gguf_matmul(x, self["weight"], self["scales"], d=self.get("biases"))
         return out + self["bias"] if "bias" in self else out
 
 

@@ -49,7 +49,7 @@ class CheckpointFormat:
         return self.kind == "mlx" and p.module in self.config.raw.get(quants.SYMMETRIC_KEY, ())
 
     def held_in_blocks(self, p: Param) -> bool:
-        """Whether a tensor is held as the file's own blocks, its bytes on disk (a GGUF's IQ4_NL / IQ4_XS
+        """Whether a tensor is held as the file's own blocks, its bytes on disk (a GGUF's IQ4_NL / IQ4_XS / Q6_K
         layer matrices: checkpoints/quants.py NATIVE)."""
         return False
 

@@ -60,7 +60,7 @@ class Precision:
         if self.checkpoint.config.model_type == "deepseek_v4":
             if p.name.endswith(FLOAT32):  # held in float32 whatever the dtype, as the loader does
                 return p.numel * 4
-        if self.checkpoint.held_in_blocks(p):  # a GGUF's IQ4 layer matrices: the file's bytes, whatever the flags
+        if self.checkpoint.held_in_blocks(p):  # a GGUF's IQ4 / Q6_K layer matrices: the file's bytes, whatever the flags
             return self.checkpoint.disk_bytes(p)
         native = self.checkpoint.native(p)
         if native and self.dense and self.checkpoint.kind in ("mlx", "gguf"):
