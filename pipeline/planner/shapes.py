@@ -161,11 +161,18 @@ def architecture(config: ModelConfig) -> Architecture:
         return _minimax_m2_architecture(config)
     else:
         raise UserError(f"the planner does not know model_type {t!r} (known: {', '.join(KNOWN_TYPES)})")
+    ends = _ends(config)
+    return Architecture(config, layers, ends, unused, top_k, kv, note)
+
+
+def _ends(config: ModelConfig, *more: Param) -> list[Param]:
+    """The model's ends: the embedding, the final norm, `more` (DeepSeek V4's head mixing), and the
+    LM head unless it is the embedding's (tie_word_embeddings)."""
     v, d = config.vocab_size, config.hidden_size
-    ends = [Param("model.embed_tokens.weight", (v, d)), Param("model.norm.weight", (d,))]
+    ends = [Param("model.embed_tokens.weight", (v, d)), Param("model.norm.weight", (d,)), *more]
     if not config.tie_word_embeddings:
         ends.append(Param("lm_head.weight", (v, d)))
-    return Architecture(config, layers, ends, unused, top_k, kv, note)
+    return ends
 
 
 def _linear(name: str, out: int, inp: int, bias: bool = False, experts: int = 0) -> list[Param]:
@@ -275,12 +282,8 @@ def _deepseek_v4_architecture(config: ModelConfig) -> Architecture:
                    + _norm(f"{p}.enorm", d) + _norm(f"{p}.hnorm", d) + _norm(f"{p}.norm", d)
                    + [Param(f"{p}.hc_head.hc_fn", (n, n * d)), Param(f"{p}.hc_head.hc_base", (n,)),
                       Param(f"{p}.hc_head.hc_scale", (1,))])
-    v = config.vocab_size
-    ends = [Param("model.embed_tokens.weight", (v, d)), Param("model.norm.weight", (d,)),
-            Param("model.hc_head.hc_fn", (n, n * d)), Param("model.hc_head.hc_base", (n,)),
-            Param("model.hc_head.hc_scale", (1,))]
-    if not config.tie_word_embeddings:
-        ends.append(Param("lm_head.weight", (v, d)))
+    ends = _ends(config, Param("model.hc_head.hc_fn", (n, n * d)), Param("model.hc_head.hc_base", (n,)),
+                 Param("model.hc_head.hc_scale", (1,)))
     mean = sum(cache.per_token for cache in kv_layers) / len(kv_layers)
     note = (f"compressed per layer type ({hd}-value entries per {compress_rate(config, 'compressed_sparse_attention')} "
             f"tokens + indexer keys / per {compress_rate(config, 'heavily_compressed_attention')} tokens) plus a "
@@ -363,10 +366,7 @@ def _qwen3_5_moe_architecture(config: ModelConfig) -> Architecture:
     if unused:
         unused += (_linear("mtp.fc", d, 2 * d) + _norm("mtp.pre_fc_norm_embedding", d)
                    + _norm("mtp.pre_fc_norm_hidden", d) + _norm("mtp.norm", d))
-    v = config.vocab_size
-    ends = [Param("model.embed_tokens.weight", (v, d)), Param("model.norm.weight", (d,))]
-    if not config.tie_word_embeddings:
-        ends.append(Param("lm_head.weight", (v, d)))
+    ends = _ends(config)
     linear = kinds.count("linear_attention")
     note = (f"keys+values in the {len(kinds) - linear} full-attention layers ({config.num_key_value_heads} KV heads x "
             f"{hd}); each of the {linear} linear-attention layers keeps a fixed state per sequence instead "
@@ -478,10 +478,7 @@ def _glm_moe_dsa_architecture(config: ModelConfig) -> Architecture:
                    # The checkpoint stores its own copies of the embedding and the LM head.
                    Param(f"{p}.embed_tokens.weight", (config.vocab_size, d)),
                    Param(f"{p}.shared_head.head.weight", (config.vocab_size, d))]
-    v = config.vocab_size
-    ends = [Param("model.embed_tokens.weight", (v, d)), Param("model.norm.weight", (d,))]
-    if not config.tie_word_embeddings:
-        ends.append(Param("lm_head.weight", (v, d)))
+    ends = _ends(config)
     shared = indexers.count("shared")
     note = (f"MLA latent, kv_lora_rank {r['kv_lora_rank']} + rope {r['qk_rope_head_dim']}, + indexer key "
             f"{index_key} in the {n - shared} layers with their own indexer (a decode step reads the indexer keys "
@@ -513,10 +510,7 @@ def _minimax_m2_architecture(config: ModelConfig) -> Architecture:
             params += [Param(f"{p}.mlp.e_score_correction_bias", (experts,))]
         params += _mlp(f"{p}.mlp.experts.0", d, config.intermediate_size, experts=experts)
         layers.append(params)
-    v = config.vocab_size
-    ends = [Param("model.embed_tokens.weight", (v, d)), Param("model.norm.weight", (d,))]
-    if not config.tie_word_embeddings:
-        ends.append(Param("lm_head.weight", (v, d)))
+    ends = _ends(config)
     note = f"keys+values, {kv} KV heads x {hd}"
     return Architecture(config, layers, ends, [], int(r["num_experts_per_tok"]), 2 * kv * hd, note)
 
