@@ -399,12 +399,7 @@ def test_deepseek_v4_template_writes_tools_calls_and_results_as_published(tmp_pa
     """Our V4 template (pipeline/checkpoints/templates) against V4's encoding_dsv4.py, worked by
     hand for a system prompt, tools, a user turn, an assistant's reasoning and two calls, their two
     results (one user turn of <tool_result> blocks), in thinking mode; and its calls parse back."""
-    from pipeline.checkpoints.tokenizer import Tokenizer
-
-    write_tokenizer(tmp_path)
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v4"}))
-    tokenizer = Tokenizer.from_folder(tmp_path)
+    tokenizer = deepseek_tokenizer(tmp_path, "deepseek_v4")
     tools = TOOLS[1:]
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Find cats."},
                 {"role": "assistant", "content": "", "reasoning_content": "Search twice.", "tool_calls": [
