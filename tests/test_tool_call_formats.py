@@ -395,18 +395,24 @@ def test_what_the_published_template_writes_is_read_back(template, fmt, args):
         assert message_of(events).tool_calls == want
 
 
+def searches_turns() -> list[dict]:
+    """The conversation the DeepSeek template tests render (a new list each time: a test may change
+    it): a system prompt, a user turn, reasoning and two calls of `search`, their two results."""
+    return [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Find cats."},
+            {"role": "assistant", "content": "", "reasoning_content": "Search twice.", "tool_calls": [
+                {"id": "a", "type": "function", "function": {"name": "search", "arguments": SEARCH}},
+                {"id": "b", "type": "function", "function": {"name": "search", "arguments": {"query": "dogs"}}}]},
+            {"role": "tool", "tool_call_id": "a", "content": "3 cats"},
+            {"role": "tool", "tool_call_id": "b", "content": "no dogs"}]
+
+
 def test_deepseek_v4_template_writes_tools_calls_and_results_as_published(tmp_path):
     """Our V4 template (pipeline/checkpoints/templates) against V4's encoding_dsv4.py, worked by
     hand for a system prompt, tools, a user turn, an assistant's reasoning and two calls, their two
     results (one user turn of <tool_result> blocks), in thinking mode; and its calls parse back."""
     tokenizer = deepseek_tokenizer(tmp_path, "deepseek_v4")
     tools = TOOLS[1:]
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Find cats."},
-                {"role": "assistant", "content": "", "reasoning_content": "Search twice.", "tool_calls": [
-                    {"id": "a", "type": "function", "function": {"name": "search", "arguments": SEARCH}},
-                    {"id": "b", "type": "function", "function": {"name": "search", "arguments": {"query": "dogs"}}}]},
-                {"role": "tool", "tool_call_id": "a", "content": "3 cats"},
-                {"role": "tool", "tool_call_id": "b", "content": "no dogs"}]
+    messages = searches_turns()
     prompt = tokenizer.apply_chat_template(messages, tools=tools, template_kwargs={"thinking": True})
     schema = json.dumps(tools[0]["function"], ensure_ascii=False)
     calls = dsml("tool_calls", ("search", SEARCH), ("search", {"query": "dogs"}))
@@ -453,12 +459,7 @@ def test_deepseek_v32_template_writes_tools_calls_and_results_as_published(tmp_p
     opens <think> (thinking mode, after the last user message) or closes it; a V3.2 model gets it."""
     tokenizer = deepseek_tokenizer(tmp_path, "deepseek_v32")
     tools = TOOLS[1:]
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Find cats."},
-                {"role": "assistant", "content": "", "reasoning_content": "Search twice.", "tool_calls": [
-                    {"id": "a", "type": "function", "function": {"name": "search", "arguments": SEARCH}},
-                    {"id": "b", "type": "function", "function": {"name": "search", "arguments": {"query": "dogs"}}}]},
-                {"role": "tool", "tool_call_id": "a", "content": "3 cats"},
-                {"role": "tool", "tool_call_id": "b", "content": "no dogs"}]
+    messages = searches_turns()
     system = (
         "<｜begin▁of▁sentence｜>Be brief.\n\n## Tools\nYou have access to a set of tools you can use to answer the "
         "user's question.\nYou can invoke functions by writing a \"<｜DSML｜function_calls>\" block like the following "
