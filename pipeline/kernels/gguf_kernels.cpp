@@ -1,5 +1,5 @@
-/* Products with GGUF tensors held in their own block layout (no re-quantization): IQ4_NL and IQ4_XS,
- * as llama.cpp computes them on CPU (ggml-cpu's vec_dot_iq4_nl_q8_0, vec_dot_iq4_xs_q8_K).
+/* Products with GGUF tensors held in their own block layout (no re-quantization): IQ4_NL, IQ4_XS and Q6_K,
+ * as llama.cpp computes them on CPU (ggml-cpu's vec_dot_iq4_nl_q8_0, vec_dot_iq4_xs_q8_K, vec_dot_q6_K_q8_K).
  *
  * The held layout (checkpoints/quants.py native_arrays): a tensor's rows, each split in two arrays whose
  * bytes together are the file's bytes of that row, verbatim:
@@ -10,6 +10,11 @@
  *          uint16, scales_l[4]): sub-block j's scale is d * (ls_j - 32), ls_j 6 bits (4 in scales_l,
  *          2 in scales_h).
  * A value is w = scale * KVALUES[code] (KVALUES: ggml's kvalues_iq4nl).
+ * Q6_K (210 bytes per 256 values: ql[128], qh[64], int8 scales[16], fp16 d) in three arrays:
+ *   codes  uint8 [n, 3 k / 4]: per 256 values ql then qh (192 bytes; q6_values says which bits are whose);
+ *   scales int64 [n, k / 128]: per 256 values the 16 int8 scales, one per 16 values (8 bytes an element);
+ *   d      uint8 [n, k / 128]: per 256 values d's 2 bytes.
+ * A value is w = d * sc_j * (q - 32), q 6 bits.
  *
  * Two products, each out[m][n] = sum_k x[m][k] * w[n][k]:
  *   float: each weight dequantized to float32, exactly (fp16 d x a 6-bit integer x an int8: at most 24
@@ -21,7 +26,9 @@
  *          vpdpbusd with AVX-512 VNNI); IQ4_NL: acc = fma(float(lanes), d_w * d_x, acc) per block, the even
  *          blocks and the odd ones in two accumulators, added at the end;
  *          IQ4_XS: lanes times (ls_j - 32), summed as integers over the super-block, then
- *          acc = fma(float(lanes), d_w * d_x, acc); finally the 8 lanes in one tree.
+ *          acc = fma(float(lanes), d_w * d_x, acc); finally the 8 lanes in one tree;
+ *          Q6_K as IQ4_XS (Q8_K activations), the lanes of each 32 weights (q - 32, |q - 32| <= 32) times their
+ *          16-value sub-block's sc_j, summed as integers over the super-block (|sum| < 2^31), then the same fma.
  * Every output element is that fixed sequence on its row of x and its weight row whatever the number of
  * rows, their order or the threads (batch invariance); the AVX2, AVX-512 and generic code give the same
  * bits (integer sums are exact; the float steps are the same fused multiply-adds, std::fma in the generic
@@ -107,6 +114,18 @@ inline float block_scale(const NativeMatrix &m, const uint8_t *scales, int64_t b
     return half_at(head) * float(xs_scale(head, int(b % 8)));
 }
 
+#if defined(__AVX2__)
+/* q6_values in one vector. */
+inline __m256i q6_vector(const uint8_t *ql, const uint8_t *qh, int c) {
+    const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(ql + 32 * (c % 2)));
+    const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(qh));
+    const __m256i three = _mm256_set1_epi8(3), fifteen = _mm256_set1_epi8(15);
+    const __m256i nibble = _mm256_and_si256(c < 2 ? low : _mm256_srli_epi16(low, 4), fifteen);
+    const __m256i top = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 2 * c), three), 4);
+    return _mm256_sub_epi8(_mm256_or_si256(nibble, top), _mm256_set1_epi8(32));
+}
+#endif
+
 /* ---- float products ------------------------------------------------------------------------------ */
 
 /* The 32 weights of a block, w = scale * KVALUES[q], as two vectors: values 0-15 (low nibbles), 16-31. */
@@ -142,16 +161,25 @@ void float_tile(const NativeMatrix &m, int64_t col, const float *const *x, float
             const float d = half_at(m.ds_of(col) + 2 * sb);
             for (int h = 0; h < 2; h++)
                 for (int c = 0; c < 4; c++) {
-                    int8_t q[32];
-                    q6_values(codes + 192 * sb + 64 * h, codes + 192 * sb + 128 + 32 * h, c, q);
+                    const uint8_t *ql = codes + 192 * sb + 64 * h, *qh = codes + 192 * sb + 128 + 32 * h;
                     const int j = 16 * int(sb) + 8 * h + 2 * c;  // the first sub-block's scale
                     const float s0 = d * float(sc[j]), s1 = d * float(sc[j + 1]);
+#if defined(__AVX512F__) && defined(__AVX2__)
+                    const __m256i q = q6_vector(ql, qh, c);  // the products below are exact: the same bits
+                    const v16 w0 = (v16)_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))),
+                                                      _mm512_set1_ps(s0));
+                    const v16 w1 = (v16)_mm512_mul_ps(
+                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))), _mm512_set1_ps(s1));
+#else
+                    int8_t q[32];
+                    q6_values(ql, qh, c, q);
                     float a[16], b[16];
                     for (int i = 0; i < 16; i++) {
                         a[i] = s0 * float(q[i]);
                         b[i] = s1 * float(q[i + 16]);
                     }
                     const v16 w0 = load16(a), w1 = load16(b);
+#endif
                     const int64_t at = SUPER * sb + 128 * h + 32 * c;
                     for (int r = 0; r < R; r++) {
                         acc[r] = fma16(w0, load16(x[r] + at), acc[r]);
@@ -240,12 +268,7 @@ inline BlockWeights block_weights(const uint8_t *qs) {
 inline BlockWeights q6_weights(const uint8_t *ql, const uint8_t *qh, int c) {
     BlockWeights out;
 #if defined(__AVX2__)
-    const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(ql + 32 * (c % 2)));
-    const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(qh));
-    const __m256i three = _mm256_set1_epi8(3), fifteen = _mm256_set1_epi8(15);
-    const __m256i nibble = _mm256_and_si256(c < 2 ? low : _mm256_srli_epi16(low, 4), fifteen);
-    const __m256i top = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 2 * c), three), 4);
-    out.w = _mm256_sub_epi8(_mm256_or_si256(nibble, top), _mm256_set1_epi8(32));
+    out.w = q6_vector(ql, qh, c);
     out.magnitude = _mm256_sign_epi8(out.w, out.w);
 #else
     q6_values(ql, qh, c, out.w);
@@ -341,6 +364,43 @@ void int8_tile(const NativeMatrix &m, int64_t col, const int8_t *const *xq, cons
         const int8_t *sc = reinterpret_cast<const int8_t *>(scales);
         for (int64_t sb = 0; sb < m.k / SUPER; sb++) {
             i32x8 sum[R] = {};
+#if defined(__AVX512BW__) && defined(__AVX512DQ__)
+            // AVX-512: chunks 2p and 2p + 1 of a half in one step, the even one in the low 8 lanes: the same integer
+            // lanes, added together at the end of the super-block (exact). The scales multiply pairs of products
+            // (vpmaddubsw: |w| <= 32, so a pair's sum fits 16 bits; vpmaddwd with each 16-value sub-block's scale
+            // then gives each lane sc_j times its 4 products, as the steps below)
+            __m512i wide[R];
+            for (int r = 0; r < R; r++) wide[r] = _mm512_setzero_si512();
+            const __m128i first = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+            const __m128i second = _mm_setr_epi8(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+            for (int h = 0; h < 2; h++) {
+                const uint8_t *ql = codes + 192 * sb + 64 * h, *qh = codes + 192 * sb + 128 + 32 * h;
+                const __m512i low = _mm512_loadu_si512(ql);  // chunk 0's bytes, then chunk 1's
+                const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(qh));
+                for (int p = 0; p < 2; p++) {
+                    const __m512i nibble = _mm512_and_si512(p ? _mm512_srli_epi16(low, 4) : low, _mm512_set1_epi8(15));
+                    const __m512i two = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srli_epi16(high, 4 * p)),
+                                                           _mm256_srli_epi16(high, 4 * p + 2), 1);
+                    const __m512i top = _mm512_slli_epi16(_mm512_and_si512(two, _mm512_set1_epi8(3)), 4);
+                    const __m512i w = _mm512_sub_epi8(_mm512_or_si512(nibble, top), _mm512_set1_epi8(32));
+                    const __m512i magnitude = _mm512_abs_epi8(w);
+                    const __mmask64 negative = _mm512_movepi8_mask(w);
+                    const int j = 16 * int(sb) + 8 * h + 4 * p;  // 16-bit lanes 8i..8i+7: sub-block j + i
+                    int32_t four;
+                    std::memcpy(&four, sc + j, 4);
+                    const __m128i bytes = _mm_cvtsi32_si128(four);
+                    const __m512i s = _mm512_cvtepi8_epi16(
+                        _mm256_set_m128i(_mm_shuffle_epi8(bytes, second), _mm_shuffle_epi8(bytes, first)));
+                    for (int r = 0; r < R; r++) {
+                        const __m512i x = _mm512_loadu_si512(xq[r] + SUPER * sb + 128 * h + 64 * p);
+                        const __m512i signed_x = _mm512_mask_sub_epi8(x, negative, _mm512_setzero_si512(), x);
+                        wide[r] = _mm512_add_epi32(wide[r], _mm512_madd_epi16(_mm512_maddubs_epi16(magnitude, signed_x), s));
+                    }
+                }
+            }
+            for (int r = 0; r < R; r++)
+                sum[r] = (i32x8)_mm256_add_epi32(_mm512_castsi512_si256(wide[r]), _mm512_extracti64x4_epi64(wide[r], 1));
+#else
             for (int h = 0; h < 2; h++)
                 for (int c = 0; c < 4; c++) {
                     const BlockWeights w = q6_weights(codes + 192 * sb + 64 * h, codes + 192 * sb + 128 + 32 * h, c);
@@ -349,6 +409,7 @@ void int8_tile(const NativeMatrix &m, int64_t col, const int8_t *const *xq, cons
                     const int64_t at = SUPER * sb + 128 * h + 32 * c;
                     for (int r = 0; r < R; r++) sum[r] += block_dot(w, xq[r] + at) * s;
                 }
+#endif
             const float d = half_at(m.ds_of(col) + 2 * sb);
             for (int r = 0; r < R; r++)
                 acc[r] = fma8(__builtin_convertvector(sum[r], f32x8), splat8(d * xd[r][sb]), acc[r]);
