@@ -44,7 +44,7 @@ from .anthropic_adapter import MessagesAPI
 from .forced_calls import forced_call_prefix
 from .gateway import Gateway, Submission, shutting_down
 from .metrics import CONTENT_TYPE, Metrics
-from .prompts import chat_prompt_ids, completion_prompt_ids
+from .prompts import chat_prompt_ids, check_length, completion_prompt_ids
 from .responses_adapter import ResponsesAPI
 from .protocol import APIError
 
@@ -156,7 +156,7 @@ class Server:
                                           request.template_kwargs())
             response = JSONResponse({"input_tokens": len(ids)})
         except APIError as e:
-            response = self.error_response(MESSAGES, e)
+            response = error_response(e, MESSAGES)
         self.metrics.answered(COUNT_TOKENS, response.status_code)
         return response
 
@@ -234,16 +234,13 @@ class Server:
 
     # -- generation -----------------------------------------------------------------------------------------
 
-    def error_response(self, api: API, error: APIError) -> JSONResponse:
-        return JSONResponse(api.error_body(error), status_code=api.error_status(error), headers=error.headers)
-
     async def _generate(self, http: HTTPRequest, api: API) -> Response:
         """Any API's request, along the one path: checked and parsed (`_submit`), handed to the
         scheduler, its events written out by the API's adapter as a stream or one body."""
         try:
             submission, adapter, stream = await self._submit(http, api)
         except APIError as e:
-            response = self.error_response(api, e)
+            response = error_response(e, api)
             self.metrics.answered(api.endpoint, response.status_code)
             return response
         if stream:
@@ -259,7 +256,7 @@ class Server:
             if outcome is None:  # this task was cancelled (the server stopping) before the request ended
                 submission.cancel()
         if isinstance(outcome, APIError):
-            response = self.error_response(api, outcome)
+            response = error_response(outcome, api)
         else:
             response = JSONResponse(adapter.response())
         self.metrics.answered(api.endpoint, response.status_code)
@@ -311,9 +308,7 @@ class Server:
         prefix = forced_call_prefix(format_for_template(tokenizer.chat_template), request.forced_call or None,
                                     calls_so_far)
         ids = ids + tokenizer.encode(prefix, add_special_tokens=False)
-        if len(ids) >= self.model.context:
-            raise APIError(f"the prompt has {len(ids)} tokens but the model's context is {self.model.context}: "
-                           f"shorten it", param="messages", code="context_length_exceeded")
+        check_length(len(ids), self.model.context, "messages")
         output.feed(prefix)  # no events: the parser is now inside the call
         return ids
 
@@ -398,15 +393,14 @@ def _chat_page() -> str:
     return resources.files(__package__).joinpath("static", "chat.html").read_text(encoding="utf-8")
 
 
-def error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+def error_response(error: APIError, api: API = CHAT) -> JSONResponse:
+    """`error` in `api`'s shape and status (OpenAI's unless said)."""
+    return JSONResponse(api.error_body(error), status_code=api.error_status(error), headers=error.headers)
 
 
 def _path_error(http: HTTPRequest, error: APIError) -> JSONResponse:
     """An error outside any route's own handling, in the shape of the API its path belongs to."""
-    if http.url.path.startswith(MESSAGES.endpoint):
-        return JSONResponse(MESSAGES.error_body(error), status_code=MESSAGES.error_status(error))
-    return error_response(error)
+    return error_response(error, MESSAGES if http.url.path.startswith(MESSAGES.endpoint) else CHAT)
 
 
 async def _http_error(http: HTTPRequest, exc: HTTPException) -> Response:

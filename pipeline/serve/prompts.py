@@ -120,7 +120,7 @@ def _arguments_object(text: str, i: int, j: int, call: dict) -> dict:
 
 def completion_prompt_ids(tokenizer: Tokenizer, prompt: str | list[int], context: int, vocab_size: int) -> list[int]:
     if isinstance(prompt, list):
-        _check_length(len(prompt), context, "prompt")  # before looking at each of a million ids
+        check_length(len(prompt), context, "prompt")  # before looking at each of a million ids
         bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise APIError(f"prompt: token id {bad} is outside the model's vocabulary (0 to {vocab_size - 1})",
@@ -151,9 +151,7 @@ def text_prompt_ids(tokenizer: Tokenizer, text: str, context: int, param: str, a
                 raise _too_long(f"more than {context - 1} tokens", context, param)
             time.sleep(0)  # let the event loop's thread have the GIL between pieces
     ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
-    if not ids:
-        raise APIError("the prompt is empty", param=param)
-    _check_length(len(ids), context, param)
+    check_length(len(ids), context, param)
     return ids
 
 
@@ -187,7 +185,9 @@ def _refuse_by_characters(tokenizer: Tokenizer, characters: int, context: int, p
         raise _too_long(f"at least {floor} tokens (from {of} {characters} characters)", context, param)
 
 
-def _check_length(tokens: int, context: int, param: str) -> None:
+def check_length(tokens: int, context: int, param: str) -> None:
+    """APIError(400) for a prompt of no tokens, or of too many for `context` (one position is left to
+    generate)."""
     if tokens == 0:
         raise APIError("the prompt is empty", param=param)
     if tokens >= context:
