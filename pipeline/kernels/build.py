@@ -185,8 +185,10 @@ SOURCE = Path(__file__).with_name("qmm_kernels.cpp")
 # weight files mapped without a copy (mapped_files.py), GGUF tensors in their own blocks (qmm.py's gguf_matmul)
 SOURCES = (SOURCE, SOURCE.with_name("attention_kernels.cpp"), SOURCE.with_name("layer_kernels.cpp"),
            SOURCE.with_name("requantize_kernels.cpp"), SOURCE.with_name("int8_kernels.cpp"),
-           SOURCE.with_name("mapped_files.cpp"), SOURCE.with_name("gguf_kernels.cpp"))
-HEADERS = (SOURCE.with_name("kernels_common.h"),)
+           SOURCE.with_name("mapped_files.cpp"), SOURCE.with_name("gguf_kernels.cpp"),
+           SOURCE.with_name("gguf_iquant_kernels.cpp"))
+SOURCES += (SOURCE.with_name("gguf_kquant_kernels.cpp"),)  # GGUF K-quants and ternary types in their own blocks
+HEADERS = (SOURCE.with_name("kernels_common.h"), SOURCE.with_name("iquant_grids.h"))
 MODULE = "pipeline_qmm"
 NB_DOMAIN = "mlx"  # mlx.core's nanobind domain: types are shared only within one domain
 # -ffp-contract=off: the compiler must not fuse some multiply-adds and not others (see qmm_kernels.cpp).

@@ -525,7 +525,9 @@ void register_layer_kernels(nb::module_ &m);  // layer_kernels.cpp
 void register_requantize(nb::module_ &m);     // requantize_kernels.cpp
 void register_int8(nb::module_ &m);           // int8_kernels.cpp
 void register_mapped(nb::module_ &m);         // mapped_files.cpp
+void register_gguf_kquants(nb::module_ &m);   // gguf_kquant_kernels.cpp
 void register_gguf(nb::module_ &m);           // gguf_kernels.cpp
+void register_gguf_iquants(nb::module_ &m);   // gguf_iquant_kernels.cpp
 
 static mx::Stream cpu_stream() { return mx::default_stream(mx::Device(mx::Device::cpu)); }
 
@@ -577,5 +579,7 @@ NB_MODULE(pipeline_qmm, m) {
     register_requantize(m);
     register_int8(m);
     register_mapped(m);
+    register_gguf_kquants(m);
     register_gguf(m);
+    register_gguf_iquants(m);
 }
