@@ -6,6 +6,8 @@ and, where --weights-in-memory chose it (weights_in_memory.py), the quantized la
 
 from __future__ import annotations
 
+from typing import Callable
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
@@ -22,12 +24,14 @@ from .tensor_names import head_prefix, head_tensor_names, local_name, owned_tens
 
 
 def load_slice(model: nn.Module, checkpoint: Checkpoint, dtype: mx.Dtype,
-               requantize: Requantize | None = None, progress: bool = False, int8_in_place: bool | None = None
-               ) -> list[str]:
+               requantize: Requantize | None = None, progress: bool = False, int8_in_place: bool | None = None,
+               cut: Callable[[dict[str, mx.array]], None] | None = None) -> list[str]:
     """Load this rank's tensors into `model` (a TransformerSlice), floats cast to `dtype`,
     through the format adapters (expert stacking, FP8, INT4, re-quantization).
     int8_in_place: not None, the layers' quantized matrices take the int8 layout as they are read
     (int8_repack.Int8WhileLoading; True: in the buffers they were read into).
+    cut: given, cuts the loaded arrays (module-local names) to this rank's share before they go into
+    `model` (--tensor-parallel: models/tensor_parallel.py shard_weights; int8_in_place must then be None).
     Returns the checkpoint names read, so callers (and tests) can see exactly what was loaded."""
     after_group = int8 = None
     if int8_in_place is not None:
@@ -47,6 +51,8 @@ def load_slice(model: nn.Module, checkpoint: Checkpoint, dtype: mx.Dtype,
     checkpoint.loaded(names)
     if model.head_rows:
         _keep_head_rows(weights, model.head_rows, head_prefix(model.config).removeprefix("model."))
+    if cut is not None:
+        cut(weights)
     fill_module(model, weights, f"weights in {checkpoint.folder}")
     if int8 is not None:
         int8.mark(model)

@@ -86,6 +86,22 @@ def add_cluster_args(parser: argparse.ArgumentParser, transports: bool = True) -
                              "for a peer (default 300; 0 turns it off)")
 
 
+def add_tensor_parallel_arg(parser: argparse.ArgumentParser) -> None:
+    """--tensor-parallel T (generate, batch, serve, preflight; `plan` has its own with the same meaning)."""
+    parser.add_argument("--tensor-parallel", type=int, default=WeightSettings.tensor_parallel, metavar="T",
+                        help="stages of T consecutive ranks (ranks = stages x T; T = ranks is pure tensor parallelism, "
+                             "1 (default) the pipeline): each rank of a stage holds a share of every one of its "
+                             "layers' heads and MLP features, and the stage's ranks add up their partial outputs "
+                             "twice a layer; --split and --host-memory then speak of stages (a stage's memory is "
+                             "its group's smallest host times T). Llama-family models, --transport mpi; "
+                             "see docs/tensor-parallel.md")
+
+
+def validated_tensor_parallel_arg(args: argparse.Namespace) -> None:
+    if args.tensor_parallel < 1:
+        raise UserError(f"--tensor-parallel must be at least 1, got {args.tensor_parallel}")
+
+
 def add_draft_args(parser: argparse.ArgumentParser) -> None:
     """Speculative decoding (speculative.py)."""
     parser.add_argument("--draft", choices=DRAFT_CHOICES, default=WeightSettings.draft,

@@ -27,12 +27,14 @@ def add_parser(commands) -> None:
                           "layers are split in proportion, as `plan` proposes, and a model that does not "
                           "fit stops with one line before anything is loaded")
     flags.add_cluster_args(gen)
+    flags.add_tensor_parallel_arg(gen)
 
 
 def validate(args: argparse.Namespace) -> None:
     flags.validated_generation_args(args)
     flags.validated_cluster_args(args)
     flags.validated_draft_args(args)
+    flags.validated_tensor_parallel_arg(args)
 
 
 def run(args: argparse.Namespace, comm) -> int:
@@ -43,11 +45,14 @@ def run(args: argparse.Namespace, comm) -> int:
     from ..runtime.job import load_stage, make_transport, plan_job
     from ..runtime.rank_figures import rank_figures
     from ..runtime.stage import follow_single_stream, stop_ring
+    from ..runtime.tensor_group import follow_leader, form_group, stop_mates
     from ..checkpoints.tokenizer import Tokenizer
 
     rank = comm.Get_rank()
     settings = flags.job_settings(args)
-    transport = make_transport(settings.transport, comm)
+    group = mpi.checkpoint(comm, lambda: form_group(comm, args.tensor_parallel, settings.transport.transport,
+                                                    settings.transport.watchdog))
+    transport = make_transport(settings.transport, group.ring) if group.leads else None  # the ring: stage leaders
     plan = mpi.checkpoint(comm, lambda: plan_job(settings.weights, comm))
 
     def prepare_prompt():
@@ -68,7 +73,7 @@ def run(args: argparse.Namespace, comm) -> int:
 
     # Tokenize before loading weights so a bad prompt fails in seconds, not after the load.
     tokenizer, prompt_ids = mpi.checkpoint(comm, prepare_prompt)
-    stage = mpi.checkpoint(comm, lambda: load_stage(settings.weights, plan, rank, progress=rank == 0))
+    stage = mpi.checkpoint(comm, lambda: load_stage(settings.weights, plan, rank, progress=rank == 0, group=group))
 
     if rank == 0:
         def write(text: str) -> None:
@@ -82,13 +87,19 @@ def run(args: argparse.Namespace, comm) -> int:
                                                    stage.mtp, stage.model))
         finally:
             stop_ring(transport)
+            stop_mates(group)
         write("\n")
-    else:
+    elif group.leads:
         follow_single_stream(stage, transport)
+        stop_mates(group)
+        result = None
+    else:
+        follow_leader(stage, group)
         result = None
 
     figures = comm.gather(rank_figures(stage, kv_bytes_per_token=stage.kv_bytes_per_token,
-                                       invariant_rows=blas.invariant_rows()), root=0)
+                                       invariant_rows=blas.invariant_rows(),
+                                       group_sum_ms=group.ms_per_step(stage)), root=0)
     if rank == 0:
         print(stats_line(result, figures), file=sys.stderr, flush=True)
     return 0
@@ -96,7 +107,7 @@ def run(args: argparse.Namespace, comm) -> int:
 
 def stats_line(result, figures: list) -> str:
     """figures: each rank's rank_figures.RankFigures, with its KV bytes per token and batch-invariant rows."""
-    from ..runtime.rank_figures import per_rank, rss_label  # here, not at the top: it loads MLX, as in run
+    from ..runtime.rank_figures import group_sums_label, per_rank, rss_label  # here, not at the top: it loads MLX, as in run
 
     peaks = rss_label(figures) + f", KV {sum(f.kv_bytes_per_token for f in figures) / 1024:.1f} KiB/token"
     draft = ""
@@ -108,4 +119,4 @@ def stats_line(result, figures: list) -> str:
     return (f"[pipeline] prompt {result.prompt_tokens} tokens, prefill {result.prefill_tps:.1f} tok/s, "
             f"decode {result.decode_tps:.1f} tok/s ({len(result.tokens)} tokens, {result.finish_reason}), "
             f"TTFT {result.prefill_s:.3f} s, peak RSS {peaks}, weights {per_rank([f.weights for f in figures])}, "
-            f"BLAS {per_rank([f.blas for f in figures])}{draft}")
+            f"BLAS {per_rank([f.blas for f in figures])}{draft}{group_sums_label(figures)}")

@@ -52,6 +52,8 @@ class RMSNorm(nn.RMSNorm):
 class Attention(nn.Module):
     """Multi-head attention with grouped-query key/value heads (n_kv_heads <= n_heads)."""
 
+    group_sum = None  # --tensor-parallel: the group's sum of this rank's partial output (tensor_parallel.py)
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.n_heads = config.num_attention_heads
@@ -106,7 +108,7 @@ class Attention(nn.Module):
         kernel = attention.kernel(q, (self.head_dim,))
         if kernel is not None:  # every sequence's cache update and attention in one operation (attention.py)
             out = attention.attend_and_append(kernel, q, k, v, caches, rows, lengths, self.scale)
-            return self.o_proj(out)[None]
+            return summed(self, self.o_proj(out))[None]
         attention.note_fallback()
         k, v = k.transpose(1, 0, 2), v.transpose(1, 0, 2)  # head-major, as the caches hold them
         q = q.transpose(1, 0, 2)
@@ -117,7 +119,7 @@ class Attention(nn.Module):
             outputs.append(out.squeeze(0))  # [heads, t, head_dim]: back to token-major once, for all
             qb += t
         out = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=1)
-        return self.o_proj(out.transpose(1, 0, 2).reshape(out.shape[1], -1))[None]
+        return summed(self, self.o_proj(out.transpose(1, 0, 2).reshape(out.shape[1], -1)))[None]
 
 
 # MLX's path (pipeline's kernel, attention.py, rounds each query alone in any chunk): a few new
@@ -146,8 +148,15 @@ def causal_mask(num_new_tokens: int):
     return "causal" if num_new_tokens > 1 else None
 
 
+def summed(module: nn.Module, partial: mx.array) -> mx.array:
+    """A layer's output: its own, or with --tensor-parallel the group's sum of every rank's partial one."""
+    return partial if module.group_sum is None else module.group_sum(partial)
+
+
 class MLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    group_sum = None  # as Attention's
 
     def __init__(self, hidden: int, intermediate: int, bias: bool = False):
         super().__init__()
@@ -157,7 +166,7 @@ class MLP(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         if x.ndim == 2:
-            return self.down_proj(qmm.swiglu_product(self.gate_proj, self.up_proj, x, swiglu))
+            return summed(self, self.down_proj(qmm.swiglu_product(self.gate_proj, self.up_proj, x, swiglu)))
         return self(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)  # 2-D products (see Attention)
 
 

@@ -25,6 +25,7 @@ from ..kernels.int8_layout import INT8_BLOCK
 from ..models.config import ModelConfig
 from ..models.mtp import check_mtp, mtp_nbytes
 from ..models.registry import family_for
+from ..models.tensor_parallel import check_family
 from ..planner.host_memory import MemoryPlan
 from ..planner.layer_split import SplitWeights, split_layers
 from ..planner.partition import layer_ranges
@@ -38,6 +39,7 @@ from .prompt_cache_store import PromptCacheStore, entry_key, model_identity
 from .scheduler import exact_group_rows
 from .settings import JobSettings, RingSettings, TransportSettings, WeightSettings
 from .stage import Stage
+from .tensor_group import Group, LeaderStage
 
 
 @dataclass
@@ -101,7 +103,13 @@ def plan_job(settings: WeightSettings, comm, last_rank_head: float = 0.0) -> Pla
                         f"positions: run it without --draft")
     if settings.draft == "mtp":
         check_mtp(checkpoint, config, folder)
-    ranks = comm.Get_size()
+    t = settings.tensor_parallel  # stages of t ranks: the split speaks of stages (a stage's memory: its smallest x t)
+    ranks = comm.Get_size() // t
+    if t > 1:
+        check_family(config, family.module_name, t)
+        if memory is not None:
+            memory = [(memory[s * t][0], t * min(a for _, a in memory[s * t:s * t + t])) for s in range(ranks)]
+            fast_quantized = [all(fast_quantized[s * t:s * t + t]) for s in range(ranks)]
     host_memory = None
     if settings.host_memory:
         host_memory = MemoryPlan.for_job(config, settings.host_memory, ranks, folder, settings.dtype, settings.quantize,
@@ -138,17 +146,27 @@ def share_cores(comm) -> None:
     host.Free()
 
 
-def load_stage(settings: WeightSettings, plan: Plan, rank: int, progress: bool, head_rows: int = 0) -> Stage:
+def load_stage(settings: WeightSettings, plan: Plan, rank: int, progress: bool, head_rows: int = 0,
+               group: Group | None = None) -> Stage:
     """This rank's layers of the planned split, held as the weight flags say; on rank 0 with
-    --draft mtp, DeepSeek's MTP module too (it reads rank 0's embedding, head and final states)."""
-    dense = bool(plan.dense and plan.dense[rank])
+    --draft mtp, DeepSeek's MTP module too (it reads rank 0's embedding, head and final states).
+    group: --tensor-parallel T > 1, this rank's stage group: its share of its stage's layers
+    (tensor_group.py); `rank` stays the job's rank."""
+    index, shard, group_sum, stage_class = rank, None, None, Stage
+    if group is not None and group.size > 1:
+        index, shard, group_sum = group.stage, group.shard, group.group_sum
+        stage_class = LeaderStage if group.leads else Stage
+    dense = bool(plan.dense and plan.dense[index])
     int8 = plan.int8
     # rearranged in the buffers they were read into where those are in huge pages (else the products
     # would walk small pages: 1B Llama decode -5%), into new huge pages otherwise
     in_place = huge_pages.active()
-    stage = Stage.load(plan.config, plan.checkpoint, plan.ranges[rank], has_ends=rank == 0,
-                       dtype=getattr(mx, settings.dtype), requantize=settings.requantize, progress=progress,
-                       dense=dense, head_rows=head_rows, int8_in_place=in_place if int8 else None)
+    stage = stage_class.load(plan.config, plan.checkpoint, plan.ranges[index], has_ends=rank == 0,
+                             dtype=getattr(mx, settings.dtype), requantize=settings.requantize, progress=progress,
+                             dense=dense, head_rows=head_rows, int8_in_place=in_place if int8 else None,
+                             shard=shard, group_sum=group_sum)
+    if stage_class is LeaderStage:
+        stage.group = group
     if settings.dtype == "float32":
         build.load()  # the kernels' extension (attention, quantized products): built now, not at the first token
         qmm.set_gguf_int8(bool(int8))  # IQ4 blocks (gguf_kernels.cpp) round activations as the flag says

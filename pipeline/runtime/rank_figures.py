@@ -28,6 +28,7 @@ class RankFigures:
     kv_bytes_per_token: int = 0  # generate: its KV cache's bytes per position
     invariant_rows: int = 0  # generate: rows its products round alike whatever the batch (blas.invariant_rows)
     matmuls: str = ""  # batch: how its products take a micro-batch's sequences (matmuls_label)
+    group_sum_ms: float = 0.0  # --tensor-parallel: its ms in group sums per forward step (tensor_group.Group)
 
 
 def rank_figures(stage: Stage, **extra) -> RankFigures:
@@ -75,6 +76,13 @@ def per_rank(values: list[str]) -> str:
 def head_share_label(share: float | None, size: int) -> str:
     """'; LM head r1 23%' in the batch stats: the mean part of the vocabulary the last rank computed."""
     return "" if share is None else f"; LM head r{size - 1} {100 * share:.0f}%"
+
+
+def group_sums_label(figures: list[RankFigures]) -> str:
+    """'; group sums 1.23 ms/token (most of any rank)' under --tensor-parallel: the time a forward step's
+    sums (two a layer: exchange and add, waiting for the slowest member included) took, else ''."""
+    most = max((f.group_sum_ms for f in figures), default=0.0)
+    return f"; group sums {most:.2f} ms/token (most of any rank)" if most else ""
 
 
 def matmuls_label(group_rows: int) -> str:

@@ -31,6 +31,7 @@ class WeightSettings:
     weights_in_memory: str = "auto"  # --weights-in-memory: quantized, fp32 or auto
     int8_activations: bool | None = None  # --[no-]int8-activations; None: on where every rank can (job.resolve_int8)
     draft: str = "none"  # --draft: with "mtp", rank 0 holds DeepSeek's MTP module too
+    tensor_parallel: int = 1  # --tensor-parallel T: stages of T consecutive ranks, each a share of its layers
 
     @property
     def requantize(self) -> Requantize | None:

@@ -8,6 +8,7 @@ their layers, send the result to the next rank, until a STOP comes round.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -20,6 +21,7 @@ from ..cluster.transport import Kind, Transport
 from ..models.config import ModelConfig
 from ..models.registry import family_for
 from ..models.stage_slice import TransformerSlice
+from ..models.tensor_parallel import Shard, set_group_sum, shard_modules, shard_weights
 
 
 @dataclass
@@ -33,16 +35,25 @@ class Stage:
     def load(cls, config: ModelConfig, checkpoint: Checkpoint, layers: tuple[int, int],
              has_ends: bool, dtype: mx.Dtype, requantize: Requantize | None = None,
              progress: bool = False, dense: bool = False, head_rows: int = 0,
-             int8_in_place: bool | None = None) -> "Stage":
+             int8_in_place: bool | None = None, shard: Shard | None = None,
+             group_sum: Callable[[mx.array], mx.array] | None = None) -> "Stage":
         """dense: hold MLX-quantized weights dequantized to `dtype` (--weights-in-memory).
         head_rows: also hold the LM head's last rows (the last rank of a batch job, head_share.py).
         int8_in_place: not None, the layers' quantized matrices take the int8 layout while loading
-        (weights.load_slice)."""
+        (weights.load_slice).
+        shard: --tensor-parallel T > 1, this rank's member of its stage's group: its share of each layer
+        (models/tensor_parallel.py), whose partial outputs `group_sum` adds up over the group."""
         family = family_for(config).module()
         slice_class = getattr(family, "Slice", TransformerSlice)  # DeepSeek V4: its residual streams
         model = slice_class(config, family.DecoderLayer, layers[0], layers[1], has_ends, head_rows)
+        cut = None
+        if shard is not None and shard.size > 1:
+            shard_modules(model, config, shard)
+            cut, int8_in_place = (lambda weights: shard_weights(weights, config, shard)), None  # repacked after the cut
         names = load_slice(model, checkpoint, dtype, requantize, progress=progress,
-                           int8_in_place=None if dense else int8_in_place)
+                           int8_in_place=None if dense else int8_in_place, cut=cut)
+        if cut is not None:
+            set_group_sum(model, group_sum)
         if dense:
             dequantize_slice(model, dtype)
         return cls(model, names)

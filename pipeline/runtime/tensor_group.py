@@ -1,0 +1,179 @@
+"""--tensor-parallel T at run time: a stage is a group of T consecutive ranks, each holding its share
+of the stage's layers (models/tensor_parallel.py). The ring (engine, scheduler, followers) runs over
+the stage leaders (ranks 0, T, 2T, ...) exactly as over the ranks of a pipeline; rank 0 is stage 0's
+leader, so nothing above the Stage changes.
+
+A leader's Stage is a `LeaderStage`: each method that changes state (run_layers, release, rewind,
+fork) first sends the same command (a small header, the sequences' layout, the hidden states) to the
+group's other ranks, its mates, which `follow_leader` executes on their own shards until STOP. Inside
+each layer every member computes its partial output, and the group's sum (cluster/tensor_group.py
+GroupSum: gathered, added in rank order in float32) gives all members the same bits.
+
+A mate waits for its leader's next command without the watchdog (a server may idle for hours; its
+leader has its own watchdog on the ring, and a dead process on the same host is still noticed); the
+group sums and the leader's sends to its mates wait under the watchdog.
+
+Not yet: --transport mlx (MLX 0.32 cannot split its group), the prompt cache on disk, the LM head split
+by vocabulary (the head stays on rank 0, as the embedding), and families other than Llama's.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from ..cluster.tensor_group import GroupSum, split
+from ..cluster.transport import MpiTransport, this_process
+from ..models.tensor_parallel import Shard
+from ..util import cores
+from ..util.errors import UserError
+from .stage import Stage
+
+RUN, RELEASE, REWIND, FORK, STOP = 1, 2, 3, 4, 5
+_HEADER = 12  # command, sequences, last_only, full given, dtype code, ndim, 4 dims, positions (REWIND), spare
+_WIRE = {mx.float32: (0, np.float32), mx.float16: (1, np.float16), mx.bfloat16: (2, np.uint16)}
+_FROM_CODE = {code: (mx_dtype, np_dtype) for mx_dtype, (code, np_dtype) in _WIRE.items()}
+
+
+def check_tensor_parallel(t: int, ranks: int, transport: str = "mpi") -> None:
+    """One line for a --tensor-parallel the job cannot run (every rank checks the same)."""
+    if t < 1 or ranks % t:
+        divisors = ", ".join(str(d) for d in range(1, ranks + 1) if ranks % d == 0)
+        raise UserError(f"--tensor-parallel {t} must divide the {ranks} ranks (ranks = stages x T), e.g. {divisors}")
+    if t > 1 and transport == "mlx":
+        raise UserError("--tensor-parallel above 1 needs --transport mpi (MLX's distributed group cannot be split "
+                        "into stage groups, and its sums are not ours yet)")
+
+
+@dataclass
+class Group:
+    """This rank's place under --tensor-parallel (size 1: today's pipeline, no group)."""
+    size: int = 1
+    stage: int = 0
+    member: int = 0
+    ring: object = None  # the communicator the ring's transport runs over (leaders'), None on mates
+    link: MpiTransport | None = None  # the group's communicator, under the watchdog
+    waiting: MpiTransport | None = None  # the same without the watchdog: a mate waiting for commands
+    group_sum: GroupSum | None = None
+
+    @property
+    def leads(self) -> bool:
+        return self.member == 0
+
+    @property
+    def shard(self) -> Shard | None:
+        return Shard(self.member, self.size) if self.size > 1 else None
+
+    def ms_per_step(self, stage: Stage) -> float:
+        """Milliseconds this rank spent in group sums per forward step (two sums a layer)."""
+        if self.group_sum is None or not self.group_sum.calls:
+            return 0.0
+        steps = self.group_sum.calls / max(1, 2 * len(stage.model.layers))
+        return 1000 * self.group_sum.seconds / steps
+
+
+def form_group(comm, t: int, transport: str = "mpi", watchdog: float = 0.0) -> Group:
+    """Collective: the stage groups of --tensor-parallel t over `comm`'s ranks."""
+    check_tensor_parallel(t, comm.Get_size(), transport)
+    if t == 1:
+        return Group(ring=comm)
+    comms = split(comm, t)
+    hosts = comm.allgather(socket.gethostname())
+    placement = comm.allgather((socket.gethostname(), cores.cpus_allowed()))
+    processes = comm.allgather(this_process())
+    members = range(comms.stage * t, comms.stage * t + t)
+    labels = [f"{hosts[r]}, job rank {r}" for r in members]
+    own_core = cores.has_own_core(placement, comm.Get_rank())
+    group_processes = [processes[r] for r in members]
+    link = MpiTransport(comms.group, watchdog, labels, own_core, group_processes)
+    waiting = MpiTransport(comms.group, 0.0, labels, own_core, group_processes)
+    return Group(t, comms.stage, comms.member, comms.leaders, link, waiting, GroupSum(link))
+
+
+@dataclass
+class LeaderStage(Stage):
+    """A stage leader's Stage: each change of state goes to its mates first (see the module docstring)."""
+    group: Group | None = None
+
+    def run_layers(self, hidden: mx.array, seq_ids: list[int] = (0,), lengths: list[int] | None = None,
+                   evaluate: bool = True, last_only: bool = False, full: list[bool] | None = None) -> mx.array:
+        lengths = [hidden.shape[1]] if lengths is None else list(lengths)
+        layout = [*seq_ids, *lengths] + ([int(f) for f in full] if full is not None else [])
+        wire = np.asarray(hidden.view(mx.uint16) if hidden.dtype == mx.bfloat16 else hidden)
+        send(self.group, RUN, len(seq_ids), layout, wire, dtype=hidden.dtype, last_only=last_only,
+             full_given=full is not None)
+        return super().run_layers(hidden, seq_ids, lengths, evaluate=evaluate, last_only=last_only, full=full)
+
+    def release(self, seq_ids: list[int]) -> None:
+        send(self.group, RELEASE, len(seq_ids), list(seq_ids))
+        super().release(seq_ids)
+
+    def rewind(self, seq_ids: list[int], positions: int) -> None:
+        if positions:
+            send(self.group, REWIND, len(seq_ids), list(seq_ids), positions=positions)
+        super().rewind(seq_ids, positions)
+
+    def fork(self, new_ids: list[int], kept_ids: list[int], lengths: list[int]) -> None:
+        send(self.group, FORK, len(new_ids), [*new_ids, *kept_ids, *lengths])
+        super().fork(new_ids, kept_ids, lengths)
+
+    def load_stored(self, seq_id: int, arrays: list[np.ndarray], dtype: str) -> bool:
+        return False  # the prompt cache on disk is refused with --tensor-parallel (job.prompt_cache)
+
+
+def send(group: Group, command: int, count: int, layout: list[int] = (), payload: np.ndarray | None = None,
+         dtype: mx.Dtype = mx.float32, last_only: bool = False, full_given: bool = False, positions: int = 0) -> None:
+    """Leader: one command to each mate (header, layout, payload), sent to all before waiting."""
+    header = np.zeros(_HEADER, dtype=np.int64)
+    header[0], header[1], header[2], header[3] = command, count, last_only, full_given
+    header[10] = positions
+    if payload is not None:
+        header[4], header[5] = _WIRE[dtype][0], payload.ndim
+        header[6:6 + payload.ndim] = payload.shape
+    buffers = [header] + ([np.array(layout, dtype=np.int64)] if len(layout) else [])
+    if payload is not None:
+        buffers.append(np.ascontiguousarray(payload))
+    link = group.link
+    pending = [(link.isend(buf, mate), mate) for mate in range(1, group.size) for buf in buffers]
+    for request, mate in pending:
+        link.wait_for(request, mate, sending=True)
+
+
+def stop_mates(group: Group) -> None:
+    """Leader: the job is over for its mates."""
+    if group.size > 1 and group.leads:
+        send(group, STOP, 0)
+
+
+def follow_leader(stage: Stage, group: Group) -> None:
+    """A mate (member > 0): run its leader's commands on its own shard until STOP."""
+    waiting, link = group.waiting, group.link
+    header = np.empty(_HEADER, dtype=np.int64)
+    while True:
+        waiting.recv(header, 0)
+        command, count = int(header[0]), int(header[1])
+        if command == STOP:
+            return
+        words = {RUN: 2 * count + (count if header[3] else 0), RELEASE: count, REWIND: count, FORK: 3 * count}[command]
+        layout = np.empty(words, dtype=np.int64)
+        if words:
+            link.recv(layout, 0)
+        layout = layout.tolist()
+        if command == RUN:
+            mx_dtype, np_dtype = _FROM_CODE[int(header[4])]
+            payload = np.empty(tuple(int(d) for d in header[6:6 + int(header[5])]), dtype=np_dtype)
+            link.recv(payload, 0)
+            hidden = mx.array(payload)
+            if mx_dtype == mx.bfloat16:
+                hidden = hidden.view(mx.bfloat16)
+            full = [bool(f) for f in layout[2 * count:]] if header[3] else None
+            stage.run_layers(hidden, layout[:count], layout[count:2 * count], last_only=bool(header[2]), full=full)
+        elif command == RELEASE:
+            stage.release(layout)
+        elif command == REWIND:
+            stage.rewind(layout, int(header[10]))
+        elif command == FORK:
+            stage.fork(layout[:count], layout[count:2 * count], layout[2 * count:])
