@@ -1,0 +1,539 @@
+"""Tensor parallelism (issue 34): one stream on 2 one-core ranks as one tensor-parallel group
+(`--tensor-parallel 2`) vs 1 rank vs a 2-stage pipeline, and the same over a real TCP stack.
+
+Models (random weights, made once under $PIPELINE_CACHE/bench-models, never in the repository):
+- llama-1b: a Llama-3.2-1B-shaped model (16 layers, hidden 2048, GQA 32/8, tied embeddings, SmolLM2's
+  49152-token vocabulary; 1.07 B parameters), MLX 4-bit group 64, bf16 scales (common.llama_1b);
+- qwen3-moe-2b: a Qwen3-MoE-shaped model (16 layers, hidden 2048, 32 query / 4 KV heads of 128, 64
+  experts of 256 intermediate features, top 8, norm_topk_prob; untied head; 2.1 B parameters, 0.5 B
+  active per token), MLX 4-bit group 64, bf16 scales, experts stored stacked as mlx-community does.
+Both held quantized (`--weights-in-memory quantized`), greedy, raw prompts (no chat template).
+
+Contenders, interleaved run by run (A B C A B C ...; a warm-up round kept apart), each run a fresh
+`mpiexec` job, one core per rank (OPENBLAS_NUM_THREADS=1; 1 rank runs under `taskset -c 0`, 2 ranks
+bind themselves one core each as generate does):
+  1 rank           `mpiexec -n 1 ... generate`
+  pipeline 2 x 1   `mpiexec -n 2 ... generate --tensor-parallel 1` (2 stages of 1 rank)
+  tensor 1 x 2     `mpiexec -n 2 ... generate --tensor-parallel 2` (1 stage of 2 ranks)
+single stream: prefill tok/s (a ~128-token prompt) and decode tok/s (32 new tokens) from the stats
+line; batch: `pipeline batch` of 16 prompts x 64 new tokens, tensor 1 x 2 vs pipeline 2 x 1.
+A contender the runtime refuses (e.g. a family without tensor parallelism) is recorded with its
+error line and the rest go on.
+
+Two hosts (`--hosts-runs`, default on where we are root): the two ranks in two network namespaces
+joined by a veth pair (netns_hosts.py), MPI over TCP across it, so that every group sum and every
+hop crosses a real TCP stack: single-stream decode of tensor 1 x 2 and pipeline 2 x 1 (llama-1b),
+the veth's byte counters per run, a ping-pong's one-way latency and bandwidth across it, and the
+planner's prediction of that run (planner/layouts.py) with its linux-tcp terms
+(planner/cluster_costs.py) and with the measured link terms, beside the measured tok/s. The host's
+memory bandwidth the planner is given is measured here too (numpy sum, one process per core at once).
+
+Goals (issue 34): single-stream decode with T = 2 >= 1.6x one rank (dense), >= 1.5x (MoE); the
+planner's TCP terms within 25% of the two-host single-stream figure.
+
+    python benchmarks/tensor_parallel.py [--runs 2] [--warmup 1] [--models llama-1b,qwen3-moe-2b]
+        [--no-batch] [--no-hosts] [--batch-runs 1]
+    python benchmarks/tensor_parallel.py --plot     # redraw the PNG from the JSON
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+import netns_hosts  # noqa: E402
+
+NAME = "tensor_parallel"
+GOALS = {"llama-1b": 1.6, "qwen3-moe-2b": 1.5}
+PLANNER_GOAL = 0.25  # |predicted / measured - 1| on the two-host run
+PROMPT_TOKENS, NEW_TOKENS = 128, 32
+BATCH_REQUESTS, BATCH_TOKENS = 16, 64
+KEYS = ["prefill_tps", "decode_tps", "ttft_s", "sum_ms_per_token", "peak_rss_mib"]
+
+QWEN3_MOE_2B = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], hidden_size=2048,
+                    intermediate_size=6144, moe_intermediate_size=256, num_experts=64, num_experts_per_tok=8,
+                    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=16,
+                    num_attention_heads=32, num_key_value_heads=4, head_dim=128, hidden_act="silu",
+                    rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=8192,
+                    tie_word_embeddings=False, attention_bias=False, torch_dtype="bfloat16")
+
+
+# ---- the MoE model ------------------------------------------------------------------------------------
+
+def qwen3_moe_2b(bits: int = 4, group_size: int = 64, seed: int = 0) -> Path:
+    """The random Qwen3-MoE-shaped model of the module docstring, written once into the cache as
+    mlx-community writes MoE checkpoints (stacked `mlp.switch_mlp.*` experts, every matrix quantized,
+    the router too), with the default model's tokenizer. Weights N(0, 0.02), norms 1."""
+    import mlx.core as mx
+
+    folder = common.cache_dir() / "bench-models" / "qwen3-moe-2b-4bit"
+    if (folder / "config.json").is_file():
+        return folder
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    source = common.default_model()
+    vocab = json.loads((source / "config.json").read_text())["vocab_size"]
+    shape = QWEN3_MOE_2B
+    config = {**shape, "vocab_size": vocab, "bos_token_id": 1, "eos_token_id": 2,
+              "quantization": {"group_size": group_size, "bits": bits},
+              "quantization_config": {"group_size": group_size, "bits": bits}}
+    h, layers, e, inter = shape["hidden_size"], shape["num_hidden_layers"], shape["num_experts"], \
+        shape["moe_intermediate_size"]
+    heads, kv, hd = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
+    mx.random.seed(seed)
+    files: dict[str, dict[str, mx.array]] = {}
+    index: dict[str, str] = {}
+
+    def add(name: str, dims: tuple[int, ...], file: str, norm: bool = False) -> None:
+        if norm:
+            arrays = {name: mx.ones(dims, dtype=mx.bfloat16)}
+        else:
+            w = (mx.random.normal(dims) * 0.02).astype(mx.bfloat16)
+            q, s, b = mx.quantize(w, group_size=group_size, bits=bits)
+            base = name.removesuffix(".weight")
+            arrays = {name: q, base + ".scales": s, base + ".biases": b}
+        for key, value in arrays.items():
+            mx.eval(value)
+            files.setdefault(file, {})[key] = value
+            index[key] = file
+
+    shards = 4
+    name_of = lambda s: f"model-{s + 1:05d}-of-{shards:05d}.safetensors"  # noqa: E731
+    add("model.embed_tokens.weight", (vocab, h), name_of(0))
+    add("lm_head.weight", (vocab, h), name_of(shards - 1))
+    add("model.norm.weight", (h,), name_of(shards - 1), norm=True)
+    for i in range(layers):
+        p, f = f"model.layers.{i}.", name_of(min(shards - 1, i * shards // layers))
+        for proj, dims in (("self_attn.q_proj", (heads * hd, h)), ("self_attn.k_proj", (kv * hd, h)),
+                           ("self_attn.v_proj", (kv * hd, h)), ("self_attn.o_proj", (h, heads * hd)),
+                           ("mlp.gate", (e, h)), ("mlp.switch_mlp.gate_proj", (e, inter, h)),
+                           ("mlp.switch_mlp.up_proj", (e, inter, h)), ("mlp.switch_mlp.down_proj", (e, h, inter))):
+            add(p + proj + ".weight", dims, f)
+        for norm, dims in (("input_layernorm", (h,)), ("post_attention_layernorm", (h,)),
+                           ("self_attn.q_norm", (hd,)), ("self_attn.k_norm", (hd,))):
+            add(p + norm + ".weight", dims, f, norm=True)
+        if f != name_of(min(shards - 1, (i + 1) * shards // layers)) or i == layers - 1:
+            mx.save_safetensors(str(tmp / f), files.pop(f), metadata={"format": "mlx"})  # one shard at a time
+    for f, arrays in files.items():
+        mx.save_safetensors(str(tmp / f), arrays, metadata={"format": "mlx"})
+    (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    for name_ in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / name_, tmp / name_)
+    try:
+        tmp.rename(folder)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+MODELS = {"llama-1b": common.llama_1b, "qwen3-moe-2b": qwen3_moe_2b}
+
+
+# ---- one run --------------------------------------------------------------------------------------------
+
+SUMS = re.compile(r"group sums? ([\d.]+) ms(?:/| per )token")
+ERROR = re.compile(r"^error: .*$", re.M)
+ANY_ERROR = re.compile(r"^.*\berror: .*$", re.M)
+
+
+def uptime() -> str:
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return ""
+
+
+def refusal(stderr: str) -> str | None:
+    """The runtime's one-line refusal (`error: ...`), if that is how the job ended."""
+    m = ERROR.search(stderr) or ANY_ERROR.search(stderr)  # ours, else argparse's ("generate: error: ...")
+    return m.group(0).strip() if m else None
+
+
+_HAS_FLAG: dict[str, bool] = {}
+
+
+def has_tensor_parallel(command: str) -> bool:
+    """Whether `pipeline COMMAND` takes --tensor-parallel at this commit (before the runtime has it, the
+    2-stage pipeline runs without the flag, and tensor 1 x 2 is recorded as refused)."""
+    if command not in _HAS_FLAG:
+        out = subprocess.run([sys.executable, "-m", "pipeline", command, "--help"], capture_output=True, text=True,
+                             cwd=common.REPO, env=common.env_with_repo())
+        _HAS_FLAG[command] = "--tensor-parallel" in out.stdout
+    return _HAS_FLAG[command]
+
+
+def layout_flags(layout: str, command: str = "generate") -> tuple[int, list[str]]:
+    """(ranks, flags) of a contender: '1 rank', 'pipeline 2 x 1', 'tensor 1 x 2'."""
+    if layout == "1 rank":
+        return 1, []
+    if layout == "pipeline 2 x 1":
+        return 2, ["--tensor-parallel", "1"] if has_tensor_parallel(command) else []
+    if layout == "tensor 1 x 2":
+        return 2, ["--tensor-parallel", "2"]
+    raise ValueError(layout)
+
+
+def launcher(ranks: int, hosts: netns_hosts.TwoHosts | None) -> tuple[list[str], dict]:
+    env = common.env_with_repo(OPENBLAS_NUM_THREADS="1")
+    if hosts is not None:
+        return hosts.mpiexec([sys.executable, "-m", "pipeline"]), hosts.environment(env)
+    if ranks == 1:  # one core for one rank, as each of two ranks gets one
+        return ["taskset", "-c", "0", "mpiexec", "-n", "1", sys.executable, "-m", "pipeline"], env
+    return ["mpiexec", "-n", str(ranks), sys.executable, "-m", "pipeline"], env
+
+
+def run_generate(model: Path, layout: str, prompt: str, hosts: netns_hosts.TwoHosts | None = None,
+                 timeout: float = 900) -> dict:
+    ranks, flags = layout_flags(layout)
+    prefix, env = launcher(ranks, hosts)
+    cmd = [*prefix, "generate", "--model", str(model), "--prompt", prompt, "--no-chat-template",
+           "--max-tokens", str(NEW_TOKENS), "--weights-in-memory", "quantized", *flags]
+    before = hosts.traffic() if hosts else None
+    load = common.load_average()
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=common.REPO, env=env)
+    connections = None
+    if hosts is not None:  # what TCP connections the job holds while it runs (MPI's, across the veth)
+        deadline = time.perf_counter() + 8
+        while proc.poll() is None and time.perf_counter() < deadline:
+            time.sleep(0.5)
+            found = [c for c in hosts.connections() if netns_hosts.ADDRESSES[1] in c]
+            if len(found) > len(connections or []):
+                connections = found
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+    wall = time.perf_counter() - start
+    out = {"layout": layout, "load_before": load[0], "uptime": uptime(), "wall_s": wall}
+    if hosts is not None:
+        after = hosts.traffic()
+        out["veth_rx_bytes"] = {ns: after[ns] - before.get(ns, 0) for ns in after}
+        out["tcp_connections"] = connections or []
+    if proc.returncode != 0:
+        out["refused"] = refusal(stderr) or f"exit {proc.returncode}: {stderr.strip().splitlines()[-1:]}"
+        out["stderr_tail"] = stderr[-2000:]
+        return out
+    out.update(common.parse_stats(stderr))
+    out["peak_rss_mib"] = max(out["peak_rss"]) / 2**20 if out["peak_rss"] else None
+    m = SUMS.search(stderr)
+    out["sum_ms_per_token"] = float(m.group(1)) if m else None
+    out["stats_line"] = [line for line in stderr.splitlines() if line.startswith("[pipeline]")][-1]
+    out["text"] = stdout.rstrip("\n")
+    return out
+
+
+BATCH_SUMMARY = re.compile(r"\[pipeline\] batch: (\d+) done, (\d+) error records, (\d+) tokens generated in "
+                           r"([\d.]+) s: ([\d.]+) tok/s")
+
+
+def batch_requests() -> list[dict]:
+    topics = ["a lighthouse keeper", "a lost robot", "the first snow", "a city under the sea", "an old clock",
+              "a dragon who cannot fly", "a library at midnight", "a train across the desert"]
+    prompts = [f"{task} {t}." for task in ("Write a short story about", "Describe in one paragraph") for t in topics]
+    return [{"id": i, "prompt": prompts[i % len(prompts)], "max_tokens": BATCH_TOKENS} for i in range(BATCH_REQUESTS)]
+
+
+def run_batch(model: Path, layout: str, folder: Path, timeout: float = 1200) -> dict:
+    ranks, flags = layout_flags(layout, "batch")
+    prefix, env = launcher(ranks, None)
+    inp, outp = folder / "requests.jsonl", folder / f"out-{layout.replace(' ', '_')}.jsonl"
+    if not inp.exists():
+        inp.write_text("".join(json.dumps(r) + "\n" for r in batch_requests()))
+    outp.unlink(missing_ok=True)
+    cmd = [*prefix, "batch", "--model", str(model), "--input", str(inp), "--output", str(outp), "--quiet",
+           "--weights-in-memory", "quantized", *flags]
+    load = common.load_average()
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=common.REPO, env=env, timeout=timeout)
+    out = {"layout": layout, "load_before": load[0], "uptime": uptime(), "job_wall_s": time.perf_counter() - start}
+    if proc.returncode != 0:
+        out["refused"] = refusal(proc.stderr) or f"exit {proc.returncode}"
+        out["stderr_tail"] = proc.stderr[-2000:]
+        return out
+    m = BATCH_SUMMARY.search(proc.stderr)
+    if not m:
+        out["refused"] = f"no batch summary line in: {proc.stderr[-500:]}"
+        return out
+    out.update({"done": int(m[1]), "errors": int(m[2]), "tokens": int(m[3]), "schedule_s": float(m[4]),
+                "tok_s": float(m[5])})
+    out["texts"] = {r["id"]: r.get("text") for r in map(json.loads, outp.read_text().splitlines())}
+    return out
+
+
+# ---- interleaving -----------------------------------------------------------------------------------------
+
+def interleave(contenders: dict, runs: int, warmup: int) -> dict[str, list[dict]]:
+    """common.interleave's rounds, keeping failed runs (their refusal line) and skipping a contender
+    after it is refused once (a refusal does not change from run to run)."""
+    measured: dict[str, list[dict]] = {name: [] for name in contenders}
+    refused: set[str] = set()
+    for round_ in range(warmup + runs):
+        for name, run in contenders.items():
+            if name in refused:
+                continue
+            result = run()
+            tag = "warmup" if round_ < warmup else f"run {round_ - warmup + 1}/{runs}"
+            if "refused" in result:
+                refused.add(name)
+                print(f"  {tag:>10} {name:<16} REFUSED: {result['refused']}", flush=True)
+                measured[name].append(result)
+                continue
+            print(f"  {tag:>10} {name:<16} " + " ".join(
+                f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()
+                if k in ("prefill_tps", "decode_tps", "sum_ms_per_token", "tok_s", "tokens", "load_before",
+                         "veth_rx_bytes")), flush=True)
+            if round_ >= warmup:
+                measured[name].append(result)
+    return measured
+
+
+def stats_of(runs: list[dict], keys: list[str]) -> dict:
+    ok = [r for r in runs if "refused" not in r]
+    if not ok:
+        return {"refused": runs[0]["refused"]} if runs else {}
+    return common.summarize_runs(ok, keys)
+
+
+def median(stats: dict, key: str) -> float | None:
+    s = stats.get(key) or {}
+    return s.get("median")
+
+
+# ---- the planner's prediction -----------------------------------------------------------------------------
+
+def host_bandwidth_gbs() -> dict:
+    """Memory read bandwidth one process on one core reaches while the other core reads too (the two
+    ranks' situation): numpy sum, two processes at once, halved (bench_roofline's probe), the best of
+    three (other jobs on the machine take their share); and bench_roofline's figure for one process
+    on an idle machine, from results/roofline.json, where there is one."""
+    import bench_roofline
+
+    values = [bench_roofline.python_gbps(bench_roofline.SUM, 2) / 2 for _ in range(3)]
+    out = {"per_rank_gbs": max(values), "values": values, "load": common.load_average()}
+    try:
+        roofline = json.loads((common.RESULTS / "roofline.json").read_text())
+        out["idle_one_process_gbs"] = roofline["bandwidth_gbps"]["numpy sum, 1 process"]["median"]
+        out["idle_from"] = f"results/roofline.json ({roofline['date']}, load after {roofline['load_after'][0]:.1f})"
+    except (OSError, KeyError, ValueError):
+        pass
+    return out
+
+
+def predict(model: Path, t: int, bandwidth_gbs: float, link_terms: dict | None, context: int) -> dict:
+    """The planner's single-stream tok/s for 2 hosts as stages of t ranks (layouts.plan_layout), with
+    its linux-tcp terms or with these link terms (latency_us, gbs) and its Linux CPU host terms."""
+    sys.path.insert(0, str(common.REPO))
+    from pipeline.checkpoints.model_files import find
+    from pipeline.planner.cluster_costs import TERM_SETS, LinkTerms
+    from pipeline.planner.config_files import load_config
+    from pipeline.planner.layouts import plan_layout
+    from pipeline.planner.shapes import architecture
+    from pipeline.planner.stored_formats import checkpoint_format
+    from pipeline.planner.weights_bytes import Precision
+
+    config = load_config(str(model))
+    host, link = TERM_SETS["linux-tcp"]
+    if link_terms is not None:
+        link = LinkTerms("veth, measured", link_terms["latency_us"], link_terms["gbs"])
+    # Held as generate holds them here: packed 4-bit, float32 activations; int8 products as on this machine
+    # (the stats line's weights field says which the runs used).
+    from pipeline.kernels.build import int8_by_default
+
+    precision = Precision(checkpoint_format(config, find(str(model))), "float32", None, 64, dense=False,
+                          int8=int8_by_default(None, "float32"))
+    layout = plan_layout(architecture(config), precision, t, [bandwidth_gbs, bandwidth_gbs], None, host, link,
+                         context, batch=BATCH_REQUESTS)
+    return {"layout": layout.name, "single_tps": layout.single_tps, "batch_tps": layout.batch_tps,
+            "sums_ms_per_token": layout.sums_ms, "host_terms": host._asdict(), "link_terms": link._asdict(),
+            "bandwidth_gbs": bandwidth_gbs, "context": context}
+
+
+# ---- main ------------------------------------------------------------------------------------------------
+
+def single_stream(model: Path, name: str, prompt: str, runs: int, warmup: int) -> dict:
+    layouts = ["1 rank", "pipeline 2 x 1", "tensor 1 x 2"]
+    runs_ = interleave({lay: (lambda lay=lay: run_generate(model, lay, prompt)) for lay in layouts}, runs, warmup)
+    stats = {lay: stats_of(rs, KEYS) for lay, rs in runs_.items()}
+    decode = {lay: median(s, "decode_tps") for lay, s in stats.items()}
+    prefill = {lay: median(s, "prefill_tps") for lay, s in stats.items()}
+    ratios = {}
+    for what, table in (("decode", decode), ("prefill", prefill)):
+        for a, b in (("tensor 1 x 2", "1 rank"), ("tensor 1 x 2", "pipeline 2 x 1"), ("pipeline 2 x 1", "1 rank")):
+            if table.get(a) and table.get(b):
+                ratios[f"{what} {a} / {b}"] = table[a] / table[b]
+    texts = {lay: rs[0].get("text") for lay, rs in runs_.items() if rs and "text" in rs[0]}
+    same = {lay: common.same_text(t, texts["1 rank"]) for lay, t in texts.items()} if "1 rank" in texts else {}
+    stable = {lay: all(r.get("text") == rs[0].get("text") for r in rs) for lay, rs in runs_.items() if rs}
+    goal = GOALS.get(name)
+    got = ratios.get("decode tensor 1 x 2 / 1 rank")
+    return {"stats": stats, "ratios": ratios, "same_text_as_1_rank": same, "text_same_every_run": stable,
+            "goal_decode_tensor_over_1_rank": goal, "goal_met": (got >= goal) if got and goal else None,
+            "refused": {lay: s["refused"] for lay, s in stats.items() if "refused" in s}, "runs": runs_}
+
+
+def batch(model: Path, runs: int, warmup: int) -> dict:
+    layouts = ["pipeline 2 x 1", "tensor 1 x 2"]
+    with tempfile.TemporaryDirectory(prefix="tp-batch-") as tmp:
+        runs_ = interleave({lay: (lambda lay=lay: run_batch(model, lay, Path(tmp))) for lay in layouts}, runs, warmup)
+    stats = {lay: stats_of(rs, ["tok_s", "tokens", "schedule_s"]) for lay, rs in runs_.items()}
+    tps = {lay: median(s, "tok_s") for lay, s in stats.items()}
+    ratio = tps["tensor 1 x 2"] / tps["pipeline 2 x 1"] if all(tps.values()) else None
+    texts = {lay: rs[0].get("texts") for lay, rs in runs_.items() if rs and "texts" in rs[0]}
+    for rs in runs_.values():
+        for r in rs:
+            r.pop("texts", None)
+    same = None
+    if len(texts) == 2:
+        a, b = texts.values()
+        same = sum(a[k] == b.get(k) for k in a)
+    return {"requests": BATCH_REQUESTS, "max_tokens": BATCH_TOKENS, "stats": stats,
+            "ratio_tensor_over_pipeline": ratio, "texts_equal_across_layouts": same,
+            "winner": (max(tps, key=lambda k: tps[k]) if all(tps.values()) else None),
+            "refused": {lay: s["refused"] for lay, s in stats.items() if "refused" in s}, "runs": runs_}
+
+
+def two_hosts(model: Path, prompt: str, runs: int, warmup: int, bandwidth: dict) -> dict:
+    layouts = ["pipeline 2 x 1", "tensor 1 x 2"]
+    with netns_hosts.TwoHosts() as hosts:
+        link = netns_hosts.pingpong(hosts, [8, 2048 * 4, 1 << 20])
+        print(f"  veth: one-way latency {link['latency_us']:.1f} us, bandwidth {link['gbs']:.2f} GB/s "
+              f"(ping-pong of 8 B / 8 KB / 1 MB; veth received {link['veth_rx_bytes']})", flush=True)
+        runs_ = interleave({lay: (lambda lay=lay: run_generate(model, lay, prompt, hosts)) for lay in layouts},
+                           runs, warmup)  # no warm-up round by default: the same runs just ran on one machine
+        link_after = netns_hosts.pingpong(hosts, [8, 2048 * 4, 1 << 20])
+    stats = {lay: stats_of(rs, KEYS) for lay, rs in runs_.items()}
+    context = PROMPT_TOKENS + NEW_TOKENS
+    measured_link = {"latency_us": (link["latency_us"] + link_after["latency_us"]) / 2,
+                     "gbs": (link["gbs"] + link_after["gbs"]) / 2}
+    comparison = {}
+    for lay in layouts:
+        t = 2 if lay.startswith("tensor") else 1
+        got = median(stats[lay], "decode_tps")
+        tcp = predict(model, t, bandwidth["per_rank_gbs"], None, context)
+        veth = predict(model, t, bandwidth["per_rank_gbs"], measured_link, context)
+        idle = bandwidth.get("idle_one_process_gbs")
+        comparison[lay] = {"measured_decode_tps": got, "planner_linux_tcp": tcp, "planner_measured_link": veth,
+                           "planner_linux_tcp_idle_bandwidth": predict(model, t, idle, None, context) if idle else None,
+                           "ratio_linux_tcp": tcp["single_tps"] / got if got else None,
+                           "ratio_measured_link": veth["single_tps"] / got if got else None,
+                           "measured_sum_ms_per_token": median(stats[lay], "sum_ms_per_token")}
+        if got:
+            print(f"  {lay}: measured {got:.2f} tok/s; planner, linux-tcp terms {tcp['single_tps']:.2f} "
+                  f"({tcp['single_tps'] / got - 1:+.0%}; sums {tcp['sums_ms_per_token']:.2f} ms/token), with the "
+                  f"measured link {veth['single_tps']:.2f} ({veth['single_tps'] / got - 1:+.0%}; sums "
+                  f"{veth['sums_ms_per_token']:.2f} ms/token); measured sums "
+                  f"{comparison[lay]['measured_sum_ms_per_token']} ms/token"
+                  + (f"; linux-tcp terms at the idle machine's {idle:.1f} GB/s: "
+                     f"{comparison[lay]['planner_linux_tcp_idle_bandwidth']['single_tps']:.2f}" if idle else ""),
+                  flush=True)
+    tensor = comparison["tensor 1 x 2"]
+    within = abs(tensor["ratio_linux_tcp"] - 1) <= PLANNER_GOAL if tensor["ratio_linux_tcp"] else None
+    return {"namespaces": netns_hosts.NAMESPACES, "addresses": netns_hosts.ADDRESSES, "mpi_env": netns_hosts.MPI_ENV,
+            "link_before": link, "link_after": link_after, "measured_link": measured_link,
+            "stats": stats, "planner": comparison, "planner_goal": PLANNER_GOAL,
+            "planner_linux_tcp_within_goal": within,
+            "refused": {lay: s["refused"] for lay, s in stats.items() if "refused" in s}, "runs": runs_}
+
+
+def strip_texts(section: dict) -> None:
+    for rs in section.get("runs", {}).values():
+        for r in rs:
+            if "text" in r:
+                r["text"] = r["text"][:200]
+
+
+def main() -> None:
+    parser = common.arguments(__doc__)
+    parser.set_defaults(runs=2)
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--batch-runs", type=int, default=1, help="measured rounds of the batch (default 1)")
+    parser.add_argument("--no-batch", dest="batch", action="store_false", help="skip the 16 x 64 batch")
+    parser.add_argument("--no-hosts", dest="hosts", action="store_false",
+                        help="skip the two-host run (network namespaces; needs root)")
+    parser.add_argument("--hosts-model", default="llama-1b", help="the model of the two-host run (default llama-1b)")
+    parser.add_argument("--plot", action="store_true", help="only redraw the PNG from results/tensor_parallel.json")
+    args = parser.parse_args()
+    if args.plot:
+        plot(json.loads((common.RESULTS / f"{NAME}.json").read_text()))
+        return
+    started = time.time()
+    print(f"load: {uptime()}", flush=True)
+    bandwidth = host_bandwidth_gbs()
+    print(f"memory bandwidth per one-core rank (numpy sum, 2 at once): {bandwidth['per_rank_gbs']:.1f} GB/s", flush=True)
+    models = {}
+    for name in args.models.split(","):
+        model = MODELS[name]()
+        text, ids = common.prompt_of(model, PROMPT_TOKENS)
+        print(f"{name}: {model} ({common.param_count(model) / 1e9:.2f} B parameters), prompt {len(ids)} tokens, "
+              f"{NEW_TOKENS} new; {uptime()}", flush=True)
+        entry = {"folder": str(model), "parameters": common.param_count(model), "prompt_tokens": len(ids),
+                 "new_tokens": NEW_TOKENS}
+        entry["single"] = single_stream(model, name, text, args.runs, args.warmup)
+        for key, value in entry["single"]["ratios"].items():
+            print(f"  {key}: {value:.2f}x", flush=True)
+        if args.batch:
+            print(f"{name}: batch {BATCH_REQUESTS} x {BATCH_TOKENS}; {uptime()}", flush=True)
+            entry["batch"] = batch(model, args.batch_runs, 0)
+            if entry["batch"]["ratio_tensor_over_pipeline"]:
+                print(f"  batch tensor 1 x 2 / pipeline 2 x 1: {entry['batch']['ratio_tensor_over_pipeline']:.2f}x",
+                      flush=True)
+        if args.hosts and name == args.hosts_model:
+            if os.geteuid() != 0:
+                entry["two_hosts"] = {"skipped": "not root: ip netns needs root"}
+            else:
+                print(f"{name}: two hosts (network namespaces, MPI over TCP on a veth); {uptime()}", flush=True)
+                entry["two_hosts"] = two_hosts(model, text, args.runs, 0, bandwidth)
+        for section in ("single", "two_hosts"):
+            strip_texts(entry.get(section, {}))
+        models[name] = entry
+    payload = common.record(NAME, "issue 34: --tensor-parallel 2 vs 1 rank vs a 2-stage pipeline, one core per rank; "
+                            "and across two network namespaces (MPI over TCP on a veth)",
+                            runs=args.runs, warmup=args.warmup, load_after=common.load_average(),
+                            uptime_after=uptime(), minutes=(time.time() - started) / 60, bandwidth=bandwidth,
+                            goals=GOALS, models=models)
+    path = common.write_json(NAME, payload)
+    plot(payload)
+    print(f"wrote {path} ({payload['minutes']:.1f} min)")
+
+
+def plot(payload: dict) -> None:
+    models = list(payload["models"])
+    panels = [("single", "decode_tps", "decode tok/s, 1 stream", ["1 rank", "pipeline 2 x 1", "tensor 1 x 2"]),
+              ("single", "prefill_tps", "prefill tok/s", ["1 rank", "pipeline 2 x 1", "tensor 1 x 2"]),
+              ("batch", "tok_s", f"batch {BATCH_REQUESTS} x {BATCH_TOKENS} tok/s", ["pipeline 2 x 1", "tensor 1 x 2"]),
+              ("two_hosts", "decode_tps", "decode tok/s, two hosts (veth, TCP)", ["pipeline 2 x 1", "tensor 1 x 2"])]
+    fig, axes = common.figure(len(panels), width=4.6)
+    for ax, (section, key, label, names) in zip(axes, panels):
+        series = {n: [payload["models"][m].get(section, {}).get("stats", {}).get(n, {}).get(key) for m in models]
+                  for n in names}
+        common.bars(ax, label, models, series, label)
+        if section == "two_hosts":
+            for j, m in enumerate(models):
+                planner = payload["models"][m].get("two_hosts", {}).get("planner", {})
+                for i, n in enumerate(names):
+                    p = planner.get(n, {}).get("planner_linux_tcp", {}).get("single_tps")
+                    if p:
+                        x = j + (i - (len(names) - 1) / 2) * 0.8 / len(names)
+                        ax.plot([x - 0.15, x + 0.15], [p, p], "k--", lw=1,
+                                label="planner, linux-tcp terms" if i == 0 and j == 0 else None)
+        ax.legend(fontsize=6)
+    fig.suptitle(f"issue 34: tensor parallelism, one core per rank ({payload['machine']['cores']} cores; median, "
+                 f"min-max of {payload['runs']} runs; load after {payload['load_after'][0]:.1f})", fontsize=9)
+    common.save(fig, common.RESULTS / f"{NAME}.png")
+
+
+if __name__ == "__main__":
+    main()
