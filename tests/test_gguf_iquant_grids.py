@@ -1,0 +1,133 @@
+"""GGUF's grid i-quants (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M) computed in their own blocks
+(kernels/gguf_iquant_kernels.cpp), against truths from elsewhere:
+- the gguf package's dequantizers (llama.cpp's) define what the blocks mean: the kernels' dequantization equals
+  gguf.quants.dequantize bit for bit, the float products a float64 product of it, the int8 products one of it
+  times the activations rounded as ggml's Q8_K rounds them (llama.cpp's vec_dot_<type>_q8_K pairs);
+- blocks are random bytes (every grid index, sign pattern and scale is valid), with sane fp16 d;
+- iquant_grids.h is what make_iquant_grids.py writes from the gguf package's tables.
+"""
+
+from __future__ import annotations
+
+import gguf
+import mlx.core as mx
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+from pipeline.kernels import make_iquant_grids
+
+TYPES = (QT.IQ2_XXS, QT.IQ2_XS, QT.IQ2_S, QT.IQ3_XXS, QT.IQ3_S, QT.IQ1_S, QT.IQ1_M)
+ROW_COUNTS = (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 64, 70)  # decode, drafts, past each tile, a prompt's chunk
+TOLERANCE = 1e-7  # relative to |x| @ |w|.T; measured at most 6.4e-8 over the types (float products)
+INT8_TOLERANCE = 5e-8  # measured at most 3.9e-8 (int8 products against Q8_K-rounded activations)
+
+
+def random_blocks(qtype: QT, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """[n, row bytes] of random super-blocks, each fp16 d a finite normal number from 2^-15 to 2^-1 (IQ1_M's
+    spread over the top nibbles of its 4 scale words, as ggml's iq1m_scale_t)."""
+    _, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (n, k // 256, size), dtype=np.uint8)
+    d = (rng.uniform(1, 2, (n, k // 256)) * 2.0 ** rng.integers(-15, -1, (n, k // 256))).astype(np.float16)
+    bits = d.view(np.uint16)
+    if qtype == QT.IQ1_M:
+        scales = raw[..., 48:56].copy().view(np.uint16)
+        for j in range(4):
+            scales[..., j] = (scales[..., j] & 0x0FFF) | (((bits >> (4 * j)) & 15) << 12)
+        raw[..., 48:56] = scales.view(np.uint8)
+    else:
+        raw[..., :2] = bits.view(np.uint8).reshape(n, -1, 2)
+    return raw.reshape(n, -1)
+
+
+def q8_k(x: np.ndarray) -> np.ndarray:
+    """x rounded as Q8_K per 256 values (d = max|x| / 127, rint(x / d), in float32 as the kernels do), in float64."""
+    b = x.reshape(x.shape[0], -1, 256).astype(np.float32)
+    d = np.abs(b).max(-1, keepdims=True) / np.float32(127)
+    inverse = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
+    q = np.clip(np.rint(b * inverse), -127, 127)
+    return (q.astype(np.float64) * d.astype(np.float64)).reshape(x.shape)
+
+
+def product(kernels, x: np.ndarray, raw: np.ndarray, qtype: QT, int8: bool) -> np.ndarray:
+    return np.array(kernels.gguf_iquant_matmul(mx.array(x), mx.array(raw), int(qtype), int8))
+
+
+def relative_error(got: np.ndarray, x: np.ndarray, w: np.ndarray, int8: bool) -> float:
+    truth = (q8_k(x) if int8 else x.astype(np.float64)) @ w.T
+    return float((np.abs(got - truth) / (np.abs(x).astype(np.float64) @ np.abs(w).T)).max())
+
+
+def test_the_grids_header_is_the_generators_output():
+    """iquant_grids.h holds the gguf package's tables (rerun make_iquant_grids.py if this fails)."""
+    assert make_iquant_grids.HEADER.read_text() == make_iquant_grids.text()
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_dequantization_is_ggufs_bit_for_bit(kernels, qtype):
+    """Every weight the float products use is gguf.quants.dequantize's float32, exactly (both are exact)."""
+    raw = random_blocks(qtype, 16, 1024, np.random.default_rng(int(qtype)))
+    got = np.array(kernels.gguf_iquant_dequantize(mx.array(raw), int(qtype)))
+    np.testing.assert_array_equal(got, gguf.quants.dequantize(raw, qtype).astype(np.float32))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_products_match_gguf_dequantization_at_every_row_count(kernels, qtype):
+    """The float products equal float64 x @ dequantized.T within float32 accumulation, the int8 products the
+    same with x rounded per 256 as Q8_K; each row's result has the same bits at every row count."""
+    rng = np.random.default_rng(100 + int(qtype))
+    n, k = 24, 768
+    raw = random_blocks(qtype, n, k, rng)
+    w = gguf.quants.dequantize(raw, qtype).astype(np.float64)
+    x_all = rng.normal(0, 1, (max(ROW_COUNTS), k)).astype(np.float32)
+    x_all[3, 256:512] = 0  # an all-zero activation block
+    x_all[5, :256] *= 1e4  # a block of large activations
+    outputs = {}
+    for rows in ROW_COUNTS:
+        x = x_all[:rows]
+        for int8 in (False, True):
+            got = product(kernels, x, raw, qtype, int8)
+            error = relative_error(got, x, w, int8)
+            assert error < (INT8_TOLERANCE if int8 else TOLERANCE), (rows, int8, error)
+            outputs[rows, int8] = got
+    for (rows, int8), got in outputs.items():  # every row's bits as in the largest call
+        np.testing.assert_array_equal(got, outputs[max(ROW_COUNTS), int8][:rows], err_msg=f"{rows} rows, int8 {int8}")
+    # the rows of a call in another order give the same bits, row for row
+    order = rng.permutation(max(ROW_COUNTS))
+    for int8 in (False, True):
+        np.testing.assert_array_equal(product(kernels, x_all[order], raw, qtype, int8), outputs[max(ROW_COUNTS), int8][order])
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_a_wrong_grid_entry_fails(kernels, qtype, monkeypatch):
+    """The kernels read llama.cpp's grids: with one entry of gguf's grid planted wrong (an entry the blocks use,
+    one value moved to another of the type's grid values), the truth is off by far more than the tolerance of
+    the products test (so that test would catch a kernel with it)."""
+    rng = np.random.default_rng(200 + int(qtype))
+    raw = random_blocks(qtype, 8, 256, rng)
+    x = rng.normal(0, 1, (2, 256)).astype(np.float32)
+    got = product(kernels, x, raw, qtype, False)
+    assert relative_error(got, x, gguf.quants.dequantize(raw, qtype).astype(np.float64), False) < TOLERANCE
+    cls = getattr(gguf.quants, qtype.name)
+    cls.init_grid()
+    right = cls.grid
+    values = sorted(set(right.ravel().tolist()))
+    weights = np.array(kernels.gguf_iquant_dequantize(mx.array(raw), int(qtype)))
+    for entry in rng.permutation(right.shape[-2]):  # the first entry (in a random order) the blocks use
+        planted = right.copy()
+        planted[..., entry, 0] = values[(values.index(right[0, 0, entry, 0]) + 1) % len(values)]
+        monkeypatch.setattr(cls, "grid", planted)
+        if not np.array_equal(gguf.quants.dequantize(raw, qtype), weights):
+            break
+    assert not np.array_equal(gguf.quants.dequantize(raw, qtype), weights)
+    error = relative_error(got, x, gguf.quants.dequantize(raw, qtype).astype(np.float64), False)
+    assert error > 100 * TOLERANCE, error
+
+
+def test_wrong_inputs_are_refused_in_one_line(kernels):
+    x = mx.zeros((2, 256))
+    raw = mx.array(random_blocks(QT.IQ2_XXS, 4, 256, np.random.default_rng(0)))
+    for bad, why in (((x, raw, 20, False), "type must be"), ((mx.zeros((2, 200)), raw, 16, False), "multiple of 256"),
+                     ((x, raw[:, :10], 16, False), "super-blocks"), ((x.astype(mx.float16), raw, 16, False), "float32")):
+        with pytest.raises(ValueError, match=why):
+            kernels.gguf_iquant_matmul(*bad)
