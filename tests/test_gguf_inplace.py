@@ -194,8 +194,9 @@ def write_single(path: Path, name: str, data: np.ndarray, qtype: QT, cols: int) 
 
 
 def load_tensor(path: Path, module: str, requantize_bits=None, group_size=64) -> tuple[np.ndarray, GGUFCheckpoint]:
-    """A module's weight as our checkpoint holds it, dequantized by MLX itself (float32)."""
-    checkpoint = GGUFCheckpoint(path, requantize_bits, group_size)
+    """A module's weight as our checkpoint holds it, dequantized by MLX itself (float32): in MLX's layouts (types
+    held in their own blocks where the kernels compute them: test_gguf_iquants.py, test_gguf_kquants.py)."""
+    checkpoint = GGUFCheckpoint(path, requantize_bits, group_size, native=False)
     entry = checkpoint.tensors[f"{module}.weight"]
     if entry.layout is None:
         return np.array(checkpoint.read(f"{module}.weight").astype(mx.float32)), checkpoint
@@ -478,11 +479,19 @@ def _add_metadata(writer, arch: str, c, mla: str, vocab: dict, yarn: dict | None
 
 
 def ours(path: Path, ranges=((0, 4),), requantize_bits=None):
-    """Logits of LONG_PROMPT through our stages loaded from the GGUF (as the ranks would hold them)."""
+    """Logits of LONG_PROMPT through our stages loaded from the GGUF (as the ranks would hold them); products of
+    tensors held in their own blocks (Q5_K layer matrices) in float32, as the rest here."""
+    from pipeline.kernels import qmm  # here, as the other tests that set it
+
     checkpoint = GGUFCheckpoint(path, requantize_bits)
     config = checkpoint.model_config()
-    stages = [Stage.load(config, checkpoint, r, has_ends=(i == 0), dtype=mx.float32) for i, r in enumerate(ranges)]
-    return forward(stages, LONG_PROMPT), checkpoint, stages
+    state = qmm.load()
+    saved, state.gguf_int8 = state.gguf_int8, False
+    try:
+        stages = [Stage.load(config, checkpoint, r, has_ends=(i == 0), dtype=mx.float32) for i, r in enumerate(ranges)]
+        return forward(stages, LONG_PROMPT), checkpoint, stages
+    finally:
+        state.gguf_int8 = saved
 
 
 def reference(model, state: dict) -> np.ndarray:

@@ -331,6 +331,9 @@ class GGUFCheckpoint(Checkpoint):
         worst = largest = 0.0
         if entry.how == "native":  # the file's bytes, codes apart from scales (quants.native_arrays)
             parts = {"weight": [], "scales": []} | ({"biases": []} if tensor.ggml_type == "Q6_K" else {})
+            if lay.mode == "blocks":  # the row bytes verbatim, and the type id beside them
+                parts = {"weight": []}
+                arrays["ggml_type"] = mx.array(np.array([quants.BLOCKS[tensor.ggml_type][0]], np.int32))
             for _, raw in self._chunks(tensor):
                 for part, array in zip(parts, quants.native_arrays(raw, tensor.ggml_type)):
                     parts[part].append(array)

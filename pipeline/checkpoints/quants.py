@@ -56,6 +56,10 @@ REQUANTIZED = {
 # GGML type -> (its ggml type id, the dtype its scales are held in, values per block) for types held in their own
 # blocks (see the module docstring): the kernels' `gguf_matmul` takes them (kernels/qmm.py GGUF_NATIVE)
 NATIVE = {"IQ4_NL": (20, "U16", 32), "IQ4_XS": (23, "I8", 256), "Q6_K": (14, "I64", 256)}
+# GGML type -> (its ggml type id, bytes per 256 values) for types held as the file's row bytes verbatim (see the
+# module docstring): one uint8 array [rows, row bytes] and the type id, products by the kernels' function for the
+# type (kernels/qmm.py BLOCK_KERNELS: gguf_kquant_kernels.cpp, ...). Checked before NATIVE, EXACT and REQUANTIZED.
+BLOCKS = {"Q5_K": (13, 176), "Q3_K": (11, 110), "Q2_K": (10, 84), "TQ2_0": (35, 66), "TQ1_0": (34, 54)}
 # Types whose MLX scales and biases fp16 holds exactly (d, m, or d times a power of two), kept in fp16;
 # the K-quants' d x sc_j needs float32.
 FP16_SCALES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
@@ -95,6 +99,8 @@ def layout(ggml_type: str, cols: int, requantize_bits: int | None, group_size: i
     knows the kernels take this matrix; --quantize not given)."""
     if ggml_type in FLOATS or ggml_type in INTEGERS:
         return Layout("float")
+    if native and ggml_type in BLOCKS and not requantize_bits:
+        return Layout("native", 8, 256, "blocks")
     if native and ggml_type in NATIVE and not requantize_bits:
         return Layout("native", 6, 128, "affine") if ggml_type == "Q6_K" else Layout("native", 4, 32, "mxfp4")
     if ggml_type in EXACT:
@@ -108,6 +114,8 @@ def layout(ggml_type: str, cols: int, requantize_bits: int | None, group_size: i
 
 def packed_shapes(rows: tuple[int, ...], cols: int, lay: Layout, ggml_type: str) -> dict[str, tuple[tuple[int, ...], str]]:
     """suffix -> (shape, safetensors-style dtype) of the arrays an MLX-quantized tensor becomes."""
+    if lay.mode == "blocks":  # the file's row bytes, and the type (BLOCKS)
+        return {"weight": ((*rows, cols // 256 * BLOCKS[ggml_type][1]), "U8"), "ggml_type": ((1,), "I32")}
     shapes = {"weight": ((*rows, cols * lay.bits // 32), "U32")}
     if lay.kind == "native" and ggml_type == "Q6_K":
         shapes["scales"] = ((*rows, cols // 128), "I64")
@@ -273,6 +281,8 @@ def native_arrays(raw: np.ndarray, ggml_type: str) -> tuple[np.ndarray, ...]:
     bytes (d, scales_h, scales_l) + 128 code bytes. Q6_K -> (codes uint32 [rows, 3 cols / 16]: ql and qh,
     scales int64 [rows, cols / 128]: the 16 int8 scales, d uint8 [rows, cols / 128]: d's bytes)."""
     rows = raw.shape[0]
+    if ggml_type in BLOCKS:  # the row bytes verbatim, and the type id (kernels/qmm.py GGUFBlocksLinear)
+        return np.ascontiguousarray(raw), np.array([BLOCKS[ggml_type][0]], np.int32)
     if ggml_type == "Q6_K":
         blocks = raw.reshape(rows, -1, 210)
         codes = np.ascontiguousarray(blocks[..., :192]).reshape(rows, -1).view("<u4")

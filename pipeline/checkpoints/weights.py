@@ -80,6 +80,10 @@ def _quantize_like(model: nn.Module, weights: dict[str, mx.array]) -> None:
     are MLX-quantized (a `.scales` beside a packed uint32 `.weight`). Group size and bits
     follow from the shapes: the module knows its input width."""
     modules = dict(model.named_modules())
+    for name in [n for n in weights if n.endswith(".ggml_type")]:  # a GGUF tensor held as the file's row bytes
+        path = name.removesuffix(".ggml_type")
+        if isinstance(modules.get(path), nn.Linear):
+            qmm.GGUFBlocksLinear.become(modules[path], weights[path + ".weight"], weights[name])
     settings = {}
     for name, scales in weights.items():
         if not name.endswith(".scales"):

@@ -41,10 +41,12 @@ def add_parser(commands) -> None:
     batch.add_argument("--no-chat-template", action="store_true", help="feed 'prompt' requests as raw text")
     flags.add_weights_args(batch)
     flags.add_cluster_args(batch, transports=False)
+    flags.add_tensor_parallel_arg(batch)
 
 
 def validate(args: argparse.Namespace) -> None:
     flags.validated_scheduler_job_args(args)
+    flags.validated_tensor_parallel_arg(args)
 
 
 def check_paths(args: argparse.Namespace) -> None:
@@ -118,9 +120,11 @@ def run(args: argparse.Namespace, comm) -> int:
     # Here, not at the top: cli imports every command's module to build its parser, and these load MLX,
     # which `pipeline plan` must not (start-up time).
     from ..runtime.job import head_split, load_ring_stage, plan_ring_job, prefix_cache
-    from ..runtime.rank_figures import head_share_label, matmuls_label, per_rank, rank_figures, rss_label
+    from ..runtime.rank_figures import (group_sums_label, head_share_label, matmuls_label, per_rank, rank_figures,
+                                        rss_label)
     from ..runtime.requests import ListSource
     from ..runtime.scheduler import Scheduler, follow, stop_followers
+    from ..runtime.tensor_group import follow_leader, stop_mates
     from ..checkpoints.tokenizer import Tokenizer
     from ..runtime.trace import Timeline, split_hint, summary_lines, write_chrome_trace
 
@@ -192,12 +196,18 @@ def run(args: argparse.Namespace, comm) -> int:
             progress.close()
             results.close()
         stop_followers(transport, timeline)
-    else:
+        stop_mates(job.group)
+    elif job.group.leads:
         follow(stage, transport, timeline, group_rows)
+        stop_mates(job.group)
+    else:
+        follow_leader(stage, job.group)
     timeline.finish()
 
     summaries = comm.gather(timeline.summary(), root=0)
-    figures = comm.gather(rank_figures(stage, matmuls=matmuls_label(group_rows)), root=0)
+    summaries = summaries and summaries[::job.group.size]  # the ring's ranks: the stage leaders
+    figures = comm.gather(rank_figures(stage, matmuls=matmuls_label(group_rows),
+                                       group_sum_ms=job.group.ms_per_step(stage)), root=0)
     if rank == 0:
         hosts = [f.host for f in figures]
         print(f"[pipeline] batch: {results.count - results.errors} done, {results.errors} error records, "
@@ -208,7 +218,7 @@ def run(args: argparse.Namespace, comm) -> int:
               f"{head_share_label(stats.head_share, size)}"
               f"{'; speculative: ' + stats.draft.describe() if stats.draft else ''}); "
               f"weights {per_rank([f.weights for f in figures])}, BLAS {per_rank([f.blas for f in figures])}, "
-              f"peak RSS {rss_label(figures, kv_cache=False)}",
+              f"peak RSS {rss_label(figures, kv_cache=False)}{group_sums_label(figures)}",
               file=sys.stderr)
         for line in summary_lines(summaries, hosts if len(set(hosts)) > 1 else None):
             print(line, file=sys.stderr)

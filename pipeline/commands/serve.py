@@ -68,10 +68,12 @@ def add_parser(commands) -> None:
     flags.add_draft_args(serve)
     flags.add_weights_args(serve)
     flags.add_cluster_args(serve, transports=False)
+    flags.add_tensor_parallel_arg(serve)
 
 
 def validate(args: argparse.Namespace) -> None:
     flags.validated_scheduler_job_args(args)
+    flags.validated_tensor_parallel_arg(args)
     flags.validated_prompt_cache_dir_args(args)
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be 0 to 65535 (0: any free port), got {args.port}")
@@ -94,8 +96,9 @@ def validate(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace, comm) -> int:
     # Here, not at the top: every command's module is imported to build the parser, and these load MLX
     from ..runtime.job import head_split, load_ring_stage, plan_ring_job, prefix_cache, prompt_cache
-    from ..runtime.rank_figures import per_rank, rank_figures, rss_label
+    from ..runtime.rank_figures import group_sums_label, per_rank, rank_figures, rss_label
     from ..runtime.scheduler import Scheduler, follow, stop_followers
+    from ..runtime.tensor_group import follow_leader, stop_mates
     from ..checkpoints.tokenizer import Tokenizer
     from ..runtime.trace import COMPUTE, Timeline, summary_lines
     from ..serve.app import Defaults, ServedModel
@@ -139,26 +142,33 @@ def run(args: argparse.Namespace, comm) -> int:
         stats = scheduler.run()
         server.stop()
         stop_followers(job.transport, timeline)
+        stop_mates(job.group)
     else:
         # mpiexec and Slurm signal every rank; rank 0 alone decides, and sends STOP when done
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         comm.Barrier()
         timeline.restart()
-        follow(stage, job.transport, timeline, job.group_rows, store=stored and stored.store)
+        if job.group.leads:
+            follow(stage, job.transport, timeline, job.group_rows, store=stored and stored.store)
+            stop_mates(job.group)
+        else:
+            follow_leader(stage, job.group)
     if stored is not None:
         stored.store.close()  # the writes still queued
     timeline.finish()
 
     summaries = comm.gather(timeline.summary(), root=0)
-    figures = comm.gather(rank_figures(stage), root=0)
+    summaries = summaries and summaries[::job.group.size]  # the ring's ranks: the stage leaders
+    figures = comm.gather(rank_figures(stage, group_sum_ms=job.group.ms_per_step(stage)), root=0)
     if rank == 0:
         hosts = [f.host for f in figures]
         print(f"[pipeline] serve: {stats.done} requests done, {stats.errors} failed, {stats.generated_tokens} tokens "
               f"generated (prompts {stats.prompt_tokens} tokens) in {stats.wall_s:.1f} s; layers per rank "
               f"{','.join(str(end - start) for start, end in job.plan.ranges)}; weights "
               f"{per_rank([f.weights for f in figures])}, BLAS {per_rank([f.blas for f in figures])}, peak RSS "
-              f"{rss_label(figures, kv_cache=False)}{cache_label(engine['prefix_cache'], stored)}",
+              f"{rss_label(figures, kv_cache=False)}{cache_label(engine['prefix_cache'], stored)}"
+              f"{group_sums_label(figures)}",
               file=sys.stderr)
         for line in summary_lines(summaries, hosts if len(set(hosts)) > 1 else None):
             print(line, file=sys.stderr)

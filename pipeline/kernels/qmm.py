@@ -45,6 +45,10 @@ GROUP_SIZES = (32, 64, 128)
 SCALE_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 # the scales' dtype of a GGUF tensor held in its own blocks -> its GGML type id (gguf_kernels.cpp)
 GGUF_NATIVE = {mx.uint16: 20, mx.int8: 23, mx.int64: 14}
+# ggml type id -> the extension's product for a GGUF tensor held as the file's row bytes (checkpoints/quants.py
+# BLOCKS), each `f(x, blocks, type, int8)`: the K-quants and ternary types in gguf_kquant_kernels.cpp
+BLOCK_KERNELS = {10: "gguf_kquant_matmul", 11: "gguf_kquant_matmul", 13: "gguf_kquant_matmul",
+                 34: "gguf_kquant_matmul", 35: "gguf_kquant_matmul"}
 
 
 def extension_for(x: mx.array) -> object:
@@ -103,6 +107,18 @@ def gguf_matmul(x: mx.array, codes: mx.array, scales: mx.array, int8: bool | Non
     int8 = gguf_int8() if int8 is None else int8
     state.used["int8" if int8 else "pipeline"] += 1
     return _in_dtype_of(x, state.module.gguf_matmul(_float32(x), codes, scales, GGUF_NATIVE[scales.dtype], int8, d))
+
+
+def gguf_blocks_matmul(x: mx.array, blocks: mx.array, ggml_type: int, int8: bool | None = None) -> mx.array:
+    """x @ w.T for a GGUF tensor held as the file's row bytes (blocks [n, row bytes]) of ggml type id `ggml_type`
+    (BLOCK_KERNELS); int8: activations rounded per 256 as Q8_K (None: gguf_int8())."""
+    state = load()
+    if state.module is None:
+        raise RuntimeError(f"GGUF tensors held in their own blocks need pipeline's kernels ({state.why_not})")
+    int8 = gguf_int8() if int8 is None else int8
+    state.used["int8" if int8 else "pipeline"] += 1
+    kernel = getattr(state.module, BLOCK_KERNELS[ggml_type])
+    return _in_dtype_of(x, kernel(_float32(x), blocks, ggml_type, int8))
 
 
 def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None = None,
@@ -190,6 +206,25 @@ class GGUFLinear(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         out = gguf_matmul(x, self["weight"], self["scales"], d=self.get("biases"))
+        return out + self["bias"] if "bias" in self else out
+
+
+class GGUFBlocksLinear(nn.Module):
+    """A Linear whose weight is a GGUF tensor held as the file's row bytes (checkpoints/quants.py BLOCKS):
+    `weight` uint8 [out, row bytes], `ggml_type` int32 [1] (the type id, also kept as the int `type_id`),
+    products by gguf_blocks_matmul. A Linear becomes one where the loaded arrays say so (checkpoints/weights.py,
+    before they go in); what handles MLX's layouts (--weights-in-memory's dequantizing, the int8 repack) leaves
+    it as it is."""
+
+    @classmethod
+    def become(cls, module: nn.Module, weight: mx.array, ggml_type: mx.array) -> None:
+        """Turns the Linear `module` into one, in place, holding these arrays."""
+        module.__class__ = cls
+        module["weight"], module["ggml_type"] = weight, ggml_type
+        module.type_id = int(ggml_type[0].item())
+
+    def __call__(self, x: mx.array) -> mx.array:
+        out = gguf_blocks_matmul(x, self["weight"], self.type_id)
         return out + self["bias"] if "bias" in self else out
 
 

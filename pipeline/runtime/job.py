@@ -6,7 +6,7 @@ input runs as a collective checkpoint, so every rank learns of a failure anywher
 from __future__ import annotations
 
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
@@ -39,7 +39,7 @@ from .prompt_cache_store import PromptCacheStore, entry_key, model_identity
 from .scheduler import exact_group_rows
 from .settings import JobSettings, RingSettings, TransportSettings, WeightSettings
 from .stage import Stage
-from .tensor_group import Group, LeaderStage
+from .tensor_group import Group, LeaderStage, form_group
 
 
 @dataclass
@@ -193,23 +193,29 @@ class RingJob:
     head_fraction: float  # the part of the LM head the last rank holds (head_share.py)
     head_rows: int
     microbatches: int
+    group: Group = field(default_factory=Group)  # --tensor-parallel: this rank's stage group (tensor_group.py)
 
 
 def plan_ring_job(settings: JobSettings, comm) -> RingJob:
     """Collective: the transport and the plan, before anything big is read."""
-    transport = make_transport(settings.transport, comm)
+    transport_settings = settings.transport
+    group = mpi.checkpoint(comm, lambda: form_group(comm, settings.weights.tensor_parallel, transport_settings.transport,
+                                                    transport_settings.watchdog))
+    transport = make_transport(transport_settings, group.ring) if group.leads else None  # the ring: stage leaders
     group_rows = exact_group_rows(settings.ring.packed_matmuls)  # this rank's own: it depends on its BLAS
     head_fraction = head_share_fraction(settings.ring.head_share, comm.allgather(group_rows))
+    if group.size > 1:
+        head_fraction = 0.0  # the head stays whole on rank 0 under --tensor-parallel (a vocabulary split: later)
     plan = mpi.checkpoint(comm, lambda: plan_job(settings.weights, comm, last_rank_head=head_fraction))
     if not family_for(plan.config).head_share:  # DeepSeek V4: the head reads collapsed streams
         head_fraction = 0.0
-    size = comm.Get_size()
+    size = comm.Get_size() // group.size  # stages
     # Sequences sharing products: one micro-batch per rank, since smaller ones make smaller, less
     # efficient products. Each on its own: twice as many, so a late one never starves a stage (a
     # micro-batch's round trip alone takes as long as the ring needs for N of them).
     microbatches = settings.ring.microbatches or (size if group_rows or size == 1 else 2 * size)
     return RingJob(transport, plan, group_rows, head_fraction, head_share_rows(head_fraction, plan.config.vocab_size),
-                   microbatches)
+                   microbatches, group)
 
 
 def load_ring_stage(settings: JobSettings, job: RingJob, comm, progress: bool) -> Stage:
@@ -217,7 +223,7 @@ def load_ring_stage(settings: JobSettings, job: RingJob, comm, progress: bool) -
     rank = comm.Get_rank()
     head_rows = job.head_rows if rank == comm.Get_size() - 1 else 0
     return mpi.checkpoint(comm, lambda: load_stage(settings.weights, job.plan, rank, progress=progress,
-                                                   head_rows=head_rows))
+                                                   head_rows=head_rows, group=job.group))
 
 
 def head_split(settings: RingSettings, job: RingJob):
@@ -268,6 +274,8 @@ def prompt_cache(settings: JobSettings, job: RingJob, comm) -> PromptCache | Non
             "dtype": weights.dtype, "quantize": weights.quantize, "group_size": weights.group_size,
             "int8_activations": plan.int8})
         return PromptCacheStore(ring.prompt_cache_dir, identity, plan.ranges[rank])
+    if job.group.size > 1:
+        raise UserError("--prompt-cache-dir does not hold --tensor-parallel shards yet: run without one of them")
 
     store = mpi.checkpoint(comm, open_store)
     found = store.scan()

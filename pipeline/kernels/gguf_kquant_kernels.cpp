@@ -1,0 +1,518 @@
+/* Products with GGUF's low-bit K-quants and ternary types held in their own blocks (no re-quantization): Q5_K,
+ * Q3_K, Q2_K, TQ2_0 and TQ1_0, as llama.cpp computes them on CPU (ggml-cpu's vec_dot_<type>_q8_K).
+ *
+ * The held layout (checkpoints/quants.py BLOCKS): a tensor's rows, each the file's bytes of that row verbatim,
+ * k / 256 super-blocks of ggml-common.h's block_<type>, in one array of any dtype [n, ...] (uint8 [n, row bytes]
+ * as loaded) whose bytes are n rows of those. Bytes per 256 values and what they hold:
+ *   Q5_K  176: d, dmin (fp16), scales[12] (eight 6-bit scale/min pairs, get_scale_min_k4's packing), qh[32],
+ *              qs[128]; sub-block j (32 values) of chunk c = j / 2: value l's low 4 bits the low (j even) or
+ *              high nibble of qs[32 c + l], its fifth bit bit j of qh[l]; w = (d sc_j) q - (dmin m_j), q 0..31;
+ *   Q3_K  110: hmask[32], qs[64], scales[12], d; value v = 128 h + 32 s + l (h < 2, s < 4, l < 32):
+ *              q = ((qs[32 h + l] >> 2 s) & 3) - (bit 4 h + s of hmask[l] ? 0 : 4); 16 six-bit scales, one
+ *              per 16 values (low 4 bits: scales[g] (g < 8) or its high nibble (scales[g - 8]), top 2 bits:
+ *              scales[8 + g % 4] >> 2 (g / 4)), minus 32; w = (d (sc_g - 32)) q;
+ *   Q2_K   84: scales[16] (low nibble scale, high nibble min, per 16 values), qs[64], d, dmin;
+ *              q = (qs[32 h + l] >> 2 s) & 3 as Q3_K's low bits; w = (d sc_g) q - (dmin m_g);
+ *   TQ2_0  66: qs[64], d; q as Q2_K's minus 1 (-1, 0, 1); w = d q;
+ *   TQ1_0  54: qs[48], qh[4], d; five base-3 digits per qs byte, four per qh byte: digit n of byte b is
+ *              ((uint8(b * 3^n) * 3) >> 8); values 0-159 from qs[0..32) (v = 32 n + m), 160-239 from
+ *              qs[32..48) (v = 160 + 16 n + m), 240-255 from qh (v = 240 + 4 n + m); q = digit - 1; w = d q.
+ * Every super-block unpacks (unpack) to 256 int8 codes q, an integer scale sc_g and min m_g per 16 values
+ * (sc 1 and no mins for the ternary types) and the fp16 d, dmin.
+ *
+ * Two products, each out[m][n] = sum_k x[m][k] * w[n][k]:
+ *   float: each weight dequantized to float32 exactly as the gguf package does it ((d sc_g) q exact, minus
+ *          (dmin m_g): one rounding), 16 lane accumulators fma(w, x, acc) over k in order, one lane-sum tree;
+ *   int8 (llama.cpp's): x rounded per 256 values as Q8_K (d8 = max|x| / 127, xq = rint(x / d8)); per
+ *          super-block the integer S = sum_g sc_g sum_{16 values} q xq and, for the types with mins, the
+ *          integer M = sum_g m_g sum_{16 values} xq (llama.cpp's bsums), exact (|S| < 2^31); then
+ *          acc = fma(float(S), d * d8, acc) and, with mins, acc = fma(float(M), -(dmin * d8), acc), one scalar
+ *          chain over the super-blocks in order.
+ * Every output element is that fixed sequence on its row of x and its weight row whatever the number of
+ * rows, their order or the threads (batch invariance); the AVX-512 (VNNI), AVX2 and generic code give the
+ * same bits (the unpacking and integer sums are exact integers; the float steps the same fused multiply-adds).
+ */
+#include <nanobind/nanobind.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/primitives.h"
+#include "mlx/stream.h"
+#include "mlx/types/half_types.h"
+
+#include "kernels_common.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+enum KType { Q2_K = 10, Q3_K = 11, Q5_K = 13, TQ1_0 = 34, TQ2_0 = 35 };  // ggml's type ids
+
+constexpr int SUPER = 256;  // values per super-block and per Q8_K activation block
+constexpr int GROUPS = 16;  // 16-value groups per super-block
+
+/* Bytes per super-block, or 0 for a type not here. */
+constexpr int64_t block_bytes(int type) {
+    switch (type) {
+        case Q2_K: return 84;
+        case Q3_K: return 110;
+        case Q5_K: return 176;
+        case TQ1_0: return 54;
+        case TQ2_0: return 66;
+        default: return 0;
+    }
+}
+
+constexpr bool has_mins(int type) { return type == Q2_K || type == Q5_K; }
+
+inline float half_at(const uint8_t *p) {
+    mx::float16_t h;
+    std::memcpy(&h, p, 2);
+    return static_cast<float>(h);
+}
+
+/* One super-block, unpacked (see the opening comment). */
+struct Unpacked {
+    alignas(64) int8_t q[SUPER];
+    alignas(64) int32_t sc[GROUPS];
+    alignas(64) int32_t mn[GROUPS];
+    float d, dmin;
+};
+
+/* Q3_K / Q2_K / TQ2_0: the 2 low bits of value 128 h + 32 s + l. */
+inline void two_bits(const uint8_t *qs, int8_t *q) {
+    for (int h = 0; h < 2; h++)
+        for (int s = 0; s < 4; s++)
+            for (int l = 0; l < 32; l++) q[128 * h + 32 * s + l] = int8_t((qs[32 * h + l] >> (2 * s)) & 3);
+}
+
+inline void unpack(int type, const uint8_t *b, Unpacked &u) {
+    switch (type) {
+        case Q5_K: {
+            u.d = half_at(b);
+            u.dmin = half_at(b + 2);
+            const uint8_t *s = b + 4, *qh = b + 16, *qs = b + 48;
+            for (int j = 0; j < 8; j++) {  // ggml's get_scale_min_k4
+                int sc, m;
+                if (j < 4) {
+                    sc = s[j] & 63;
+                    m = s[j + 4] & 63;
+                } else {
+                    sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+                    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+                }
+                u.sc[2 * j] = u.sc[2 * j + 1] = sc;
+                u.mn[2 * j] = u.mn[2 * j + 1] = m;
+            }
+            for (int c = 0; c < 4; c++)
+                for (int l = 0; l < 32; l++) {
+                    u.q[64 * c + l] = int8_t((qs[32 * c + l] & 15) | (((qh[l] >> (2 * c)) & 1) << 4));
+                    u.q[64 * c + 32 + l] = int8_t((qs[32 * c + l] >> 4) | (((qh[l] >> (2 * c + 1)) & 1) << 4));
+                }
+            return;
+        }
+        case Q3_K: {
+            const uint8_t *hmask = b, *qs = b + 32, *s = b + 96;
+            u.d = half_at(b + 108);
+            u.dmin = 0.0f;
+            two_bits(qs, u.q);
+            for (int h = 0; h < 2; h++)
+                for (int t = 0; t < 4; t++)
+                    for (int l = 0; l < 32; l++)
+                        u.q[128 * h + 32 * t + l] -= int8_t((((hmask[l] >> (4 * h + t)) & 1) ^ 1) << 2);
+            for (int g = 0; g < GROUPS; g++) {
+                const int low = g < 8 ? s[g] & 15 : s[g - 8] >> 4, high = (s[8 + g % 4] >> (2 * (g / 4))) & 3;
+                u.sc[g] = (low | (high << 4)) - 32;
+                u.mn[g] = 0;
+            }
+            return;
+        }
+        case Q2_K: {
+            const uint8_t *s = b, *qs = b + 16;
+            u.d = half_at(b + 80);
+            u.dmin = half_at(b + 82);
+            two_bits(qs, u.q);
+            for (int g = 0; g < GROUPS; g++) {
+                u.sc[g] = s[g] & 15;
+                u.mn[g] = s[g] >> 4;
+            }
+            return;
+        }
+        case TQ2_0: {
+            u.d = half_at(b + 64);
+            u.dmin = 0.0f;
+            two_bits(b, u.q);
+            for (int i = 0; i < SUPER; i++) u.q[i] -= 1;
+            for (int g = 0; g < GROUPS; g++) u.sc[g] = 1, u.mn[g] = 0;
+            return;
+        }
+        case TQ1_0: {
+            static constexpr uint8_t POW3[5] = {1, 3, 9, 27, 81};
+            const uint8_t *qs = b, *qh = b + 48;
+            u.d = half_at(b + 52);
+            u.dmin = 0.0f;
+            auto digit = [](uint8_t byte, uint8_t power) {
+                return int8_t(((uint16_t(uint8_t(byte * power)) * 3) >> 8) - 1);
+            };
+            for (int n = 0; n < 5; n++)
+                for (int m = 0; m < 32; m++) u.q[32 * n + m] = digit(qs[m], POW3[n]);
+            for (int n = 0; n < 5; n++)
+                for (int m = 0; m < 16; m++) u.q[160 + 16 * n + m] = digit(qs[32 + m], POW3[n]);
+            for (int n = 0; n < 4; n++)
+                for (int m = 0; m < 4; m++) u.q[240 + 4 * n + m] = digit(qh[m], POW3[n]);
+            for (int g = 0; g < GROUPS; g++) u.sc[g] = 1, u.mn[g] = 0;
+            return;
+        }
+    }
+}
+
+/* The super-block's 256 weights in float32, as the gguf package computes them (the opening comment). */
+inline void dequantize(int type, const Unpacked &u, float *w) {
+    float scale[GROUPS], shift[GROUPS];
+    for (int g = 0; g < GROUPS; g++) {
+        scale[g] = u.d * float(u.sc[g]);  // exact (fp16 times at most 6 bits)
+        shift[g] = u.dmin * float(u.mn[g]);
+    }
+    if (has_mins(type)) {
+        for (int i = 0; i < SUPER; i++) w[i] = scale[i / 16] * float(u.q[i]) - shift[i / 16];
+    } else {
+        for (int i = 0; i < SUPER; i++) w[i] = scale[i / 16] * float(u.q[i]);
+    }
+}
+
+/* One held matrix: row r's super-block sb at blocks + (r * k / 256 + sb) * block_bytes(type). */
+struct KMatrix {
+    const uint8_t *blocks;
+    int type;
+    int64_t n, k;
+
+    const uint8_t *block(int64_t r, int64_t sb) const { return blocks + (r * (k / SUPER) + sb) * block_bytes(type); }
+};
+
+/* ---- float products ------------------------------------------------------------------------------ */
+
+constexpr int FLOAT_TILE = 8;  // rows sharing each dequantized super-block
+
+template <int R>
+void float_tile(const KMatrix &m, int64_t col, const float *const *x, float *const *out) {
+    v16 acc[R] = {};
+    Unpacked u;
+    alignas(64) float w[SUPER];
+    for (int64_t sb = 0; sb < m.k / SUPER; sb++) {
+        unpack(m.type, m.block(col, sb), u);
+        dequantize(m.type, u, w);
+        for (int c = 0; c < SUPER / 16; c++) {
+            const v16 wc = load16(w + 16 * c);
+            for (int r = 0; r < R; r++) acc[r] = fma16(wc, load16(x[r] + SUPER * sb + 16 * c), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r][col] = lanes_sum(acc[r]);
+}
+
+template <int R = 1>
+void float_rows(int64_t count, const KMatrix &m, int64_t col, const float *const *x, float *const *out) {
+    if constexpr (R < FLOAT_TILE) {
+        if (count != R) return float_rows<R + 1>(count, m, col, x, out);
+    }
+    float_tile<R>(m, col, x, out);
+}
+
+/* ---- int8 products ------------------------------------------------------------------------------- */
+
+/* x's rows rounded as ggml's Q8_K: q [rows, k], d [rows, k / 256], bsums [rows, k / 16] (sums of 16 q). */
+struct RoundedRows {
+    std::vector<int8_t> q;
+    std::vector<float> d;
+    std::vector<int32_t> bsums;
+};
+
+RoundedRows round_rows(const float *x, int64_t rows, int64_t k) {
+    RoundedRows out{std::vector<int8_t>(rows * k), std::vector<float>(rows * (k / SUPER)),
+                    std::vector<int32_t>(rows * (k / 16))};
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < k / SUPER; c++) {
+            const float *v = x + r * k + c * SUPER;
+            float amax = 0.0f;
+            for (int i = 0; i < SUPER; i++) amax = std::max(amax, std::fabs(v[i]));
+            const float d = amax / 127.0f;
+            float inverse = d > 0.0f ? 1.0f / d : 0.0f;
+            if (!(inverse < INFINITY)) inverse = 0.0f;  // tiny or not finite: the block counts as zeros
+            out.d[r * (k / SUPER) + c] = d;
+            int8_t *q = out.q.data() + r * k + c * SUPER;
+            for (int i = 0; i < SUPER; i++) {
+                const float f = std::nearbyint(v[i] * inverse);
+                q[i] = f >= 127.0f ? 127 : f <= -127.0f ? -127 : f == f ? int8_t(f) : 0;  // NaN: 0
+            }
+            int32_t *sums = out.bsums.data() + r * (k / 16) + c * GROUPS;
+            for (int g = 0; g < GROUPS; g++) {
+                int32_t s = 0;
+                for (int i = 0; i < 16; i++) s += q[16 * g + i];
+                sums[g] = s;
+            }
+        }
+    return out;
+}
+
+/* sum_g sc[g] * sum_{i < 16} q[16 g + i] * xq[16 g + i] over a super-block: exact integers on every path
+   (|q| <= 31, so vpmaddubsw's pair sums of |q| times x with q's sign cannot saturate). */
+inline int32_t scaled_dot(const Unpacked &u, const int8_t *xq) {
+#if defined(__AVX512BW__) && defined(__AVX512F__)
+    __m512i total = _mm512_setzero_si512();
+    for (int c = 0; c < 4; c++) {  // 64 values a step: 16 lanes of 4 products, lanes 4g'..4g'+3 group 4c + g'
+        const __m512i w = _mm512_load_si512(u.q + 64 * c);
+        const __m512i x = _mm512_loadu_si512(xq + 64 * c);
+        const __m512i magnitude = _mm512_abs_epi8(w);
+        const __m512i signed_x = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
+#if defined(__AVX512VNNI__)
+        const __m512i lanes = _mm512_dpbusd_epi32(_mm512_setzero_si512(), magnitude, signed_x);
+#else
+        const __m512i lanes = _mm512_madd_epi16(_mm512_maddubs_epi16(magnitude, signed_x), _mm512_set1_epi16(1));
+#endif
+        const __m128i four = _mm_load_si128(reinterpret_cast<const __m128i *>(u.sc + 4 * c));
+        const __m512i scales = _mm512_permutexvar_epi32(
+            _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), _mm512_castsi128_si512(four));
+        total = _mm512_add_epi32(total, _mm512_mullo_epi32(lanes, scales));
+    }
+    return _mm512_reduce_add_epi32(total);
+#elif defined(__AVX2__)
+    __m256i total = _mm256_setzero_si256();
+    for (int c = 0; c < 8; c++) {  // 32 values a step: 8 lanes of 4 products, lanes 0-3 group 2c, 4-7 group 2c + 1
+        const __m256i w = _mm256_load_si256(reinterpret_cast<const __m256i *>(u.q + 32 * c));
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(xq + 32 * c));
+        const __m256i lanes = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)),
+                                                _mm256_set1_epi16(1));
+        const __m256i scales = _mm256_setr_epi32(u.sc[2 * c], u.sc[2 * c], u.sc[2 * c], u.sc[2 * c], u.sc[2 * c + 1],
+                                                 u.sc[2 * c + 1], u.sc[2 * c + 1], u.sc[2 * c + 1]);
+        total = _mm256_add_epi32(total, _mm256_mullo_epi32(lanes, scales));
+    }
+    const __m128i half = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    const __m128i quarter = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(quarter, _mm_shuffle_epi32(quarter, 0xB1)));
+#else
+    int32_t total = 0;
+    for (int g = 0; g < GROUPS; g++) {
+        int32_t s = 0;
+        for (int i = 0; i < 16; i++) s += int32_t(u.q[16 * g + i]) * xq[16 * g + i];
+        total += u.sc[g] * s;
+    }
+    return total;
+#endif
+}
+
+constexpr int INT8_TILE = 4;  // rows sharing each unpacked super-block
+
+template <int R>
+void int8_tile(const KMatrix &m, int64_t col, const int8_t *const *xq, const float *const *xd,
+               const int32_t *const *bsums, float *const *out) {
+    float acc[R] = {};
+    Unpacked u;
+    const bool mins = has_mins(m.type);
+    for (int64_t sb = 0; sb < m.k / SUPER; sb++) {
+        unpack(m.type, m.block(col, sb), u);
+        for (int r = 0; r < R; r++) {
+            const int32_t s = scaled_dot(u, xq[r] + SUPER * sb);
+            acc[r] = std::fma(float(s), u.d * xd[r][sb], acc[r]);
+            if (mins) {
+                int32_t total = 0;
+                const int32_t *sums = bsums[r] + GROUPS * sb;
+                for (int g = 0; g < GROUPS; g++) total += u.mn[g] * sums[g];
+                acc[r] = std::fma(float(total), -(u.dmin * xd[r][sb]), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) out[r][col] = acc[r];
+}
+
+template <int R = 1>
+void int8_rows(int64_t count, const KMatrix &m, int64_t col, const int8_t *const *xq, const float *const *xd,
+               const int32_t *const *bsums, float *const *out) {
+    if constexpr (R < INT8_TILE) {
+        if (count != R) return int8_rows<R + 1>(count, m, col, xq, xd, bsums, out);
+    }
+    int8_tile<R>(m, col, xq, xd, bsums, out);
+}
+
+/* ---- one product over the threads ---------------------------------------------------------------- */
+
+/* Below this many multiply-adds a product runs on one thread (gguf_kernels.cpp's threshold, for the same reason). */
+constexpr int64_t THREADED_MIN_WORK = int64_t(1) << 22;
+
+void product(const KMatrix &m, const float *x, int64_t rows, float *out, bool int8) {
+    const int64_t k = m.k, n = m.n;
+    const bool threaded = g_threads > 1 && n > 1 && rows * n * k >= THREADED_MIN_WORK;
+    if (int8) {
+        const RoundedRows xq = round_rows(x, rows, k);
+#pragma omp parallel for schedule(static) num_threads(g_threads) if (threaded)
+        for (int64_t col = 0; col < n; col++) {
+            const int8_t *qs[INT8_TILE];
+            const float *ds[INT8_TILE];
+            const int32_t *sums[INT8_TILE];
+            float *outs[INT8_TILE];
+            for (int64_t r0 = 0; r0 < rows; r0 += INT8_TILE) {
+                const int64_t count = std::min<int64_t>(INT8_TILE, rows - r0);
+                for (int64_t i = 0; i < count; i++) {
+                    qs[i] = xq.q.data() + (r0 + i) * k;
+                    ds[i] = xq.d.data() + (r0 + i) * (k / SUPER);
+                    sums[i] = xq.bsums.data() + (r0 + i) * (k / 16);
+                    outs[i] = out + (r0 + i) * n;
+                }
+                int8_rows(count, m, col, qs, ds, sums, outs);
+            }
+        }
+        return;
+    }
+#pragma omp parallel for schedule(static) num_threads(g_threads) if (threaded)
+    for (int64_t col = 0; col < n; col++) {
+        const float *xs[FLOAT_TILE];
+        float *outs[FLOAT_TILE];
+        for (int64_t r0 = 0; r0 < rows; r0 += FLOAT_TILE) {
+            const int64_t count = std::min<int64_t>(FLOAT_TILE, rows - r0);
+            for (int64_t i = 0; i < count; i++) {
+                xs[i] = x + (r0 + i) * k;
+                outs[i] = out + (r0 + i) * n;
+            }
+            float_rows(count, m, col, xs, outs);
+        }
+    }
+}
+
+/* ---- the MLX operations ---------------------------------------------------------------------------- */
+
+/* Inputs: x [..., k] float32, blocks [n, ...] (any dtype) whose bytes are n rows of k / 256 super-blocks. */
+class KProduct : public mx::UnaryPrimitive {
+   public:
+    KProduct(mx::Stream stream, int type, bool int8) : mx::UnaryPrimitive(stream), type_(type), int8_(int8) {}
+
+    void eval_cpu(const std::vector<mx::array> &inputs, mx::array &out) override {
+        out.set_data(mx::allocator::malloc(out.nbytes()));
+        auto &encoder = mx::cpu::get_command_encoder(stream());
+        for (auto &a : inputs) encoder.set_input_array(a);
+        encoder.set_output_array(out);
+        const int type = type_;
+        const bool int8 = int8_;
+        encoder.dispatch([inputs, out, type, int8]() mutable {
+            std::vector<mx::array> keep;
+            const mx::array x = contiguous(inputs[0], keep), blocks = contiguous(inputs[1], keep);
+            const int64_t k = x.shape(-1), rows = k ? int64_t(x.size()) / k : 0, n = blocks.shape(0);
+            if (rows == 0 || n == 0) return;
+            const KMatrix m{blocks.data<uint8_t>(), type, n, k};
+            product(m, x.data<float>(), rows, out.data<float>(), int8);
+        });
+    }
+
+    void eval_gpu(const std::vector<mx::array> &, mx::array &) override {
+        throw std::runtime_error("pipeline's GGUF K-quant products run on the CPU only");
+    }
+
+    const char *name() const override { return "PipelineGGUFKQuantProduct"; }
+
+    bool is_equivalent(const mx::Primitive &other) const override {
+        auto *o = dynamic_cast<const KProduct *>(&other);
+        return o && o->type_ == type_ && o->int8_ == int8_;
+    }
+
+    std::vector<mx::Shape> output_shapes(const std::vector<mx::array> &inputs) override {
+        mx::Shape shape = inputs[0].shape();
+        shape.back() = inputs[1].shape(0);
+        return {shape};
+    }
+
+   private:
+    int type_;
+    bool int8_;
+};
+
+/* Output: float32 [n, k], every weight as the float products use it. */
+class KDequantize : public mx::UnaryPrimitive {
+   public:
+    KDequantize(mx::Stream stream, int type) : mx::UnaryPrimitive(stream), type_(type) {}
+
+    void eval_cpu(const std::vector<mx::array> &inputs, mx::array &out) override {
+        out.set_data(mx::allocator::malloc(out.nbytes()));
+        auto &encoder = mx::cpu::get_command_encoder(stream());
+        encoder.set_input_array(inputs[0]);
+        encoder.set_output_array(out);
+        const int type = type_;
+        encoder.dispatch([inputs, out, type]() mutable {
+            std::vector<mx::array> keep;
+            const mx::array blocks = contiguous(inputs[0], keep);
+            const int64_t n = out.shape(0), k = out.shape(1);
+            const KMatrix m{blocks.data<uint8_t>(), type, n, k};
+            Unpacked u;
+            for (int64_t r = 0; r < n; r++)
+                for (int64_t sb = 0; sb < k / SUPER; sb++) {
+                    unpack(type, m.block(r, sb), u);
+                    dequantize(type, u, out.data<float>() + r * k + sb * SUPER);
+                }
+        });
+    }
+
+    void eval_gpu(const std::vector<mx::array> &, mx::array &) override {
+        throw std::runtime_error("pipeline's GGUF K-quant products run on the CPU only");
+    }
+
+    const char *name() const override { return "PipelineGGUFKQuantDequantize"; }
+
+    bool is_equivalent(const mx::Primitive &other) const override {
+        auto *o = dynamic_cast<const KDequantize *>(&other);
+        return o && o->type_ == type_;
+    }
+
+    std::vector<mx::Shape> output_shapes(const std::vector<mx::array> &inputs) override {
+        return {mx::Shape{inputs[0].shape(0), int(inputs[0].nbytes() / inputs[0].shape(0) / block_bytes(type_) * SUPER)}};
+    }
+
+   private:
+    int type_;
+};
+
+void check(const mx::array &blocks, int type, int64_t k) {
+    auto fail = [](const std::string &why) { throw std::invalid_argument("pipeline GGUF K-quant product: " + why); };
+    if (!block_bytes(type)) fail("type must be Q2_K (10), Q3_K (11), Q5_K (13), TQ1_0 (34) or TQ2_0 (35)");
+    if (k % SUPER) fail("k must be a multiple of 256");
+    if (blocks.ndim() < 1 || blocks.nbytes() != size_t(blocks.shape(0) * (k / SUPER * block_bytes(type))))
+        fail("blocks must be [n, ...] holding n rows of k / 256 super-blocks");
+}
+
+mx::Stream cpu_stream() { return mx::default_stream(mx::Device(mx::Device::cpu)); }
+
+}  // namespace
+
+void register_gguf_kquants(nb::module_ &m) {
+    m.def(
+        "gguf_kquant_matmul",
+        [](const mx::array &x, const mx::array &blocks, int type, bool int8) {
+            if (x.ndim() < 1 || x.dtype() != mx::float32)
+                throw std::invalid_argument("pipeline GGUF K-quant product: x must be float32 [..., k]");
+            check(blocks, type, x.shape(-1));
+            mx::Shape shape = x.shape();
+            shape.back() = blocks.shape(0);
+            return mx::array(shape, mx::float32, std::make_shared<KProduct>(cpu_stream(), type, int8), {x, blocks});
+        },
+        nb::arg("x"), nb::arg("blocks"), nb::arg("type"), nb::arg("int8"),
+        "x [..., k] float32 @ w.T for a GGUF tensor (Q2_K, Q3_K, Q5_K, TQ1_0, TQ2_0) held as the file's blocks "
+        "([n, ...], any dtype), lazily; int8: x rounded per 256 as Q8_K (llama.cpp's vec_dot), else float products");
+    m.def(
+        "gguf_kquant_dequantize",
+        [](const mx::array &blocks, int type) {
+            if (!block_bytes(type) || blocks.ndim() < 1 || blocks.shape(0) == 0 ||
+                blocks.nbytes() % size_t(blocks.shape(0) * block_bytes(type)))
+                throw std::invalid_argument("pipeline GGUF K-quant dequantize: blocks must be [n, ...] of whole "
+                                            "super-blocks of Q2_K, Q3_K, Q5_K, TQ1_0 or TQ2_0");
+            const int k = int(blocks.nbytes() / blocks.shape(0) / block_bytes(type) * SUPER);
+            return mx::array(mx::Shape{blocks.shape(0), k}, mx::float32,
+                             std::make_shared<KDequantize>(cpu_stream(), type), {blocks});
+        },
+        nb::arg("blocks"), nb::arg("type"), "float32 [n, k]: every weight of the blocks as the float products use it");
+}
