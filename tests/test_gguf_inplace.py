@@ -254,7 +254,7 @@ def test_gguf_bytes_come_from_the_mapped_file(tmp_path, monkeypatch, qtype):
 
 
 # (IQ4_NL, IQ4_XS and Q6_K layer matrices stay in their own blocks unless --quantize is given: test_gguf_iquants.py)
-@pytest.mark.parametrize("qtype,default_bits", [(QT.Q3_K, 4), (QT.Q2_K, 4), (QT.IQ2_XXS, 4)],
+@pytest.mark.parametrize("qtype,default_bits", [(QT.Q3_K, 8), (QT.Q2_K, 8), (QT.IQ2_XXS, 8)],
                          ids=lambda v: getattr(v, "name", v))
 def test_other_types_are_requantized_within_the_reported_error(tmp_path, qtype, default_bits):
     """Types no MLX layout carries: MLX affine at the default bits (or --quantize's), group --group-size;
@@ -670,11 +670,12 @@ def test_moe_architectures_match_transformers(case, tmp_path, vocab):
 
 
 def test_q4_k_m_style_mix_loads_partly_exact_partly_requantized(tmp_path, vocab, capsys):
-    """A Q4_K_M file holds Q6_K tensors (output, some ffn_down): those are re-quantized (8-bit), said once in
-    one line with the error, the Q4_K ones stay exact; logits stay close to transformers' on the file's values."""
+    """A Q4_K_M file holds Q6_K tensors (output, some ffn_down), here with a Q3_K embedding (a type whose looked-up
+    rows are not computed in its blocks): that is re-quantized (8-bit), said once in one line with the error, the
+    Q6_K ones held in their blocks, the Q4_K ones exact; logits stay close to transformers' on the file's values."""
     folder = _mistral(tmp_path / "hf")
     model = _transformers("mistral", folder)
-    types = {"ffn_down": QT.Q6_K, "output.": QT.Q6_K, "attn": QT.Q4_K, "ffn": QT.Q4_K, "token_embd": QT.Q4_K}
+    types = {"ffn_down": QT.Q6_K, "output.": QT.Q6_K, "attn": QT.Q4_K, "ffn": QT.Q4_K, "token_embd": QT.Q3_K}
     written = write_model(tmp_path / "m.gguf", model, "llama", _by_kind(types), vocab=vocab)
     expected = reference(model, written["state"])
     capsys.readouterr()
@@ -687,14 +688,14 @@ def test_q4_k_m_style_mix_loads_partly_exact_partly_requantized(tmp_path, vocab,
     finally:
         state.gguf_int8 = saved
     note = [line for line in capsys.readouterr().err.splitlines() if "re-quantized" in line]
-    assert len(note) == 1 and "Q6_K -> 8-bit group 64:" in note[0] and "ffn_down" not in note[0], note
-    assert "output" in note[0] and "largest error" in note[0]
+    assert len(note) == 1 and "Q3_K -> 8-bit group 64: token_embd" in note[0] and "Q6_K" not in note[0], note
+    assert "largest error" in note[0]
     kinds = {e.how for n, e in checkpoint.tensors.items() if n.endswith(".weight") and e.layout}
-    assert kinds == {"exact", "requantized", "native"}  # the Q6_K ffn_down in their own blocks
+    assert kinds == {"exact", "requantized", "native"}  # the Q6_K ffn_down and output in their own blocks
     # These std-0.2 models amplify weight noise: their all-F32 file re-quantized to 8 bits (--quantize 8)
-    # moves logits (up to |14|) by 2.2; the nine 8-bit tensors here by 0.69 (measured), top-1 unchanged.
-    assert np.abs(logits - expected).max() <= 1.0
-    assert (logits.argmax(-1) == expected.argmax(-1)).mean() >= 0.95
+    # moves logits (up to |14|) by 2.2; the 8-bit embedding here by 2.1, top-1 92% (measured; at 4 bits: 14.1, 33%).
+    assert np.abs(logits - expected).max() <= 2.5
+    assert (logits.argmax(-1) == expected.argmax(-1)).mean() >= 0.9
 
 
 # ---- the SmolLM2 file end to end, and bad inputs ----------------------------------------------------------------

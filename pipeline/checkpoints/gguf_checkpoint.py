@@ -112,8 +112,8 @@ def hf_name(gguf_name: str) -> tuple[int | None, str] | None:
 
 class GGUFCheckpoint(Checkpoint):
     """A GGUF model as a Checkpoint (see the module docstring). `requantize_bits`/`group_size`: the
-    MLX layout for types that cannot map exactly (--quantize / --group-size; None: 8 bits for
-    6-bit sources, 4 for the rest). native: whether quants.NATIVE types stay in their own blocks where
+    MLX layout for types that cannot map exactly (--quantize / --group-size; None: quants.REQUANTIZED's 8 bits).
+    native: whether quants.NATIVE types stay in their own blocks where
     --quantize is not given (None: where pipeline's kernels are expected, which compute them; a conversion
     to a folder says False: other tools read MLX layouts only)."""
 
@@ -128,6 +128,7 @@ class GGUFCheckpoint(Checkpoint):
         self.tensors: dict[str, Entry] = {}
         self._pending: dict[str, Any] = {}  # the other arrays of a triple already decoded
         self._requantized: list[tuple[str, str, int, int, float, float]] = []  # what loaded() reports
+        self._requantized_bytes: list[tuple[int, int]] = []  # each one's (bytes in the file, bytes held)
         self.bytes_read = 0  # tensor bytes read so far (what each rank reads, for tests and benchmarks)
         self._pool: ThreadPoolExecutor | None | bool = None  # the decoder's threads (False: one CPU)
         self._maps: dict[Path, mmap.mmap] = {}  # each file mapped once, read-only (_read_bytes)
@@ -170,11 +171,14 @@ class GGUFCheckpoint(Checkpoint):
         if t not in quants.SUPPORTED and t not in quants.INTEGERS:
             raise UserError(f"{self.gguf.path}: tensor {tensor.name} has GGML type {t}, which pipeline cannot read "
                             f"(supported: {', '.join(quants.SUPPORTED)})")
-        # in its own blocks: a layer's matrix (the kernels' products; an embedding's lookups, a head's share and
-        # an expert stack's gathers run MLX's code), but for MLA's kv_b, which DeepSeek's attention dequantizes
-        # after loading to split it
-        native = (self.native and name.startswith("model.layers.") and len(tensor.shape) == 2 and not float_only
-                  and not name.endswith("kv_b_proj.weight"))
+        # in its own blocks: a layer's matrix and the LM head (the kernels' products), the token embedding and
+        # an expert stack where the type's rows and gathers are computed so (quants.NATIVE_ROWS), but for MLA's
+        # kv_b, which DeepSeek's attention dequantizes after loading to split it
+        stack = ".switch_mlp." in name
+        ends = stack or name in ("lm_head.weight", "model.embed_tokens.weight")
+        native = (self.native and not float_only and not name.endswith("kv_b_proj.weight")
+                  and (name.startswith("model.layers.") or ends) and len(tensor.shape) == (3 if stack else 2)
+                  and (t in quants.NATIVE_ROWS or not ends))
         lay = quants.layout(t, tensor.cols, self.requantize_bits, self.group_size, native)
         if lay.kind == "float" or float_only or len(tensor.shape) < 2 or not name.endswith(".weight"):
             if lay.kind == "float":
@@ -399,10 +403,12 @@ class GGUFCheckpoint(Checkpoint):
         mx.eval(list(arrays.values()))
         if entry.how == "requantized":
             self._requantized.append((tensor.name, tensor.ggml_type, lay.bits, lay.group_size, worst, largest))
+            self._requantized_bytes.append((tensor.nbytes, sum(a.nbytes for a in arrays.values())))
         return arrays
 
     def loaded(self, names: list[str]) -> None:
-        """After a rank's load: one line on stderr naming the tensors re-quantized and the error."""
+        """After a rank's load: one line on stderr naming the tensors re-quantized (how many of each type), what
+        they take in memory against their bytes in the file, and the error."""
         self._pending.clear()
         if self._pool:
             self._pool.shutdown()
@@ -414,16 +420,29 @@ class GGUFCheckpoint(Checkpoint):
         for gguf_name, ggml_type, bits, group, _, _ in self._requantized:
             by_kind.setdefault((ggml_type, bits, group), []).append(gguf_name.removesuffix(".weight"))
         worst = max(self._requantized, key=lambda r: r[4] / (r[5] or 1))
-        kinds = "; ".join(f"{t} -> {b}-bit group {g}: {summarize_names(names)}" for (t, b, g), names in by_kind.items())
-        print(f"note: re-quantized {len(self._requantized)} GGUF tensor{'s' * (len(self._requantized) > 1)} MLX cannot "
-              f"hold exactly ({kinds}); largest error {worst[4]:.3g} ({100 * worst[4] / (worst[5] or 1):.2f}% of that "
-              f"tensor's largest |weight|, {worst[0]}); --quantize sets the bits", file=sys.stderr, flush=True)
+        kinds = "; ".join(f"{len(names)} {t} -> {b}-bit group {g}: {summarize_names(names)}"
+                          for (t, b, g), names in by_kind.items())
+        in_file, held = (sum(sizes) for sizes in zip(*self._requantized_bytes))
+        print(f"note: re-quantized {len(self._requantized)} GGUF tensor{'s' * (len(self._requantized) > 1)} neither MLX "
+              f"nor pipeline's kernels hold as stored ({kinds}): {_size(held)} in memory for {_size(in_file)} in the file "
+              f"({held / (in_file or 1):.2f}x); largest error {worst[4]:.3g} "
+              f"({100 * worst[4] / (worst[5] or 1):.2f}% of that tensor's largest |weight|, {worst[0]}); --quantize sets "
+              "the bits (docs/formats.md)", file=sys.stderr, flush=True)
         self._requantized.clear()
+        self._requantized_bytes.clear()
 
     @property
     def requantized_report(self) -> list[tuple[str, str, int, int, float, float]]:
         """(GGUF name, type, bits, group, max |error|, max |weight|) of tensors re-quantized so far."""
         return list(self._requantized)
+
+
+def _size(n: int) -> str:
+    """'1.3 GiB', '97.2 MiB' or '12.0 KiB'."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n / 2**10:.1f} KiB"
 
 
 def summarize_names(names: list[str]) -> str:

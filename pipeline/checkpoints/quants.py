@@ -48,14 +48,20 @@ EXACT = {
     "Q4_0": (4, 32, "affine"), "Q4_1": (4, 32, "affine"), "Q5_0": (5, 32, "affine"), "Q5_1": (5, 32, "affine"),
     "Q8_0": (8, 32, "affine"), "Q4_K": (4, 32, "affine"), "Q5_K": (5, 32, "affine"), "MXFP4": (4, 32, "mxfp4"),
 }
-# Types the gguf package dequantizes, and the bits they are re-quantized to unless --quantize says.
+# Types the gguf package dequantizes, and the bits they are re-quantized to unless --quantize says: 8 for all,
+# the MLX format nearest them that keeps perplexity within 1% of llama.cpp's (4 bits cost IQ4_NL's file 2.3x
+# its perplexity, Q2_K's 15%, Q3_K_M's 3.5%: docs/formats.md); the loader says what it costs in memory.
 REQUANTIZED = {
-    "Q6_K": 8, "Q2_K": 4, "Q3_K": 4, "IQ1_S": 4, "IQ1_M": 4, "IQ2_XXS": 4, "IQ2_XS": 4, "IQ2_S": 4,
-    "IQ3_XXS": 4, "IQ3_S": 4, "IQ4_NL": 4, "IQ4_XS": 4, "TQ1_0": 4, "TQ2_0": 4, "NVFP4": 4,
+    "Q6_K": 8, "Q2_K": 8, "Q3_K": 8, "IQ1_S": 8, "IQ1_M": 8, "IQ2_XXS": 8, "IQ2_XS": 8, "IQ2_S": 8,
+    "IQ3_XXS": 8, "IQ3_S": 8, "IQ4_NL": 8, "IQ4_XS": 8, "TQ1_0": 8, "TQ2_0": 8, "NVFP4": 8,
 }
 # GGML type -> (its ggml type id, the dtype its scales are held in, values per block) for types held in their own
 # blocks (see the module docstring): the kernels' `gguf_matmul` takes them (kernels/qmm.py GGUF_NATIVE)
 NATIVE = {"IQ4_NL": (20, "U16", 32), "IQ4_XS": (23, "I8", 256), "Q6_K": (14, "I64", 256)}
+# NATIVE types whose token embeddings and expert stacks are held in their own blocks too: kernels/gguf_rows.py
+# dequantizes their looked-up rows and gguf_kernels.cpp's gathered product takes their stacks (a NATIVE type
+# not listed keeps those re-quantized; its LM head, a product, is held in its blocks as its layer matrices)
+NATIVE_ROWS = ("IQ4_NL", "IQ4_XS", "Q6_K")
 # GGML type -> (its ggml type id, bytes per 256 values) for types held as the file's row bytes verbatim (see the
 # module docstring): one uint8 array [rows, row bytes] and the type id, products by the kernels' function for the
 # type (kernels/qmm.py BLOCK_KERNELS: gguf_kquant_kernels.cpp, ...). Checked before NATIVE, EXACT and REQUANTIZED.

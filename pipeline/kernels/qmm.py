@@ -36,7 +36,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import blas
+from . import blas, gguf_rows
 from .build import int8_by_default, load, loaded
 from .int8_layout import INT8_BLOCK
 
@@ -107,6 +107,24 @@ def gguf_matmul(x: mx.array, codes: mx.array, scales: mx.array, int8: bool | Non
     int8 = gguf_int8() if int8 is None else int8
     state.used["int8" if int8 else "pipeline"] += 1
     return _in_dtype_of(x, state.module.gguf_matmul(_float32(x), codes, scales, GGUF_NATIVE[scales.dtype], int8, d))
+
+
+def gguf_gather(x: mx.array, codes: mx.array, scales: mx.array, d: mx.array | None, rhs_indices: mx.array,
+                int8: bool | None = None) -> mx.array:
+    """`gather_qmm` for an expert stack held in its own blocks (codes, scales, d [experts, n, ...]): each row of x
+    times the experts it chose (rhs_indices), on gguf_kernels.cpp's gathered product (rows grouped per expert
+    there, each row the bits of gguf_matmul on it alone)."""
+    state = load()
+    if state.module is None:
+        raise RuntimeError(f"GGUF tensors held in their own blocks need pipeline's kernels ({state.why_not})")
+    int8 = gguf_int8() if int8 is None else int8
+    state.used["int8" if int8 else "pipeline"] += 1
+    rows, k = x.shape[-2:]
+    batch = tuple(mx.broadcast_shapes(x.shape[:-2], rhs_indices.shape))
+    flat_x = mx.broadcast_to(x, (*batch, rows, k)).reshape(-1, k)
+    experts = mx.broadcast_to(rhs_indices[..., None], (*batch, rows)).reshape(-1).astype(mx.uint32)
+    out = state.module.gguf_gather_matmul(_float32(flat_x), codes, scales, GGUF_NATIVE[scales.dtype], int8, experts, d)
+    return _in_dtype_of(x, out).reshape(*batch, rows, codes.shape[1])
 
 
 def gguf_blocks_matmul(x: mx.array, blocks: mx.array, ggml_type: int, int8: bool | None = None) -> mx.array:
@@ -233,6 +251,25 @@ class QuantizedEmbedding(nn.QuantizedEmbedding):
 
     def as_linear(self, x: mx.array) -> mx.array:
         return rows_product(self, x)
+
+    def after_load(self) -> None:
+        """As QuantizedLinear.after_load: a GGUF tensor held in its own blocks becomes a GGUFEmbedding."""
+        if is_gguf_native(self["scales"], getattr(self, "mode", "affine")):
+            self.__class__ = GGUFEmbedding
+
+
+class GGUFEmbedding(nn.Module):
+    """An Embedding whose table is a GGUF tensor held in its own blocks (arrays as GGUFLinear's): the looked-up
+    rows dequantized exactly (gguf_rows.py: float32, the values the products use), and as the LM head (tied
+    embeddings) products by gguf_matmul."""
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        d = self.get("biases")
+        return gguf_rows.dequantize(self["weight"][ids], self["scales"][ids], None if d is None else d[ids],
+                                    GGUF_NATIVE[self["scales"].dtype])
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return gguf_matmul(x, self["weight"], self["scales"], d=self.get("biases"))
 
 
 def rows_product(module: nn.Module, x: mx.array, begin: int = 0, end: int | None = None) -> mx.array:

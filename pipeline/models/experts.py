@@ -74,6 +74,21 @@ class QuantizedSwitchLinear(nn.Module):
                               group_size=self.group_size, bits=self.bits, mode=self.mode,
                               sorted_indices=sorted_indices, int8=getattr(self, "int8", False))
 
+    def after_load(self) -> None:
+        """Once its arrays are in: a GGUF stack held in its own blocks (kernels/qmm.py) becomes a GGUFSwitchLinear."""
+        if qmm.is_gguf_native(self["scales"], self.mode):
+            self.__class__ = GGUFSwitchLinear
+
+
+class GGUFSwitchLinear(nn.Module):
+    """An expert stack held in a GGUF file's own blocks (weight: the codes, scales, and Q6_K's d as biases,
+    [experts, out, ...]: checkpoints/quants.py native_arrays): each token times its chosen experts' matrices as
+    llama.cpp computes them (qmm.gguf_gather). Not an MLX quantized module (the int8 repack and
+    --weights-in-memory's dequantization leave it as it is)."""
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        return qmm.gguf_gather(x, self["weight"], self["scales"], self.get("biases"), indices)
+
 
 class SwitchGLU(nn.Module):
     """The routed experts of a layer, each a SwiGLU MLP: down(silu(gate(x)) * up(x))."""

@@ -50,7 +50,7 @@ class CheckpointFormat:
 
     def held_in_blocks(self, p: Param) -> bool:
         """Whether a tensor is held as the file's own blocks, its bytes on disk (a GGUF's IQ4_NL / IQ4_XS / Q6_K
-        layer matrices: checkpoints/quants.py NATIVE)."""
+        layer matrices, LM head, embedding and expert stacks: checkpoints/quants.py NATIVE)."""
         return False
 
     def mx_bits(self, p: Param) -> int | None:
@@ -282,7 +282,7 @@ class GGUFFormat(CheckpointFormat):
         blocks = sorted({t for i in self.modules.values() if i.how == "native" for t in i.types})
         parts = []
         if blocks:
-            parts.append(f"{', '.join(blocks)} layer matrices in their own blocks, as the file's bytes")
+            parts.append(f"{', '.join(blocks)} in their own blocks, as the file's bytes")
         if exact:
             parts.append(f"{', '.join(exact)} exactly as MLX affine, group 32")
         if mxfp4:

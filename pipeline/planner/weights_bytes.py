@@ -60,7 +60,7 @@ class Precision:
         if self.checkpoint.config.model_type == "deepseek_v4":
             if p.name.endswith(FLOAT32):  # held in float32 whatever the dtype, as the loader does
                 return p.numel * 4
-        if self.checkpoint.held_in_blocks(p):  # a GGUF's IQ4 / Q6_K layer matrices: the file's bytes, whatever the flags
+        if self.checkpoint.held_in_blocks(p):  # a GGUF's tensors in their own blocks (stored_formats): the file's bytes
             return self.checkpoint.disk_bytes(p)
         native = self.checkpoint.native(p)
         if native and self.dense and self.checkpoint.kind in ("mlx", "gguf"):
@@ -83,7 +83,8 @@ class Precision:
     def int8_head_copy(self, embedding: Param) -> int:
         """The bytes of the int8 copy a tied, MLX-quantized embedding gains as the LM head (int8_repack.use_int8); 0 if none."""
         native = self.checkpoint.native(embedding)
-        if self.dense or not native or not self.int8_repacked(embedding, native[0]):
+        if (self.dense or not native or self.checkpoint.held_in_blocks(embedding)  # in its blocks: no copy made
+                or not self.int8_repacked(embedding, native[0])):
             return 0
         return affine_bytes(embedding.shape, *native, 2 if self.checkpoint.half_scales(embedding) else self.dtype_bytes,
                              biases=not self.checkpoint.symmetric(embedding))
