@@ -211,17 +211,6 @@ def test_batch_on_two_ranks_is_generate(qwen3_5_moe, tmp_path):
     assert {r["id"]: r["text"] for r in map(json.loads, out.read_text().splitlines())} == expected
 
 
-def test_drafts_are_refused_in_one_line(qwen3_5_moe):
-    """A linear layer's state cannot drop a rejected draft's positions: --draft is one error line naming
-    the family and why, before loading."""
-    from test_mpi_generate import assert_fails_cleanly  # here: the helper lives with the generate tests
-
-    folder, _, _ = qwen3_5_moe
-    result = mpiexec(1, "generate", "--model", str(folder), "--no-chat-template", "--prompt", "Paris",
-                     "--draft", "ngram")
-    assert_fails_cleanly(result, "qwen3_5_moe", "linear-attention states", "--draft")
-
-
 def test_bfloat16_is_as_close_as_transformers_bfloat16(qwen3_5_moe):
     """--dtype bfloat16 (the linear layers' memory and decay parameters still float32) against the fp32
     truth, beside transformers loaded in bfloat16 (whose recurrence also runs in float32). Measured on

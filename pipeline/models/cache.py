@@ -65,26 +65,96 @@ class LinearAttentionState:
     whatever the context, unlike a KV cache. `conv`: the last kernel - 1 inputs of the layer's causal
     convolution [kernel - 1, channels] (the window the next token's convolution reads back);
     `recurrent`: the delta rule's memory, one [key dim, value dim] matrix per value head, in float32.
-    A sequence's state sums up every position it has seen: it cannot be cut back to a shorter
-    prefix, nor drop a rejected draft's positions (registry: the family refuses both)."""
+
+    A state sums up every position it has seen: it cannot be cut back to any shorter prefix, only to
+    one it kept on the way (MLX arrays are never written in place, so keeping is holding references):
+    - `points`: the state at the end of each prompt chunk (`keep_point`, the prefix cache's resume
+      points; stage.Stage decides when), offset -> (conv, recurrent);
+    - `trail`: while a trip verifies drafts (`verifying` set before it: qwen3_5_moe.Slice), the
+      convolution's window over the trip and the memory before and after each of its positions, so that
+      lowering `offset` (stage.Stage.rewind: rejected drafts) goes back to the state after the last
+      accepted one, and `prefix` can start a sequence there."""
+
+    trail_max = 16  # most positions of a trip with a trail (models.layers.EXACT_POSITIONS_MAX: K + 1 verified)
 
     def __init__(self):
         self.conv = None
         self.recurrent = None
-        self.offset = 0  # positions seen (what packing.positions and the stats read)
+        self._offset = 0  # positions seen (what packing.positions and the stats read)
+        self.points: dict[int, tuple] = {}
+        self.verifying = False  # the next call keeps a trail
+        self.trail = None  # (offset before the trip, its window [kernel - 1 + n, channels], [memory before, after 1, ..., after n])
+
+    @property
+    def offset(self) -> int:
+        return self._offset
+
+    @offset.setter
+    def offset(self, value: int) -> None:
+        if value < self._offset:  # rejected drafts: back to the state after the last accepted position
+            self.conv, self.recurrent = self._state_at(value)
+            self.trail = None if value == self.trail[0] else self.trail
+        self._offset = value
+
+    def _state_at(self, length: int) -> tuple:
+        """(conv, recurrent) after `length` positions: the current state, a kept point, or within the trail."""
+        if length == self._offset:
+            return self.conv, self.recurrent
+        if length in self.points:
+            return self.points[length]
+        if self.trail is not None and self.trail[0] <= length < self._offset:
+            start, window, memories = self.trail
+            done = length - start  # positions of the trip kept
+            kernel_1 = window.shape[0] - (len(memories) - 1)
+            conv = window[done:done + kernel_1] if kernel_1 else window[:0]
+            return conv, memories[done]
+        raise ValueError(f"a linear-attention state of {self._offset} positions cannot be cut back to {length} "
+                         f"(kept: {sorted(self.points)})")
+
+    def record(self, window, memories: list) -> None:
+        """A trip's window and memories (gated_deltanet.GatedDeltaNet.sequence), kept as the trail while
+        verifying; the offset has already moved past the trip."""
+        n = len(memories) - 1
+        self.trail = (self._offset - n, window, memories) if self.verifying and 1 < n <= self.trail_max else None
+
+    def keep_point(self) -> None:
+        """Keep the state as it is now as a resume point."""
+        if self.recurrent is not None:
+            self.points[self._offset] = (self.conv, self.recurrent)
 
     def prefix(self, length: int) -> "LinearAttentionState":
-        """A copy of this state, which only holds for its whole length."""
-        if length != self.offset:
-            raise ValueError(f"a linear-attention state of {self.offset} positions cannot be cut back to {length}")
+        """A new state after this one's first `length` positions, where kept (`_state_at`); its kept
+        points up to there go with it, and `length` is one of them (the next turn of a chat then holds
+        every point of the turn it extends)."""
         state = LinearAttentionState()
-        state.conv, state.recurrent, state.offset = self.conv, self.recurrent, self.offset
+        state.conv, state.recurrent = self._state_at(length)
+        state._offset = length
+        state.points = {at: kept for at, kept in self.points.items() if at <= length}
+        if length and self.points:  # (a state keeping points: a prefix cache's; a draft's copy keeps none)
+            state.points[length] = (state.conv, state.recurrent)
         return state
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.conv, self.recurrent) if a is not None)
+        held = {id(a): a for a in (self.conv, self.recurrent) if a is not None}
+        for pair in self.points.values():
+            held.update((id(a), a) for a in pair)
+        if self.trail is not None:
+            held.update((id(a), a) for a in [self.trail[1], *self.trail[2]])
+        return sum(a.nbytes for a in held.values())
 
     @property
     def bytes_per_token(self) -> int:
         return 0  # fixed in size: nothing grows with the context
+
+
+def resume_points(caches: list, length: int) -> list[int] | None:
+    """The lengths a sequence's caches (its first `length` positions) can start another from: None
+    where they can be cut anywhere (KV caches only), else the resume points of its linear-attention
+    states (the same on every rank and layer) up to `length`, and `length` itself."""
+    for cache in caches:
+        if hasattr(cache, "resume_points"):  # DeepSeek V4's compressed caches (models/deepseek_v4.py)
+            return cache.resume_points(length)
+        if isinstance(cache, LinearAttentionState):
+            return sorted(p for p in cache.points if p < length) + [length]
+    return None

@@ -126,6 +126,11 @@ class GatedDeltaNet(nn.Module):
     def sequence(self, mixed: mx.array, decay: mx.array, beta: mx.array, state: LinearAttentionState) -> mx.array:
         """One sequence's new tokens through its convolution and recurrence: [new, value heads, value dim]."""
         n = mixed.shape[0]
+        trail = state.verifying and 1 < n <= state.trail_max  # drafts being verified: keep each position's state
+        if trail:
+            kernel = self.conv1d.weight.shape[-1]
+            before = state.conv if state.conv is not None else mx.zeros((kernel - 1, mixed.shape[1]), mixed.dtype)
+            window = mx.concatenate([before, mixed], axis=0)
         mixed = nn.silu(self.conv1d(mixed, state))
         keys = self.key_heads * self.key_dim
         q = l2_normalized(mixed[:, :keys].reshape(n, self.key_heads, self.key_dim)) * self.key_dim ** -0.5
@@ -138,10 +143,13 @@ class GatedDeltaNet(nn.Module):
         memory = state.recurrent
         if memory is None:
             memory = mx.zeros((self.value_heads, self.key_dim, self.value_dim), mx.float32)
-        outputs = []
+        outputs, memories = [], [memory]
         for t in range(n):
             memory, o = delta_rule_step(memory, q[t], k[t], v[t], decay[t], beta[t])
             outputs.append(o)
+            if trail:
+                memories.append(memory)
         state.recurrent = memory
         state.offset += n
+        state.record(window if trail else None, memories)
         return mx.stack(outputs)

@@ -15,7 +15,7 @@ import mlx.nn as nn
 
 from ..kernels import attention
 from .config import ModelConfig
-from .cache import KVCache
+from .cache import KVCache, LinearAttentionState
 from .gated_deltanet import GatedDeltaNet
 from .layers import MLP, attend
 from .packing import kept_rows, positions, segments
@@ -111,8 +111,18 @@ class SharedExpertMoe(SparseMoeBlock):
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        shared = mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        shared = mx.sigmoid(self.shared_gate(x)) * self.shared_expert(x)
         return super().__call__(x) + shared
+
+    def shared_gate(self, x: mx.array) -> mx.array:
+        """shared_expert_gate(x), [tokens, 1]: a one-column product goes to the BLAS's sgemv, whose rows
+        round differently by their number (a trip verifying 4 drafts then moved the hidden states by
+        2e-7 from decoding them one by one); as a sum over each row, in float32, a row rounds the same
+        whatever shares the call. A quantized gate keeps its own product."""
+        gate = self.shared_expert_gate
+        if "scales" in gate:
+            return gate(x)
+        return (x.astype(mx.float32) * gate.weight[0].astype(mx.float32)).sum(axis=-1, keepdims=True).astype(x.dtype)
 
 
 class DecoderLayer(nn.Module):
@@ -145,12 +155,35 @@ class DecoderLayer(nn.Module):
 
 class Slice(TransformerSlice):
     """TransformerSlice with the final norm zero-centred, and the linear layers' decay parameters kept
-    in float32 whatever --dtype is (A_log is exponentiated twice: bfloat16 would move every decay)."""
+    in float32 whatever --dtype is (A_log is exponentiated twice: bfloat16 would move every decay).
+    keep_points (set with a prefix cache, runtime/job.py): each linear state keeps its state at the end
+    of every trip of more than one token that verifies no drafts (a prompt chunk; the rule is the same
+    on every rank, so every rank keeps the same points)."""
+
+    keep_points = False
 
     def __init__(self, config: ModelConfig, make_layer, start: int, end: int, has_ends: bool, head_rows: int = 0):
         super().__init__(config, make_layer, start, end, has_ends, head_rows)
         if has_ends or head_rows:
             self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward_layers(self, h: mx.array, caches: list[list], lengths: list[int], last_only: bool = False,
+                       full: list[bool] | None = None) -> mx.array:
+        """TransformerSlice.forward_layers, the linear states of the sequences marked `full` (drafts being
+        verified) told to keep a trail of the trip's positions, for the rewind of rejected ones."""
+        full = full or [False] * len(caches)
+        for seq_caches, verifying in zip(caches, full):
+            for cache in seq_caches:
+                if isinstance(cache, LinearAttentionState):
+                    cache.verifying = verifying
+        h = super().forward_layers(h, caches, lengths, last_only, full if any(full) else None)
+        if self.keep_points:  # a prompt chunk's end: a resume point for the prefix cache
+            for seq_caches, n, verifying in zip(caches, lengths, full):
+                if n > 1 and not verifying:
+                    for cache in seq_caches:
+                        if isinstance(cache, LinearAttentionState):
+                            cache.keep_point()
+        return h
 
     @staticmethod
     def keeps_float32(name: str) -> bool:

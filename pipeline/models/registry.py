@@ -22,6 +22,7 @@ class Family:
     drafts: bool = True  # speculative decoding: its caches can drop a rejected draft's positions
     head_share: bool = True  # a batch job's last rank can hold a share of the LM head
     prefix_cache: bool = True  # a finished sequence's cache can be cut back to a shorter prefix
+    stored_cache: bool = True  # --prompt-cache-dir: its entries on disk hold what its caches hold
     mtp: bool = False  # DeepSeek's multi-token-prediction module runs as a drafter (models/mtp.py)
     kept_state: str = "compressed caches"  # what makes drafts or the prefix cache refuse it, in their errors
 
@@ -36,9 +37,10 @@ DEEPSEEK_V3 = Family("deepseek_v3", mtp=True)
 # compressed cache can neither be cut back to a shorter prefix nor drop a rejected draft's positions.
 DEEPSEEK_V4 = Family("deepseek_v4", drafts=False, head_share=False, prefix_cache=False)
 # Qwen3.5's linear-attention layers keep one fixed-size state per sequence (models/gated_deltanet.py),
-# which sums up every position seen: it can neither be cut back to a shorter prefix nor drop a
-# rejected draft's positions (that needs states kept per position: issue 36).
-QWEN3_5_MOE = Family("qwen3_5_moe", drafts=False, prefix_cache=False, kept_state="linear-attention states")
+# which sums up every position seen: the prefix cache resumes it only where it kept it (the end of a
+# prompt chunk or of a sequence), and a rejected draft goes back to a state the verify trip kept
+# (models.cache.LinearAttentionState). The prompt cache on disk does not store those states yet.
+QWEN3_5_MOE = Family("qwen3_5_moe", stored_cache=False, kept_state="linear-attention states")
 
 FAMILIES: dict[str, Family] = {
     "llama": LLAMA,

@@ -222,8 +222,11 @@ def load_ring_stage(settings: JobSettings, job: RingJob, comm, progress: bool) -
     """Collective: this rank's layers, and on the last rank its share of the LM head."""
     rank = comm.Get_rank()
     head_rows = job.head_rows if rank == comm.Get_size() - 1 else 0
-    return mpi.checkpoint(comm, lambda: load_stage(settings.weights, job.plan, rank, progress=progress,
-                                                   head_rows=head_rows, group=job.group))
+    stage = mpi.checkpoint(comm, lambda: load_stage(settings.weights, job.plan, rank, progress=progress,
+                                                    head_rows=head_rows, group=job.group))
+    if settings.ring.prefix_cache_gb and hasattr(stage.model, "keep_points"):
+        stage.model.keep_points = True  # Qwen3.5: linear states kept at prompt chunks' ends, to resume from
+    return stage
 
 
 def head_split(settings: RingSettings, job: RingJob):
@@ -239,9 +242,18 @@ def prefix_cache(settings: JobSettings, job: RingJob):
     gb = settings.ring.prefix_cache_gb
     if not gb or not family_for(job.plan.config).prefix_cache:
         return None  # DeepSeek V4: a compressed cache cannot be cut back to a shorter prefix
-    per_layer = architecture(job.plan.config).kv_values * getattr(mx, settings.weights.dtype).size
+    arch = architecture(job.plan.config)
+    per_layer = arch.kv_values * getattr(mx, settings.weights.dtype).size
     per_position = max(per_layer * (end - start) for start, end in job.plan.ranges)
-    return PrefixCache(int(gb * 1e9 // per_position) if per_position else 0)
+    # A resume point of linear-attention states (Qwen3.5): its values in float32 (the memory is), on
+    # the rank holding the most, counted as that many positions.
+    per_point = max(4 * sum(c.per_sequence for c in (arch.kv_layers or [])[start:end] if c.kind == "linear_attention")
+                    for start, end in job.plan.ranges)
+    point_positions = -(-int(per_point) // int(per_position)) if per_position else 0
+    first, last = job.plan.ranges[0]
+    if per_point and not any(c.kind == "linear_attention" for c in arch.kv_layers[first:last]):
+        return None  # rank 0 reads the resume points from its own linear states: with none, no prefix cache
+    return PrefixCache(int(gb * 1e9 // per_position) if per_position else 0, point_positions=point_positions)
 
 
 STORED_MIN_POSITIONS = 64  # shorter entries are not worth a file: reading one costs more than computing them
@@ -262,6 +274,8 @@ def prompt_cache(settings: JobSettings, job: RingJob, comm) -> PromptCache | Non
     ring, plan = settings.ring, job.plan
     if ring.prompt_cache_dir is None:
         return None
+    if job.group.size > 1:
+        raise UserError("--prompt-cache-dir does not hold --tensor-parallel shards yet: run without one of them")
     family = family_for(plan.config)
     if not family.prefix_cache:
         raise UserError(f"--prompt-cache-dir: {plan.config.model_type} keeps {family.kept_state} that the prefix "
@@ -270,12 +284,14 @@ def prompt_cache(settings: JobSettings, job: RingJob, comm) -> PromptCache | Non
     weights = settings.weights
 
     def open_store() -> PromptCacheStore:
+        if not family.stored_cache:  # (here: a UserError in mpi.checkpoint is one line)
+            raise UserError(f"--prompt-cache-dir: the entries on disk do not hold {plan.config.model_type}'s "
+                            f"{family.kept_state} yet: run it without --prompt-cache-dir (the prefix cache in "
+                            f"memory serves it)")
         identity = model_identity(model_files(plan.folder), {
             "dtype": weights.dtype, "quantize": weights.quantize, "group_size": weights.group_size,
             "int8_activations": plan.int8})
         return PromptCacheStore(ring.prompt_cache_dir, identity, plan.ranges[rank])
-    if job.group.size > 1:
-        raise UserError("--prompt-cache-dir does not hold --tensor-parallel shards yet: run without one of them")
 
     store = mpi.checkpoint(comm, open_store)
     found = store.scan()

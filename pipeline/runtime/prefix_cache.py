@@ -16,6 +16,11 @@ A hit reuses keys and values that were computed in other products than a cold ru
 decoded token one row at a time, a prompt in chunks), so logits after a hit are equal to a cold
 run's within float rounding, not bit for bit; greedy texts agree unless two tokens are tied to
 within that rounding (docs/serve.md).
+
+A linear-attention layer's state (Qwen3.5) cannot be cut back to a shorter prefix: such an entry
+also names its resume points, the lengths whose states every rank kept (models.cache.resume_points:
+the end of each prompt chunk and the sequence's end), and a hit resumes from the longest one within
+the match; each point's states are budgeted as `point_positions` positions.
 """
 
 from __future__ import annotations
@@ -26,21 +31,29 @@ CACHE_STEP = 256  # KVCache grows in steps of this many positions: what a kept e
 
 
 class PrefixCache:
-    def __init__(self, capacity_tokens: int, min_reuse: int = 1, step: int = CACHE_STEP):
+    def __init__(self, capacity_tokens: int, min_reuse: int = 1, step: int = CACHE_STEP, point_positions: int = 0):
         """capacity_tokens: positions kept over all entries, as the rank with the most cached bytes
         per position can hold them (job.prefix_cache_for). min_reuse: shorter matches are not reused.
-        step: an entry of n positions holds n rounded up to this many (the caches grow in steps)."""
+        step: an entry of n positions holds n rounded up to this many (the caches grow in steps).
+        point_positions: what one resume point's linear-attention states take, in positions."""
         self.capacity = capacity_tokens
         self.min_reuse = min_reuse
         self.step = step
+        self.point_positions = point_positions
+        self.points: dict[int, tuple[int, ...]] = {}  # id -> its resume points, for entries that have them
         self.entries: OrderedDict[int, tuple[int, ...]] = OrderedDict()  # id -> cached token ids, LRU first
-        self.held = 0  # positions held, counted as the caches' grown size
+        self.held = 0  # positions held, counted as the caches' grown size (and resume points' states)
         self.lookups = 0
         self.hits = 0
         self.reused_tokens = 0
 
-    def _held(self, tokens: int) -> int:
-        return -(-tokens // self.step) * self.step
+    def _held(self, tokens: int, points: tuple[int, ...] | None = None) -> int:
+        return -(-tokens // self.step) * self.step + len(points or ()) * self.point_positions
+
+    def _usable(self, seq_id: int, n: int) -> int:
+        """How many positions of an entry a match of n can start from: n, or its longest resume point <= n."""
+        points = self.points.get(seq_id)
+        return n if points is None else max((p for p in points if p <= n), default=0)
 
     def lookup(self, prompt_ids: list[int]) -> tuple[int | None, int]:
         """The kept sequence sharing the longest prefix with `prompt_ids`, and how many of its
@@ -61,30 +74,34 @@ class PrefixCache:
         for seq_id, tokens in self.entries.items():
             if not tokens or tokens[0] != prompt_ids[0]:
                 continue
-            n = _common_prefix(tokens, prompt_ids, limit)
+            n = self._usable(seq_id, _common_prefix(tokens, prompt_ids, limit))
             if n > best_len:
                 best, best_len = seq_id, n
         if best is None or best_len < self.min_reuse:
             return None, 0
         return best, best_len
 
-    def add(self, seq_id: int, tokens: list[int]) -> list[int]:
-        """Keep a finished sequence's caches (positions for `tokens`); returns the ids to release:
-        entries this one makes redundant (their tokens are a prefix of its), the least recently
-        used while over capacity, or the new one itself if it adds nothing or cannot fit."""
+    def add(self, seq_id: int, tokens: list[int], points: list[int] | None = None) -> list[int]:
+        """Keep a finished sequence's caches (positions for `tokens`; `points`: its resume points, where
+        its caches cannot be cut anywhere); returns the ids to release: entries this one makes redundant
+        (their tokens are a prefix of its, their resume points among its), the least recently used while
+        over capacity, or the new one itself if it adds nothing or cannot fit."""
         tokens = tuple(tokens)
-        if not tokens or self._held(len(tokens)) > self.capacity:
+        points = None if points is None else tuple(sorted(set(points)))
+        if not tokens or self._held(len(tokens), points) > self.capacity:
             return [seq_id]
         release = []
         for other, kept in list(self.entries.items()):
-            if len(kept) >= len(tokens) and kept[:len(tokens)] == tokens:
+            if len(kept) >= len(tokens) and kept[:len(tokens)] == tokens and _within(points, self.points.get(other)):
                 self.entries.move_to_end(other)  # it already holds all of these: refresh it
                 return [seq_id]
-            if kept == tokens[:len(kept)]:  # a prefix of the new one: nothing it offers is lost
-                release.append(other)
+            if kept == tokens[:len(kept)] and _within(self.points.get(other), points):
+                release.append(other)  # a prefix of the new one: nothing it offers is lost
                 self._drop(other)
         self.entries[seq_id] = tokens
-        self.held += self._held(len(tokens))
+        if points is not None:
+            self.points[seq_id] = points
+        self.held += self._held(len(tokens), points)
         while self.held > self.capacity:
             oldest = next(iter(self.entries))
             release.append(oldest)
@@ -92,7 +109,7 @@ class PrefixCache:
         return release
 
     def _drop(self, seq_id: int) -> None:
-        self.held -= self._held(len(self.entries.pop(seq_id)))
+        self.held -= self._held(len(self.entries.pop(seq_id)), self.points.pop(seq_id, None))
 
     @property
     def hit_rate(self) -> float:
@@ -156,6 +173,11 @@ class StoredIndex:
 
     def __len__(self) -> int:
         return len(self.index.entries)
+
+
+def _within(points: tuple[int, ...] | None, holder: tuple[int, ...] | None) -> bool:
+    """Whether an entry with resume points `holder` (None: any length) offers every one of `points`."""
+    return holder is None or (points is not None and set(points) <= set(holder))
 
 
 def _common_prefix(a: tuple[int, ...], b: list[int], limit: int) -> int:

@@ -48,6 +48,7 @@ import mlx.core as mx
 from ..checkpoints.tokenizer import StreamingDetokenizer, Tokenizer
 from ..cluster.transport import Kind, Transport
 from ..kernels import blas
+from ..models.cache import resume_points
 from ..models.packing import segments
 from .engine import PREFILL_CHUNK
 from .head_share import HeadSplit, combined_argmax, returned_rows, split_returned
@@ -538,7 +539,8 @@ class Scheduler:
         for seq_id, tokens in ended.items():
             if self.stored is not None:  # before any RELEASE of it: every rank writes it from its caches
                 self._save(seq_id, tokens)
-            release += self.prefix_cache.add(seq_id, tokens)
+            # (Qwen3.5's linear states resume only from the points they kept)
+            release += self.prefix_cache.add(seq_id, tokens, resume_points(self.stage.caches[seq_id], len(tokens)))
         return release
 
     def _save(self, seq_id: int, tokens: list[int]) -> None:
