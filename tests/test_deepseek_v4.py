@@ -124,14 +124,15 @@ def test_two_ranks_generate_transformers_text(v4):
     assert result.stdout[:-1] == transformers_text(reference, folder, TEXT, 16)
 
 
-def test_drafts_are_refused_in_one_line(v4):
-    """V4's compressed caches cannot drop a rejected draft: --draft is one error line, before loading."""
+def test_the_prompt_cache_on_disk_is_refused_in_one_line(v4, tmp_path):
+    """Its files hold keys and values, not V4's compressed caches: --prompt-cache-dir is one error line
+    (the prefix cache in memory serves V4: test_deepseek_v4_features.py)."""
     from test_mpi_generate import assert_fails_cleanly
 
     folder, _, _ = v4
-    result = mpiexec(2, "generate", "--model", str(folder), "--no-chat-template", "--prompt", TEXT,
-                     "--draft", "ngram", "--split", "1,4")
-    assert_fails_cleanly(result, "deepseek_v4", "--draft")
+    result = mpiexec(2, "serve", "--port", "0", "--model", str(folder), "--prompt-cache-dir", str(tmp_path / "cache"),
+                     "--split", "1,4", timeout=120)
+    assert_fails_cleanly(result, "deepseek_v4", "--prompt-cache-dir")
 
 
 def test_batch_on_three_ranks(v4, tmp_path):
@@ -153,8 +154,8 @@ def _bugs():
     from pipeline.models import deepseek_v4 as V
 
     def no_overlap(right):  # each CSA entry from its own window only
-        def wrong(self, series, kv, gate):
-            kv, gate = right(self, series, kv, gate)
+        def wrong(self, series, kv, gate, raw_gate):
+            kv, gate = right(self, series, kv, gate, raw_gate)
             return kv, mx.concatenate([mx.full(gate[:, :self.rate].shape, -mx.inf), gate[:, self.rate:]], axis=1)
         return wrong
 

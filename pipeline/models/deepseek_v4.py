@@ -42,17 +42,19 @@ the indexer's), and the few tokens of an unfinished window; never the whole sequ
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 import mlx.nn as nn
 
 from ..kernels import qmm
 from .config import ModelConfig
-from ..util.errors import UserError
 from .packing import kept_rows, positions, segments
 from .rope import RoPE
 from .stage_slice import TransformerSlice, start_computing
-from .deepseek_v4_config import (CSA, FLOAT32, SLIDING, DeepSeekV4Config, compress_rate, deepseek_v4_config,
-                                  last_hash_layer, layer_types, mlp_layer_types, rope_dim, rope_parameters)
+from .deepseek_v4_config import (CSA, FLOAT32, SLIDING, DeepSeekV4Config, attention_kind, compress_rate,
+                                  deepseek_v4_config, last_hash_layer, layer_types, mlp_kind, rope_dim,
+                                  rope_parameters)
 from .experts import SwitchGLU
 
 
@@ -202,18 +204,40 @@ class HyperHead(nn.Module):
 
 class Series:
     """One compressed series of a sequence: its entries so far, the tokens of the window being
-    filled, and (overlapping windows, CSA) the last full window's "a" half."""
+    filled (their projections, before the position bias), and (overlapping windows, CSA) the last
+    full window's "a" half (also before the bias)."""
 
     def __init__(self):
         self.entries = None  # [count, dim]
         self.pending_kv = self.pending_gate = None  # [< rate, width]
         self.overlap_kv = self.overlap_gate = None  # [rate, dim]
         self.count = 0
+        self.raw = None  # the last update's projections (pending tokens, then the new ones): the cache's log
 
     def copy(self) -> "Series":
         other = Series()
         other.__dict__.update(self.__dict__)  # arrays are immutable; updates make new ones
+        other.raw = None
         return other
+
+    def at(self, before: "Series", raw: tuple[mx.array, mx.array], position: int, rate: int, dim: int,
+           overlap: bool) -> "Series":
+        """This series (after an update) as it was at `position`, within that update: `before` is
+        it before, `raw` the update's projections from token before.count * rate on. Entries only
+        grow (an entry depends on its own window and the one before), so the state at `position` is
+        slices of what is held: bit for bit the state a run stopping there had."""
+        out, kv, gate = Series(), *raw
+        count, base = position // rate, before.count * rate
+        out.count = count
+        out.entries = self.entries[:count] if count else None
+        out.pending_kv, out.pending_gate = kv[count * rate - base:position - base], gate[count * rate - base:position - base]
+        if overlap and count:
+            if count == before.count:
+                out.overlap_kv, out.overlap_gate = before.overlap_kv, before.overlap_gate
+            else:
+                w = (count - 1) * rate - base
+                out.overlap_kv, out.overlap_gate = kv[w:w + rate, :dim], gate[w:w + rate, :dim]
+        return out
 
     @property
     def nbytes(self) -> int:
@@ -221,17 +245,45 @@ class Series:
         return sum(a.nbytes for a in arrays if a is not None)
 
 
+LOG_LIMIT = 64  # a call of at most this many tokens is logged: it can be rewound (drafts) or cut within
+
+
+def reuse_stride(config: ModelConfig) -> int:
+    """Positions between a V4 cache's kept points (prefix cache): a multiple of every compression
+    rate (no unfinished window there), at least 4 sliding windows (a point holds a window of keys:
+    about a quarter of a key per position more; 512 for V4-Flash and -Pro)."""
+    kinds = set(layer_types(config)) - {SLIDING}
+    lcm = math.lcm(*(compress_rate(config, k) for k in kinds)) if kinds else 1
+    window = deepseek_v4_config(config).sliding_window
+    return lcm * max(1, -(-4 * window // lcm))
+
+
+def _own(a: mx.array | None) -> mx.array | None:
+    """A copy of a slice, so that a kept point does not hold the whole array it was cut from."""
+    return None if a is None else a * 1
+
+
 class CompressedCache:
     """A V4 layer's cache for one sequence: the last sliding_window - 1 keys (the window a next
-    query needs), and the compressed series (CSA: main and indexer; HCA: main)."""
+    query needs), and the compressed series (CSA: main and indexer; HCA: main).
 
-    def __init__(self, kind: str, entry_values: float):
+    A compressed window cannot be reopened nor the window of keys grown back, so a shorter prefix
+    (the prefix cache's fork) or fewer positions (rejected drafts' rewind) come from what the cache
+    keeps for them: the state before its last call and that call's keys and projections (a call of
+    up to LOG_LIMIT tokens: decoding, a verify trip), from which any position within the call is
+    rebuilt, and the state at every multiple of `stride` positions (kept points: window, overlap
+    halves; the entries are the held ones' first). `reusable` says which prefix a fork can have."""
+
+    def __init__(self, kind: str, entry_values: float, stride: int = 0, window: int = 0):
         self.kind = kind
         self.window = None  # [<= sliding_window - 1, head_dim]
         self._offset = 0
         self.compressor = Series() if kind != SLIDING else None
         self.indexer = Series() if kind == CSA else None
         self._entry_values = entry_values  # values per token of the compressed series
+        self.stride, self.keep = stride, window - 1
+        self.log = None  # (start, keys from position key_start, key_start, [(before, raw, rate, dim, overlap)])
+        self.points = {}  # position -> (window, [series with entries=None]) at multiples of stride
 
     @property
     def offset(self) -> int:
@@ -239,27 +291,100 @@ class CompressedCache:
 
     @offset.setter
     def offset(self, value: int) -> None:
-        if value < self._offset:  # speculative decoding's rewind: a compressed window cannot be reopened
-            raise UserError("DeepSeek V4's compressed caches cannot drop positions: run it without drafts "
-                            "(--draft)")
+        if value < self._offset:  # speculative decoding's rewind
+            if self.log is None or value < self.log[0]:
+                raise ValueError(f"a DeepSeek V4 cache of {self._offset} positions cannot drop back to {value}")
+            self._become(self._at(value), value)
+            return
         self._offset = value
 
+    def series(self) -> list[Series]:
+        return [s for s in (self.compressor, self.indexer) if s is not None]
+
+    def note_call(self, start: int, keys: mx.array, befores: list[Series], shapes: list[tuple[int, int, bool]]) -> None:
+        """After a call that took the cache from `start` to `offset`: `keys` the window before it and
+        its own keys, `befores` the series before it, shapes each series' (rate, dim, overlap)."""
+        log = (start, keys, start - (keys.shape[0] - (self._offset - start)),
+               [(b, s.raw, *shape) for b, s, shape in zip(befores, self.series(), shapes)])
+        for s in self.series():
+            s.raw = None
+        self.log = log
+        if self.stride:
+            first = -(-(start + 1) // self.stride) * self.stride
+            for p in range(first, self._offset + 1, self.stride):
+                window, series = self._at(p)
+                for s in series:
+                    s.entries = None
+                    s.pending_kv, s.pending_gate = _own(s.pending_kv), _own(s.pending_gate)
+                    s.overlap_kv, s.overlap_gate = _own(s.overlap_kv), _own(s.overlap_gate)
+                self.points[p] = (_own(window), series)
+        if self._offset - start > LOG_LIMIT:
+            self.log = None
+
+    def _at(self, position: int) -> tuple[mx.array, list[Series]]:
+        """(window, series) at `position` within the logged call."""
+        start, keys, key_start, series = self.log
+        window = keys[:position - key_start][-self.keep:] if self.keep > 0 else keys[:0]
+        return window, [live.at(before, raw, position, rate, dim, overlap)
+                        for live, (before, raw, rate, dim, overlap) in zip(self.series(), series)]
+
+    def _become(self, state: tuple[mx.array, list[Series]], position: int) -> None:
+        self.window, series = state
+        if self.compressor is not None:
+            self.compressor = series[0]
+        if self.indexer is not None:
+            self.indexer = series[1]
+        self._offset = position
+        self.points = {p: v for p, v in self.points.items() if p <= position}
+
+    def reusable(self, length: int) -> int:
+        """The longest prefix of at most `length` positions that `prefix` can give."""
+        if length >= self._offset:
+            return self._offset
+        if self.log is not None and length >= self.log[0]:
+            return length
+        return max((p for p in self.points if p <= length), default=0)
+
+    def resume_points(self, length: int) -> list[int]:
+        """Every prefix of at most `length` positions that `prefix` can give (the prefix cache's
+        resume points: models.cache.resume_points)."""
+        near = range(self.log[0], min(length, self._offset) + 1) if self.log is not None else ()
+        return sorted({p for p in self.points if p <= length} | set(near)
+                      | ({length} if self.reusable(length) == length else set()))
+
     def prefix(self, length: int) -> "CompressedCache":
-        """A copy at this cache's own length (the prefix cache's reuse of a shorter prefix would need
-        the positions a compressed window has folded away)."""
-        if length != self._offset:
-            raise UserError("DeepSeek V4's compressed caches cannot be cut to a shorter prefix: run it "
-                            "without the prefix cache (--prefix-cache-gb 0)")
+        """A new cache holding this one's first `length` positions, exactly as a run stopping there
+        had them; `length` must be one `reusable` gives."""
         other = CompressedCache.__new__(CompressedCache)
         other.__dict__.update(self.__dict__)
-        other.compressor = self.compressor.copy() if self.compressor else None
-        other.indexer = self.indexer.copy() if self.indexer else None
+        if length == self._offset:
+            other.compressor = self.compressor.copy() if self.compressor else None
+            other.indexer = self.indexer.copy() if self.indexer else None
+            other.points = dict(self.points)
+            return other
+        if self.log is not None and self.log[0] <= length < self._offset:
+            state = self._at(length)
+        elif length == 0:
+            return CompressedCache(self.kind, self._entry_values, self.stride, self.keep + 1)
+        elif length in self.points:
+            window, kept = self.points[length]
+            series = []
+            for live, point in zip(self.series(), kept):
+                s = point.copy()
+                s.entries = live.entries[:s.count] if s.count else None
+                series.append(s)
+            state = (window, series)
+        else:
+            raise ValueError(f"a DeepSeek V4 cache of {self._offset} positions keeps no state at {length}")
+        other.log = None
+        other._become(state, length)
         return other
 
     @property
     def nbytes(self) -> int:
-        series = sum(s.nbytes for s in (self.compressor, self.indexer) if s is not None)
-        return series + (0 if self.window is None else self.window.nbytes)
+        series = sum(s.nbytes for s in self.series())
+        kept = sum(w.nbytes + sum(s.nbytes for s in ss) for w, ss in self.points.values())
+        return series + kept + (0 if self.window is None else self.window.nbytes)
 
     @property
     def bytes_per_token(self) -> float:
@@ -291,6 +416,7 @@ class Compressor(nn.Module):
         if series.pending_kv is not None:
             kv = mx.concatenate([series.pending_kv, kv])
             gate = mx.concatenate([series.pending_gate, gate])
+        series.raw = (kv, gate)
         windows = kv.shape[0] // self.rate
         usable = windows * self.rate
         series.pending_kv, series.pending_gate = kv[usable:], gate[usable:]
@@ -299,7 +425,7 @@ class Compressor(nn.Module):
             gate = (gate[:usable].reshape(windows, self.rate, -1).astype(mx.float32)
                     + self.position_bias.astype(mx.float32))  # a float32 sum, as transformers' promotion
             if self.overlap:
-                kv, gate = self._with_previous_halves(series, kv, gate)
+                kv, gate = self._with_previous_halves(series, kv, gate, series.raw[1][:usable])
             weights = mx.softmax(gate.astype(mx.float32), axis=1).astype(kv.dtype)
             entries = self.kv_norm((kv * weights).sum(axis=1))  # [windows, dim]
             starts = (mx.arange(windows) + series.count) * self.rate
@@ -308,16 +434,18 @@ class Compressor(nn.Module):
             series.count += windows
         return series.entries if series.entries is not None else mx.zeros((0, self.dim), x.dtype)
 
-    def _with_previous_halves(self, series: Series, kv: mx.array, gate: mx.array) -> tuple[mx.array, mx.array]:
+    def _with_previous_halves(self, series: Series, kv: mx.array, gate: mx.array,
+                              raw_gate: mx.array) -> tuple[mx.array, mx.array]:
         """[windows, rate, 2 dim] -> [windows, 2 rate, dim]: the previous window's a half, then this
-        window's b half (the very first window's a slots weigh nothing: gate -inf)."""
+        window's b half (the very first window's a slots weigh nothing: gate -inf). The last
+        window's a half is kept for the next (its gate before the position bias: raw_gate)."""
         d, w = self.dim, kv.shape[0]
         first_kv = series.overlap_kv if series.overlap_kv is not None else mx.zeros((self.rate, d), kv.dtype)
-        first_gate = (series.overlap_gate if series.overlap_gate is not None
-                      else mx.full((self.rate, d), -mx.inf, gate.dtype))
+        first_gate = (series.overlap_gate.astype(mx.float32) + self.position_bias[:, :d].astype(mx.float32)
+                      if series.overlap_gate is not None else mx.full((self.rate, d), -mx.inf, gate.dtype))
         previous_kv = mx.concatenate([first_kv[None], kv[:w - 1, :, :d]])
         previous_gate = mx.concatenate([first_gate[None], gate[:w - 1, :, :d]])
-        series.overlap_kv, series.overlap_gate = kv[-1, :, :d], gate[-1, :, :d]
+        series.overlap_kv, series.overlap_gate = kv[-1, :, :d], raw_gate[-self.rate:, :d]
         return (mx.concatenate([previous_kv, kv[..., d:]], axis=1),
                 mx.concatenate([previous_gate, gate[..., d:]], axis=1))
 
@@ -375,7 +503,7 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig, v4: DeepSeekV4Config, layer_index: int):
         super().__init__()
         d, hd = config.hidden_size, config.head_dim
-        self.kind = layer_types(config)[layer_index]
+        self.kind = attention_kind(config, layer_index)
         self.n_heads, self.head_dim = config.num_attention_heads, hd
         self.window = v4.sliding_window
         self.groups, self.o_rank = v4.o_groups, v4.o_lora_rank
@@ -399,9 +527,10 @@ class Attention(nn.Module):
         if self.kind == CSA:
             entry += self.compressor.indexer.dim / self.compressor.rate
         self._entry_values = entry  # cached values per token, once the window is full
+        self._stride = reuse_stride(config)
 
     def make_cache(self) -> CompressedCache:
-        return CompressedCache(self.kind, self._entry_values)
+        return CompressedCache(self.kind, self._entry_values, self._stride, self.window)
 
     def __call__(self, x: mx.array, caches: list[CompressedCache], lengths: list[int], last_only: bool = False,
                  full: list[bool] | None = None) -> mx.array:
@@ -437,6 +566,7 @@ class Attention(nn.Module):
         near = (key_pos[None, :] <= q_pos[:, None]) & (key_pos[None, :] > q_pos[:, None] - self.window)
         logits = [mx.where(near[:, None, :], (q @ keys.T) * self.scale, -mx.inf)]  # [t, heads, keys]
         values = [keys]
+        befores = [s.copy() for s in cache.series()]
         if self.kind != SLIDING:
             entries, index_keys = self.compressor.update_all(cache, x, self._compress_rope)
             seen = self.compressor.visible(q_pos, entries.shape[0])
@@ -446,6 +576,7 @@ class Attention(nn.Module):
             else:
                 logits.append(mx.where(seen[:, None, :], (q @ entries.T) * self.scale, -mx.inf))
             values.append(entries)
+        cache.note_call(start, keys, befores, self._series_shapes())
         sinks = mx.broadcast_to(self.sinks.astype(mx.float32)[None, :, None], (q.shape[0], self.n_heads, 1))
         p = mx.softmax(mx.concatenate([a.astype(mx.float32) for a in logits] + [sinks], axis=-1), axis=-1)
         out, begin = 0, 0
@@ -454,6 +585,13 @@ class Attention(nn.Module):
             out = out + part @ v  # [t, heads, k] @ [k, hd] or, per query, [t, k, hd]
             begin += a.shape[-1]
         return out
+
+    def _series_shapes(self) -> list[tuple[int, int, bool]]:
+        """(rate, dim, overlap) of each compressed series a cache of this layer holds."""
+        if self.kind == SLIDING:
+            return []
+        c = self.compressor
+        return [(c.rate, c.dim, c.overlap)] + ([(c.indexer.rate, c.indexer.dim, True)] if self.kind == CSA else [])
 
     def _top_k(self, entries: mx.array, index_keys: mx.array, seen: mx.array, q_latent: mx.array, xq: mx.array,
                q_pos: mx.array):
@@ -528,7 +666,7 @@ class MoE(nn.Module):
     def __init__(self, config: ModelConfig, v4: DeepSeekV4Config, layer_index: int):
         super().__init__()
         inter, limit = v4.moe_intermediate_size, v4.swiglu_limit
-        self.gate = Router(config, v4, mlp_layer_types(config)[layer_index] == "hash_moe")
+        self.gate = Router(config, v4, mlp_kind(config, layer_index) == "hash_moe")
         self.switch_mlp = ClampedSwitchGLU(config.hidden_size, inter, v4.n_routed_experts, limit)
         self.shared_experts = ClampedMLP(config.hidden_size, inter * v4.n_shared_experts, limit)
 
@@ -596,14 +734,11 @@ class Slice(TransformerSlice):
     [1, tokens, hc_mult (+1 with the ids row), hidden]."""
 
     def __init__(self, config: ModelConfig, make_layer, start: int, end: int, has_ends: bool, head_rows: int = 0):
-        if head_rows:
-            raise UserError("DeepSeek V4's LM head reads the collapsed residual streams: it cannot be shared "
-                            "with the last rank (--head-share off)")
         super().__init__(config, make_layer, start, end, has_ends, head_rows)
         v4 = deepseek_v4_config(config)
         self.n_streams = v4.hc_mult
         self.last_hash = last_hash_layer(config)
-        if has_ends:
+        if has_ends or head_rows:  # the last rank's share of the head reads the collapsed streams too
             self.hc_head = HyperHead(config, v4)
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -633,8 +768,13 @@ class Slice(TransformerSlice):
             start_computing(streams)
         return (streams if ids is None else attach_ids(streams, ids))[None]
 
-    def logits(self, h: mx.array, vocab_end: int | None = None) -> mx.array:
-        """h: streams [..., n, hidden] -> logits [..., vocab]."""
+    def collapse(self, h: mx.array) -> mx.array:
+        """Streams [..., n (+1), hidden] -> the residual the final norm reads [..., hidden] (hc_head)."""
         if h.shape[-2] != self.n_streams:
             h = h[..., : self.n_streams, :]
-        return super().logits(self.hc_head(h), vocab_end)
+        return self.hc_head(h)
+
+    def logits(self, h: mx.array, vocab_end: int | None = None) -> mx.array:
+        """h: streams [..., n, hidden] (3 or more dimensions), or rows [t, hidden] already collapsed
+        (the last rank's, when it computed a share of the head: head_share.returned_rows) -> logits."""
+        return super().logits(h if h.ndim == 2 else self.collapse(h), vocab_end)

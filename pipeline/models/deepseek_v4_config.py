@@ -74,6 +74,23 @@ def layer_types(config: ModelConfig) -> list[str]:
     return [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
 
 
+def attention_kind(config: ModelConfig, index: int) -> str:
+    """Layer `index`'s attention; past the main layers, the MTP module's: its compress_ratios entry
+    (0, sliding, for the published models), sliding without one."""
+    n = config.num_hidden_layers
+    if index < n:
+        return layer_types(config)[index]
+    ratios = config.raw.get("compress_ratios") or []
+    if index < len(ratios) and int(ratios[index]):
+        return HCA if int(ratios[index]) > 4 else CSA
+    return SLIDING
+
+
+def mlp_kind(config: ModelConfig, index: int) -> str:
+    """Layer `index`'s routing; the MTP module's (past the main layers) is top-k, never hashed."""
+    return mlp_layer_types(config)[index] if index < config.num_hidden_layers else "moe"
+
+
 def compress_rate(config: ModelConfig, kind: str) -> int:
     """Tokens per compressed entry of a CSA or HCA layer."""
     r = config.raw

@@ -53,6 +53,8 @@ def returned_rows(model, last: mx.array, columns: int, groups: list[tuple[int, i
     that share a product (scheduler.row_groups), as everywhere."""
     if not columns:
         return last
+    if hasattr(model, "collapse"):  # DeepSeek V4: the streams' collapse, which the head reads, done here
+        last = model.collapse(last)
     rows = model.norm(last[0])
     held = model.head_share.weight.shape[0]
     logits = [head_columns(model.head_share, rows[b:e], held - columns, held) for b, e in groups]
