@@ -7,6 +7,7 @@ hybrid of 2 stages x 2; the same text run after run; batch as generate; one-line
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -76,12 +77,18 @@ def test_hybrid_and_repeated_runs_give_the_same_text(nine_heads):
 
 
 def test_shares():
-    """9 query / 3 KV heads: over 2 ranks 5 + 4 query heads reading KV heads unevenly (one KV head per
-    query head, repeated), over 3 three each reading one; the MLP cut on whole units."""
-    assert head_share(9, 3, Shard(0, 2)).q == (0, 5) and head_share(9, 3, Shard(0, 2)).kv == (0, 0, 0, 1, 1)
-    assert head_share(9, 3, Shard(1, 2)).q == (5, 9) and head_share(9, 3, Shard(1, 2)).kv == (1, 2, 2, 2)
-    assert [head_share(9, 3, Shard(m, 3)).kv for m in range(3)] == [(0,), (1,), (2,)]
-    assert head_share(32, 8, Shard(1, 2)).kv == (4, 5, 6, 7)  # even: each KV head held once
+    """9 query / 3 KV heads: over 2 ranks 5 + 4 query heads, each rank's in two segments that read their
+    KV heads evenly (each KV head held once); over 3 ranks three each reading one; the MLP cut on whole
+    units."""
+    first, second = head_share(9, 3, Shard(0, 2)), head_share(9, 3, Shard(1, 2))
+    assert first.q == (0, 5) and first.kv == (0, 2)
+    assert [(s.q, s.kv) for s in first.segments] == [((0, 3), (0, 1)), ((3, 5), (1, 2))]
+    assert second.q == (5, 9) and second.kv == (1, 3)
+    assert [(s.q, s.kv) for s in second.segments] == [((5, 6), (1, 2)), ((6, 9), (2, 3))]
+    assert [[(s.q, s.kv) for s in head_share(9, 3, Shard(m, 3)).segments] for m in range(3)] == \
+        [[((0, 3), (0, 1))], [((3, 6), (1, 2))], [((6, 9), (2, 3))]]
+    assert [(s.q, s.kv) for s in head_share(32, 8, Shard(0, 3)).segments] == [((0, 8), (0, 2)), ((8, 11), (2, 3))]
+    assert [(s.q, s.kv) for s in head_share(32, 8, Shard(1, 2)).segments] == [((16, 32), (4, 8))]
     assert [mlp_share(1536, Shard(m, 2)) for m in range(2)] == [(0, 768), (768, 1536)]
     assert [mlp_share(256, Shard(m, 3)) for m in range(3)] == [(0, 128), (128, 192), (192, 256)]
 
@@ -126,3 +133,16 @@ def test_batch_equals_generate(nine_heads, tmp_path):
         assert "group sums" in job.stderr
         got = {r["id"]: r["text"] for r in map(json.loads, out.read_text().splitlines())}
         assert got == expected, ranks
+
+
+def test_preflight_counts_what_each_rank_holds(nine_heads):
+    """preflight --tensor-parallel 2 on 2 x 2 ranks: each rank's weights as the job's stats line measures them."""
+    folder = nine_heads["llama"]
+    pre = mpiexec(4, "preflight", "--model", str(folder), "--tensor-parallel", "2", "--weights-in-memory", "fp32")
+    assert pre.returncode == 0, pre.stderr
+    rows = [line.split() for line in pre.stdout.splitlines()[1:] if line.strip()]
+    planned = [float(row[rows[0].index("MiB", 12) - 1]) for row in rows]  # the weights column
+    job = generate(4, folder, "--tensor-parallel", "2", "--weights-in-memory", "fp32")
+    assert job.returncode == 0, job.stderr
+    measured = [float(m) for m in re.findall(r"\(weights ([0-9.]+) MiB", job.stderr)]
+    assert len(planned) == len(measured) == 4 and planned == measured, (planned, measured)

@@ -26,7 +26,7 @@ import hashlib
 import platform
 import socket
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import metadata
 from pathlib import Path
 
@@ -43,7 +43,7 @@ from ..planner.shapes import architecture
 from ..planner.weights_bytes import DTYPE_BYTES, ModelBytes, held_and_dense, with_mtp
 from ..runtime.settings import DRAFT_CHOICES, WeightSettings
 from ..util.errors import UserError
-from .flags import add_weights_args, weight_settings
+from .flags import add_tensor_parallel_arg, add_weights_args, weight_settings
 
 PACKAGES = ("pipeline", "mlx", "mpi4py", "numpy", "tokenizers", "jinja2")
 HEADROOM = 1.10  # caches and activations on top of the weights
@@ -72,6 +72,9 @@ class RankReport:
     kv_layer_bytes: list[int] = field(default_factory=list)  # per layer, for --context tokens
     disk_layer_bytes: list[int] = field(default_factory=list)  # per layer as stored: the default split balances them
     disk_ends_bytes: int = 0  # embedding, final norm, LM head (+ the MTP module with --draft mtp) as stored
+    tensor_parallel: int = 1  # --tensor-parallel T: this rank's stage is a group of T
+    layer_fraction: float = 1.0  # under it, the fraction of each layer's weights this rank holds
+    kv_fraction: float = 1.0  # and of each layer's KV cache
 
 
 def add_parser(commands) -> None:
@@ -86,6 +89,7 @@ def add_parser(commands) -> None:
     pre.add_argument("--context", type=int, default=None, metavar="TOKENS",
                      help="tokens the job keeps in its KV cache, all sequences together (default: the "
                           "model's context, at most 8192)")
+    add_tensor_parallel_arg(pre)
     pre.add_argument("--draft", choices=DRAFT_CHOICES, default=WeightSettings.draft,
                      help="the job's --draft: with mtp, rank 0 also holds DeepSeek's multi-token-prediction module")
 
@@ -184,6 +188,13 @@ def measure_model(report: RankReport, folder: Path, args: argparse.Namespace, in
     if context < 1:
         raise UserError(f"--context must be >= 1, got {context}")
     report.kv_layer_bytes = kv_layer_bytes(architecture(config), DTYPE_BYTES[args.dtype], context)
+    t = report.tensor_parallel = args.tensor_parallel
+    if t > 1:  # each rank of a stage holds a share of each of its layers (rank 0 the ends too)
+        from ..models.registry import family_for  # as the MTP import above: where used
+        from ..models.tensor_parallel import Shard, check_family, share_fractions  # loads MLX, as in collect
+
+        check_family(config, family_for(config).module_name, t)
+        report.layer_fraction, report.kv_fraction = share_fractions(config, Shard(report.rank % t, t))
 
 
 def evaluate(reports: list[RankReport], split: str | None, weights_in_memory: str = "quantized") -> tuple[str, list[str]]:
@@ -254,17 +265,30 @@ class Slice:
 def plan_slices(reports: list[RankReport], ref: RankReport, split: str | None, weights_in_memory: str) -> list[Slice]:
     """Each rank's slice, split as the job splits it (layer_split.split_layers), from the reference
     rank's model and every rank's free memory; UserError if --split does not fit the job."""
-    ranks = len(reports)
+    t = ref.tensor_parallel  # --tensor-parallel: the split is over stages of t ranks
+    if len(reports) % t:
+        raise UserError(f"--tensor-parallel {t} must divide the {len(reports)} ranks (ranks = stages x T)")
+    ranks = len(reports) // t
     choice = (ref.held, ref.dense_held) if ref.quantized else (None, None)  # --weights-in-memory's
     weights = SplitWeights(ref.disk_layer_bytes, ref.disk_ends_bytes, *choice)
     memory = [(r.host, r.available) for r in reports]  # unknown (None): no room, to the split as to the job
-    counts, dense = split_layers(weights, ranks, split, weights_in_memory, memory,
-                                 fast_quantized=[r.fast_quantized for r in reports])
+    fast = [r.fast_quantized for r in reports]
+    if t > 1:  # a stage's memory: its group's smallest host times t
+        memory = [(memory[s * t][0], None if any(a is None for _, a in memory[s * t:s * t + t])
+                   else t * min(a for _, a in memory[s * t:s * t + t])) for s in range(ranks)]
+        fast = [all(fast[s * t:s * t + t]) for s in range(ranks)]
+    counts, dense = split_layers(weights, ranks, split, weights_in_memory, memory, fast_quantized=fast)
     slices = []
-    for rank, (start, end) in enumerate(layer_ranges(counts)):
-        mb = ref.dense_held if dense[rank] else ref.held
-        held_as = "quantized" if ref.quantized and not dense[rank] else DTYPE_LABEL[ref.dtype]
-        held = rank_bytes(mb.layers, mb.ends, ref.kv_layer_bytes, (start, end), rank, ranks, held_as=held_as)
+    for rank, r in enumerate(reports):
+        stage = rank // t
+        start, end = layer_ranges(counts)[stage]
+        mb = ref.dense_held if dense[stage] else ref.held
+        held_as = "quantized" if ref.quantized and not dense[stage] else DTYPE_LABEL[ref.dtype]
+        held = rank_bytes(mb.layers, mb.ends, ref.kv_layer_bytes, (start, end), stage, ranks, held_as=held_as)
+        if t > 1:  # a share of each layer, the ends on rank 0 only
+            ends = mb.ends if rank == 0 else 0
+            held = replace(held, weights=round((held.weights - (mb.ends if stage == 0 else 0)) * r.layer_fraction) + ends,
+                           kv_cache=round(held.kv_cache * r.kv_fraction))
         slices.append(Slice(start, end, held, int(held.total * HEADROOM)))
     return slices
 

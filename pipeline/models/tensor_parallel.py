@@ -33,8 +33,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..util.errors import UserError
+from .cache import KVCache
 from .config import ModelConfig
-from .layers import MLP, Attention
+from .layers import MLP, Attention, summed
 
 SUPPORTED_FAMILIES = ("llama",)  # registry module names whose layers are layers.Attention + layers.MLP
 MLP_UNITS = (256, 128, 64, 32, 16)  # the widest unit of intermediate features that still gives every member some
@@ -62,22 +63,37 @@ def even_split(count: int, parts: int, member: int) -> tuple[int, int]:
 
 
 @dataclass(frozen=True)
+class Segment:
+    q: tuple[int, int]  # query heads [begin, end)
+    kv: tuple[int, int]  # the key/value heads [begin, end) they read, each by (q end - begin) / (kv end - begin)
+
+
+@dataclass(frozen=True)
 class HeadShare:
     q: tuple[int, int]  # query heads [begin, end)
-    kv: tuple[int, ...]  # the global key/value head each local key/value head holds
+    kv: tuple[int, int]  # the key/value heads [begin, end) they read
+    segments: tuple[Segment, ...]  # runs of those query heads that read their key/value heads evenly
 
 
 def head_share(n_heads: int, n_kv_heads: int, shard: Shard) -> HeadShare:
+    """The member's query heads, the key/value heads they read, and (T not dividing the groups) the runs
+    of query heads that read them evenly: 9 query / 3 KV heads over 2 ranks, member 0 holds query heads
+    0-4 reading KV heads 0 (3 of them) and 1 (2 of them): two segments, each a uniform grouped-query
+    attention, each KV head held once."""
     q0, q1 = even_split(n_heads, shard.size, shard.member)
     if q1 <= q0:
         raise UserError(f"--tensor-parallel {shard.size} is more than the model's {n_heads} query heads: "
                         f"use at most {n_heads}")
     per = n_heads // n_kv_heads
-    of = [h // per for h in range(q0, q1)]  # the key/value head of each local query head
-    used = sorted(set(of))
-    if len({of.count(kv) for kv in used}) == 1:
-        return HeadShare((q0, q1), tuple(used))
-    return HeadShare((q0, q1), tuple(of))  # uneven use: one key/value head per query head
+    segments: list[Segment] = []
+    for kv in range(q0 // per, (q1 - 1) // per + 1):
+        begin, end = max(q0, kv * per), min(q1, (kv + 1) * per)
+        last = segments[-1] if segments else None
+        if last is not None and last.q[1] - last.q[0] == (last.kv[1] - last.kv[0]) * (end - begin):
+            segments[-1] = Segment((last.q[0], end), (last.kv[0], kv + 1))  # same count: the same segment
+        else:
+            segments.append(Segment((begin, end), (kv, kv + 1)))
+    return HeadShare((q0, q1), (q0 // per, (q1 - 1) // per + 1), tuple(segments))
 
 
 def mlp_share(intermediate: int, shard: Shard) -> tuple[int, int]:
@@ -101,17 +117,75 @@ def shard_modules(model: nn.Module, config: ModelConfig, shard: Shard) -> None:
         if type(attn) is not Attention or type(mlp) is not MLP:
             raise UserError(f"--tensor-parallel is not supported for {config.model_type} yet; "
                             f"run with --tensor-parallel 1")
-        nq, nkv = heads.q[1] - heads.q[0], len(heads.kv)
-        attn.n_heads, attn.n_kv_heads = nq, nkv
-        qkv_bias = "bias" in attn.q_proj
-        attn.q_proj = nn.Linear(hidden, nq * hd, bias=qkv_bias)
-        attn.k_proj = nn.Linear(hidden, nkv * hd, bias=qkv_bias)
-        attn.v_proj = nn.Linear(hidden, nkv * hd, bias=qkv_bias)
-        attn.o_proj = nn.Linear(nq * hd, hidden, bias="bias" in attn.o_proj and shard.member == 0)
+        parts = [attn] + [Attention(config) for _ in heads.segments[1:]]
+        for j, (part, segment) in enumerate(zip(parts, heads.segments)):
+            nq, nkv = segment.q[1] - segment.q[0], segment.kv[1] - segment.kv[0]
+            part.n_heads, part.n_kv_heads = nq, nkv
+            qkv_bias = "bias" in part.q_proj
+            part.q_proj = nn.Linear(hidden, nq * hd, bias=qkv_bias)
+            part.k_proj = nn.Linear(hidden, nkv * hd, bias=qkv_bias)
+            part.v_proj = nn.Linear(hidden, nkv * hd, bias=qkv_bias)
+            part.o_proj = nn.Linear(nq * hd, hidden, bias="bias" in part.o_proj and shard.member == 0 and j == 0)
+        if len(parts) > 1:
+            layer.self_attn = SegmentedAttention(parts)
         bias = "bias" in mlp.gate_proj
         mlp.gate_proj = nn.Linear(hidden, i1 - i0, bias=bias)
         mlp.up_proj = nn.Linear(hidden, i1 - i0, bias=bias)
         mlp.down_proj = nn.Linear(i1 - i0, hidden, bias="bias" in mlp.down_proj and shard.member == 0)
+
+
+class SegmentCaches:
+    """One sequence's caches of a SegmentedAttention layer: a KVCache per segment, moved together."""
+
+    def __init__(self, parts: list[KVCache]):
+        self.parts = parts
+
+    @property
+    def offset(self) -> int:
+        return self.parts[0].offset
+
+    @offset.setter
+    def offset(self, value: int) -> None:  # Stage.rewind drops positions through it
+        for part in self.parts:
+            part.offset = value
+
+    def prefix(self, length: int) -> "SegmentCaches":
+        return SegmentCaches([part.prefix(length) for part in self.parts])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.nbytes for part in self.parts)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return sum(part.bytes_per_token for part in self.parts)
+
+
+class SegmentedAttention(nn.Module):
+    """A member's attention whose query heads read their key/value heads unevenly (head_share): one
+    Attention per segment, over caches of its own key/value heads, their outputs (o_proj of their heads'
+    columns) added in segment order: this member's partial output."""
+
+    group_sum = None  # as Attention's
+
+    def __init__(self, parts: list[Attention]):
+        super().__init__()
+        self.parts = parts
+
+    def make_cache(self) -> SegmentCaches:
+        return SegmentCaches([KVCache() for _ in self.parts])
+
+    def __call__(self, x: mx.array, caches: list, lengths: list[int], last_only: bool = False,
+                 full: list[bool] | None = None) -> mx.array:
+        out = None
+        for j, part in enumerate(self.parts):
+            seg_caches = [cache.parts[j] for cache in caches]
+            if full is not None and any(full):
+                y = part(x, seg_caches, lengths, last_only=last_only, full=full)
+            else:
+                y = part(x, seg_caches, lengths, last_only=last_only)
+            out = y if out is None else out + y
+        return summed(self, out[0])[None]
 
 
 def set_group_sum(model: nn.Module, group_sum: Callable[[mx.array], mx.array] | None) -> None:
@@ -126,28 +200,31 @@ def shard_weights(weights: dict[str, mx.array], config: ModelConfig, shard: Shar
     place: each cut array a copy, evaluated, so the whole one is freed."""
     hd, hidden = config.head_dim, config.hidden_size
     heads = head_share(config.num_attention_heads, config.num_key_value_heads, shard)
-    q_rows = (heads.q[0] * hd, heads.q[1] * hd)
-    kv = heads.kv
-    if list(kv) == list(range(kv[0], kv[-1] + 1)):
-        kv_rows = (kv[0] * hd, (kv[-1] + 1) * hd)
-    else:
-        kv_rows = mx.array([k * hd + j for k in kv for j in range(hd)], dtype=mx.int32)
+    segmented = len(heads.segments) > 1
     i_rows = mlp_share(config.intermediate_size, shard)
-    cuts = {"self_attn.q_proj": ("rows", q_rows), "self_attn.k_proj": ("rows", kv_rows),
-            "self_attn.v_proj": ("rows", kv_rows),
-            "self_attn.o_proj": ("columns", q_rows, config.num_attention_heads * hd),
-            "mlp.gate_proj": ("rows", i_rows), "mlp.up_proj": ("rows", i_rows),
-            "mlp.down_proj": ("columns", i_rows, config.intermediate_size)}
     prefixes = sorted({name.rsplit(".", 1)[0] for name in weights if name.startswith("layers.")})
     for prefix in prefixes:
-        module = prefix.split(".", 2)[-1] if prefix.count(".") >= 2 else ""
-        cut = cuts.get(module)
-        if cut is None:
-            continue
-        if cut[0] == "rows":
-            _cut_rows(weights, prefix, cut[1])
-        else:
-            _cut_columns(weights, prefix, cut[1], cut[2], keep_bias=shard.member == 0)
+        layer, _, module = prefix.partition(".")[2].partition(".")
+        layer = f"layers.{layer}"
+        if module in ("mlp.gate_proj", "mlp.up_proj"):
+            _cut_rows(weights, prefix, i_rows)
+        elif module == "mlp.down_proj":
+            _cut_columns(weights, prefix, i_rows, config.intermediate_size, keep_bias=shard.member == 0)
+        elif module in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"):
+            whole = {name.removeprefix(prefix): weights.pop(name) for name in list(weights)
+                     if name.rsplit(".", 1)[0] == prefix}
+            projection = module.removeprefix("self_attn.")
+            for j, segment in enumerate(heads.segments):
+                part = {f"{prefix}{suffix}": array for suffix, array in whole.items()}
+                heads_of = segment.kv if projection in ("k_proj", "v_proj") else segment.q
+                rows = (heads_of[0] * hd, heads_of[1] * hd)
+                if projection == "o_proj":
+                    _cut_columns(part, prefix, rows, config.num_attention_heads * hd,
+                                 keep_bias=shard.member == 0 and j == 0)
+                else:
+                    _cut_rows(part, prefix, rows)
+                target = f"{layer}.self_attn.parts.{j}.{projection}" if segmented else prefix
+                weights.update({name.replace(prefix, target, 1): array for name, array in part.items()})
     mx.eval([weights[name] for name in weights if name.startswith("layers.")])
 
 
@@ -186,3 +263,18 @@ def _cut_columns(weights: dict, prefix: str, columns: tuple[int, int], in_featur
                 weights[name] = mx.array(weights[name][:, begin // group:end // group])
     if not keep_bias:
         weights.pop(f"{prefix}.bias", None)
+
+
+def share_fractions(config: ModelConfig, shard: Shard) -> tuple[float, float]:
+    """The fractions of a layer's weights and of its KV cache that `shard` holds (preflight's accounting):
+    its projections' rows or columns as held (repeated KV heads included, biases and norms whole)."""
+    if shard.size == 1:
+        return 1.0, 1.0
+    hd, hidden = config.head_dim, config.hidden_size
+    heads = head_share(config.num_attention_heads, config.num_key_value_heads, shard)
+    i0, i1 = mlp_share(config.intermediate_size, shard)
+    nq, nkv = heads.q[1] - heads.q[0], heads.kv[1] - heads.kv[0]
+    whole = 2 * hidden * hd * (config.num_attention_heads + config.num_key_value_heads) \
+        + 3 * hidden * config.intermediate_size + 2 * hidden
+    held = 2 * hidden * hd * (nq + nkv) + 3 * hidden * (i1 - i0) + 2 * hidden
+    return held / whole, nkv / config.num_key_value_heads
