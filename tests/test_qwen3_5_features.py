@@ -98,7 +98,7 @@ def test_a_hit_resumes_from_the_longest_kept_point_as_a_cold_run(qwen, monkeypat
     assert list(cache.entries) == [1, 2]
     second_points = cache.points[1]
     assert second_points[:4] == (16, 32, 40, len(first) + len(answer) - 1) and second_points[-1] == len(cache.entries[1])
-    assert cache.held == sum(-(-len(t) // cache.step) * cache.step + len(cache.points[i]) for i, t in cache.entries.items())
+    assert cache.held == sum(-(-len(t) // cache.step) * cache.step + len(cache.points[i]) + 1 for i, t in cache.entries.items())
 
 
 def _point_one_early(self):
@@ -157,9 +157,9 @@ def _run(stage, folder, prompt, drafter=None):
 
 def _trail_one_late(self, length):
     """The planted bug: a rewind takes the state one position after the last accepted one."""
-    start, window, memories = self.trail
-    done = min(length - start + 1, len(memories) - 1)
-    return window[done:done + window.shape[0] - (len(memories) - 1)], memories[done]
+    start, window, n, replay = self.trail
+    done = length - start + 1
+    return window[done:done + window.shape[0] - n], replay(done)
 
 
 def test_a_rewind_one_position_late_is_caught(qwen, monkeypatch):
@@ -273,3 +273,31 @@ def test_the_prompt_cache_on_disk_is_refused_in_one_line(qwen, tmp_path):
     (tmp_path / "store").mkdir(mode=0o700)
     result = mpiexec(1, "serve", "--model", str(folder), "--prompt-cache-dir", str(tmp_path / "store"))
     assert_fails_cleanly(result, "qwen3_5_moe", "linear-attention states", "--prompt-cache-dir")
+
+
+def test_the_index_resumes_from_points_and_keeps_what_only_one_entry_offers():
+    """PrefixCache with resume points (no model): a match resumes from the longest point within it; an
+    entry whose tokens are a prefix of a new one stays where the new one lacks its points; each entry is
+    budgeted its positions plus its points' states (and one for a verify trip's replay). A state keeps at
+    most points_max points, the newest replaced."""
+    from pipeline.runtime.prefix_cache import PrefixCache
+
+    cache = PrefixCache(capacity_tokens=10_000, step=1, point_positions=100)
+    tokens = list(range(1, 61))
+    assert cache.add(0, tokens[:40], [16, 32, 40]) == []
+    assert cache.best(tokens[:37] + [999, 998]) == (0, 32)
+    assert cache.best(tokens[:15] + [999]) == (None, 0)  # no point within 15
+    assert cache.held == 40 + 4 * 100
+    # A cold run of 60 tokens, its own points (20, 60): entry 0's 16/32/40 are not among them: both stay.
+    assert cache.add(1, tokens, [20, 60]) == []
+    assert cache.best(tokens + [7]) == (1, 60) and cache.best(tokens[:39] + [7]) == (0, 32)
+    # A fork of entry 0 at 40 that went on to 60 holds 16, 32 and 40 too: entry 0 goes; entry 1 stays
+    # (its point 20 is not the fork's).
+    assert cache.add(2, tokens, [16, 32, 40, 60]) == [0]
+    assert set(cache.entries) == {1, 2}
+    state = LinearAttentionState()
+    state.conv, state.recurrent = mx.zeros((3, 4)), mx.zeros((2, 4, 4))
+    for offset in range(1, 12):
+        state._offset = offset
+        state.keep_point()
+    assert sorted(state.points) == [1, 2, 3, 4, 5, 6, 7, 11]

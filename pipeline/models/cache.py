@@ -69,13 +69,19 @@ class LinearAttentionState:
     A state sums up every position it has seen: it cannot be cut back to any shorter prefix, only to
     one it kept on the way (MLX arrays are never written in place, so keeping is holding references):
     - `points`: the state at the end of each prompt chunk (`keep_point`, the prefix cache's resume
-      points; stage.Stage decides when), offset -> (conv, recurrent);
+      points; qwen3_5_moe.Slice decides when), offset -> (conv, recurrent);
     - `trail`: while a trip verifies drafts (`verifying` set before it: qwen3_5_moe.Slice), the
-      convolution's window over the trip and the memory before and after each of its positions, so that
-      lowering `offset` (stage.Stage.rewind: rejected drafts) goes back to the state after the last
-      accepted one, and `prefix` can start a sequence there."""
+      convolution's window over the trip and a replay of its recurrence (the memory before the trip and
+      the trip's inputs: gated_deltanet.GatedDeltaNet.sequence), so that lowering `offset`
+      (stage.Stage.rewind: rejected drafts) goes back to the state after the last accepted position,
+      the same steps on the same inputs as decoding took (bit for bit), and `prefix` can start a
+      sequence there. A sequence that ends on a verify trip keeps its trail: its end may lie within it."""
 
     trail_max = 16  # most positions of a trip with a trail (models.layers.EXACT_POSITIONS_MAX: K + 1 verified)
+    # Most points a sequence keeps (each a whole state: 4.1 MiB a layer in Qwen3.5-397B-A17B): past it, a
+    # new point replaces the newest, so a long prompt keeps its first chunks' (a shared system prompt's)
+    # and its latest; the sequence's end is always there besides.
+    points_max = 8
 
     def __init__(self):
         self.conv = None
@@ -83,7 +89,7 @@ class LinearAttentionState:
         self._offset = 0  # positions seen (what packing.positions and the stats read)
         self.points: dict[int, tuple] = {}
         self.verifying = False  # the next call keeps a trail
-        self.trail = None  # (offset before the trip, its window [kernel - 1 + n, channels], [memory before, after 1, ..., after n])
+        self.trail = None  # (offset before the trip, its window [kernel - 1 + n, channels], n, replay(done) -> memory)
 
     @property
     def offset(self) -> int:
@@ -103,23 +109,23 @@ class LinearAttentionState:
         if length in self.points:
             return self.points[length]
         if self.trail is not None and self.trail[0] <= length < self._offset:
-            start, window, memories = self.trail
+            start, window, n, replay = self.trail
             done = length - start  # positions of the trip kept
-            kernel_1 = window.shape[0] - (len(memories) - 1)
-            conv = window[done:done + kernel_1] if kernel_1 else window[:0]
-            return conv, memories[done]
+            kernel_1 = window.shape[0] - n
+            return window[done:done + kernel_1], replay(done)
         raise ValueError(f"a linear-attention state of {self._offset} positions cannot be cut back to {length} "
                          f"(kept: {sorted(self.points)})")
 
-    def record(self, window, memories: list) -> None:
-        """A trip's window and memories (gated_deltanet.GatedDeltaNet.sequence), kept as the trail while
-        verifying; the offset has already moved past the trip."""
-        n = len(memories) - 1
-        self.trail = (self._offset - n, window, memories) if self.verifying and 1 < n <= self.trail_max else None
+    def record(self, trip: tuple | None) -> None:
+        """A verify trip's (window, positions, replay) (gated_deltanet.GatedDeltaNet.sequence), kept as the
+        trail; None after any other trip. The offset has already moved past the trip."""
+        self.trail = None if trip is None else (self._offset - trip[1], *trip)
 
     def keep_point(self) -> None:
         """Keep the state as it is now as a resume point."""
         if self.recurrent is not None:
+            if len(self.points) >= self.points_max:
+                del self.points[max(self.points)]
             self.points[self._offset] = (self.conv, self.recurrent)
 
     def prefix(self, length: int) -> "LinearAttentionState":
@@ -140,7 +146,7 @@ class LinearAttentionState:
         for pair in self.points.values():
             held.update((id(a), a) for a in pair)
         if self.trail is not None:
-            held.update((id(a), a) for a in [self.trail[1], *self.trail[2]])
+            held[id(self.trail[1])] = self.trail[1]  # (and the replay's inputs and first memory)
         return sum(a.nbytes for a in held.values())
 
     @property

@@ -143,13 +143,17 @@ class GatedDeltaNet(nn.Module):
         memory = state.recurrent
         if memory is None:
             memory = mx.zeros((self.value_heads, self.key_dim, self.value_dim), mx.float32)
-        outputs, memories = [], [memory]
+        if trail:  # the trip's inputs (a few hundred KiB a layer), not a memory (MiB) per position
+            def replay(done: int, memory=memory, inputs=(q, k, v, decay, beta)) -> mx.array:
+                """The memory after the trip's first `done` positions: the same steps on the same inputs."""
+                for t in range(done):
+                    memory, _ = delta_rule_step(memory, *(a[t] for a in inputs))
+                return memory
+        outputs = []
         for t in range(n):
             memory, o = delta_rule_step(memory, q[t], k[t], v[t], decay[t], beta[t])
             outputs.append(o)
-            if trail:
-                memories.append(memory)
         state.recurrent = memory
         state.offset += n
-        state.record(window if trail else None, memories)
+        state.record((window, n, replay) if trail else None)
         return mx.stack(outputs)

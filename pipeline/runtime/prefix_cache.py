@@ -48,7 +48,10 @@ class PrefixCache:
         self.reused_tokens = 0
 
     def _held(self, tokens: int, points: tuple[int, ...] | None = None) -> int:
-        return -(-tokens // self.step) * self.step + len(points or ()) * self.point_positions
+        """Positions an entry takes: its caches' grown size, and with resume points each one's states,
+        plus one more state (the memory a sequence that ended on a verify trip keeps to replay it)."""
+        states = len(points) + 1 if points else 0
+        return -(-tokens // self.step) * self.step + states * self.point_positions
 
     def _usable(self, seq_id: int, n: int) -> int:
         """How many positions of an entry a match of n can start from: n, or its longest resume point <= n."""
