@@ -66,6 +66,8 @@ NATIVE_ROWS = ("IQ4_NL", "IQ4_XS", "Q6_K")
 # module docstring): one uint8 array [rows, row bytes] and the type id, products by the kernels' function for the
 # type (kernels/qmm.py BLOCK_KERNELS: gguf_kquant_kernels.cpp, ...). Checked before NATIVE, EXACT and REQUANTIZED.
 BLOCKS = {"Q5_K": (13, 176), "Q3_K": (11, 110), "Q2_K": (10, 84), "TQ2_0": (35, 66), "TQ1_0": (34, 54)}
+BLOCKS.update({"IQ2_XXS": (16, 66), "IQ2_XS": (17, 74), "IQ2_S": (22, 82), "IQ3_XXS": (18, 98), "IQ3_S": (21, 110),
+               "IQ1_S": (19, 50), "IQ1_M": (29, 56)})  # the grid i-quants: gguf_iquant_kernels.cpp
 # Types whose MLX scales and biases fp16 holds exactly (d, m, or d times a power of two), kept in fp16;
 # the K-quants' d x sc_j needs float32.
 FP16_SCALES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")

@@ -49,6 +49,7 @@ GGUF_NATIVE = {mx.uint16: 20, mx.int8: 23, mx.int64: 14}
 # BLOCKS), each `f(x, blocks, type, int8)`: the K-quants and ternary types in gguf_kquant_kernels.cpp
 BLOCK_KERNELS = {10: "gguf_kquant_matmul", 11: "gguf_kquant_matmul", 13: "gguf_kquant_matmul",
                  34: "gguf_kquant_matmul", 35: "gguf_kquant_matmul"}
+BLOCK_KERNELS.update(dict.fromkeys((16, 17, 18, 19, 21, 22, 29), "gguf_iquant_matmul"))  # grid i-quants (IQ1_S..IQ3_S)
 
 
 def extension_for(x: mx.array) -> object:
