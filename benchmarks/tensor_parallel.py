@@ -38,6 +38,7 @@ planner's TCP terms within 25% of the two-host single-stream figure.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -154,6 +155,16 @@ def uptime() -> str:
         return ""
 
 
+def code_state() -> str:
+    """HEAD and a hash of the uncommitted changes under pipeline/ (others edit the shared tree while
+    this runs: a run's text that differs from its neighbours' can then be told apart from a code change)."""
+    import hashlib
+
+    git = lambda *a: subprocess.run(["git", *a], capture_output=True, cwd=common.REPO).stdout  # noqa: E731
+    diff = git("diff", "HEAD", "--", "pipeline")
+    return git("rev-parse", "--short", "HEAD").decode().strip() + ("+" + hashlib.sha1(diff).hexdigest()[:10] if diff else "")
+
+
 def refusal(stderr: str) -> str | None:
     """The runtime's one-line refusal (`error: ...`), if that is how the job ended."""
     m = ERROR.search(stderr) or ANY_ERROR.search(stderr)  # ours, else argparse's ("generate: error: ...")
@@ -200,7 +211,7 @@ def run_generate(model: Path, layout: str, prompt: str, hosts: netns_hosts.TwoHo
     cmd = [*prefix, "generate", "--model", str(model), "--prompt", prompt, "--no-chat-template",
            "--max-tokens", str(NEW_TOKENS), "--weights-in-memory", "quantized", *flags]
     before = hosts.traffic() if hosts else None
-    load = common.load_average()
+    load, code = common.load_average(), code_state()
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=common.REPO, env=env)
     connections = None
@@ -217,7 +228,7 @@ def run_generate(model: Path, layout: str, prompt: str, hosts: netns_hosts.TwoHo
         proc.kill()
         stdout, stderr = proc.communicate()
     wall = time.perf_counter() - start
-    out = {"layout": layout, "load_before": load[0], "uptime": uptime(), "wall_s": wall}
+    out = {"layout": layout, "load_before": load[0], "uptime": uptime(), "wall_s": wall, "code": code}
     if hosts is not None:
         after = hosts.traffic()
         out["veth_rx_bytes"] = {ns: after[ns] - before.get(ns, 0) for ns in after}
@@ -255,10 +266,11 @@ def run_batch(model: Path, layout: str, folder: Path, timeout: float = 1200) -> 
     outp.unlink(missing_ok=True)
     cmd = [*prefix, "batch", "--model", str(model), "--input", str(inp), "--output", str(outp), "--quiet",
            "--weights-in-memory", "quantized", *flags]
-    load = common.load_average()
+    load, code = common.load_average(), code_state()
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=common.REPO, env=env, timeout=timeout)
-    out = {"layout": layout, "load_before": load[0], "uptime": uptime(), "job_wall_s": time.perf_counter() - start}
+    out = {"layout": layout, "load_before": load[0], "uptime": uptime(), "job_wall_s": time.perf_counter() - start,
+           "code": code}
     if proc.returncode != 0:
         out["refused"] = refusal(proc.stderr) or f"exit {proc.returncode}"
         out["stderr_tail"] = proc.stderr[-2000:]
@@ -332,8 +344,9 @@ def host_bandwidth_gbs() -> dict:
     return out
 
 
-def predict(model: Path, t: int, bandwidth_gbs: float, link_terms: dict | None, context: int) -> dict:
-    """The planner's single-stream tok/s for 2 hosts as stages of t ranks (layouts.plan_layout), with
+def predict(model: Path, t: int, bandwidth_gbs: float, link_terms: dict | None, context: int,
+            hosts: int = 2) -> dict:
+    """The planner's single-stream tok/s for `hosts` hosts as stages of t ranks (layouts.plan_layout), with
     its linux-tcp terms or with these link terms (latency_us, gbs) and its Linux CPU host terms."""
     sys.path.insert(0, str(common.REPO))
     from pipeline.checkpoints.model_files import find
@@ -354,11 +367,71 @@ def predict(model: Path, t: int, bandwidth_gbs: float, link_terms: dict | None, 
 
     precision = Precision(checkpoint_format(config, find(str(model))), "float32", None, 64, dense=False,
                           int8=int8_by_default(None, "float32"))
-    layout = plan_layout(architecture(config), precision, t, [bandwidth_gbs, bandwidth_gbs], None, host, link,
+    layout = plan_layout(architecture(config), precision, t, [bandwidth_gbs] * hosts, None, host, link,
                          context, batch=BATCH_REQUESTS)
     return {"layout": layout.name, "single_tps": layout.single_tps, "batch_tps": layout.batch_tps,
             "sums_ms_per_token": layout.sums_ms, "host_terms": host._asdict(), "link_terms": link._asdict(),
             "bandwidth_gbs": bandwidth_gbs, "context": context}
+
+
+# ---- what synchronizing costs on this machine, without pipeline -------------------------------------------
+
+def sums_worker(tokens: int, layers: int) -> None:
+    """One rank of the sums probe: per token, 2 x layers + 1 rounds of ~1-2 ms of matrix-vector work (a
+    rank's share of a layer) then an Iallgather of 2048 float32 polled by a busy loop, as GroupSum
+    does; prints rank 0's ms per token, the part of it spent waiting in the gathers, and the same work
+    without the gathers."""
+    import numpy as np
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    a = np.random.default_rng(comm.Get_rank()).standard_normal((1024, 2048), dtype=np.float32)
+    x, mine, parts = np.ones(2048, np.float32), np.ones(2048, np.float32), np.empty((2, 2048), np.float32)
+    sums = 2 * layers + 1
+
+    def work():
+        for _ in range(4):
+            a @ x
+
+    alone = time.perf_counter()
+    for _ in range(sums * 3):
+        work()
+    alone = (time.perf_counter() - alone) / 3
+    comm.Barrier()
+    per_token, waits = [], []
+    for _ in range(tokens):
+        start, waited = time.perf_counter(), 0.0
+        for _ in range(sums):
+            work()
+            t = time.perf_counter()
+            request = comm.Iallgather(mine, parts)
+            while not request.Test():
+                pass
+            waited += time.perf_counter() - t
+        per_token.append(time.perf_counter() - start)
+        waits.append(waited)
+    if comm.Get_rank() == 0:
+        import statistics
+        print(json.dumps({"sums_per_token": sums, "token_ms": 1e3 * statistics.median(per_token),
+                          "wait_ms_per_token": 1e3 * statistics.median(waits),
+                          "work_alone_ms_per_token": 1e3 * alone}), flush=True)
+
+
+def sums_probe(tokens: int = 15, layers: int = 16) -> dict:
+    """The sums probe on 2 one-core ranks (mpiexec binds them as generate does not: -bind-to core)."""
+    env = common.env_with_repo(OPENBLAS_NUM_THREADS="1")
+    cmd = ["mpiexec", "-n", "2", "-bind-to", "core", sys.executable, str(Path(__file__).resolve()), "--worker", "sums",
+           "--tokens", str(tokens), "--layers", str(layers)]
+    load = common.load_average()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    if proc.returncode != 0:
+        return {"failed": proc.stderr[-1000:], "load_before": load[0]}
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out.update(load_before=load[0], uptime=uptime())
+    print(f"  sums probe (mpi4py, no pipeline; {out['sums_per_token']} Iallgathers of 8 KB per token between 2 one-core "
+          f"ranks): {out['token_ms']:.0f} ms/token of which {out['wait_ms_per_token']:.0f} ms waiting; the same work "
+          f"alone {out['work_alone_ms_per_token']:.0f} ms; load {load[0]:.1f}", flush=True)
+    return out
 
 
 # ---- main ------------------------------------------------------------------------------------------------
@@ -405,7 +478,8 @@ def batch(model: Path, runs: int, warmup: int) -> dict:
             "refused": {lay: s["refused"] for lay, s in stats.items() if "refused" in s}, "runs": runs_}
 
 
-def two_hosts(model: Path, prompt: str, runs: int, warmup: int, bandwidth: dict) -> dict:
+def two_hosts(model: Path, prompt: str, runs: int, warmup: int, bandwidth: dict,
+              one_rank_tps: float | None) -> dict:
     layouts = ["pipeline 2 x 1", "tensor 1 x 2"]
     with netns_hosts.TwoHosts() as hosts:
         link = netns_hosts.pingpong(hosts, [8, 2048 * 4, 1 << 20])
@@ -418,33 +492,40 @@ def two_hosts(model: Path, prompt: str, runs: int, warmup: int, bandwidth: dict)
     context = PROMPT_TOKENS + NEW_TOKENS
     measured_link = {"latency_us": (link["latency_us"] + link_after["latency_us"]) / 2,
                      "gbs": (link["gbs"] + link_after["gbs"]) / 2}
+    # The host's bandwidth the planner is given, three ways: the probe's (numpy sum on each core, now);
+    # fitted, so that the planner's one-rank figure equals the one-rank decode measured minutes before on
+    # the same machine (the planner's single stream on one host is linear in the bandwidth: this removes
+    # the host term and leaves the link's and the sums' to be checked); the idle machine's (roofline.json).
+    bases = {"probe": bandwidth["per_rank_gbs"]}
+    if one_rank_tps:
+        bases["fitted to 1 rank"] = bandwidth["per_rank_gbs"] * one_rank_tps / predict(
+            model, 1, bandwidth["per_rank_gbs"], None, context, hosts=1)["single_tps"]
+    if bandwidth.get("idle_one_process_gbs"):
+        bases["idle machine"] = bandwidth["idle_one_process_gbs"]
     comparison = {}
     for lay in layouts:
         t = 2 if lay.startswith("tensor") else 1
         got = median(stats[lay], "decode_tps")
-        tcp = predict(model, t, bandwidth["per_rank_gbs"], None, context)
-        veth = predict(model, t, bandwidth["per_rank_gbs"], measured_link, context)
-        idle = bandwidth.get("idle_one_process_gbs")
-        comparison[lay] = {"measured_decode_tps": got, "planner_linux_tcp": tcp, "planner_measured_link": veth,
-                           "planner_linux_tcp_idle_bandwidth": predict(model, t, idle, None, context) if idle else None,
-                           "ratio_linux_tcp": tcp["single_tps"] / got if got else None,
-                           "ratio_measured_link": veth["single_tps"] / got if got else None,
-                           "measured_sum_ms_per_token": median(stats[lay], "sum_ms_per_token")}
+        table = {base: {"linux-tcp": predict(model, t, gbs, None, context),
+                        "measured link": predict(model, t, gbs, measured_link, context)}
+                 for base, gbs in bases.items()}
+        comparison[lay] = {"measured_decode_tps": got, "measured_sum_ms_per_token": median(stats[lay], "sum_ms_per_token"),
+                           "host_bandwidth_gbs": bases, "predicted": table,
+                           "ratio": {base: {k: v["single_tps"] / got for k, v in row.items()} if got else None
+                                     for base, row in table.items()}}
         if got:
-            print(f"  {lay}: measured {got:.2f} tok/s; planner, linux-tcp terms {tcp['single_tps']:.2f} "
-                  f"({tcp['single_tps'] / got - 1:+.0%}; sums {tcp['sums_ms_per_token']:.2f} ms/token), with the "
-                  f"measured link {veth['single_tps']:.2f} ({veth['single_tps'] / got - 1:+.0%}; sums "
-                  f"{veth['sums_ms_per_token']:.2f} ms/token); measured sums "
-                  f"{comparison[lay]['measured_sum_ms_per_token']} ms/token"
-                  + (f"; linux-tcp terms at the idle machine's {idle:.1f} GB/s: "
-                     f"{comparison[lay]['planner_linux_tcp_idle_bandwidth']['single_tps']:.2f}" if idle else ""),
-                  flush=True)
-    tensor = comparison["tensor 1 x 2"]
-    within = abs(tensor["ratio_linux_tcp"] - 1) <= PLANNER_GOAL if tensor["ratio_linux_tcp"] else None
+            print(f"  {lay}: measured {got:.2f} tok/s (group sums {comparison[lay]['measured_sum_ms_per_token']} "
+                  f"ms/token); planner:", flush=True)
+            for base, row in table.items():
+                print(f"    host bandwidth {base} ({bases[base]:.1f} GB/s): " + "; ".join(
+                    f"{k} terms {v['single_tps']:.2f} tok/s ({v['single_tps'] / got - 1:+.0%}, sums "
+                    f"{v['sums_ms_per_token']:.2f} ms/token)" for k, v in row.items()), flush=True)
+    ratios = comparison["tensor 1 x 2"]["ratio"]
+    within = {base: abs(r["linux-tcp"] - 1) <= PLANNER_GOAL for base, r in ratios.items() if r}
     return {"namespaces": netns_hosts.NAMESPACES, "addresses": netns_hosts.ADDRESSES, "mpi_env": netns_hosts.MPI_ENV,
             "link_before": link, "link_after": link_after, "measured_link": measured_link,
             "stats": stats, "planner": comparison, "planner_goal": PLANNER_GOAL,
-            "planner_linux_tcp_within_goal": within,
+            "planner_linux_tcp_within_goal": within,  # per host bandwidth basis
             "refused": {lay: s["refused"] for lay, s in stats.items() if "refused" in s}, "runs": runs_}
 
 
@@ -465,7 +546,14 @@ def main() -> None:
                         help="skip the two-host run (network namespaces; needs root)")
     parser.add_argument("--hosts-model", default="llama-1b", help="the model of the two-host run (default llama-1b)")
     parser.add_argument("--plot", action="store_true", help="only redraw the PNG from results/tensor_parallel.json")
+    parser.add_argument("--worker", choices=["sums"], default=None, help="run as one rank of the sums probe "
+                        "(started by mpiexec, not by hand)")
+    parser.add_argument("--tokens", type=int, default=15, help=argparse.SUPPRESS)
+    parser.add_argument("--layers", type=int, default=16, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker == "sums":
+        sums_worker(args.tokens, args.layers)
+        return
     if args.plot:
         plot(json.loads((common.RESULTS / f"{NAME}.json").read_text()))
         return
@@ -473,6 +561,7 @@ def main() -> None:
     print(f"load: {uptime()}", flush=True)
     bandwidth = host_bandwidth_gbs()
     print(f"memory bandwidth per one-core rank (numpy sum, 2 at once): {bandwidth['per_rank_gbs']:.1f} GB/s", flush=True)
+    probes = [sums_probe()]
     models = {}
     for name in args.models.split(","):
         model = MODELS[name]()
@@ -495,14 +584,15 @@ def main() -> None:
                 entry["two_hosts"] = {"skipped": "not root: ip netns needs root"}
             else:
                 print(f"{name}: two hosts (network namespaces, MPI over TCP on a veth); {uptime()}", flush=True)
-                entry["two_hosts"] = two_hosts(model, text, args.runs, 0, bandwidth)
+                entry["two_hosts"] = two_hosts(model, text, args.runs, 0, bandwidth,
+                                               median(entry["single"]["stats"].get("1 rank", {}), "decode_tps"))
         for section in ("single", "two_hosts"):
             strip_texts(entry.get(section, {}))
         models[name] = entry
     payload = common.record(NAME, "issue 34: --tensor-parallel 2 vs 1 rank vs a 2-stage pipeline, one core per rank; "
                             "and across two network namespaces (MPI over TCP on a veth)",
                             runs=args.runs, warmup=args.warmup, load_after=common.load_average(),
-                            uptime_after=uptime(), minutes=(time.time() - started) / 60, bandwidth=bandwidth,
+                            uptime_after=uptime(), sums_probe=probes + [sums_probe()], minutes=(time.time() - started) / 60, bandwidth=bandwidth,
                             goals=GOALS, models=models)
     path = common.write_json(NAME, payload)
     plot(payload)
@@ -524,11 +614,13 @@ def plot(payload: dict) -> None:
             for j, m in enumerate(models):
                 planner = payload["models"][m].get("two_hosts", {}).get("planner", {})
                 for i, n in enumerate(names):
-                    p = planner.get(n, {}).get("planner_linux_tcp", {}).get("single_tps")
-                    if p:
-                        x = j + (i - (len(names) - 1) / 2) * 0.8 / len(names)
-                        ax.plot([x - 0.15, x + 0.15], [p, p], "k--", lw=1,
-                                label="planner, linux-tcp terms" if i == 0 and j == 0 else None)
+                    predicted = planner.get(n, {}).get("predicted", {})
+                    for base, style in (("fitted to 1 rank", "k--"), ("idle machine", "k:")):
+                        p = predicted.get(base, {}).get("linux-tcp", {}).get("single_tps")
+                        if p:
+                            x = j + (i - (len(names) - 1) / 2) * 0.8 / len(names)
+                            ax.plot([x - 0.15, x + 0.15], [p, p], style, lw=1,
+                                    label=f"planner, linux-tcp, host bw {base}" if i == 0 and j == 0 else None)
         ax.legend(fontsize=6)
     fig.suptitle(f"issue 34: tensor parallelism, one core per rank ({payload['machine']['cores']} cores; median, "
                  f"min-max of {payload['runs']} runs; load after {payload['load_after'][0]:.1f})", fontsize=9)
