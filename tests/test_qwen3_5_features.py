@@ -301,3 +301,142 @@ def test_the_index_resumes_from_points_and_keeps_what_only_one_entry_offers():
         state._offset = offset
         state.keep_point()
     assert sorted(state.points) == [1, 2, 3, 4, 5, 6, 7, 11]
+
+
+def _grouped_to_tiled(a: np.ndarray, axis: int, key_heads: int, per_key: int, head_dim: int) -> np.ndarray:
+    """llama.cpp's converter's value-head order (its _reorder_v_heads, as facts): heads grouped by key head
+    [G0v0, G0v1, G1v0, G1v1] become tiled [G0v0, G1v0, G0v1, G1v1] along `axis`."""
+    a = np.moveaxis(a, axis, 0)
+    shape = a.shape
+    a = a.reshape(key_heads, per_key, head_dim, *shape[1:]).swapaxes(0, 1).reshape(shape)
+    return np.ascontiguousarray(np.moveaxis(a, 0, axis))
+
+
+def write_qwen35moe_gguf(path, model, vocab) -> None:
+    """A transformers Qwen3.5-MoE as llama.cpp's convert_hf_to_gguf.py writes it (float32 tensors): names from
+    gguf's TensorNameMap for qwen35moe, experts split per projection, A_log as -exp(A_log), dt_bias as
+    ssm_dt.bias, the convolution squeezed, the (1 + weight) norms stored as 1 + weight, value heads tiled."""
+    import gguf
+
+    c = model.config.text_config
+    kh, vh, kd, vd = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    per_key = vh // kh
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35MOE, c.num_hidden_layers)
+    tensors = {}
+    for name, value in model.state_dict().items():
+        if not name.startswith(("model.language_model.", "lm_head.")):
+            continue  # the vision tower
+        name, w = name.replace("model.language_model.", "model."), value.detach().float().numpy()
+        if name.endswith("mlp.experts.gate_up_proj"):
+            prefix, half = name.removesuffix("gate_up_proj"), w.shape[1] // 2
+            pieces = {prefix + "gate_proj.weight": w[:, :half], prefix + "up_proj.weight": w[:, half:]}
+        elif name.endswith("mlp.experts.down_proj"):
+            pieces = {name + ".weight": w}
+        elif name.endswith(".A_log"):
+            pieces = {name: _grouped_to_tiled(-np.exp(w), 0, kh, per_key, 1)}
+        elif name.endswith(".dt_bias"):
+            pieces = {name.replace("dt_bias", "dt_proj.bias"): _grouped_to_tiled(w, 0, kh, per_key, 1)}
+        elif name.endswith("conv1d.weight"):
+            w = w[:, 0, :]
+            pieces = {name: np.concatenate([w[:2 * kh * kd], _grouped_to_tiled(w[2 * kh * kd:], 0, kh, per_key, vd)])}
+        elif name.endswith("in_proj_qkv.weight"):
+            pieces = {name: np.concatenate([w[:2 * kh * kd], _grouped_to_tiled(w[2 * kh * kd:], 0, kh, per_key, vd)])}
+        elif name.endswith("in_proj_z.weight"):
+            pieces = {name: _grouped_to_tiled(w, 0, kh, per_key, vd)}
+        elif name.endswith(("in_proj_a.weight", "in_proj_b.weight")):
+            pieces = {name: _grouped_to_tiled(w, 0, kh, per_key, 1)}
+        elif name.endswith("out_proj.weight"):
+            pieces = {name: _grouped_to_tiled(w, 1, kh, per_key, vd)}
+        elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            pieces = {name: w + 1}
+        else:
+            pieces = {name: w}
+        for hf, array in pieces.items():
+            target = names.get_name(hf, try_suffixes=(".weight", ".bias"))
+            assert target is not None, hf
+            tensors[target] = np.ascontiguousarray(array, np.float32)
+    writer = gguf.GGUFWriter(str(path), "qwen35moe")
+    writer.add_name("tiny")
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
+    writer.add_rope_dimension_count(int(c.head_dim * c.rope_parameters.get("partial_rotary_factor", 0.25)))
+    writer.add_rope_dimension_sections([11, 11, 10, 0])
+    writer.add_expert_count(c.num_experts)
+    writer.add_expert_used_count(c.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(c.moe_intermediate_size)
+    writer.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+    writer.add_ssm_conv_kernel(c.linear_conv_kernel_dim)
+    writer.add_ssm_state_size(kd)
+    writer.add_ssm_group_count(kh)
+    writer.add_ssm_time_step_rank(vh)
+    writer.add_ssm_inner_size(vd * vh)
+    writer.add_full_attention_interval(4)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(vocab["tokens"])
+    writer.add_token_types(vocab["types"])
+    writer.add_token_merges(vocab["merges"])
+    writer.add_eos_token_id(vocab["eos"])
+    for name, array in tensors.items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def qwen_gguf(tmp_path_factory):
+    from conftest import reference_logits
+    from test_gguf_inplace import gguf_vocab
+    from test_qwen3_5_moe import LONG_PROMPT
+
+    folder, model, expected = reference_logits(make_qwen3_5_moe, tmp_path_factory.mktemp("qwen35_gguf"), LONG_PROMPT)
+    path = folder / "tiny-qwen35moe.gguf"
+    write_qwen35moe_gguf(path, model, gguf_vocab(folder))
+    return path, expected
+
+
+def _gguf_logits(path, ranges, prompt):
+    from conftest import forward
+    from pipeline.checkpoints.gguf_checkpoint import GGUFCheckpoint
+    from pipeline.runtime.stage import Stage
+
+    checkpoint = GGUFCheckpoint(path)
+    config = checkpoint.model_config()
+    stages = [Stage.load(config, checkpoint, r, has_ends=i == 0, dtype=mx.float32) for i, r in enumerate(ranges)]
+    return forward(stages, prompt), config
+
+
+def test_a_qwen35moe_gguf_gives_transformers_logits(qwen_gguf):
+    """A qwen35moe GGUF as llama.cpp writes it (value heads tiled, norms as 1 + weight, -exp(A_log), the
+    convolution squeezed): its config read back, and its logits on 1 and 3 ranks those of transformers on
+    the checkpoint it came from (float32 tensors: within test_qwen3_5_moe's TOLERANCE, measured as there)."""
+    from test_qwen3_5_moe import LAYER_TYPES, LONG_PROMPT, THREE_RANKS, TOLERANCE
+
+    path, expected = qwen_gguf
+    one, config = _gguf_logits(path, [(0, 6)], LONG_PROMPT)
+    assert config.model_type == "qwen3_5_moe_text" and config.raw["layer_types"] == LAYER_TYPES
+    print(f"qwen35moe GGUF: max logit error vs transformers {np.abs(one - expected).max():.3g}")
+    assert np.abs(one - expected).max() <= TOLERANCE
+    three, _ = _gguf_logits(path, THREE_RANKS, LONG_PROMPT)
+    assert np.array_equal(three, one)
+
+
+def test_a_gguf_read_with_grouped_value_heads_is_caught(qwen_gguf, monkeypatch):
+    """The planted bug: the GGUF's tiled value heads paired with key heads as a Hugging Face checkpoint's
+    (grouped): the logits leave transformers' far past the tolerance."""
+    from pipeline.checkpoints import gguf_qwen35
+    from test_qwen3_5_moe import LONG_PROMPT, TOLERANCE
+
+    path, expected = qwen_gguf
+    fields = gguf_qwen35.config_fields
+    monkeypatch.setattr(gguf_qwen35, "config_fields", lambda *a: {**fields(*a), "linear_value_heads_tiled": False})
+    wrong, _ = _gguf_logits(path, [(0, 6)], LONG_PROMPT)
+    assert np.abs(wrong - expected).max() > 100 * TOLERANCE

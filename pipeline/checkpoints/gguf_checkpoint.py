@@ -35,6 +35,7 @@ from ..models.config import ModelConfig
 from ..util import cores
 from ..util.errors import UserError
 from ..util.switches import turned_off
+from . import gguf_qwen35
 from .gguf_config import build_config
 from .gguf_file import GGUFModel, GGUFTensor, open_gguf
 from .safetensors_checkpoint import Checkpoint
@@ -85,6 +86,7 @@ class Entry:
     part: str = "weight"  # of an MLX-quantized triple: "weight", "scales", "biases"
     layout: quants.Layout | None = None
     unpermute_heads: int = 0  # Llama q/k: undo llama.cpp's row permutation over this many heads
+    transform: str = ""  # a float tensor llama.cpp's converter changed (gguf_qwen35.undo)
 
     @property
     def nbytes(self) -> int:
@@ -143,6 +145,8 @@ class GGUFCheckpoint(Checkpoint):
         unpermute = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]} \
             if g.architecture == "llama" else {}
         split_mla: dict[int, dict[str, GGUFTensor]] = {}
+        if g.architecture == gguf_qwen35.ARCH:
+            return self._index_qwen35(layers)
         for tensor in g.tensors.values():
             m = _LAYER.match(tensor.name)
             if m and int(m.group(1)) >= layers:
@@ -165,6 +169,22 @@ class GGUFCheckpoint(Checkpoint):
             v_dim = v_b.shape[1]
             self.tensors[f"model.layers.{layer}.self_attn.kv_b_proj.weight"] = Entry(
                 "F32", (heads * (nope + v_dim), latent), (k_b, v_b), "mla_kv_b")
+
+    def _index_qwen35(self, layers: int) -> None:
+        """Qwen3.5-MoE's tensors (gguf_qwen35.py): names, and the float tensors the converter changed."""
+        for tensor in self.gguf.tensors.values():
+            named = gguf_qwen35.hf_name(tensor.name)
+            if named is None:
+                raise UserError(f"{self.gguf.path}: tensor {tensor.name} is not one pipeline knows for the "
+                                f"{gguf_qwen35.ARCH} architecture; this GGUF layout is not supported")
+            layer, name, kind, transform = named
+            if layer is not None and layer >= layers:
+                continue  # a multi-token-prediction layer past the last one we run
+            if transform:
+                self.tensors[name] = Entry("F32", gguf_qwen35.held_shape(tensor.shape, transform), (tensor,),
+                                           "dequantized", transform=transform)
+            else:
+                self._add(name, tensor, 0, float_only=kind in gguf_qwen35.FLOAT_ONLY)
 
     def _add(self, name: str, tensor: GGUFTensor, unpermute_heads: int, float_only: bool) -> None:
         t = tensor.ggml_type
@@ -232,6 +252,8 @@ class GGUFCheckpoint(Checkpoint):
                 array = array.astype(np.float32)
         if entry.unpermute_heads:
             array = unpermute_rows(array, entry.unpermute_heads)
+        if entry.transform:
+            array = gguf_qwen35.undo(array, entry.transform)
         result = mx.array(array)
         return result.view(mx.bfloat16) if tensor.ggml_type == "BF16" else result
 

@@ -93,6 +93,7 @@ class GatedDeltaNet(nn.Module):
         self.key_heads, self.value_heads = int(r["linear_num_key_heads"]), int(r["linear_num_value_heads"])
         self.key_dim, self.value_dim = int(r["linear_key_head_dim"]), int(r["linear_value_head_dim"])
         keys, values = self.key_heads * self.key_dim, self.value_heads * self.value_dim
+        self.tiled = bool(r.get("linear_value_heads_tiled"))
         hidden = config.hidden_size
         self.in_proj_qkv = nn.Linear(hidden, 2 * keys + values, bias=False)
         self.in_proj_z = nn.Linear(hidden, values, bias=False)
@@ -136,9 +137,12 @@ class GatedDeltaNet(nn.Module):
         q = l2_normalized(mixed[:, :keys].reshape(n, self.key_heads, self.key_dim)) * self.key_dim ** -0.5
         k = l2_normalized(mixed[:, keys:2 * keys].reshape(n, self.key_heads, self.key_dim))
         v = mixed[:, 2 * keys:].reshape(n, self.value_heads, self.value_dim)
-        # Each query/key head serves value_heads / key_heads consecutive value heads.
+        # Each query/key head serves value_heads / key_heads consecutive value heads (a GGUF's value heads
+        # are tiled instead: value head j reads key head j % key_heads, checkpoints/gguf_qwen35.py).
         group = self.value_heads // self.key_heads
-        if group > 1:
+        if group > 1 and self.tiled:
+            q, k = mx.tile(q, (1, group, 1)), mx.tile(k, (1, group, 1))
+        elif group > 1:
             q, k = mx.repeat(q, group, axis=1), mx.repeat(k, group, axis=1)
         memory = state.recurrent
         if memory is None:
