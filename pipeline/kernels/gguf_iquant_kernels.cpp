@@ -5,8 +5,9 @@
  * ggml-common.h's block_<type> (bytes per 256 values: IQ2_XXS 66, IQ2_XS 74, IQ2_S 82, IQ3_XXS 98, IQ3_S 110,
  * IQ1_S 50, IQ1_M 56), in one array of any dtype, [n, ...], whose bytes are n rows of those.
  *
- * Every type's super-block decodes (decode_<type>) to integers: 256 int8 values w, one odd scale ls per 16
- * values and the fp16 d, with a value = C * d * ls * w exactly, C a power of two per type:
+ * Every type's super-block decodes, 32 values at a time (chunk<TYPE>: 4 grid entries of 8 values, or 8 of 4,
+ * looked up as 64-bit words, their signs applied as byte masks), to integers: int8 values w, one odd scale ls per
+ * 16 values and the fp16 d (block_d), with a value = C * d * ls * w exactly, C a power of two per type:
  *   IQ2_XXS, IQ2_XS, IQ2_S: w = grid value (8, 25 or 43) times its sign (ksigns_iq2xs or explicit sign bits),
  *                           ls = 2 s + 1 (s 4 bits, per 32 or per 16 values), C = 1/8;
  *   IQ3_XXS: w = grid value (4..62) times its sign, ls = 2 s + 1 per 32, C = 1/4;
@@ -27,9 +28,9 @@
  * Every output element is that fixed sequence on its row of x and its weight row whatever the number of
  * rows, their order or the threads (batch invariance); the AVX-512 VNNI, AVX2 and generic code give the same
  * bits (the decoding and integer sums are exact integers; the float steps the same fused multiply-adds).
+ * -DPIPELINE_IQ_GENERIC builds the generic code on any CPU; -DPIPELINE_IQ_KERNELS_ONLY leaves out the Python
+ * module's part (a C++ harness can then include this file and call product() and dequantize() itself).
  */
-#include <nanobind/nanobind.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -49,8 +50,6 @@
 
 #include "iquant_grids.h"
 #include "kernels_common.h"
-
-namespace nb = nanobind;
 
 namespace {
 
@@ -78,23 +77,20 @@ constexpr float type_factor(int type) {
     return type == IQ3_XXS ? 0.25f : type == IQ3_S ? 1.0f : 0.125f;
 }
 
-/* byte j of SIGN_MASKS[s]: 0xff where bit j of s is set */
+/* byte j of SIGN_MASKS.m[s]: 0xff where bit j of s is set; KSIGN_MASKS.m[i]: the same of ksigns_iq2xs[i] */
 struct SignMasks {
     uint64_t m[256];
-    constexpr SignMasks() : m() {
-        for (int s = 0; s < 256; s++)
+    constexpr SignMasks(bool ksigns) : m() {
+        for (int i = 0; i < (ksigns ? 128 : 256); i++) {
+            const int s = ksigns ? KSIGNS_IQ2XS[i] : i;
             for (int j = 0; j < 8; j++)
-                if (s >> j & 1) m[s] |= uint64_t(0xff) << (8 * j);
+                if (s >> j & 1) m[i] |= uint64_t(0xff) << (8 * j);
+        }
     }
 };
-constexpr SignMasks SIGN_MASKS;
+constexpr SignMasks SIGN_MASKS(false), KSIGN_MASKS(true);
 
-/* 8 grid values (bytes, each 1..127) with the bytes of sign byte s's set bits negated: (g ^ m) + (m & 1s)
-   negates a masked byte (~g + 1) without a carry into the next, as no grid value is 0. */
-inline uint64_t signed_grid(uint64_t g, unsigned s) {
-    const uint64_t m = SIGN_MASKS.m[s & 255];
-    return (g ^ m) + (m & 0x0101010101010101ULL);
-}
+inline uint64_t delta_bytes(bool negative) { return negative ? ~uint64_t(0) : 0x0101010101010101ULL; }  // -1 / +1
 
 inline float half_bits(uint16_t bits) {
     mx::float16_t h;
@@ -114,109 +110,118 @@ inline uint32_t u32_at(const uint8_t *p) {
     return v;
 }
 
-/* One decoded super-block: value i = C * d * ls[i / 16] * w[i]. */
-struct Decoded {
-    alignas(64) int8_t w[SUPER];
-    int32_t ls[16];
-    float d;
+/* 32 int8 values: a vector on AVX2 (pipeline's -DPIPELINE_IQ_GENERIC builds take the generic code). */
+#if defined(__AVX2__) && !defined(PIPELINE_IQ_GENERIC)
+#define IQ_AVX2 1
+typedef __m256i bytes32;
+inline bytes32 from4(uint64_t a, uint64_t b, uint64_t c, uint64_t d) {
+    return _mm256_set_epi64x(int64_t(d), int64_t(c), int64_t(b), int64_t(a));
+}
+inline bytes32 with_signs(bytes32 g, bytes32 m) { return _mm256_sub_epi8(_mm256_xor_si256(g, m), m); }  // m: 0 or -1
+inline bytes32 eighths(bytes32 g, bytes32 delta) {  // 8 g + delta, bytewise (the 16-bit shift's spill masked off)
+    return _mm256_add_epi8(_mm256_and_si256(_mm256_slli_epi16(g, 3), _mm256_set1_epi8(int8_t(0xf8))), delta);
+}
+inline void store32(int8_t *p, bytes32 v) { _mm256_storeu_si256(reinterpret_cast<__m256i *>(p), v); }
+#else
+struct bytes32 {
+    int8_t b[32];
+};
+inline bytes32 from4(uint64_t a, uint64_t b, uint64_t c, uint64_t d) {
+    bytes32 v;
+    const uint64_t all[4] = {a, b, c, d};
+    std::memcpy(v.b, all, 32);
+    return v;
+}
+inline bytes32 with_signs(bytes32 g, bytes32 m) {
+    for (int i = 0; i < 32; i++) g.b[i] = int8_t((g.b[i] ^ m.b[i]) - m.b[i]);
+    return g;
+}
+inline bytes32 eighths(bytes32 g, bytes32 delta) {
+    for (int i = 0; i < 32; i++) g.b[i] = int8_t(8 * g.b[i] + delta.b[i]);
+    return g;
+}
+inline void store32(int8_t *p, bytes32 v) { std::memcpy(p, v.b, 32); }
+#endif
+
+/* Chunk c (values 32c..32c+31) of a super-block: its int8 values w and the scales of its two 16-value halves. */
+struct Chunk {
+    bytes32 w;
+    int ls0, ls1;
 };
 
-inline void put8(int8_t *w, uint64_t v) { std::memcpy(w, &v, 8); }
+template <int TYPE>
+inline float block_d(const uint8_t *b) {
+    if constexpr (TYPE == IQ1_M) {
+        uint16_t s[4];
+        std::memcpy(s, b + 48, 8);
+        return half_bits(uint16_t((s[0] >> 12) | ((s[1] >> 8) & 0x00f0) | ((s[2] >> 4) & 0x0f00) | (s[3] & 0xf000)));
+    } else {
+        return half_bits(u16_at(b));
+    }
+}
 
-void decode_iq2_xxs(const uint8_t *b, Decoded &o) {
-    o.d = half_bits(u16_at(b));
-    for (int ib = 0; ib < 8; ib++) {
-        const uint8_t *q = b + 2 + 8 * ib;  // 4 grid indices, then 4 x 7 sign bits and the 4-bit scale
+template <int TYPE>
+inline Chunk chunk(const uint8_t *b, int c) {
+    Chunk o;
+    if constexpr (TYPE == IQ2_XXS) {  // per 32: 4 grid index bytes, then 4 x 7 sign bits and the 4-bit scale
+        const uint8_t *q = b + 2 + 8 * c;
         const uint32_t aux = u32_at(q + 4);
-        for (int l = 0; l < 4; l++) put8(o.w + 32 * ib + 8 * l, signed_grid(IQ2XXS_GRID[q[l]], KSIGNS_IQ2XS[(aux >> (7 * l)) & 127]));
-        o.ls[2 * ib] = o.ls[2 * ib + 1] = int32_t(2 * (aux >> 28) + 1);
+        o.w = with_signs(from4(IQ2XXS_GRID[q[0]], IQ2XXS_GRID[q[1]], IQ2XXS_GRID[q[2]], IQ2XXS_GRID[q[3]]),
+                         from4(KSIGN_MASKS.m[aux & 127], KSIGN_MASKS.m[(aux >> 7) & 127], KSIGN_MASKS.m[(aux >> 14) & 127],
+                               KSIGN_MASKS.m[(aux >> 21) & 127]));
+        o.ls0 = o.ls1 = int(2 * (aux >> 28) + 1);
+    } else if constexpr (TYPE == IQ2_XS) {  // per 8 values a uint16: 9-bit grid index, 7-bit sign index
+        uint16_t q[4];
+        std::memcpy(q, b + 2 + 8 * c, 8);
+        o.w = with_signs(from4(IQ2XS_GRID[q[0] & 511], IQ2XS_GRID[q[1] & 511], IQ2XS_GRID[q[2] & 511], IQ2XS_GRID[q[3] & 511]),
+                         from4(KSIGN_MASKS.m[q[0] >> 9], KSIGN_MASKS.m[q[1] >> 9], KSIGN_MASKS.m[q[2] >> 9], KSIGN_MASKS.m[q[3] >> 9]));
+        o.ls0 = 2 * (b[66 + c] & 15) + 1;
+        o.ls1 = 2 * (b[66 + c] >> 4) + 1;
+    } else if constexpr (TYPE == IQ2_S) {  // per 8 values: qs and 2 bits of qh, its own sign byte
+        const uint8_t *qs = b + 2 + 4 * c, *signs = b + 34 + 4 * c;
+        const int h = b[66 + c];
+        o.w = with_signs(from4(IQ2S_GRID[qs[0] | ((h << 8) & 0x300)], IQ2S_GRID[qs[1] | ((h << 6) & 0x300)],
+                               IQ2S_GRID[qs[2] | ((h << 4) & 0x300)], IQ2S_GRID[qs[3] | ((h << 2) & 0x300)]),
+                         from4(SIGN_MASKS.m[signs[0]], SIGN_MASKS.m[signs[1]], SIGN_MASKS.m[signs[2]], SIGN_MASKS.m[signs[3]]));
+        o.ls0 = 2 * (b[74 + c] & 15) + 1;
+        o.ls1 = 2 * (b[74 + c] >> 4) + 1;
+    } else if constexpr (TYPE == IQ3_XXS) {  // per 4 values a grid index byte; per 32 a uint32 of signs and scale
+        const uint8_t *q = b + 2 + 8 * c;
+        const uint32_t aux = u32_at(b + 66 + 4 * c);
+        auto pair = [&](int l) { return uint64_t(IQ3XXS_GRID[q[2 * l]]) | uint64_t(IQ3XXS_GRID[q[2 * l + 1]]) << 32; };
+        o.w = with_signs(from4(pair(0), pair(1), pair(2), pair(3)),
+                         from4(KSIGN_MASKS.m[aux & 127], KSIGN_MASKS.m[(aux >> 7) & 127], KSIGN_MASKS.m[(aux >> 14) & 127],
+                               KSIGN_MASKS.m[(aux >> 21) & 127]));
+        o.ls0 = o.ls1 = int(2 * (aux >> 28) + 1);
+    } else if constexpr (TYPE == IQ3_S) {  // per 4 values qs and a bit of qh; per 8 a sign byte; per 32 a nibble
+        const uint8_t *q = b + 2 + 8 * c, *signs = b + 74 + 4 * c;
+        const int h = b[66 + c];
+        auto pair = [&](int l) {
+            return uint64_t(IQ3S_GRID[q[2 * l] | ((h << (8 - 2 * l)) & 256)]) |
+                   uint64_t(IQ3S_GRID[q[2 * l + 1] | ((h << (7 - 2 * l)) & 256)]) << 32;
+        };
+        o.w = with_signs(from4(pair(0), pair(1), pair(2), pair(3)),
+                         from4(SIGN_MASKS.m[signs[0]], SIGN_MASKS.m[signs[1]], SIGN_MASKS.m[signs[2]], SIGN_MASKS.m[signs[3]]));
+        o.ls0 = o.ls1 = 2 * ((b[106 + c / 2] >> (4 * (c % 2))) & 15) + 1;
+    } else if constexpr (TYPE == IQ1_S) {  // per 8 values qs and 3 bits of a uint16 per 32 (scale, delta's sign)
+        const uint8_t *q = b + 2 + 4 * c;
+        const int h = u16_at(b + 34 + 2 * c);
+        const uint64_t delta = delta_bytes(h & 0x8000);
+        o.w = eighths(from4(IQ1S_GRID[q[0] | ((h << 8) & 0x700)], IQ1S_GRID[q[1] | ((h << 5) & 0x700)],
+                            IQ1S_GRID[q[2] | ((h << 2) & 0x700)], IQ1S_GRID[q[3] | ((h >> 1) & 0x700)]),
+                      from4(delta, delta, delta, delta));
+        o.ls0 = o.ls1 = 2 * ((h >> 12) & 7) + 1;
+    } else {  // IQ1_M: per 8 values qs and a nibble of qh (3 index bits, the delta's sign); 3-bit scales per 16
+        const uint8_t *q = b + 4 * c, *qh = b + 32 + 2 * c;
+        o.w = eighths(from4(IQ1S_GRID[q[0] | ((qh[0] << 8) & 0x700)], IQ1S_GRID[q[1] | ((qh[0] << 4) & 0x700)],
+                            IQ1S_GRID[q[2] | ((qh[1] << 8) & 0x700)], IQ1S_GRID[q[3] | ((qh[1] << 4) & 0x700)]),
+                      from4(delta_bytes(qh[0] & 0x08), delta_bytes(qh[0] & 0x80), delta_bytes(qh[1] & 0x08),
+                            delta_bytes(qh[1] & 0x80)));
+        const int s = u16_at(b + 48 + 2 * (c / 2)) >> (6 * (c % 2));
+        o.ls0 = 2 * (s & 7) + 1;
+        o.ls1 = 2 * ((s >> 3) & 7) + 1;
     }
-}
-
-void decode_iq2_xs(const uint8_t *b, Decoded &o) {
-    o.d = half_bits(u16_at(b));
-    const uint8_t *scales = b + 66;
-    for (int i = 0; i < 32; i++) {  // uint16: 9-bit grid index, 7-bit sign index
-        const uint16_t q = u16_at(b + 2 + 2 * i);
-        put8(o.w + 8 * i, signed_grid(IQ2XS_GRID[q & 511], KSIGNS_IQ2XS[q >> 9]));
-    }
-    for (int j = 0; j < 16; j++) o.ls[j] = 2 * ((scales[j / 2] >> (4 * (j % 2))) & 15) + 1;
-}
-
-void decode_iq2_s(const uint8_t *b, Decoded &o) {
-    o.d = half_bits(u16_at(b));
-    const uint8_t *qs = b + 2, *signs = b + 34, *qh = b + 66, *scales = b + 74;
-    for (int i = 0; i < 32; i++) {  // 8 values: grid index qs[i] and 2 bits of qh, its own sign byte
-        const int index = qs[i] | (((qh[i / 4] >> (2 * (i % 4))) & 3) << 8);
-        put8(o.w + 8 * i, signed_grid(IQ2S_GRID[index], signs[i]));
-    }
-    for (int j = 0; j < 16; j++) o.ls[j] = 2 * ((scales[j / 2] >> (4 * (j % 2))) & 15) + 1;
-}
-
-void decode_iq3_xxs(const uint8_t *b, Decoded &o) {
-    o.d = half_bits(u16_at(b));
-    const uint8_t *qs = b + 2, *sas = b + 66;
-    for (int ib = 0; ib < 8; ib++) {
-        const uint32_t aux = u32_at(sas + 4 * ib);  // 4 x 7 sign bits, the 4-bit scale
-        for (int l = 0; l < 4; l++) {
-            const uint64_t g = uint64_t(IQ3XXS_GRID[qs[8 * ib + 2 * l]]) | uint64_t(IQ3XXS_GRID[qs[8 * ib + 2 * l + 1]]) << 32;
-            put8(o.w + 32 * ib + 8 * l, signed_grid(g, KSIGNS_IQ2XS[(aux >> (7 * l)) & 127]));
-        }
-        o.ls[2 * ib] = o.ls[2 * ib + 1] = int32_t(2 * (aux >> 28) + 1);
-    }
-}
-
-void decode_iq3_s(const uint8_t *b, Decoded &o) {
-    o.d = half_bits(u16_at(b));
-    const uint8_t *qs = b + 2, *qh = b + 66, *signs = b + 74, *scales = b + 106;
-    for (int i = 0; i < 32; i++) {  // 8 values: two grid indices (qs and a bit of qh each), one sign byte
-        const int ib = i / 4, l = i % 4;
-        const int i0 = qs[2 * i] | (((qh[ib] >> (2 * l)) & 1) << 8), i1 = qs[2 * i + 1] | (((qh[ib] >> (2 * l + 1)) & 1) << 8);
-        put8(o.w + 8 * i, signed_grid(uint64_t(IQ3S_GRID[i0]) | uint64_t(IQ3S_GRID[i1]) << 32, signs[i]));
-    }
-    for (int ib = 0; ib < 8; ib++) o.ls[2 * ib] = o.ls[2 * ib + 1] = 2 * ((scales[ib / 2] >> (4 * (ib % 2))) & 15) + 1;
-}
-
-/* 8 iq1s grid values g (-1, 0, 1) as 8 g + delta */
-inline void put_iq1(int8_t *w, int index, int delta) {
-    int8_t g[8];
-    std::memcpy(g, &IQ1S_GRID[index], 8);
-    for (int j = 0; j < 8; j++) w[j] = int8_t(8 * g[j] + delta);
-}
-
-void decode_iq1_s(const uint8_t *b, Decoded &o) {
-    o.d = half_bits(u16_at(b));
-    const uint8_t *qs = b + 2, *qh = b + 34;
-    for (int ib = 0; ib < 8; ib++) {
-        const uint16_t h = u16_at(qh + 2 * ib);  // 4 x 3 index bits, 3-bit scale, the delta's sign
-        const int delta = h & 0x8000 ? -1 : 1;
-        for (int l = 0; l < 4; l++) put_iq1(o.w + 32 * ib + 8 * l, qs[4 * ib + l] | (((h >> (3 * l)) & 7) << 8), delta);
-        o.ls[2 * ib] = o.ls[2 * ib + 1] = 2 * ((h >> 12) & 7) + 1;
-    }
-}
-
-void decode_iq1_m(const uint8_t *b, Decoded &o) {
-    const uint8_t *qs = b, *qh = b + 32, *sc = b + 48;
-    uint16_t s[4];
-    std::memcpy(s, sc, 8);
-    o.d = half_bits(uint16_t((s[0] >> 12) | ((s[1] >> 8) & 0x00f0) | ((s[2] >> 4) & 0x0f00) | (s[3] & 0xf000)));
-    for (int i = 0; i < 32; i++) {  // 8 values: qs[i] and a nibble of qh (3 index bits, the delta's sign)
-        const int nib = (qh[i / 2] >> (4 * (i % 2))) & 15;
-        put_iq1(o.w + 8 * i, qs[i] | ((nib & 7) << 8), nib & 8 ? -1 : 1);
-    }
-    for (int j = 0; j < 16; j++) o.ls[j] = 2 * ((s[j / 4] >> (3 * (j % 4))) & 7) + 1;
-}
-
-inline void decode(int type, const uint8_t *b, Decoded &o) {
-    switch (type) {
-        case IQ2_XXS: return decode_iq2_xxs(b, o);
-        case IQ2_XS: return decode_iq2_xs(b, o);
-        case IQ2_S: return decode_iq2_s(b, o);
-        case IQ3_XXS: return decode_iq3_xxs(b, o);
-        case IQ3_S: return decode_iq3_s(b, o);
-        case IQ1_S: return decode_iq1_s(b, o);
-        default: return decode_iq1_m(b, o);
-    }
+    return o;
 }
 
 /* One held matrix: row r's super-blocks at blocks + r * row_bytes(). */
@@ -231,39 +236,53 @@ struct IQMatrix {
 
 /* ---- float products ------------------------------------------------------------------------------ */
 
-constexpr int FLOAT_TILE = 8;  // rows sharing each decoded super-block
+constexpr int FLOAT_TILE = 8;  // rows sharing each decoded chunk
 
-/* A decoded super-block's 256 weights as float32, exactly: (C d ls) * w. */
-inline void dequantize(const Decoded &s, float factor, float *out) {
-    for (int j = 0; j < 16; j++) {
-        const float scale = factor * s.d * float(s.ls[j]);  // exact: a power of two, 11 bits, 4 bits
-        for (int i = 0; i < 16; i++) out[16 * j + i] = scale * float(s.w[16 * j + i]);
+/* Chunk c's 32 weights as float32, exactly: (C d ls) * w, values 0-15 in w0, 16-31 in w1. */
+template <int TYPE>
+inline void dequantize_chunk(const uint8_t *b, float d, int c, v16 &w0, v16 &w1) {
+    const Chunk o = chunk<TYPE>(b, c);
+    const float s0 = type_factor(TYPE) * d * float(o.ls0), s1 = type_factor(TYPE) * d * float(o.ls1);  // exact
+#if IQ_AVX2 && defined(__AVX512F__)
+    w0 = (v16)_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(o.w))), _mm512_set1_ps(s0));
+    w1 = (v16)_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(o.w, 1))), _mm512_set1_ps(s1));
+#else
+    alignas(32) int8_t w[32];
+    store32(w, o.w);
+    alignas(64) float f[32];
+    for (int i = 0; i < 16; i++) {
+        f[i] = s0 * float(w[i]);
+        f[16 + i] = s1 * float(w[16 + i]);
     }
+    w0 = load16(f);
+    w1 = load16(f + 16);
+#endif
 }
 
-template <int R>
+template <int TYPE, int R>
 void float_tile(const IQMatrix &m, int64_t col, const float *const *x, float *const *out) {
     v16 acc[R] = {};
-    Decoded s;
-    alignas(64) float w[SUPER];
-    const float factor = type_factor(m.type);
     for (int64_t sb = 0; sb < m.k / SUPER; sb++) {
-        decode(m.type, m.block(col, sb), s);
-        dequantize(s, factor, w);
-        for (int c = 0; c < 16; c++) {
-            const v16 wc = load16(w + 16 * c);
-            for (int r = 0; r < R; r++) acc[r] = fma16(wc, load16(x[r] + SUPER * sb + 16 * c), acc[r]);
+        const uint8_t *b = m.block(col, sb);
+        const float d = block_d<TYPE>(b);
+        for (int c = 0; c < 8; c++) {
+            v16 w0, w1;
+            dequantize_chunk<TYPE>(b, d, c, w0, w1);
+            for (int r = 0; r < R; r++) {
+                acc[r] = fma16(w0, load16(x[r] + SUPER * sb + 32 * c), acc[r]);
+                acc[r] = fma16(w1, load16(x[r] + SUPER * sb + 32 * c + 16), acc[r]);
+            }
         }
     }
     for (int r = 0; r < R; r++) out[r][col] = lanes_sum(acc[r]);
 }
 
-template <int R = 1>
+template <int TYPE, int R = 1>
 void float_rows(int64_t count, const IQMatrix &m, int64_t col, const float *const *x, float *const *out) {
     if constexpr (R < FLOAT_TILE) {
-        if (count != R) return float_rows<R + 1>(count, m, col, x, out);
+        if (count != R) return float_rows<TYPE, R + 1>(count, m, col, x, out);
     }
-    float_tile<R>(m, col, x, out);
+    float_tile<TYPE, R>(m, col, x, out);
 }
 
 /* ---- int8 products ------------------------------------------------------------------------------- */
@@ -296,42 +315,32 @@ RoundedRows round_rows(const float *x, int64_t rows, int64_t k) {
     return out;
 }
 
-/* S of the opening comment for one decoded super-block and one row's 256 rounded activations: 8 int32 lanes
-   (their sum is S), lane l of 32-value chunk c holding ls times 4 products. Exact on every path: |w| <= 62, so
-   vpmaddubsw's pair sums (|w| times x signed as w) fit 16 bits and vpmaddwd's by ls (<= 31) 32 bits. */
-struct Weights {
-#if defined(__AVX2__)
-    __m256i magnitude[8], sign[8], scale[8];  // per 32 values: |w|, w (its signs), the 16-bit ls of each pair
+/* A chunk ready for its dot products with rows of 32 rounded activations: 8 int32 lanes, lane l the ls of its
+   half times 4 products w * xq. Exact on every path: |w| <= 62, so vpmaddubsw's pair sums (|w| times xq signed
+   as w) fit 16 bits and vpmaddwd's by ls (<= 31) 32 bits. */
+struct Ready {
+#if IQ_AVX2
+    __m256i magnitude, sign, scale;
+#else
+    Chunk o;
 #endif
 };
 
-inline void prepare(const Decoded &s, Weights &p) {
-#if defined(__AVX2__)
-    for (int c = 0; c < 8; c++) {
-        const __m256i w = _mm256_load_si256(reinterpret_cast<const __m256i *>(s.w + 32 * c));
-        p.sign[c] = w;
-        p.magnitude[c] = _mm256_sign_epi8(w, w);
-        p.scale[c] = _mm256_set_m128i(_mm_set1_epi16(int16_t(s.ls[2 * c + 1])), _mm_set1_epi16(int16_t(s.ls[2 * c])));
-    }
+inline Ready ready(const Chunk &o) {
+#if IQ_AVX2
+    return Ready{_mm256_sign_epi8(o.w, o.w), o.w, _mm256_set_m128i(_mm_set1_epi16(int16_t(o.ls1)), _mm_set1_epi16(int16_t(o.ls0)))};
 #else
-    (void)s;
-    (void)p;
+    return Ready{o};
 #endif
 }
 
-inline i32x8 super_dot(const Decoded &s, const Weights &p, const int8_t *xq) {
-#if defined(__AVX2__)
-    __m256i sum = _mm256_setzero_si256();
-    for (int c = 0; c < 8; c++) {
-        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(xq + 32 * c));
-        const __m256i pairs = _mm256_maddubs_epi16(p.magnitude[c], _mm256_sign_epi8(x, p.sign[c]));
-        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, p.scale[c]));
-    }
-    return (i32x8)sum;
+inline i32x8 chunk_dot(const Ready &p, const int8_t *xq) {
+#if IQ_AVX2
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(xq));
+    return (i32x8)_mm256_madd_epi16(_mm256_maddubs_epi16(p.magnitude, _mm256_sign_epi8(x, p.sign)), p.scale);
 #else
-    (void)p;
     i32x8 lanes{};
-    for (int i = 0; i < SUPER; i++) lanes[(i % 32) / 4] += int32_t(s.w[i]) * xq[i] * s.ls[i / 16];
+    for (int i = 0; i < 32; i++) lanes[i / 4] += int32_t(p.o.w.b[i]) * xq[i] * (i < 16 ? p.o.ls0 : p.o.ls1);
     return lanes;
 #endif
 }
@@ -340,32 +349,31 @@ inline int32_t lanes_total(i32x8 v) {
     return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));  // integers: any order, exact
 }
 
-constexpr int INT8_TILE = 4;  // rows sharing each decoded super-block
+constexpr int INT8_TILE = 4;  // rows sharing each decoded chunk
 
-template <int R>
+template <int TYPE, int R>
 void int8_tile(const IQMatrix &m, int64_t col, const int8_t *const *xq, const float *const *xd, float *const *out) {
     float acc[R] = {};
-    Decoded s;
-    Weights p;
     for (int64_t sb = 0; sb < m.k / SUPER; sb++) {
-        decode(m.type, m.block(col, sb), s);
-        prepare(s, p);
-        for (int r = 0; r < R; r++) {
-            const int32_t total = lanes_total(super_dot(s, p, xq[r] + SUPER * sb));
-            acc[r] = std::fma(float(total), s.d * xd[r][sb], acc[r]);
+        const uint8_t *b = m.block(col, sb);
+        i32x8 sum[R] = {};
+        for (int c = 0; c < 8; c++) {
+            const Ready p = ready(chunk<TYPE>(b, c));
+            for (int r = 0; r < R; r++) sum[r] += chunk_dot(p, xq[r] + SUPER * sb + 32 * c);
         }
+        const float d = block_d<TYPE>(b);
+        for (int r = 0; r < R; r++) acc[r] = std::fma(float(lanes_total(sum[r])), d * xd[r][sb], acc[r]);
     }
-    const float factor = type_factor(m.type);
-    for (int r = 0; r < R; r++) out[r][col] = factor * acc[r];
+    for (int r = 0; r < R; r++) out[r][col] = type_factor(TYPE) * acc[r];
 }
 
-template <int R = 1>
+template <int TYPE, int R = 1>
 void int8_rows(int64_t count, const IQMatrix &m, int64_t col, const int8_t *const *xq, const float *const *xd,
                float *const *out) {
     if constexpr (R < INT8_TILE) {
-        if (count != R) return int8_rows<R + 1>(count, m, col, xq, xd, out);
+        if (count != R) return int8_rows<TYPE, R + 1>(count, m, col, xq, xd, out);
     }
-    int8_tile<R>(m, col, xq, xd, out);
+    int8_tile<TYPE, R>(m, col, xq, xd, out);
 }
 
 /* ---- one product over the threads ---------------------------------------------------------------- */
@@ -373,7 +381,8 @@ void int8_rows(int64_t count, const IQMatrix &m, int64_t col, const int8_t *cons
 /* Below this many multiply-adds a product runs on one thread (gguf_kernels.cpp's threshold). */
 constexpr int64_t THREADED_MIN_WORK = int64_t(1) << 22;
 
-void product(const IQMatrix &m, const float *x, int64_t rows, float *out, bool int8) {
+template <int TYPE>
+void product_of(const IQMatrix &m, const float *x, int64_t rows, float *out, bool int8) {
     const int64_t k = m.k, n = m.n;
     const bool threaded = g_threads > 1 && n > 1 && rows * n * k >= THREADED_MIN_WORK;
     if (int8) {
@@ -390,7 +399,7 @@ void product(const IQMatrix &m, const float *x, int64_t rows, float *out, bool i
                     ds[i] = xq.d.data() + (r0 + i) * (k / SUPER);
                     outs[i] = out + (r0 + i) * n;
                 }
-                int8_rows(count, m, col, qs, ds, outs);
+                int8_rows<TYPE>(count, m, col, qs, ds, outs);
             }
         }
         return;
@@ -405,10 +414,42 @@ void product(const IQMatrix &m, const float *x, int64_t rows, float *out, bool i
                 xs[i] = x + (r0 + i) * k;
                 outs[i] = out + (r0 + i) * n;
             }
-            float_rows(count, m, col, xs, outs);
+            float_rows<TYPE>(count, m, col, xs, outs);
         }
     }
 }
+
+template <int TYPE>
+void dequantize_of(const IQMatrix &m, float *out) {
+    for (int64_t r = 0; r < m.n; r++)
+        for (int64_t sb = 0; sb < m.k / SUPER; sb++) {
+            const uint8_t *b = m.block(r, sb);
+            for (int c = 0; c < 8; c++) {
+                v16 w0, w1;
+                dequantize_chunk<TYPE>(b, block_d<TYPE>(b), c, w0, w1);
+                store16(out + r * m.k + sb * SUPER + 32 * c, w0);
+                store16(out + r * m.k + sb * SUPER + 32 * c + 16, w1);
+            }
+        }
+}
+
+/* f<TYPE>(args...) for the matrix's type */
+#define IQ_DISPATCH(type, f, ...)                              \
+    switch (type) {                                           \
+        case IQ2_XXS: return f<IQ2_XXS>(__VA_ARGS__);         \
+        case IQ2_XS: return f<IQ2_XS>(__VA_ARGS__);           \
+        case IQ2_S: return f<IQ2_S>(__VA_ARGS__);             \
+        case IQ3_XXS: return f<IQ3_XXS>(__VA_ARGS__);         \
+        case IQ3_S: return f<IQ3_S>(__VA_ARGS__);             \
+        case IQ1_S: return f<IQ1_S>(__VA_ARGS__);             \
+        default: return f<IQ1_M>(__VA_ARGS__);                \
+    }
+
+void product(const IQMatrix &m, const float *x, int64_t rows, float *out, bool int8) {
+    IQ_DISPATCH(m.type, product_of, m, x, rows, out, int8)
+}
+
+void dequantize(const IQMatrix &m, float *out) { IQ_DISPATCH(m.type, dequantize_of, m, out) }
 
 /* ---- the MLX operations ---------------------------------------------------------------------------- */
 
@@ -471,13 +512,7 @@ class IQDequantize : public mx::UnaryPrimitive {
             std::vector<mx::array> keep;
             const mx::array blocks = contiguous(inputs[0], keep);
             const int64_t n = out.shape(0), k = out.shape(1);
-            const IQMatrix m{blocks.data<uint8_t>(), type, n, k};
-            Decoded s;
-            for (int64_t r = 0; r < n; r++)
-                for (int64_t sb = 0; sb < k / SUPER; sb++) {
-                    decode(type, m.block(r, sb), s);
-                    dequantize(s, type_factor(type), out.data<float>() + r * k + sb * SUPER);
-                }
+            dequantize(IQMatrix{blocks.data<uint8_t>(), type, n, k}, out.data<float>());
         });
     }
 
@@ -513,6 +548,11 @@ mx::Stream cpu_stream() { return mx::default_stream(mx::Device(mx::Device::cpu))
 
 }  // namespace
 
+#ifndef PIPELINE_IQ_KERNELS_ONLY  // (defined: the kernels alone, for a C++ test harness without Python)
+#include <nanobind/nanobind.h>
+
+namespace nb = nanobind;
+
 void register_gguf_iquants(nb::module_ &m) {
     m.def(
         "gguf_iquant_matmul",
@@ -542,3 +582,4 @@ void register_gguf_iquants(nb::module_ &m) {
         nb::arg("blocks"), nb::arg("type"),
         "float32 [n, k]: the weights of a grid i-quant tensor's blocks as the float products use them (exact)");
 }
+#endif
