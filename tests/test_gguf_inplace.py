@@ -669,17 +669,17 @@ def test_moe_architectures_match_transformers(case, tmp_path, vocab):
     assert np.abs(split - expected).max() <= tolerance
 
 
-def test_q4_k_m_style_mix_loads_partly_exact_partly_requantized(tmp_path, vocab, capsys):
-    """A Q4_K_M file holds Q6_K tensors (output, some ffn_down), here with a Q3_K embedding (a type whose looked-up
-    rows are not computed in its blocks): that is re-quantized (8-bit), said once in one line with the error, the
-    Q6_K ones held in their blocks, the Q4_K ones exact; logits stay close to transformers' on the file's values."""
+def test_q4_k_m_style_mix_loads_exact_and_in_blocks(tmp_path, vocab, capsys):
+    """A Q4_K_M file holds Q6_K tensors (output, some ffn_down), here with a Q3_K embedding: the Q6_K and Q3_K ones
+    are held in their own blocks, the Q4_K ones exact, nothing re-quantized (no note; test_gguf_native_ends has
+    one); with float products the logits are transformers' on the file's values within float32 rounding."""
     folder = _mistral(tmp_path / "hf")
     model = _transformers("mistral", folder)
     types = {"ffn_down": QT.Q6_K, "output.": QT.Q6_K, "attn": QT.Q4_K, "ffn": QT.Q4_K, "token_embd": QT.Q3_K}
     written = write_model(tmp_path / "m.gguf", model, "llama", _by_kind(types), vocab=vocab)
     expected = reference(model, written["state"])
     capsys.readouterr()
-    from pipeline.kernels import qmm  # the Q6_K ffn_down's products in their own blocks: float32, as the rest here
+    from pipeline.kernels import qmm  # the products in their own blocks: float32, as the rest here
 
     state = qmm.load()
     saved, state.gguf_int8 = state.gguf_int8, False
@@ -687,15 +687,12 @@ def test_q4_k_m_style_mix_loads_partly_exact_partly_requantized(tmp_path, vocab,
         logits, checkpoint, _ = ours(written["files"][0])
     finally:
         state.gguf_int8 = saved
-    note = [line for line in capsys.readouterr().err.splitlines() if "re-quantized" in line]
-    assert len(note) == 1 and "Q3_K -> 8-bit group 64: token_embd" in note[0] and "Q6_K" not in note[0], note
-    assert "largest error" in note[0]
+    assert "re-quantized" not in capsys.readouterr().err
     kinds = {e.how for n, e in checkpoint.tensors.items() if n.endswith(".weight") and e.layout}
-    assert kinds == {"exact", "requantized", "native"}  # the Q6_K ffn_down and output in their own blocks
-    # These std-0.2 models amplify weight noise: their all-F32 file re-quantized to 8 bits (--quantize 8)
-    # moves logits (up to |14|) by 2.2; the 8-bit embedding here by 2.1, top-1 92% (measured; at 4 bits: 14.1, 33%).
-    assert np.abs(logits - expected).max() <= 2.5
-    assert (logits.argmax(-1) == expected.argmax(-1)).mean() >= 0.9
+    assert kinds == {"exact", "native"}  # the Q6_K ffn_down and output, the Q3_K embedding in their own blocks
+    # float32 rounding, as the dense cases above (measured 2.1 with the embedding re-quantized to 8 bits, 14.1 at 4)
+    assert np.abs(logits - expected).max() <= 4e-4
+    assert (logits.argmax(-1) == expected.argmax(-1)).all()
 
 
 # ---- the SmolLM2 file end to end, and bad inputs ----------------------------------------------------------------

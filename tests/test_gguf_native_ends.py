@@ -118,8 +118,13 @@ def vocab(tmp_path_factory):
     return gguf_vocab(folder)
 
 
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("case", ENDS)
+# the types held as the file's row bytes (quants.BLOCKS: the K-quant kernels' Q2_K, Q5_K) have their embeddings and
+# heads held so too (their kernels dequantize rows), not yet their expert stacks (no gathered product)
+CASES = [(case, qtype) for case in ENDS for qtype in TYPES] + [("embedding-and-head", QT.Q2_K),
+                                                                 ("tied-embedding", QT.Q5_K)]
+
+
+@pytest.mark.parametrize("case, qtype", CASES, ids=lambda v: getattr(v, "name", v))
 def test_models_with_ends_and_experts_in_blocks_match_transformers(case, qtype, tmp_path, vocab, kernels, capsys):
     """Embedding, LM head (or the tied embedding as the head) and expert stacks of `qtype` are held as the file's
     bytes (nothing re-quantized, no note) and, with float products, give transformers' logits on gguf's
@@ -147,7 +152,7 @@ def test_models_with_ends_and_experts_in_blocks_match_transformers(case, qtype, 
             stages = [Stage.load(config, checkpoint, r, has_ends=(i == 0), dtype=mx.float32,
                                  head_rows=64 if i == len(ranges) - 1 and i else 0) for i, r in enumerate(ranges)]
             logits.append(np.array(forward(stages, LONG_PROMPT)))
-        assert type(stages[0].model.embed_tokens) is qmm.GGUFEmbedding
+        assert type(stages[0].model.embed_tokens) is (qmm.GGUFEmbedding if qtype in TYPES else qmm.GGUFBlocksEmbedding)
         if case == "expert-stacks":
             assert type(stages[1].model.layers[0].mlp.switch_mlp.down_proj) is GGUFSwitchLinear
         # the last rank's head share (its rows cut from the head's blocks) gives rank 0's logits of those rows
@@ -166,26 +171,26 @@ def test_models_with_ends_and_experts_in_blocks_match_transformers(case, qtype, 
 
 # ---- what the planner counts ----------------------------------------------------------------------------------
 
-# held in their blocks: the head and IQ4 / Q6_K layer matrices; exact: Q4_K, Q8_0; re-quantized: the Q2_K embedding
-# (no type but NATIVE_ROWS' has its looked-up rows computed in its blocks)
+# held in their blocks: the embedding (Q2_K: row bytes), the head and IQ4 / Q6_K layer matrices; exact: Q4_K, Q8_0
 MIX = {"token_embd": QT.Q2_K, "attn_q.": QT.IQ4_XS, "attn_k.": QT.Q4_K, "attn_v": QT.IQ4_NL, "attn_output": QT.Q8_0,
        "ffn_gate": QT.Q6_K, "ffn_up": QT.Q4_K, "ffn_down": QT.IQ4_NL, "output.": QT.Q6_K}
-
-
 TIED_MIX = MIX | {"token_embd": QT.IQ4_NL}  # Qwen3's tied embedding, in its blocks, is the head
+# the Q2_K expert stacks re-quantized (no gathered product for row-byte types yet), the Q3_K embedding in its blocks
+MOE_MIX = {"exps": QT.Q2_K, "token_embd": QT.Q3_K, "attn_q.": QT.IQ4_XS, "attn": QT.Q4_K, "output.": QT.Q6_K}
+MIXES = {"mistral": MIX, "qwen3": TIED_MIX, "qwen3moe": MOE_MIX}
 
 
-@pytest.mark.parametrize("kind, dtype, int8", (("mistral", "float32", False), ("mistral", "bfloat16", False),
-                                               ("mistral", "float32", True), ("qwen3", "float32", True)))
+@pytest.mark.parametrize("kind, dtype, int8", (("mistral", "float32", False), ("qwen3", "float32", True),
+                                               ("qwen3moe", "float32", False), ("qwen3moe", "bfloat16", True)))
 def test_plan_counts_what_each_rank_holds(tmp_path, vocab, kind, dtype, int8, capsys):
     """A file mixing types held in their blocks (embedding or head, layer matrices), exact ones and re-quantized
     ones, loaded on 2 ranks as a job loads them (--int8-activations: repacked while loading, then the head): the
     planner's bytes for each rank (its layers, and rank 0's ends) are what the loaded stage holds."""
-    _, written = _write(tmp_path, kind, MIX if kind == "mistral" else TIED_MIX, vocab)
+    _, written = _write(tmp_path, kind, MIXES[kind], vocab)
     path = written["files"][0]
     checkpoint = GGUFCheckpoint(path)
     hows = {e.how for n, e in checkpoint.tensors.items() if n.endswith(".weight") and e.layout}
-    assert hows == ({"native", "exact", "requantized"} if kind == "mistral" else {"native", "exact"}), hows
+    assert hows == ({"native", "exact", "requantized"} if kind == "qwen3moe" else {"native", "exact"}), hows
     config = checkpoint.model_config()
     mb = model_bytes(architecture(config), Precision(checkpoint_format(config, find(path)), dtype, int8=int8))
     for rank, (start, end) in enumerate(((0, 2), (2, 4))):
@@ -195,12 +200,12 @@ def test_plan_counts_what_each_rank_holds(tmp_path, vocab, kind, dtype, int8, ca
             use_int8(stage.model, tied_head=bool(config.tie_word_embeddings))
         planned = sum(mb.layers[start:end]) + (mb.ends if rank == 0 else 0)
         assert planned == stage.weight_nbytes, (rank, planned, stage.weight_nbytes)
-        if rank == 0 and kind == "mistral" and dtype == "float32":  # the loader's note: the re-quantized embedding
+        if rank == 0 and kind == "qwen3moe" and dtype == "float32":  # the loader's note: the re-quantized stacks,
             # held vs in the file (as read: float32 scales, which --dtype bfloat16 then halves)
-            embedding = stage.model.embed_tokens
-            held = sum(embedding[p].nbytes for p in ("weight", "scales", "biases"))
-            in_file = checkpoint.gguf.tensors["token_embd.weight"].nbytes
+            stacks = [(f"blk.{i}.ffn_{p}_exps.weight", stage.model.layers[i].mlp.switch_mlp[f"{p}_proj"])
+                      for i in range(start, end) for p in ("gate", "up", "down")]
+            held = sum(module[p].nbytes for _, module in stacks for p in ("weight", "scales", "biases"))
+            in_file = sum(checkpoint.gguf.tensors[name].nbytes for name, _ in stacks)
             note, = [line for line in capsys.readouterr().err.splitlines() if "re-quantized" in line]
-            assert "1 GGUF tensor " in note and "(1 Q2_K -> 8-bit group 64: token_embd)" in note, note
-            assert f"{held / 2**10:.1f} KiB in memory for {in_file / 2**10:.1f} KiB in the file ({held / in_file:.2f}x)" \
-                in note, note
+            assert "6 GGUF tensors " in note and "(6 Q2_K -> 8-bit group 64: blk.0-1.ffn_gate_exps, " in note, note
+            assert f"{held / 2**20:.1f} MiB in memory for " in note and f"in the file ({held / in_file:.2f}x)" in note, note

@@ -84,6 +84,8 @@ def _quantize_like(model: nn.Module, weights: dict[str, mx.array]) -> None:
         path = name.removesuffix(".ggml_type")
         if isinstance(modules.get(path), nn.Linear):
             qmm.GGUFBlocksLinear.become(modules[path], weights[path + ".weight"], weights[name])
+        elif isinstance(modules.get(path), nn.Embedding):  # the token embedding (rows looked up, or the tied head)
+            qmm.GGUFBlocksEmbedding.become(modules[path], weights[path + ".weight"], weights[name])
     settings = {}
     for name, scales in weights.items():
         if not name.endswith(".scales"):

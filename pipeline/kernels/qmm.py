@@ -247,6 +247,21 @@ class GGUFBlocksLinear(nn.Module):
         return out + self["bias"] if "bias" in self else out
 
 
+class GGUFBlocksEmbedding(GGUFBlocksLinear):
+    """An Embedding whose table is a GGUF tensor held as the file's row bytes (arrays as GGUFBlocksLinear's): the
+    looked-up rows dequantized exactly by the type's kernel (BLOCK_KERNELS' `..._dequantize`: the values the
+    products use), and as the LM head (tied embeddings) products by gguf_blocks_matmul."""
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        state = load()
+        dequantize = getattr(state.module, BLOCK_KERNELS[self.type_id].replace("_matmul", "_dequantize"))
+        rows = self["weight"][ids.reshape(-1)]
+        return dequantize(rows, self.type_id).reshape(*ids.shape, -1)
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return gguf_blocks_matmul(x, self["weight"], self.type_id)
+
+
 class QuantizedEmbedding(nn.QuantizedEmbedding):
     """nn.QuantizedEmbedding whose use as the LM head (tied embeddings) goes through `quantized_matmul`."""
 

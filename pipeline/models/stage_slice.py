@@ -126,4 +126,6 @@ def head_columns(head: nn.Module, x: mx.array, begin: int, end: int) -> mx.array
     the logits of vocabulary entries [begin, end)."""
     if "scales" in head:  # QuantizedLinear / QuantizedEmbedding (begin, end: head_share.STEP multiples: whole int8 blocks)
         return qmm.rows_product(head, x, begin, end)
+    if "ggml_type" in head:  # a GGUF tensor held as the file's row bytes (qmm.GGUFBlocksLinear / GGUFBlocksEmbedding)
+        return qmm.gguf_blocks_matmul(x, head["weight"][begin:end], head.type_id)
     return x @ head.weight[begin:end].T

@@ -53,6 +53,10 @@ class CheckpointFormat:
         layer matrices, LM head, embedding and expert stacks: checkpoints/quants.py NATIVE)."""
         return False
 
+    def held_bytes(self, p: Param) -> int:
+        """The bytes of a tensor held_in_blocks as loaded: its bytes on disk (a GGUF's, with the arrays' extras)."""
+        return self.disk_bytes(p)
+
     def mx_bits(self, p: Param) -> int | None:
         """4 or 8: a tensor held in MLX's mxfp4 / mxfp8 mode as stored (DeepSeek V4); else None."""
         if not self.mx or not p.is_matrix:
@@ -205,6 +209,7 @@ class _ModuleInfo:
     disk: int  # their bytes in the file(s)
     native: tuple[int, int] | None  # (bits, group) it is held in, MLX-quantized; None: float
     how: str
+    held: int = 0  # held in its own blocks ("native"): the arrays' bytes (the file's, and a BLOCKS type's 4-byte id)
 
 
 @dataclass(frozen=True)
@@ -219,6 +224,9 @@ class GGUFFormat(CheckpointFormat):
     def of(cls, path: Path, config, quantize: int | None, group_size: int) -> "GGUFFormat":
         checkpoint = GGUFCheckpoint(path, quantize, group_size)
         modules: dict[str, _ModuleInfo] = {}
+        held_by_module: dict[str, int] = {}  # a module's arrays (weight, scales, ...): what the loader holds
+        for name, entry in checkpoint.tensors.items():
+            held_by_module[name.rpartition(".")[0]] = held_by_module.get(name.rpartition(".")[0], 0) + entry.nbytes
         for name, entry in checkpoint.tensors.items():
             module, _, part = name.rpartition(".")
             if part not in ("weight", "bias") and not name.endswith("e_score_correction_bias"):
@@ -228,8 +236,9 @@ class GGUFFormat(CheckpointFormat):
             plan_module = module.replace(".mlp.switch_mlp.", ".mlp.experts.0.")
             lay = entry.layout
             native = (lay.bits, lay.group_size) if lay is not None and part == "weight" else None
+            held = held_by_module.get(module, 0) if entry.how == "native" else 0
             modules[plan_module + ("" if module == name else f".{part}")] = _ModuleInfo(
-                tuple(t.ggml_type for t in entry.source), sum(t.nbytes for t in entry.source), native, entry.how)
+                tuple(t.ggml_type for t in entry.source), sum(t.nbytes for t in entry.source), native, entry.how, held)
         return cls("gguf", 4, config, modules=modules, path=path, disk_total=checkpoint.gguf.nbytes_on_disk())
 
     def _info(self, p) -> _ModuleInfo | None:
@@ -245,6 +254,10 @@ class GGUFFormat(CheckpointFormat):
     def held_in_blocks(self, p) -> bool:
         info = self._info(p)
         return info is not None and info.how == "native"
+
+    def held_bytes(self, p) -> int:
+        info = self._info(p)
+        return info.held if info is not None else 0
 
     def half_scales(self, p) -> bool:
         """Q4_0, Q4_1 and Q8_0 blocks store float16 scales (and offsets): held exactly, they stay float16 values."""

@@ -61,7 +61,7 @@ class Precision:
             if p.name.endswith(FLOAT32):  # held in float32 whatever the dtype, as the loader does
                 return p.numel * 4
         if self.checkpoint.held_in_blocks(p):  # a GGUF's tensors in their own blocks (stored_formats): the file's bytes
-            return self.checkpoint.disk_bytes(p)
+            return self.checkpoint.held_bytes(p)
         native = self.checkpoint.native(p)
         if native and self.dense and self.checkpoint.kind in ("mlx", "gguf"):
             return p.numel * self.dtype_bytes
