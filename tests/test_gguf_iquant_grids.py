@@ -9,6 +9,9 @@
 
 from __future__ import annotations
 
+import subprocess
+from pathlib import Path
+
 import gguf
 import mlx.core as mx
 import numpy as np
@@ -18,7 +21,7 @@ from gguf import GGMLQuantizationType as QT
 from conftest import assert_far_from_uniform, forward
 from test_gguf_inplace import LONG_PROMPT, write_single
 from pipeline.checkpoints.gguf_checkpoint import GGUFCheckpoint
-from pipeline.kernels import make_iquant_grids, qmm
+from pipeline.kernels import build, make_iquant_grids, qmm
 from pipeline.runtime.stage import Stage
 
 TYPES = (QT.IQ2_XXS, QT.IQ2_XS, QT.IQ2_S, QT.IQ3_XXS, QT.IQ3_S, QT.IQ1_S, QT.IQ1_M)
@@ -253,3 +256,70 @@ def test_default_model_holds_these_types_in_blocks(smol_files, kernels):
                 assert error < 18 and agree >= 0.4, (error, agree)
     finally:
         state.gguf_int8 = saved
+
+
+# ---- the same bits on every instruction set ---------------------------------------------------------------------
+
+HARNESS = r"""
+#include "gguf_iquant_kernels.cpp"
+#include <cstdio>
+#include <random>
+int main(int, char **argv) {  // every type's products at several row counts, both paths, and its dequantization
+    FILE *f = std::fopen(argv[1], "wb");
+    std::mt19937 gen(1);
+    const int64_t n = 40, k = 1024;
+    for (int type : {IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M}) {
+        const int64_t size = block_bytes(type);
+        std::vector<uint8_t> blocks(n * k / 256 * size);
+        for (auto &b : blocks) b = uint8_t(gen());
+        for (int64_t i = 0; i < n * k / 256; i++) {  // d: fp16 from 2^-13 to 2^-3
+            uint8_t *b = blocks.data() + i * size;
+            const uint16_t d = uint16_t(0x0800 + gen() % 0x2800);
+            if (type != IQ1_M) {
+                std::memcpy(b, &d, 2);
+                continue;
+            }
+            uint16_t s[4];
+            std::memcpy(s, b + 48, 8);
+            for (int j = 0; j < 4; j++) s[j] = uint16_t((s[j] & 0x0fff) | (((d >> (4 * j)) & 15) << 12));
+            std::memcpy(b + 48, s, 8);
+        }
+        const IQMatrix m{blocks.data(), type, n, k};
+        std::normal_distribution<float> normal(0, 1);
+        for (int rows : {1, 2, 3, 5, 9, 13, 70}) {
+            std::vector<float> x(rows * k), out(rows * n);
+            for (auto &v : x) v = normal(gen);
+            for (bool int8 : {false, true}) {
+                product(m, x.data(), rows, out.data(), int8);
+                std::fwrite(out.data(), 4, out.size(), f);
+            }
+        }
+        std::vector<float> w(n * k);
+        dequantize(m, w.data());
+        std::fwrite(w.data(), 4, w.size(), f);
+    }
+    return std::fclose(f);
+}
+"""
+
+
+@pytest.mark.skipif(build.missing_tools() != "", reason="no C++ compiler")
+def test_every_instruction_set_gives_the_same_bits(tmp_path):
+    """The kernels built for this CPU (AVX-512 here, or AVX2), with AVX-512 off (-mno-avx512f) and with their generic
+    code (-DPIPELINE_IQ_GENERIC) give the same output bytes: products of every type at 1-70 rows, both paths,
+    and the dequantization. (The kernels alone, without the Python module: -DPIPELINE_IQ_KERNELS_ONLY.)"""
+    source = tmp_path / "harness.cpp"
+    source.write_text(HARNESS)
+    mlx = build._mlx_dir()
+    flags = [f for f in build.FLAGS if f != "-shared"] + ["-DPIPELINE_IQ_KERNELS_ONLY",
+                                                          f"-I{build.SOURCE.parent}", f"-I{mlx / 'include'}"]
+    variants = {"native": [], "avx2": ["-mno-avx512f"], "generic": ["-DPIPELINE_IQ_GENERIC"]}
+    builds = {name: subprocess.Popen([build.cxx_compiler(), *flags, *extra, str(source), "-o", str(tmp_path / name),
+                                      f"-L{mlx / 'lib'}", "-lmlx", f"-Wl,-rpath,{mlx / 'lib'}"], stderr=subprocess.PIPE)
+              for name, extra in variants.items()}
+    for name, process in builds.items():
+        assert process.wait(timeout=600) == 0, process.stderr.read().decode()[-2000:]
+        subprocess.run([str(tmp_path / name), str(tmp_path / f"{name}.bin")], check=True, timeout=120)
+    outputs = {name: (tmp_path / f"{name}.bin").read_bytes() for name in variants}
+    assert len(outputs["native"]) == 7 * (2 * 4 * 40 * sum((1, 2, 3, 5, 9, 13, 70)) + 4 * 40 * 1024)
+    assert outputs["avx2"] == outputs["native"] and outputs["generic"] == outputs["native"]
