@@ -440,3 +440,48 @@ def test_a_gguf_read_with_grouped_value_heads_is_caught(qwen_gguf, monkeypatch):
     monkeypatch.setattr(gguf_qwen35, "config_fields", lambda *a: {**fields(*a), "linear_value_heads_tiled": False})
     wrong, _ = _gguf_logits(path, [(0, 6)], LONG_PROMPT)
     assert np.abs(wrong - expected).max() > 100 * TOLERANCE
+
+
+def test_a_turn_ending_on_a_verify_trip_resumes_within_its_trail(qwen, monkeypatch):
+    """A first turn decoded with drafts ends at an end-of-text token inside a verify trip, the drafts after it
+    computed but not taken: its linear states sit past its tokens, and the second turn resumes from its end
+    through the trip's replay (LinearAttentionState.prefix within the trail); tokens equal a cold run's."""
+    import copy
+
+    from pipeline.runtime import scheduler as scheduler_module
+    from pipeline.runtime.prefix_cache import PrefixCache
+
+    stage, tokenizer, _ = qwen
+    monkeypatch.setattr(scheduler_module, "PREFILL_CHUNK", CHUNK)
+    first = long_prompt(20, seed=4)
+    probe = Collect()
+    scheduler(stage, tokenizer, ListSource([Request(first, GREEDY, 16, probe)])).run()
+    answer = [e.token_id for e in _events(probe)]
+    assert answer[9] not in answer[:9]
+    tokenizer = copy.copy(tokenizer)
+    tokenizer.eos_token_ids = {answer[9]}  # the turn ends there, on the 10th token
+    second = first + answer[:9] + long_prompt(6, seed=5)
+    cold = Collect()
+    scheduler(stage, tokenizer, ListSource([Request(second, GREEDY, 10, cold)])).run()
+    stage.model.keep_points = True
+    try:
+        turns = [Collect(), Collect()]
+        warm = _drafting(stage, tokenizer, ListSource([Request(first, GREEDY, 16, turns[0])]),
+                         Known({tuple(first): answer}, right=4))
+        warm.prefix_cache = cache = PrefixCache(capacity_tokens=4096, point_positions=1)
+        warm.run()
+        (kept,) = cache.entries
+        kept_len = len(cache.entries[kept])
+        linear = next(c for c in stage.caches[kept] if isinstance(c, LinearAttentionState))
+        print(f"kept entry: {kept_len} tokens, its linear states at {linear.offset}")
+        assert linear.offset > kept_len and linear.trail is not None
+        warm.source = ListSource([Request(second, GREEDY, 10, turns[1])])
+        warm.draft = None
+        warm.run()
+    finally:
+        stage.model.keep_points = False
+        for seq_id in list(stage.caches):
+            stage.release([seq_id])
+    assert [e.token_id for e in _events(turns[0])] == answer[:9] and turns[0].last.reason == "stop"
+    assert turns[1].last.cached_tokens == kept_len == len(first) + 9
+    assert [e.token_id for e in _events(turns[1])] == [e.token_id for e in _events(cold)]
