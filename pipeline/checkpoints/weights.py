@@ -42,7 +42,8 @@ def load_slice(model: nn.Module, checkpoint: Checkpoint, dtype: mx.Dtype,
 
     names = owned_tensor_names(checkpoint, model.start, model.end, model.has_ends)
     if model.head_rows:  # the last rank's share of the LM head (head_share.py), and the final norm
-        norm = [name for name in checkpoint.tensors if name.startswith("model.norm.")]
+        # (and DeepSeek V4's collapse of its residual streams, which the norm reads)
+        norm = [name for name in checkpoint.tensors if name.startswith(("model.norm.", "model.hc_head."))]
         names = sorted(set(names) | set(head_tensor_names(checkpoint, model.config)) | set(norm))
     weights = {local_name(name, model.start): array
                for name, array in load_tensors(checkpoint, names, dtype, requantize,

@@ -269,9 +269,9 @@ class CompressedCache:
 
     A compressed window cannot be reopened nor the window of keys grown back, so a shorter prefix
     (the prefix cache's fork) or fewer positions (rejected drafts' rewind) come from what the cache
-    keeps for them: the state before its last call and that call's keys and projections (a call of
-    up to LOG_LIMIT tokens: decoding, a verify trip), from which any position within the call is
-    rebuilt, and the state at every multiple of `stride` positions (kept points: window, overlap
+    keeps for them: the state before each of its last calls and their keys and projections (calls of
+    LOG_LIMIT tokens in all: decoding steps, a verify trip, an MTP module's drafting steps), from
+    which any position within them is rebuilt, and the state at every multiple of `stride` positions (kept points: window, overlap
     halves; the entries are the held ones' first). `reusable` says which prefix a fork can have."""
 
     def __init__(self, kind: str, entry_values: float, stride: int = 0, window: int = 0):
@@ -282,7 +282,9 @@ class CompressedCache:
         self.indexer = Series() if kind == CSA else None
         self._entry_values = entry_values  # values per token of the compressed series
         self.stride, self.keep = stride, window - 1
-        self.log = None  # (start, keys from position key_start, key_start, [(before, raw, rate, dim, overlap)])
+        # the last calls, oldest first: (start, end, keys from position key_start, key_start,
+        # [(series before, raw, rate, dim, overlap)])
+        self.logs = []
         self.points = {}  # position -> (window, [series with entries=None]) at multiples of stride
 
     @property
@@ -292,9 +294,11 @@ class CompressedCache:
     @offset.setter
     def offset(self, value: int) -> None:
         if value < self._offset:  # speculative decoding's rewind
-            if self.log is None or value < self.log[0]:
+            if not self.logs or value < self.logs[0][0]:
                 raise ValueError(f"a DeepSeek V4 cache of {self._offset} positions cannot drop back to {value}")
             self._become(self._at(value), value)
+            self.logs = [log for log in self.logs if log[0] < value or log is self.logs[0]]
+            self.logs[-1] = (self.logs[-1][0], value, *self.logs[-1][2:])
             return
         self._offset = value
 
@@ -304,11 +308,11 @@ class CompressedCache:
     def note_call(self, start: int, keys: mx.array, befores: list[Series], shapes: list[tuple[int, int, bool]]) -> None:
         """After a call that took the cache from `start` to `offset`: `keys` the window before it and
         its own keys, `befores` the series before it, shapes each series' (rate, dim, overlap)."""
-        log = (start, keys, start - (keys.shape[0] - (self._offset - start)),
+        log = (start, self._offset, keys, start - (keys.shape[0] - (self._offset - start)),
                [(b, s.raw, *shape) for b, s, shape in zip(befores, self.series(), shapes)])
         for s in self.series():
             s.raw = None
-        self.log = log
+        self.logs.append(log)
         if self.stride:
             first = -(-(start + 1) // self.stride) * self.stride
             for p in range(first, self._offset + 1, self.stride):
@@ -318,12 +322,13 @@ class CompressedCache:
                     s.pending_kv, s.pending_gate = _own(s.pending_kv), _own(s.pending_gate)
                     s.overlap_kv, s.overlap_gate = _own(s.overlap_kv), _own(s.overlap_gate)
                 self.points[p] = (_own(window), series)
-        if self._offset - start > LOG_LIMIT:
-            self.log = None
+        while self.logs and self._offset - self.logs[0][0] > LOG_LIMIT:
+            self.logs.pop(0)
 
     def _at(self, position: int) -> tuple[mx.array, list[Series]]:
-        """(window, series) at `position` within the logged call."""
-        start, keys, key_start, series = self.log
+        """(window, series) at `position` within the logged calls."""
+        log = next(log for log in self.logs if log[0] <= position <= log[1])
+        _, _, keys, key_start, series = log
         window = keys[:position - key_start][-self.keep:] if self.keep > 0 else keys[:0]
         return window, [live.at(before, raw, position, rate, dim, overlap)
                         for live, (before, raw, rate, dim, overlap) in zip(self.series(), series)]
@@ -341,14 +346,14 @@ class CompressedCache:
         """The longest prefix of at most `length` positions that `prefix` can give."""
         if length >= self._offset:
             return self._offset
-        if self.log is not None and length >= self.log[0]:
+        if self.logs and length >= self.logs[0][0]:
             return length
         return max((p for p in self.points if p <= length), default=0)
 
     def resume_points(self, length: int) -> list[int]:
         """Every prefix of at most `length` positions that `prefix` can give (the prefix cache's
         resume points: models.cache.resume_points)."""
-        near = range(self.log[0], min(length, self._offset) + 1) if self.log is not None else ()
+        near = range(self.logs[0][0], min(length, self._offset) + 1) if self.logs else ()
         return sorted({p for p in self.points if p <= length} | set(near)
                       | ({length} if self.reusable(length) == length else set()))
 
@@ -360,9 +365,9 @@ class CompressedCache:
         if length == self._offset:
             other.compressor = self.compressor.copy() if self.compressor else None
             other.indexer = self.indexer.copy() if self.indexer else None
-            other.points = dict(self.points)
+            other.points, other.logs = dict(self.points), list(self.logs)
             return other
-        if self.log is not None and self.log[0] <= length < self._offset:
+        if self.logs and self.logs[0][0] <= length < self._offset:
             state = self._at(length)
         elif length == 0:
             return CompressedCache(self.kind, self._entry_values, self.stride, self.keep + 1)
@@ -376,7 +381,7 @@ class CompressedCache:
             state = (window, series)
         else:
             raise ValueError(f"a DeepSeek V4 cache of {self._offset} positions keeps no state at {length}")
-        other.log = None
+        other.logs = []
         other._become(state, length)
         return other
 

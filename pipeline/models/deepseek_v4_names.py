@@ -52,9 +52,21 @@ def uses_native_names(names) -> bool:
         name.startswith("layers.") or (".attn.wq_a." in name) for name in names)
 
 
+_MTP = re.compile(r"^mtp\.(\d+)\.")
+_MTP_OWN = {"hc_head_fn": "hc_head.hc_fn", "hc_head_base": "hc_head.hc_base", "hc_head_scale": "hc_head.hc_scale"}
+MTP_OWN = ("e_proj.", "h_proj.", "enorm.", "hnorm.", "norm.", "hc_head.")  # the MTP module's own; the rest its block's
+
+
 def transformers_name(name: str) -> str:
-    """DeepSeek's name of a tensor -> transformers' (`mtp.*`, the multi-token-prediction module, is
-    kept as it is: it is never run)."""
+    """DeepSeek's name of a tensor -> transformers' (transformers has no `mtp.*`, the multi-token-
+    prediction module: `mtp.K.` + its own tensors as DeepSeek names them, hc_head_* as the main model's
+    hc_head.*, and its block's as a layer's; models/deepseek_v4_mtp.py)."""
+    m = _MTP.match(name)
+    if m:
+        rest = name[m.end():]
+        if rest in _MTP_OWN or rest.startswith(MTP_OWN):
+            return m.group(0) + _MTP_OWN.get(rest, rest)
+        return m.group(0) + transformers_name("layers.0." + rest).removeprefix("model.layers.0.")
     top = name.removeprefix("model.")
     if top in _TOP:
         return _TOP[top]

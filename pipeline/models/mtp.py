@@ -32,7 +32,9 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import deepseek_v4_mtp
 from .config import ModelConfig
+from .deepseek_v4_names import MTP_OWN
 from .registry import family_for
 from ..util.errors import UserError
 
@@ -70,7 +72,21 @@ class MTPModule(nn.Module):
 
 
 def mtp_prefix(config: ModelConfig) -> str:
+    if config.model_type == "deepseek_v4":  # its own module (models/deepseek_v4_mtp.py), under mtp.0.
+        return "mtp.0."
     return f"model.layers.{config.num_hidden_layers}."
+
+
+def own_names(config: ModelConfig) -> tuple[str, ...]:
+    """The module's own tensors (after mtp_prefix); the others are its decoder layer's (`block.`)."""
+    return MTP_OWN if config.model_type == "deepseek_v4" else OWN
+
+
+def make_module(config: ModelConfig, make_layer) -> nn.Module:
+    """The family's MTP module: DeepSeek V4's over its residual streams, or V3's."""
+    if config.model_type == "deepseek_v4":
+        return deepseek_v4_mtp.MTPModule(config, make_layer)
+    return MTPModule(config, make_layer)
 
 
 def mtp_tensor_names(checkpoint, config: ModelConfig) -> list[str]:
@@ -82,7 +98,7 @@ def mtp_tensor_names(checkpoint, config: ModelConfig) -> list[str]:
 
 
 def has_mtp(checkpoint, config: ModelConfig) -> bool:
-    prefix = mtp_prefix(config) + "eh_proj."
+    prefix = tuple(mtp_prefix(config) + p for p in ("eh_proj.", "e_proj."))  # V3's, V4's
     return int(config.raw.get("num_nextn_predict_layers") or 0) >= 1 and any(
         name.startswith(prefix) for name in checkpoint.tensors)
 

@@ -33,9 +33,9 @@ class Family:
 
 LLAMA = Family("llama")
 DEEPSEEK_V3 = Family("deepseek_v3", mtp=True)
-# DeepSeek V4's LM head reads the collapsed streams, so a batch job's last rank cannot share it; a
-# compressed cache can neither be cut back to a shorter prefix nor drop a rejected draft's positions.
-DEEPSEEK_V4 = Family("deepseek_v4", drafts=False, head_share=False, prefix_cache=False)
+# DeepSeek V4's compressed caches resume a prefix or drop rejected drafts from the states they keep
+# (models/deepseek_v4.py CompressedCache); the prompt cache on disk does not store them.
+DEEPSEEK_V4 = Family("deepseek_v4", stored_cache=False, mtp=True)
 # Qwen3.5's linear-attention layers keep one fixed-size state per sequence (models/gated_deltanet.py),
 # which sums up every position seen: the prefix cache resumes it only where it kept it (the end of a
 # prompt chunk or of a sequence), and a rejected draft goes back to a state the verify trip kept

@@ -13,7 +13,7 @@ from ..checkpoints.tokenizer import StreamingDetokenizer, Tokenizer
 from ..cluster.transport import Transport
 from .requests import SamplingParams
 from .sampling import Sampler
-from .speculative import DraftStats, NgramDrafter, verify
+from .speculative import DraftStats, NgramDrafter, mtp_state, verify
 from .stage import Stage, ring_forward, round_the_ring
 
 PREFILL_CHUNK = 512  # prompt tokens per forward pass: bounds activation memory on long prompts
@@ -76,7 +76,7 @@ def generate(stage: Stage, transport: Transport, tokenizer: Tokenizer, prompt_id
         hidden = model.embed(mx.array([token_ids]))
         hidden = ring_forward(stage, transport, hidden, all_positions=wants_hidden)
         if wants_hidden:
-            drafter.returned(model.norm(hidden[0]))
+            drafter.returned(mtp_state(model, hidden[0]))
         return model.logits(hidden[:, -1, :])[0]
 
     start = time.perf_counter()
@@ -174,7 +174,7 @@ def _speculate(stage: Stage, transport: Transport, sampler: Sampler, drafter: Ng
         hidden = ring_forward(stage, transport, model.embed(mx.array([[token, *drafts]])),
                               all_positions=bool(drafts), rewind=rewind)
         if wants_hidden:  # the states of the positions run (of the drafts: kept as far as accepted)
-            drafter.returned(model.norm(hidden[0]))
+            drafter.returned(mtp_state(model, hidden[0]))
         if drafts:
             accepted, token = verify(sampler, model.logits(hidden[0]), drafts, history)
             drafter.observe(len(drafts), accepted)

@@ -57,7 +57,7 @@ from .prompt_cache_store import PromptCacheStore
 from .requests import Failed, Finished, Request, Scores, TokenLogprob, Tokens
 from .sampling import Sampler
 from .settings import DraftSettings
-from .speculative import DraftStats, verify
+from .speculative import DraftStats, mtp_state, verify
 from .stage import Stage
 from .trace import COMPUTE, RECV, SEND, Timeline
 
@@ -434,8 +434,10 @@ class Scheduler:
             microbatch.hidden = hidden  # each sequence's last position (rank 0 holds the final layer)
         else:
             # Rows that sample or report logprobs need every logit: only argmax micro-batches share the head
-            # (and not those returning a prompt's every position for the MTP: no logits wanted there).
-            if self.head_split is not None and not any(seq.full_logits for seq in seqs) and not any(prompt):
+            # (and not those returning a prompt's every position for the MTP: no logits wanted there; nor,
+            # drafting with DeepSeek V4's MTP, its states: the share returns streams already collapsed).
+            if (self.head_split is not None and not any(seq.full_logits for seq in seqs) and not any(prompt)
+                    and not any(seq.wants_hidden for seq in seqs)):
                 microbatch.head_columns = self.head_split.columns
             with self.timeline.span(SEND, f"mb {number}"):
                 self.sends.append(self.transport.isend_message(1, Kind.FORWARD, seq_ids, lengths, hidden,
@@ -489,7 +491,7 @@ class Scheduler:
         bounds = segments([n if f else 1 for n, f in zip(microbatch.lengths, microbatch.full)])
         for seq, (begin, end) in zip(microbatch.seqs, bounds):
             if seq.wants_hidden:
-                seq.drafter.returned(self.model.norm(rows[begin:end]))
+                seq.drafter.returned(mtp_state(self.model, rows[begin:end]))
 
     def _score(self, microbatch: Microbatch) -> list[int]:
         """Each scoring sequence's logprobs of its prompt tokens at the positions it just ran (from

@@ -195,9 +195,19 @@ class MtpDrafter:
         return drafts
 
     def _logits(self, state: mx.array) -> mx.array:
-        """The main model's LM head on a state the module's shared_head.norm made."""
+        """The main model's LM head on a state the module's shared_head.norm made (DeepSeek V4's:
+        its streams, which its own hc_head and norm collapse first)."""
         model = self.model
+        if hasattr(self.mtp, "head_input"):
+            state = self.mtp.head_input(state)
         return model.embed_tokens.as_linear(state) if model.config.tie_word_embeddings else model.lm_head(state)
+
+
+def mtp_state(model, rows: mx.array) -> mx.array:
+    """What an MTP drafter reads of the main model's final hidden states [positions, ...]: what its
+    head reads (after the final norm; DeepSeek V3), or DeepSeek V4's residual streams as the last
+    layer left them (its module's hnorm reads each; models/deepseek_v4_mtp.py)."""
+    return rows if hasattr(model, "collapse") else model.norm(rows)
 
 
 def make_drafter(kind: str, draft_tokens: int, ngram_max: int, ngram_min: int, mtp=None, model=None):
