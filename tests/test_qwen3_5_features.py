@@ -312,10 +312,12 @@ def _grouped_to_tiled(a: np.ndarray, axis: int, key_heads: int, per_key: int, he
     return np.ascontiguousarray(np.moveaxis(a, 0, axis))
 
 
-def write_qwen35moe_gguf(path, model, vocab) -> None:
+def write_qwen35moe_gguf(path, model, vocab, quantized: str = "") -> None:
     """A transformers Qwen3.5-MoE as llama.cpp's convert_hf_to_gguf.py writes it (float32 tensors): names from
     gguf's TensorNameMap for qwen35moe, experts split per projection, A_log as -exp(A_log), dt_bias as
-    ssm_dt.bias, the convolution squeezed, the (1 + weight) norms stored as 1 + weight, value heads tiled."""
+    ssm_dt.bias, the convolution squeezed, the (1 + weight) norms stored as 1 + weight, value heads tiled.
+    quantized "q8_0": its matrices (rows of a multiple of 32) in Q8_0 blocks; "dequantized": those blocks'
+    values (gguf's dequantization) as float32, the same numbers unquantized."""
     import gguf
 
     c = model.config.text_config
@@ -384,7 +386,13 @@ def write_qwen35moe_gguf(path, model, vocab) -> None:
     writer.add_token_merges(vocab["merges"])
     writer.add_eos_token_id(vocab["eos"])
     for name, array in tensors.items():
-        writer.add_tensor(name, array)
+        if quantized and array.ndim >= 2 and array.shape[-1] % 32 == 0 and "norm" not in name and "conv" not in name:
+            blocks = gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0)
+            if quantized == "q8_0":
+                writer.add_tensor(name, blocks, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+                continue
+            array = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q8_0).reshape(array.shape)
+        writer.add_tensor(name, np.ascontiguousarray(array, np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -400,6 +408,8 @@ def qwen_gguf(tmp_path_factory):
     folder, model, expected = reference_logits(make_qwen3_5_moe, tmp_path_factory.mktemp("qwen35_gguf"), LONG_PROMPT)
     path = folder / "tiny-qwen35moe.gguf"
     write_qwen35moe_gguf(path, model, gguf_vocab(folder))
+    for kind in ("q8_0", "dequantized"):
+        write_qwen35moe_gguf(folder / f"tiny-qwen35moe-{kind}.gguf", model, gguf_vocab(folder), kind)
     return path, expected
 
 
@@ -485,3 +495,20 @@ def test_a_turn_ending_on_a_verify_trip_resumes_within_its_trail(qwen, monkeypat
     assert [e.token_id for e in _events(turns[0])] == answer[:9] and turns[0].last.reason == "stop"
     assert turns[1].last.cached_tokens == kept_len == len(first) + 9
     assert [e.token_id for e in _events(turns[1])] == [e.token_id for e in _events(cold)]
+
+
+def test_a_quantized_qwen35moe_gguf_loads_its_blocks_in_the_stored_order(qwen_gguf):
+    """The same GGUF with its matrices in Q8_0 (the linear layers' projections with their tiled value-head
+    rows and columns included, which the loader keeps as stored): logits equal those of a float32 GGUF
+    holding the blocks' values within float rounding (measured 1.75e-5 on logits up to |7|; bound 1e-4)."""
+    from test_qwen3_5_moe import LONG_PROMPT
+
+    from pipeline.checkpoints.gguf_checkpoint import GGUFCheckpoint
+
+    path, _ = qwen_gguf
+    held = GGUFCheckpoint(path.with_name("tiny-qwen35moe-q8_0.gguf")).tensors
+    assert all(held[f"model.layers.0.linear_attn.{m}.scales"].how == "exact" for m in ("in_proj_qkv", "out_proj"))
+    blocks, _ = _gguf_logits(path.with_name("tiny-qwen35moe-q8_0.gguf"), [(0, 6)], LONG_PROMPT)
+    values, _ = _gguf_logits(path.with_name("tiny-qwen35moe-dequantized.gguf"), [(0, 6)], LONG_PROMPT)
+    print(f"Q8_0 GGUF vs its values in float32: max logit difference {np.abs(blocks - values).max():.3g}")
+    assert np.abs(blocks - values).max() <= 1e-4
