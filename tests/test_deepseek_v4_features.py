@@ -226,9 +226,11 @@ def test_prefix_cache_hit_equals_a_cold_run(v4, monkeypatch):
         assert max(abs(a - b) for a, b in zip(ours, theirs)) <= REUSE_TOLERANCE
 
 
-def test_the_last_rank_shares_the_head(v4):
+@pytest.mark.parametrize("plant", [False, True])
+def test_the_last_rank_shares_the_head(v4, monkeypatch, plant):
     """The last rank's share of the LM head reads the collapsed streams (its own hc_head): the
-    combined greedy choice is the whole head's argmax on rank 0."""
+    combined greedy choice is the whole head's argmax on rank 0. Planted: the last rank reads the
+    first stream instead of the collapse, and some rows' choices differ."""
     from pipeline.runtime.head_share import combined_argmax, head_share_rows, returned_rows, split_returned
 
     folder, _ = v4
@@ -239,6 +241,8 @@ def test_the_last_rank_shares_the_head(v4):
     from pipeline.runtime.stage import Stage
 
     last = Stage.load(config, Checkpoint(folder), (2, 5), has_ends=False, dtype=mx.float32, head_rows=rows_held)
+    if plant:
+        monkeypatch.setattr(last.model, "collapse", lambda h: h[..., 0, :], raising=False)
     assert "model.hc_head.hc_fn" in last.loaded_tensors and "model.norm.weight" in last.loaded_tensors
     mx.random.seed(0)
     streams = mx.random.normal((1, 24, 4, config.hidden_size)) * 3  # the last positions of 24 sequences
@@ -249,6 +253,9 @@ def test_the_last_rank_shares_the_head(v4):
         expected = mx.argmax(first[0].model.logits(streams[0]), axis=-1)
         own = config.vocab_size - columns
         got = combined_argmax(first[0].model.logits(rows, vocab_end=own), share, own)
+        if plant:
+            assert got.tolist() != expected.tolist()
+            return
         assert got.tolist() == expected.tolist()
     rows, share = split_returned(returned_rows(last.model, streams, 0, [(0, 24)]), config.hidden_size)
     assert share is None and rows.shape == (24, 4, config.hidden_size)  # no share: the streams as they are
@@ -264,7 +271,7 @@ def test_batch_with_a_shared_head_on_two_ranks(v4, tmp_path):
                      "--no-chat-template", "--split", "2,3", "--head-share", "0.5",
                      env={"OPENBLAS_NUM_THREADS": "1"}, timeout=180)
     assert result.returncode == 0, result.stderr
-    assert "head" in result.stderr and "share" in result.stderr, result.stderr[-2000:]
+    assert "LM head r1 50%" in result.stderr, result.stderr[-2000:]  # the share was used
     texts = {r["id"]: r["text"] for r in map(json.loads, out.read_text().splitlines())}
     assert texts == {i: transformers_text(reference, folder, p, 10) for i, p in enumerate(prompts)}
 
