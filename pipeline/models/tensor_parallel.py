@@ -1,17 +1,20 @@
 """Tensor parallelism inside a stage (--tensor-parallel T): what one rank of a stage's group of T
 holds of each layer, and the hook through which a layer asks for the group's sum.
 
-Llama family (llama, mistral, qwen2, qwen3) only; other families refuse T > 1 by name (`check_family`).
+Llama family (llama, mistral, qwen2, qwen3) and Qwen3-MoE; other families refuse T > 1 by name
+(`check_family`).
 
 Per layer, member m of a group of T holds:
 - attention: query heads [q0, q1), split as evenly as the count allows (9 heads over 2: 5 and 4), and
-  the key/value heads those query heads read. Where each of those key/value heads serves the same
-  number of the member's query heads, they are held once each (grouped-query attention as usual);
-  otherwise (SmolLM2's 9 query / 3 KV heads over 2 ranks: 3 + 2 and 1 + 3) one key/value head per query
-  head, duplicated rows of k_proj/v_proj: the same numbers, the attention kernel's uniform grouping
-  kept. q/k norms are per head, held whole. o_proj: the input columns of the member's heads.
+  the key/value heads those query heads read, each once. Where they read them unevenly (SmolLM2's 9
+  query / 3 KV heads over 2 ranks: member 0's heads 0-2 read KV head 0, its heads 3-4 KV head 1), the
+  attention runs in segments (`SegmentedAttention`), each a uniform grouped-query attention over its
+  own KV heads and cache. q/k norms are per head, held whole. o_proj: the input columns of the
+  member's heads.
 - MLP: gate/up rows (output features) and down's columns (input features) [i0, i1), cut on units of
   up to 256 features so that a quantized row's groups (32/64/128) and int8 blocks are never cut.
+- Qwen3-MoE: the router whole on every member, its top-k choices the first member's (`group_choice`);
+  every expert's gate/up rows and down columns [e0, e1) of its intermediate features, as a dense MLP's.
 - biases of o_proj and down_proj on member 0 only (added once, before the sum, in rank order).
 Each layer's attention and MLP output is then that member's partial sum; `group_sum` (a callable the
 runtime injects: models never talk to other ranks) returns the group's total, the same bits on every
@@ -35,9 +38,11 @@ import mlx.nn as nn
 from ..util.errors import UserError
 from .cache import KVCache
 from .config import ModelConfig
+from .experts import SwitchGLU
 from .layers import MLP, Attention, summed
+from .qwen3_moe import SparseMoeBlock
 
-SUPPORTED_FAMILIES = ("llama",)  # registry module names whose layers are layers.Attention + layers.MLP
+SUPPORTED_FAMILIES = ("llama", "qwen3_moe")  # registry module names sharded here
 MLP_UNITS = (256, 128, 64, 32, 16)  # the widest unit of intermediate features that still gives every member some
 
 
@@ -114,7 +119,7 @@ def shard_modules(model: nn.Module, config: ModelConfig, shard: Shard) -> None:
     i0, i1 = mlp_share(config.intermediate_size, shard)
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if type(attn) is not Attention or type(mlp) is not MLP:
+        if type(attn) is not Attention or type(mlp) not in (MLP, SparseMoeBlock):
             raise UserError(f"--tensor-parallel is not supported for {config.model_type} yet; "
                             f"run with --tensor-parallel 1")
         parts = [attn] + [Attention(config) for _ in heads.segments[1:]]
@@ -128,6 +133,11 @@ def shard_modules(model: nn.Module, config: ModelConfig, shard: Shard) -> None:
             part.o_proj = nn.Linear(nq * hd, hidden, bias="bias" in part.o_proj and shard.member == 0 and j == 0)
         if len(parts) > 1:
             layer.self_attn = SegmentedAttention(parts)
+        if type(mlp) is SparseMoeBlock:  # every expert sliced by its intermediate features, the router whole
+            e0, e1 = mlp_share(int(config.raw["moe_intermediate_size"]), shard)
+            mlp.switch_mlp = SwitchGLU(hidden, e1 - e0, mlp.gate.weight.shape[0])
+            mlp.__class__ = ShardedMoeBlock
+            continue
         bias = "bias" in mlp.gate_proj
         mlp.gate_proj = nn.Linear(hidden, i1 - i0, bias=bias)
         mlp.up_proj = nn.Linear(hidden, i1 - i0, bias=bias)
@@ -188,11 +198,38 @@ class SegmentedAttention(nn.Module):
         return summed(self, out[0])[None]
 
 
-def set_group_sum(model: nn.Module, group_sum: Callable[[mx.array], mx.array] | None) -> None:
-    """The callable each layer's attention and MLP pass their partial output to (None: T = 1, no sum)."""
+class ShardedMoeBlock(SparseMoeBlock):
+    """Qwen3-MoE's routed experts on one member: the router computed whole, its top-k choices taken from
+    the group's first member (`group_choice`, so the members never disagree on a near tie, even on CPUs
+    that round differently), each chosen expert's slice of intermediate features run here; the weighted
+    sum over the k experts is this member's partial output."""
+
+    group_sum = None  # as Attention's
+    group_choice = None  # the runtime's: the group's first member's array, on every member
+
+    def __call__(self, x: mx.array) -> mx.array:
+        tokens = x.reshape(-1, x.shape[-1])
+        probs = mx.softmax(self.gate(tokens).astype(mx.float32), axis=-1)
+        indices = mx.argpartition(-probs, kth=self.top_k - 1, axis=-1)[:, : self.top_k]
+        if self.group_choice is not None:
+            indices = self.group_choice(indices)
+        weights = mx.take_along_axis(probs, indices, axis=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(axis=-1, keepdims=True)
+        routed = self.switch_mlp(tokens, indices)  # [tokens, k, hidden]
+        out = (routed * weights[..., None].astype(routed.dtype)).sum(axis=1)
+        return summed(self, out).reshape(x.shape)
+
+
+def set_group_sum(model: nn.Module, group_sum: Callable[[mx.array], mx.array] | None,
+                  group_choice: Callable[[mx.array], mx.array] | None = None) -> None:
+    """The callables each layer's attention and MLP pass their partial output to (None: T = 1, no sum),
+    and a MoE layer its top-k choices (the group's first member's, on every member)."""
     for layer in model.layers:
         layer.self_attn.group_sum = group_sum
         layer.mlp.group_sum = group_sum
+        if isinstance(layer.mlp, ShardedMoeBlock):
+            layer.mlp.group_choice = group_choice
 
 
 def shard_weights(weights: dict[str, mx.array], config: ModelConfig, shard: Shard) -> None:
@@ -210,6 +247,16 @@ def shard_weights(weights: dict[str, mx.array], config: ModelConfig, shard: Shar
             _cut_rows(weights, prefix, i_rows)
         elif module == "mlp.down_proj":
             _cut_columns(weights, prefix, i_rows, config.intermediate_size, keep_bias=shard.member == 0)
+        elif module in ("mlp.switch_mlp.gate_proj", "mlp.switch_mlp.up_proj"):  # [experts, out, in]
+            _cut_rows(weights, prefix, mlp_share(int(config.raw["moe_intermediate_size"]), shard))
+        elif module == "mlp.switch_mlp.down_proj":
+            moe = int(config.raw["moe_intermediate_size"])
+            _cut_columns(weights, prefix, mlp_share(moe, shard), moe, keep_bias=shard.member == 0)
+        elif module in ("self_attn.q_norm", "self_attn.k_norm") and segmented:  # per head: each segment's the same
+            for name in [n for n in weights if n.rsplit(".", 1)[0] == prefix]:
+                array = weights.pop(name)
+                for j in range(len(heads.segments)):
+                    weights[name.replace("self_attn.", f"self_attn.parts.{j}.", 1)] = array
         elif module in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"):
             whole = {name.removeprefix(prefix): weights.pop(name) for name in list(weights)
                      if name.rsplit(".", 1)[0] == prefix}
@@ -228,10 +275,11 @@ def shard_weights(weights: dict[str, mx.array], config: ModelConfig, shard: Shar
     mx.eval([weights[name] for name in weights if name.startswith("layers.")])
 
 
-def _take_rows(array: mx.array, rows) -> mx.array:
-    if isinstance(rows, tuple):
+def _take_rows(array: mx.array, rows: tuple[int, int]) -> mx.array:
+    """Rows [begin, end) of a matrix (or of each expert's, [experts, out, in]), or of a bias vector."""
+    if array.ndim == 1:
         return mx.array(array[rows[0]:rows[1]])  # a copy: the whole array is freed
-    return mx.take(array, rows, axis=0)
+    return mx.array(array[..., rows[0]:rows[1], :])
 
 
 def _cut_rows(weights: dict, prefix: str, rows) -> None:
@@ -245,8 +293,11 @@ def _cut_columns(weights: dict, prefix: str, columns: tuple[int, int], in_featur
     begin, end = columns
     weight = weights[f"{prefix}.weight"]
     scales = weights.get(f"{prefix}.scales")
+    if scales is None and weight.dtype not in (mx.float32, mx.float16, mx.bfloat16):  # a GGUF type's row bytes
+        raise UserError(f"--tensor-parallel: {prefix} is held in GGUF blocks that cannot be cut by input "
+                        f"features yet; run with --tensor-parallel 1")
     if scales is None:
-        weights[f"{prefix}.weight"] = mx.array(weight[:, begin:end])
+        weights[f"{prefix}.weight"] = mx.array(weight[..., begin:end])
     else:
         if scales.dtype not in (mx.float32, mx.float16, mx.bfloat16):
             raise UserError(f"--tensor-parallel: {prefix} is held in GGUF blocks that cannot be cut by input "
@@ -256,11 +307,11 @@ def _cut_columns(weights: dict, prefix: str, columns: tuple[int, int], in_featur
         if begin % group or end % group or (begin * bits) % 32 or (end * bits) % 32:
             raise UserError(f"--tensor-parallel: {prefix}'s share [{begin}, {end}) of its inputs cuts its "
                             f"quantization groups of {group}; use another --tensor-parallel")
-        weights[f"{prefix}.weight"] = mx.array(weight[:, begin * bits // 32:end * bits // 32])
+        weights[f"{prefix}.weight"] = mx.array(weight[..., begin * bits // 32:end * bits // 32])
         for part in ("scales", "biases"):
             name = f"{prefix}.{part}"
             if name in weights:
-                weights[name] = mx.array(weights[name][:, begin // group:end // group])
+                weights[name] = mx.array(weights[name][..., begin // group:end // group])
     if not keep_bias:
         weights.pop(f"{prefix}.bias", None)
 
@@ -274,7 +325,13 @@ def share_fractions(config: ModelConfig, shard: Shard) -> tuple[float, float]:
     heads = head_share(config.num_attention_heads, config.num_key_value_heads, shard)
     i0, i1 = mlp_share(config.intermediate_size, shard)
     nq, nkv = heads.q[1] - heads.q[0], heads.kv[1] - heads.kv[0]
-    whole = 2 * hidden * hd * (config.num_attention_heads + config.num_key_value_heads) \
-        + 3 * hidden * config.intermediate_size + 2 * hidden
-    held = 2 * hidden * hd * (nq + nkv) + 3 * hidden * (i1 - i0) + 2 * hidden
+    whole = 2 * hidden * hd * (config.num_attention_heads + config.num_key_value_heads) + 2 * hidden
+    held = 2 * hidden * hd * (nq + nkv) + 2 * hidden
+    experts = int(config.raw.get("num_experts") or 0)
+    if experts:  # Qwen3-MoE (every layer sparse, as published): the router whole, each expert sliced
+        moe = int(config.raw["moe_intermediate_size"])
+        e0, e1 = mlp_share(moe, shard)
+        whole, held = whole + hidden * experts * (1 + 3 * moe), held + hidden * experts * (1 + 3 * (e1 - e0))
+    else:
+        whole, held = whole + 3 * hidden * config.intermediate_size, held + 3 * hidden * (i1 - i0)
     return held / whole, nkv / config.num_key_value_heads

@@ -164,7 +164,8 @@ def load_stage(settings: WeightSettings, plan: Plan, rank: int, progress: bool, 
     stage = stage_class.load(plan.config, plan.checkpoint, plan.ranges[index], has_ends=rank == 0,
                              dtype=getattr(mx, settings.dtype), requantize=settings.requantize, progress=progress,
                              dense=dense, head_rows=head_rows, int8_in_place=in_place if int8 else None,
-                             shard=shard, group_sum=group_sum)
+                             shard=shard, group_sum=group_sum,
+                             group_choice=group_sum.from_first if group_sum is not None else None)
     if stage_class is LeaderStage:
         stage.group = group
     if settings.dtype == "float32":

@@ -36,13 +36,15 @@ class Stage:
              has_ends: bool, dtype: mx.Dtype, requantize: Requantize | None = None,
              progress: bool = False, dense: bool = False, head_rows: int = 0,
              int8_in_place: bool | None = None, shard: Shard | None = None,
-             group_sum: Callable[[mx.array], mx.array] | None = None) -> "Stage":
+             group_sum: Callable[[mx.array], mx.array] | None = None,
+             group_choice: Callable[[mx.array], mx.array] | None = None) -> "Stage":
         """dense: hold MLX-quantized weights dequantized to `dtype` (--weights-in-memory).
         head_rows: also hold the LM head's last rows (the last rank of a batch job, head_share.py).
         int8_in_place: not None, the layers' quantized matrices take the int8 layout while loading
         (weights.load_slice).
         shard: --tensor-parallel T > 1, this rank's member of its stage's group: its share of each layer
-        (models/tensor_parallel.py), whose partial outputs `group_sum` adds up over the group."""
+        (models/tensor_parallel.py), whose partial outputs `group_sum` adds up over the group (and a MoE
+        layer's top-k choices `group_choice` takes from the group's first member)."""
         family = family_for(config).module()
         slice_class = getattr(family, "Slice", TransformerSlice)  # DeepSeek V4: its residual streams
         model = slice_class(config, family.DecoderLayer, layers[0], layers[1], has_ends, head_rows)
@@ -53,7 +55,7 @@ class Stage:
         names = load_slice(model, checkpoint, dtype, requantize, progress=progress,
                            int8_in_place=None if dense else int8_in_place, cut=cut)
         if cut is not None:
-            set_group_sum(model, group_sum)
+            set_group_sum(model, group_sum, group_choice)
         if dense:
             dequantize_slice(model, dtype)
         return cls(model, names)
