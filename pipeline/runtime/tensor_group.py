@@ -14,7 +14,8 @@ leader has its own watchdog on the ring, and a dead process on the same host is 
 group sums and the leader's sends to its mates wait under the watchdog.
 
 Not yet: --transport mlx (MLX 0.32 cannot split its group), the prompt cache on disk, the LM head split
-by vocabulary (the head stays on rank 0, as the embedding), and families other than Llama's.
+by vocabulary (the head stays on rank 0, as the embedding), and families other than Llama's and
+Qwen3-MoE (models/tensor_parallel.py check_family).
 """
 
 from __future__ import annotations
