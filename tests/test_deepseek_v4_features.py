@@ -433,3 +433,22 @@ def test_generate_with_mtp_on_two_ranks_equals_plain(v4_mtp):
     drafted = mpiexec(2, *args, "--draft", "mtp", env={"OPENBLAS_NUM_THREADS": "1"})
     assert plain.returncode == 0 and drafted.returncode == 0, drafted.stderr
     assert drafted.stdout == plain.stdout
+
+
+def test_batch_with_mtp_on_two_ranks_equals_batch_without(v4_mtp, tmp_path):
+    """`batch --draft mtp` on 2 ranks (the scheduler's MTP path: every prompt position's streams to
+    the drafter, verify trips, rewinds on both ranks): the texts of `--draft none`."""
+    folder, _ = v4_mtp
+    prompts = [TEXT, "The capital of France is Paris.", "def hello(world):\n    return 42\n" * 2]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"id": i, "prompt": p, "max_tokens": 12}) + "\n" for i, p in enumerate(prompts)))
+    texts = []
+    for draft in ("none", "mtp"):
+        out = tmp_path / f"{draft}.jsonl"
+        result = mpiexec(2, "batch", "--model", str(folder), "--input", str(inp), "--output", str(out),
+                         "--no-chat-template", "--split", "2,3", "--draft", draft, env={"OPENBLAS_NUM_THREADS": "1"},
+                         timeout=180)
+        assert result.returncode == 0, result.stderr
+        assert (draft == "mtp") == ("speculative: drafted" in result.stderr)  # it drafted (the random
+        texts.append({r["id"]: r["text"] for r in map(json.loads, out.read_text().splitlines())})  # model's: rejected)
+    assert texts[0] == texts[1]

@@ -389,7 +389,10 @@ class CompressedCache:
     def nbytes(self) -> int:
         series = sum(s.nbytes for s in self.series())
         kept = sum(w.nbytes + sum(s.nbytes for s in ss) for w, ss in self.points.values())
-        return series + kept + (0 if self.window is None else self.window.nbytes)
+        logged = {id(a): a for _, _, keys, _, series in self.logs
+                  for a in (keys, *(r for _, raw, *_ in series for r in raw))}  # what the last calls' logs hold
+        return (series + kept + sum(a.nbytes for a in logged.values())
+                + (0 if self.window is None else self.window.nbytes))
 
     @property
     def bytes_per_token(self) -> float:
