@@ -11,8 +11,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import forward, load_stages, long_prompt, mpiexec, transformers_text
-from test_deepseek_v4 import TEXT, TOLERANCE, make_deepseek_v4
+from conftest import load_stages, long_prompt, mpiexec, transformers_text
+from test_deepseek_v4 import TEXT, make_deepseek_v4
 
 from pipeline.checkpoints.tokenizer import Tokenizer
 from pipeline.models import deepseek_v4 as V
