@@ -1,7 +1,8 @@
 """DeepSeek V4 in the features built for KV caches (issue 36): the prefix cache (a fork of its
-compressed caches at a shorter prefix), the LM head's share on the last rank, and speculative
-decoding's rewind of rejected drafts. Each against a cold run of the same tiny random model
-(test_deepseek_v4.py's, whose logits are transformers'), with the mechanism's planted bug."""
+compressed caches at a shorter prefix), the LM head's share on the last rank, speculative decoding's
+rewind of rejected drafts, and V4's own MTP module as the drafter (against DeepSeek's MTPBlock
+equations). Each against a cold run of the same tiny random model (test_deepseek_v4.py's, whose
+logits are transformers'), with the mechanism's planted bug."""
 
 from __future__ import annotations
 
