@@ -200,6 +200,8 @@ def test_plan_counts_what_each_rank_holds(tmp_path, vocab, kind, dtype, int8, ca
             use_int8(stage.model, tied_head=bool(config.tie_word_embeddings))
         planned = sum(mb.layers[start:end]) + (mb.ends if rank == 0 else 0)
         assert planned == stage.weight_nbytes, (rank, planned, stage.weight_nbytes)
+        if rank == 0:  # the embedding's rows (float32 from its blocks) in --dtype, as every float the layers take
+            assert stage.model.embed(mx.array([[1, 2]])).dtype == getattr(mx, dtype)
         if rank == 0 and kind == "qwen3moe" and dtype == "float32":  # the loader's note: the re-quantized stacks,
             # held vs in the file (as read: float32 scales, which --dtype bfloat16 then halves)
             stacks = [(f"blk.{i}.ffn_{p}_exps.weight", stage.model.layers[i].mlp.switch_mlp[f"{p}_proj"])

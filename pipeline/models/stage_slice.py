@@ -91,7 +91,8 @@ class TransformerSlice(nn.Module):
         return [layer.make_cache() for layer in self.layers]
 
     def embed(self, tokens: mx.array) -> mx.array:
-        return self.embed_tokens(tokens)
+        h = self.embed_tokens(tokens)  # a GGUF embedding held in its own blocks (qmm.py) gives float32 rows:
+        return h if h.dtype == self.norm.weight.dtype else h.astype(self.norm.weight.dtype)  # the floats' dtype
 
     def forward_layers(self, h: mx.array, caches: list[list], lengths: list[int], last_only: bool = False,
                        full: list[bool] | None = None) -> mx.array:
