@@ -35,7 +35,7 @@ from ..models.config import ModelConfig
 from ..util import cores
 from ..util.errors import UserError
 from ..util.switches import turned_off
-from . import gguf_qwen35
+from . import gguf_minimax, gguf_qwen35
 from .gguf_config import build_config
 from .gguf_file import GGUFModel, GGUFTensor, open_gguf
 from .safetensors_checkpoint import Checkpoint
@@ -159,6 +159,8 @@ class GGUFCheckpoint(Checkpoint):
                 raise UserError(f"{g.path}: tensor {tensor.name} is not one pipeline knows for the {g.architecture} "
                                 "architecture; this GGUF layout is not supported")
             kind = m.group(2) if m else tensor.name.rpartition(".")[0]
+            if m and g.architecture == gguf_minimax.ARCH:
+                named = named[0], gguf_minimax.our_name(named[0], kind, named[1])
             self._add(named[1], tensor, unpermute.get(kind, 0), float_only=kind in _FLOAT_ONLY)
         for layer, pair in sorted(split_mla.items()):
             if set(pair) != {"attn_k_b", "attn_v_b"}:

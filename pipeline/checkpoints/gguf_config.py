@@ -14,12 +14,13 @@ from typing import Any
 import numpy as np
 
 from ..util.errors import UserError
-from . import gguf_qwen35
+from . import gguf_minimax, gguf_qwen35
 from .gguf_file import GGUFModel
 
 # GGUF architecture -> our model_type
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
-                 "deepseek2": "deepseek_v3", gguf_qwen35.ARCH: "qwen3_5_moe_text"}
+                 "deepseek2": "deepseek_v3", gguf_qwen35.ARCH: "qwen3_5_moe_text",
+                 gguf_minimax.ARCH: "minimax_m2"}
 GATING_SIGMOID = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID (1 is softmax)
 
 
@@ -82,6 +83,8 @@ def build_config(g: GGUFModel) -> dict[str, Any]:
     if arch == gguf_qwen35.ARCH:
         config.update(gguf_qwen35.config_fields(need, get, g.tensors, layers - int(get("nextn_predict_layers", 0) or 0),
                                                 config["head_dim"]))
+    if arch == gguf_minimax.ARCH:
+        config.update(gguf_minimax.config_fields(need, get, g.tensors, config["head_dim"]))
     if arch == "deepseek2":
         rope = int(need("rope.dimension_count"))
         # Files converted since llama.cpp split kv_b (MLA as MQA) keep the per-head sizes in *_mla keys;

@@ -1,0 +1,172 @@
+"""GGUF files of issue 36's new families read in place (llama.cpp's `minimax-m2` and `glm-dsa`): each tiny
+transformers model of test_minimax_glm.py written to a GGUF the way llama.cpp's convert_hf_to_gguf.py
+writes it (gguf's TensorNameMap, its metadata keys, its changes to tensors), then its logits on 1 and 2
+ranks against transformers; a Q8_0 copy (held as MLX 8-bit) against a float32 GGUF of the blocks' values;
+and a planted misreading per family that the comparison catches."""
+
+from __future__ import annotations
+
+import gguf
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from conftest import forward, reference_logits
+from test_gguf_inplace import gguf_vocab
+from test_minimax_glm import LONG_PROMPT, make_minimax_m2
+
+Q8_0_TOLERANCE = 1e-4  # a Q8_0 file vs a float32 file of its blocks' values: float rounding only
+
+
+def _write(path, arch: str, tensors: dict, metadata, vocab, quantized: str) -> None:
+    """A GGUF of `tensors` (gguf name -> float32 array) with `metadata(writer)`; quantized "q8_0": its matrices
+    (rows a multiple of 32, no norms) in Q8_0 blocks; "dequantized": those blocks' values as float32."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name("tiny")
+    metadata(writer)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(vocab["tokens"])
+    writer.add_token_types(vocab["types"])
+    writer.add_token_merges(vocab["merges"])
+    writer.add_eos_token_id(vocab["eos"])
+    for name, array in tensors.items():
+        if quantized and array.ndim >= 2 and array.shape[-1] % 32 == 0 and "norm" not in name:
+            blocks = gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0)
+            if quantized == "q8_0":
+                writer.add_tensor(name, blocks, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+                continue
+            array = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q8_0).reshape(array.shape)
+        writer.add_tensor(name, np.ascontiguousarray(array, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _common_metadata(writer, c, head_dim: int) -> None:
+    """What convert_hf_to_gguf.py's TextModel writes for every text model."""
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
+
+
+def _gguf_logits(path, ranges, prompt=LONG_PROMPT):
+    from pipeline.checkpoints.gguf_checkpoint import GGUFCheckpoint
+    from pipeline.runtime.stage import Stage
+
+    checkpoint = GGUFCheckpoint(path)
+    config = checkpoint.model_config()
+    stages = [Stage.load(config, checkpoint, r, has_ends=i == 0, dtype=mx.float32) for i, r in enumerate(ranges)]
+    return forward(stages, prompt), config, checkpoint
+
+
+# ------------------------------------------------------------------------------------------ MiniMax-M2
+
+def minimax_m2_tensors(model) -> dict:
+    """MiniMaxM2Model.modify_tensors on the published names: the experts stacked per projection (w1 gate,
+    w3 up, w2 down), the correction bias as `e_score_correction.bias`, everything else by TensorNameMap,
+    no value changed."""
+    c = model.config
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MINIMAXM2, c.num_hidden_layers)
+    tensors = {}
+    for name, value in model.state_dict().items():
+        w = value.detach().float().numpy()
+        name = name.replace(".mlp.", ".block_sparse_moe.")
+        if name.endswith("experts.gate_up_proj"):  # transformers 5's fused [E, 2I, H]: w1 then w3
+            prefix, half = name.removesuffix("gate_up_proj"), w.shape[1] // 2
+            pieces = {prefix + "w1.weight": w[:, :half], prefix + "w3.weight": w[:, half:]}
+        elif name.endswith("experts.down_proj"):
+            pieces = {name.replace("down_proj", "w2.weight"): w}
+        elif name.endswith("e_score_correction_bias"):
+            pieces = {name.replace("e_score_correction_bias", "e_score_correction.bias"): w}
+        else:
+            pieces = {name: w}
+        for hf, array in pieces.items():
+            target = names.get_name(hf, try_suffixes=(".weight", ".bias"))
+            assert target is not None, hf
+            tensors[target] = np.ascontiguousarray(array, np.float32)
+    return tensors
+
+
+def write_minimax_m2_gguf(path, model, vocab, quantized: str = "") -> None:
+    c = model.config
+
+    def metadata(writer):
+        _common_metadata(writer, c, c.head_dim)
+        writer.add_expert_count(c.num_local_experts)
+        writer.add_expert_used_count(c.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(c.intermediate_size)
+        writer.add_rope_dimension_count(c.rotary_dim)  # the published legacy field, as MiniMaxM2Model writes
+
+    _write(path, "minimax-m2", minimax_m2_tensors(model), metadata, vocab, quantized)
+
+
+@pytest.fixture(scope="module")
+def minimax_gguf(tmp_path_factory):
+    folder, model, expected = reference_logits(make_minimax_m2, tmp_path_factory.mktemp("minimax_gguf"), LONG_PROMPT)
+    vocab = gguf_vocab(folder)
+    path = folder / "tiny-minimax-m2.gguf"
+    write_minimax_m2_gguf(path, model, vocab)
+    for kind in ("q8_0", "dequantized"):
+        write_minimax_m2_gguf(folder / f"tiny-minimax-m2-{kind}.gguf", model, vocab, kind)
+    return path, expected
+
+
+def test_a_minimax_m2_gguf_gives_transformers_logits(minimax_gguf):
+    """Its config read back (partial rotary from rope.dimension_count, the norms over all heads, the
+    correction bias under the block), and its logits on 1 and 2 ranks within test_minimax_glm's bound."""
+    from test_minimax_glm import MINIMAX_TOLERANCE
+
+    path, expected = minimax_gguf
+    one, config, checkpoint = _gguf_logits(path, [(0, 4)])
+    assert config.model_type == "minimax_m2" and config.raw["rotary_dim"] == 8
+    assert checkpoint.tensors["model.layers.1.self_attn.q_norm.weight"].shape == (64,)
+    assert "model.layers.3.mlp.e_score_correction_bias" in checkpoint.tensors
+    print(f"minimax-m2 GGUF: max logit error vs transformers {np.abs(one - expected).max():.3g}")
+    assert np.abs(one - expected).max() <= MINIMAX_TOLERANCE
+    two, _, _ = _gguf_logits(path, [(0, 2), (2, 4)])
+    assert np.abs(two - expected).max() <= MINIMAX_TOLERANCE
+
+
+@pytest.mark.parametrize("bug", ["full_rotary", "no_routing_bias"])
+def test_a_misread_minimax_m2_gguf_is_caught(bug, minimax_gguf, monkeypatch):
+    """Planted: RoPE over the whole head (rope.dimension_count ignored); the correction bias not read (it
+    changes which experts win): both leave transformers' logits far past the bound. (The bias named as
+    DeepSeek's, under the router, is refused while loading: a name the model does not hold.)"""
+    from pipeline.checkpoints import gguf_minimax
+    from test_minimax_glm import MINIMAX_TOLERANCE
+
+    path, expected = minimax_gguf
+    fields = gguf_minimax.config_fields
+    wrong_field = {"full_rotary": {"rotary_dim": 16}, "no_routing_bias": {"use_routing_bias": False}}[bug]
+    monkeypatch.setattr(gguf_minimax, "config_fields", lambda *a: {**fields(*a), **wrong_field})
+    if bug == "no_routing_bias":  # the file's bias then has no place in the model: leave it out of the index
+        our_name = gguf_minimax.our_name
+        monkeypatch.setattr(gguf_minimax, "our_name", lambda layer, kind, name: "" if kind == "exp_probs_b"
+                            else our_name(layer, kind, name))
+    wrong, _, _ = _gguf_logits(path, [(0, 4)])
+    print(f"{bug}: max logit error {np.abs(wrong - expected).max():.3g}")
+    assert np.abs(wrong - expected).max() > 100 * MINIMAX_TOLERANCE
+
+
+def test_a_quantized_minimax_m2_gguf_holds_its_blocks(minimax_gguf):
+    """Q8_0 matrices (experts' stacks included) held as MLX 8-bit exactly; logits those of a float32 GGUF
+    of the blocks' values within float rounding."""
+    from pipeline.checkpoints.gguf_checkpoint import GGUFCheckpoint
+
+    path = minimax_gguf[0]
+    q8 = path.with_name("tiny-minimax-m2-q8_0.gguf")
+    held = GGUFCheckpoint(q8).tensors
+    assert held["model.layers.0.mlp.switch_mlp.down_proj.scales"].how in ("exact", "native")
+    assert held["model.layers.0.self_attn.q_proj.scales"].how in ("exact", "native")
+    blocks, _, _ = _gguf_logits(q8, [(0, 4)])
+    values, _, _ = _gguf_logits(path.with_name("tiny-minimax-m2-dequantized.gguf"), [(0, 4)])
+    print(f"minimax-m2 Q8_0 GGUF vs its values in float32: max logit difference {np.abs(blocks - values).max():.3g}")
+    assert np.abs(blocks - values).max() <= Q8_0_TOLERANCE
