@@ -6,10 +6,13 @@ hybrid of 2 stages x 2; the same text run after run; batch as generate; one-line
 
 from __future__ import annotations
 
+import http.client
 import json
 import re
+import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import numpy as np
@@ -159,3 +162,38 @@ def test_preflight_counts_what_each_rank_holds(nine_heads):
     assert job.returncode == 0, job.stderr
     measured = [float(m) for m in re.findall(r"\(weights ([0-9.]+) MiB", job.stderr)]
     assert len(planned) == len(measured) == 4 and planned == measured, (planned, measured)
+
+
+def test_serve_answers_as_generate(nine_heads):
+    """serve on one stage of 2: concurrent greedy completions (micro-batched, the prefix cache on) each
+    equal generate's text, the same prompt twice (its second time forked from the prefix cache) too."""
+    folder = nine_heads["llama"]
+    prompts = ["The capital of France", "hello", "The capital of France"]
+    expected = {}
+    for prompt in set(prompts):
+        job = mpiexec(2, "generate", "--model", str(folder), "--prompt", prompt, "--max-tokens", "12",
+                      "--no-chat-template", "--tensor-parallel", "2")
+        assert job.returncode == 0, job.stderr
+        expected[prompt] = job.stdout[:-1]
+    server = subprocess.Popen(["mpiexec", "-n", "2", sys.executable, "-m", "pipeline", "serve", "--model", str(folder),
+                               "--port", "0", "--tensor-parallel", "2"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        line = server.stdout.readline()
+        port = re.fullmatch(r"serving \S+ on http://127\.0\.0\.1:(\d+) with 2 ranks\n", line)
+        assert port, line + server.stderr.read()
+
+        def complete(prompt: str) -> str:
+            conn = http.client.HTTPConnection("127.0.0.1", int(port.group(1)), timeout=120)
+            conn.request("POST", "/v1/completions", json.dumps({"model": folder.name, "prompt": prompt,
+                                                                "max_tokens": 12, "temperature": 0}),
+                         {"content-type": "application/json"})
+            return json.loads(conn.getresponse().read())["choices"][0]["text"]
+
+        assert complete(prompts[0]) == expected[prompts[0]]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            assert list(pool.map(complete, prompts)) == [expected[p] for p in prompts]
+    finally:
+        server.send_signal(signal.SIGTERM)
+        _, err = server.communicate(timeout=120)
+    assert server.returncode == 0 and "group sums" in err, err
