@@ -545,7 +545,8 @@ def main() -> None:
     parser.add_argument("--no-hosts", dest="hosts", action="store_false",
                         help="skip the two-host run (network namespaces; needs root)")
     parser.add_argument("--hosts-model", default="llama-1b", help="the model of the two-host run (default llama-1b)")
-    parser.add_argument("--plot", action="store_true", help="only redraw the PNG from results/tensor_parallel.json")
+    parser.add_argument("--name", default=NAME, help=f"results/NAME.json and .png (default {NAME})")
+    parser.add_argument("--plot", action="store_true", help="only redraw the PNG from results/NAME.json")
     parser.add_argument("--worker", choices=["sums"], default=None, help="run as one rank of the sums probe "
                         "(started by mpiexec, not by hand)")
     parser.add_argument("--tokens", type=int, default=15, help=argparse.SUPPRESS)
@@ -555,7 +556,7 @@ def main() -> None:
         sums_worker(args.tokens, args.layers)
         return
     if args.plot:
-        plot(json.loads((common.RESULTS / f"{NAME}.json").read_text()))
+        plot(json.loads((common.RESULTS / f"{args.name}.json").read_text()))
         return
     started = time.time()
     print(f"load: {uptime()}", flush=True)
@@ -589,12 +590,12 @@ def main() -> None:
         for section in ("single", "two_hosts"):
             strip_texts(entry.get(section, {}))
         models[name] = entry
-    payload = common.record(NAME, "issue 34: --tensor-parallel 2 vs 1 rank vs a 2-stage pipeline, one core per rank; "
+    payload = common.record(args.name, "issue 34: --tensor-parallel 2 vs 1 rank vs a 2-stage pipeline, one core per rank; "
                             "and across two network namespaces (MPI over TCP on a veth)",
                             runs=args.runs, warmup=args.warmup, load_after=common.load_average(),
                             uptime_after=uptime(), sums_probe=probes + [sums_probe()], minutes=(time.time() - started) / 60, bandwidth=bandwidth,
                             goals=GOALS, models=models)
-    path = common.write_json(NAME, payload)
+    path = common.write_json(args.name, payload)
     plot(payload)
     print(f"wrote {path} ({payload['minutes']:.1f} min)")
 
@@ -624,7 +625,7 @@ def plot(payload: dict) -> None:
         ax.legend(fontsize=6)
     fig.suptitle(f"issue 34: tensor parallelism, one core per rank ({payload['machine']['cores']} cores; median, "
                  f"min-max of {payload['runs']} runs; load after {payload['load_after'][0]:.1f})", fontsize=9)
-    common.save(fig, common.RESULTS / f"{NAME}.png")
+    common.save(fig, common.RESULTS / f"{payload['benchmark']}.png")
 
 
 if __name__ == "__main__":
