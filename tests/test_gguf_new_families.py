@@ -170,3 +170,149 @@ def test_a_quantized_minimax_m2_gguf_holds_its_blocks(minimax_gguf):
     values, _, _ = _gguf_logits(path.with_name("tiny-minimax-m2-dequantized.gguf"), [(0, 4)])
     print(f"minimax-m2 Q8_0 GGUF vs its values in float32: max logit difference {np.abs(blocks - values).max():.3g}")
     assert np.abs(blocks - values).max() <= Q8_0_TOLERANCE
+
+
+# --------------------------------------------------------------------------------------------- GLM-5
+
+def glm_dsa_tensors(model, mtp_layer: bool) -> dict:
+    """GlmMoeDsaModel (DeepseekV2Model's modify_tensors): names by TensorNameMap for glm-dsa, experts stacked,
+    the correction bias as `e_score_correction.bias`, kv_b split into k_b [heads, latent, nope] and v_b
+    [heads, v, latent]. mtp_layer: an MTP block appended past the model's (its attention and experts as
+    layer 4's, plus nextn's own tensors), as the converter writes a published GLM-5."""
+    c = model.config
+    layers = c.num_hidden_layers + int(mtp_layer)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GLM_DSA, layers)
+    state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    if mtp_layer:
+        last = c.num_hidden_layers - 1
+        rng = np.random.default_rng(7)
+        for k, v in list(state.items()):
+            if k.startswith(f"model.layers.{last}."):
+                state[k.replace(f"layers.{last}.", f"layers.{layers - 1}.")] = v
+        for extra, shape in (("eh_proj.weight", (64, 128)), ("enorm.weight", (64,)), ("hnorm.weight", (64,)),
+                             ("shared_head.norm.weight", (64,))):
+            state[f"model.layers.{layers - 1}.{extra}"] = rng.standard_normal(shape).astype(np.float32)
+    tensors = {}
+    for name, w in state.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            prefix, half = name.removesuffix("gate_up_proj"), w.shape[1] // 2
+            pieces = {prefix + "gate_proj.weight": w[:, :half], prefix + "up_proj.weight": w[:, half:]}
+        elif name.endswith("mlp.experts.down_proj"):
+            pieces = {name + ".weight": w}
+        elif name.endswith("e_score_correction_bias"):
+            pieces = {name.replace("gate.e_score_correction_bias", "gate.e_score_correction.bias"): w}
+        elif name.endswith("kv_b_proj.weight"):
+            nope, v = c.qk_nope_head_dim, c.v_head_dim
+            kv_b = w.reshape(c.num_attention_heads, nope + v, -1)
+            pieces = {name.replace("kv_b_proj", "k_b_proj"): kv_b[:, :nope].transpose(0, 2, 1),
+                      name.replace("kv_b_proj", "v_b_proj"): kv_b[:, nope:]}
+        else:
+            pieces = {name: w}
+        for hf, array in pieces.items():
+            target = names.get_name(hf, try_suffixes=(".weight", ".bias"))
+            assert target is not None, hf
+            tensors[target] = np.ascontiguousarray(array, np.float32)
+    return tensors
+
+
+def write_glm_dsa_gguf(path, model, vocab, quantized: str = "", types_key: bool = True) -> None:
+    """types_key: write attention.indexer.types (llama.cpp since GLM-5.2); else leave the shared layers to be
+    known by their missing indexer tensors."""
+    c = model.config
+    latent, rope, nope, v = c.kv_lora_rank, c.qk_rope_head_dim, c.qk_nope_head_dim, c.v_head_dim
+
+    def metadata(writer):
+        _common_metadata(writer, c, latent + rope)
+        writer.add_block_count(c.num_hidden_layers + 1)  # the MTP layer appended
+        writer.add_head_count_kv(1)  # MLA as MQA, as DeepseekV2Model writes since the kv_b split
+        writer.add_value_length(latent)
+        writer.add_key_length_mla(nope + rope)
+        writer.add_value_length_mla(v)
+        writer.add_q_lora_rank(c.q_lora_rank)
+        writer.add_kv_lora_rank(latent)
+        writer.add_rope_dimension_count(rope)
+        writer.add_leading_dense_block_count(c.first_k_dense_replace)
+        writer.add_expert_feed_forward_length(c.moe_intermediate_size)
+        writer.add_expert_count(c.n_routed_experts)
+        writer.add_expert_used_count(c.num_experts_per_tok)
+        writer.add_expert_shared_count(c.n_shared_experts)
+        writer.add_expert_weights_scale(c.routed_scaling_factor)
+        writer.add_expert_weights_norm(bool(c.norm_topk_prob))
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        writer.add_expert_group_count(c.n_group)
+        writer.add_expert_group_used_count(c.topk_group)
+        writer.add_nextn_predict_layers(1)
+        writer.add_indexer_head_count(c.index_n_heads)
+        writer.add_indexer_key_length(c.index_head_dim)
+        writer.add_indexer_top_k(c.index_topk)
+        if types_key:
+            writer.add_array("glm-dsa.attention.indexer.types", [t == "full" for t in c.indexer_types])
+
+    _write(path, "glm-dsa", glm_dsa_tensors(model, mtp_layer=True), metadata, vocab, quantized)
+
+
+@pytest.fixture(scope="module")
+def glm_gguf(tmp_path_factory):
+    from test_minimax_glm import make_glm_moe_dsa
+
+    folder, model, expected = reference_logits(make_glm_moe_dsa, tmp_path_factory.mktemp("glm_gguf"), LONG_PROMPT)
+    vocab = gguf_vocab(folder)
+    path = folder / "tiny-glm-dsa.gguf"
+    write_glm_dsa_gguf(path, model, vocab)
+    write_glm_dsa_gguf(folder / "tiny-glm-dsa-no-types.gguf", model, vocab, types_key=False)
+    for kind in ("q8_0", "dequantized"):
+        write_glm_dsa_gguf(folder / f"tiny-glm-dsa-{kind}.gguf", model, vocab, kind)
+    return path, expected
+
+
+def test_a_glm_dsa_gguf_gives_transformers_logits(glm_gguf):
+    """Its config read back (the indexer's sizes, shared-top-k layers from attention.indexer.types or from
+    the missing indexer tensors, dense and MoE layers from the routers, the MTP layer left out) and its
+    logits on 1 and 2 ranks (the second beginning at a shared layer, so the top-k crosses) within
+    test_minimax_glm's bound."""
+    from test_minimax_glm import GLM_INDEXERS, GLM_TOLERANCE
+
+    path, expected = glm_gguf
+    one, config, checkpoint = _gguf_logits(path, [(0, 5)])
+    assert config.model_type == "glm_moe_dsa" and config.num_hidden_layers == 5
+    assert config.raw["indexer_types"] == GLM_INDEXERS
+    assert config.raw["mlp_layer_types"] == ["dense", "sparse", "sparse", "dense", "sparse"]
+    assert not any(".layers.5." in name for name in checkpoint.tensors)
+    print(f"glm-dsa GGUF: max logit error vs transformers {np.abs(one - expected).max():.3g}")
+    assert np.abs(one - expected).max() <= GLM_TOLERANCE
+    two, _, _ = _gguf_logits(path, [(0, 1), (1, 5)])
+    assert np.abs(two - expected).max() <= GLM_TOLERANCE
+    untyped, config, _ = _gguf_logits(path.with_name("tiny-glm-dsa-no-types.gguf"), [(0, 5)])
+    assert config.raw["indexer_types"] == GLM_INDEXERS and np.array_equal(untyped, one)
+
+
+def test_a_quantized_glm_dsa_gguf_holds_its_blocks(glm_gguf):
+    from pipeline.checkpoints.gguf_checkpoint import GGUFCheckpoint
+
+    path = glm_gguf[0]
+    q8 = path.with_name("tiny-glm-dsa-q8_0.gguf")
+    held = GGUFCheckpoint(q8).tensors
+    assert held["model.layers.0.self_attn.indexer.wq_b.scales"].how in ("exact", "native")
+    assert held["model.layers.1.mlp.switch_mlp.up_proj.scales"].how in ("exact", "native")
+    blocks, _, _ = _gguf_logits(q8, [(0, 5)])
+    values, _, _ = _gguf_logits(path.with_name("tiny-glm-dsa-dequantized.gguf"), [(0, 5)])
+    print(f"glm-dsa Q8_0 GGUF vs its values in float32: max logit difference {np.abs(blocks - values).max():.3g}")
+    assert np.abs(blocks - values).max() <= Q8_0_TOLERANCE
+
+
+@pytest.mark.parametrize("bug", ["indexer_rope_halves", "top_k_off_by_one"])
+def test_a_misread_glm_dsa_gguf_is_caught(bug, glm_gguf, monkeypatch):
+    """Planted: the indexer's RoPE read as rotating halves (as if the converter had permuted its rows);
+    attention.indexer.top_k read one short: each leaves transformers' logits far past the bound."""
+    from pipeline.checkpoints import gguf_glm
+    from test_minimax_glm import GLM_TOLERANCE
+
+    path, expected = glm_gguf
+    fields = gguf_glm.config_fields
+    if bug == "indexer_rope_halves":
+        monkeypatch.setattr(gguf_glm, "config_fields", lambda *a: {**fields(*a), "indexer_rope_interleave": False})
+    else:
+        monkeypatch.setattr(gguf_glm, "config_fields", lambda *a: {**fields(*a), "index_topk": fields(*a)["index_topk"] - 1})
+    wrong, _, _ = _gguf_logits(path, [(0, 5)])
+    print(f"{bug}: max logit error {np.abs(wrong - expected).max():.3g}")
+    assert np.abs(wrong - expected).max() > 100 * GLM_TOLERANCE

@@ -35,7 +35,7 @@ from ..models.config import ModelConfig
 from ..util import cores
 from ..util.errors import UserError
 from ..util.switches import turned_off
-from . import gguf_minimax, gguf_qwen35
+from . import gguf_glm, gguf_minimax, gguf_qwen35
 from .gguf_config import build_config
 from .gguf_file import GGUFModel, GGUFTensor, open_gguf
 from .safetensors_checkpoint import Checkpoint
@@ -155,6 +155,8 @@ class GGUFCheckpoint(Checkpoint):
                 split_mla.setdefault(int(m.group(1)), {})[m.group(2)] = tensor
                 continue
             named = hf_name(tensor.name)
+            if named is None and g.architecture == gguf_glm.ARCH:
+                named = gguf_glm.hf_name(tensor.name)  # the indexer's
             if named is None:
                 raise UserError(f"{g.path}: tensor {tensor.name} is not one pipeline knows for the {g.architecture} "
                                 "architecture; this GGUF layout is not supported")

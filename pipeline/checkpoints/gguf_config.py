@@ -14,13 +14,13 @@ from typing import Any
 import numpy as np
 
 from ..util.errors import UserError
-from . import gguf_minimax, gguf_qwen35
+from . import gguf_glm, gguf_minimax, gguf_qwen35
 from .gguf_file import GGUFModel
 
 # GGUF architecture -> our model_type
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
                  "deepseek2": "deepseek_v3", gguf_qwen35.ARCH: "qwen3_5_moe_text",
-                 gguf_minimax.ARCH: "minimax_m2"}
+                 gguf_minimax.ARCH: "minimax_m2", gguf_glm.ARCH: "glm_moe_dsa"}
 GATING_SIGMOID = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID (1 is softmax)
 
 
@@ -85,7 +85,7 @@ def build_config(g: GGUFModel) -> dict[str, Any]:
                                                 config["head_dim"]))
     if arch == gguf_minimax.ARCH:
         config.update(gguf_minimax.config_fields(need, get, g.tensors, config["head_dim"]))
-    if arch == "deepseek2":
+    if arch in ("deepseek2", gguf_glm.ARCH):  # GLM-5's converter is DeepSeek V2's, plus the indexer
         rope = int(need("rope.dimension_count"))
         # Files converted since llama.cpp split kv_b (MLA as MQA) keep the per-head sizes in *_mla keys;
         # older ones in key_length / value_length.
@@ -119,6 +119,8 @@ def build_config(g: GGUFModel) -> dict[str, Any]:
             for key in ("beta_fast", "beta_slow"):
                 if get(f"rope.scaling.yarn_{key}") is not None:
                     rope_scaling[key] = _float32(get(f"rope.scaling.yarn_{key}"))
+    if arch == gguf_glm.ARCH:
+        config.update(gguf_glm.config_fields(need, get, g.tensors, path))
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
     return config
