@@ -53,7 +53,7 @@ _GPT4O_SPLIT = (
 PRE_TOKENIZER_SPLITS = {
     **dict.fromkeys(
         ["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
-         "jina-v5-nano", "dbrx", "smaug-bpe"],
+         "jina-v5-nano", "dbrx", "smaug-bpe", "glm4", "glm5"],  # GLM's: llama.cpp's CHATGLM4, the same regex
         _LLAMA3_SPLIT,
     ),
     **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"], _QWEN2_SPLIT),
