@@ -30,8 +30,9 @@ def load_slice(model: nn.Module, checkpoint: Checkpoint, dtype: mx.Dtype,
     through the format adapters (expert stacking, FP8, INT4, re-quantization).
     int8_in_place: not None, the layers' quantized matrices take the int8 layout as they are read
     (int8_repack.Int8WhileLoading; True: in the buffers they were read into).
-    cut: given, cuts the loaded arrays (module-local names) to this rank's share before they go into
-    `model` (--tensor-parallel: models/tensor_parallel.py shard_weights; int8_in_place must then be None).
+    cut: given, cut(weights, names) cuts each group of loaded arrays (checkpoint names) to this rank's
+    share as it is read (--tensor-parallel: models/tensor_parallel.py shard_weights; int8_in_place must
+    then be None).
     Returns the checkpoint names read, so callers (and tests) can see exactly what was loaded."""
     after_group = int8 = None
     if int8_in_place is not None:
@@ -40,6 +41,8 @@ def load_slice(model: nn.Module, checkpoint: Checkpoint, dtype: mx.Dtype,
         def after_group(weights: dict, names: list[str]) -> None:
             int8(weights, {name: local_name(name, model.start) for name in names})
 
+    if cut is not None:  # each group of tensors cut as soon as it is read: never more than a share and a group
+        after_group = cut
     names = owned_tensor_names(checkpoint, model.start, model.end, model.has_ends)
     if model.head_rows:  # the last rank's share of the LM head (head_share.py), and the final norm
         # (and DeepSeek V4's collapse of its residual streams, which the norm reads)
@@ -52,8 +55,6 @@ def load_slice(model: nn.Module, checkpoint: Checkpoint, dtype: mx.Dtype,
     checkpoint.loaded(names)
     if model.head_rows:
         _keep_head_rows(weights, model.head_rows, head_prefix(model.config).removeprefix("model."))
-    if cut is not None:
-        cut(weights)
     fill_module(model, weights, f"weights in {checkpoint.folder}")
     if int8 is not None:
         int8.mark(model)

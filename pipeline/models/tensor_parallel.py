@@ -20,15 +20,16 @@ Each layer's attention and MLP output is then that member's partial sum; `group_
 runtime injects: models never talk to other ranks) returns the group's total, the same bits on every
 member. Norms, RoPE and everything else stay whole on every member.
 
-The weights are cut after the format adapters (checkpoints/weights.py load_slice), on the arrays MLX
-holds: an affine-quantized row is `bits` bits a value and one scale/bias per group, so columns
-[b, e) are words [b*bits/32, e*bits/32) and groups [b/g, e/g). Only the cut arrays are kept (copies),
-so a rank holds its share; the whole tensor is read and converted first (the read of a row's share of
-a strided tensor is not yet narrowed to its bytes).
+The weights are cut after the format adapters, each group of tensors as soon as it is read
+(checkpoints/weights.py load_slice's `cut`), on the arrays MLX holds: an affine-quantized row is `bits`
+bits a value and one scale/bias per group, so columns [b, e) are words [b*bits/32, e*bits/32) and groups
+[b/g, e/g). Only the cut arrays are kept (copies), so a rank holds its share and a group; the whole
+tensor is still read and converted (the read is not yet narrowed to the share's bytes).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -232,88 +233,95 @@ def set_group_sum(model: nn.Module, group_sum: Callable[[mx.array], mx.array] | 
             layer.mlp.group_choice = group_choice
 
 
-def shard_weights(weights: dict[str, mx.array], config: ModelConfig, shard: Shard) -> None:
-    """Cut the loaded arrays (module-local names, as load_slice holds them) to the member's share, in
-    place: each cut array a copy, evaluated, so the whole one is freed."""
-    hd, hidden = config.head_dim, config.hidden_size
+def shard_weights(weights: dict[str, mx.array], config: ModelConfig, shard: Shard,
+                  names: list[str] | None = None) -> None:
+    """Cut the loaded arrays `names` (default: all) of `weights` to the member's share, in place: each
+    cut array a copy, evaluated, so the whole one is freed. Each array is cut on its own (the loader
+    calls this for each group of tensors as it is read: checkpoint_style or module-local names, any name
+    holding `layers.N.`), so what a rank keeps resident never grows past its share and one group."""
     heads = head_share(config.num_attention_heads, config.num_key_value_heads, shard)
+    cut = []
+    for name in list(weights) if names is None else names:
+        match = _PARAMETER.match(name)
+        if match is None or name not in weights:
+            continue
+        layer, module, part = match.groups()
+        whole = weights.pop(name)
+        for new_module, array in _cut(module, part, whole, config, shard, heads):  # none: a bias held once
+            weights[f"{layer}.{new_module}.{part}"] = array
+            cut.append(array)
+    mx.eval(cut)
+
+
+_PARAMETER = re.compile(r"^(.*layers\.\d+)\.(.+)\.([^.]+)$")  # (layer prefix, module, parameter)
+_SEGMENTED = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+              "self_attn.q_norm", "self_attn.k_norm")  # parts.j.* where a member's attention is segmented
+
+
+def _cut(module: str, part: str, array: mx.array, config: ModelConfig, shard: Shard, heads: HeadShare):
+    """(module, array) pairs the member holds of one loaded array of `module` (a parameter `part`)."""
+    hd, first = config.head_dim, shard.member == 0
+    moe = int(config.raw.get("moe_intermediate_size") or 0)
+    if module in ("mlp.gate_proj", "mlp.up_proj"):
+        return [(module, _rows(array, part, mlp_share(config.intermediate_size, shard)))]
+    if module == "mlp.down_proj":
+        keep = part != "bias" or first
+        return [(module, _columns(module, array, part, mlp_share(config.intermediate_size, shard),
+                                  config.intermediate_size))] if keep else []
+    if module in ("mlp.switch_mlp.gate_proj", "mlp.switch_mlp.up_proj"):  # [experts, out, in]
+        return [(module, _rows(array, part, mlp_share(moe, shard)))]
+    if module == "mlp.switch_mlp.down_proj":
+        return [(module, _columns(module, array, part, mlp_share(moe, shard), moe))]
+    if module not in _SEGMENTED:
+        return [(module, array)]  # held whole
     segmented = len(heads.segments) > 1
-    i_rows = mlp_share(config.intermediate_size, shard)
-    prefixes = sorted({name.rsplit(".", 1)[0] for name in weights if name.startswith("layers.")})
-    for prefix in prefixes:
-        layer, _, module = prefix.partition(".")[2].partition(".")
-        layer = f"layers.{layer}"
-        if module in ("mlp.gate_proj", "mlp.up_proj"):
-            _cut_rows(weights, prefix, i_rows)
-        elif module == "mlp.down_proj":
-            _cut_columns(weights, prefix, i_rows, config.intermediate_size, keep_bias=shard.member == 0)
-        elif module in ("mlp.switch_mlp.gate_proj", "mlp.switch_mlp.up_proj"):  # [experts, out, in]
-            _cut_rows(weights, prefix, mlp_share(int(config.raw["moe_intermediate_size"]), shard))
-        elif module == "mlp.switch_mlp.down_proj":
-            moe = int(config.raw["moe_intermediate_size"])
-            _cut_columns(weights, prefix, mlp_share(moe, shard), moe, keep_bias=shard.member == 0)
-        elif module in ("self_attn.q_norm", "self_attn.k_norm") and segmented:  # per head: each segment's the same
-            for name in [n for n in weights if n.rsplit(".", 1)[0] == prefix]:
-                array = weights.pop(name)
-                for j in range(len(heads.segments)):
-                    weights[name.replace("self_attn.", f"self_attn.parts.{j}.", 1)] = array
-        elif module in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"):
-            whole = {name.removeprefix(prefix): weights.pop(name) for name in list(weights)
-                     if name.rsplit(".", 1)[0] == prefix}
-            projection = module.removeprefix("self_attn.")
-            for j, segment in enumerate(heads.segments):
-                part = {f"{prefix}{suffix}": array for suffix, array in whole.items()}
-                heads_of = segment.kv if projection in ("k_proj", "v_proj") else segment.q
-                rows = (heads_of[0] * hd, heads_of[1] * hd)
-                if projection == "o_proj":
-                    _cut_columns(part, prefix, rows, config.num_attention_heads * hd,
-                                 keep_bias=shard.member == 0 and j == 0)
-                else:
-                    _cut_rows(part, prefix, rows)
-                target = f"{layer}.self_attn.parts.{j}.{projection}" if segmented else prefix
-                weights.update({name.replace(prefix, target, 1): array for name, array in part.items()})
-    mx.eval([weights[name] for name in weights if name.startswith("layers.")])
+    out = []
+    for j, segment in enumerate(heads.segments):
+        target = module.replace("self_attn.", f"self_attn.parts.{j}.", 1) if segmented else module
+        if module in ("self_attn.q_norm", "self_attn.k_norm"):  # per head: every segment the same
+            out.append((target, array))
+            continue
+        heads_of = segment.kv if module in ("self_attn.k_proj", "self_attn.v_proj") else segment.q
+        rows = (heads_of[0] * hd, heads_of[1] * hd)
+        if module != "self_attn.o_proj":
+            out.append((target, _rows(array, part, rows)))
+        elif part != "bias" or (first and j == 0):
+            out.append((target, _columns(module, array, part, rows, config.num_attention_heads * hd)))
+    return out
 
 
-def _take_rows(array: mx.array, rows: tuple[int, int]) -> mx.array:
+def _rows(array: mx.array, part: str, rows: tuple[int, int]) -> mx.array:
     """Rows [begin, end) of a matrix (or of each expert's, [experts, out, in]), or of a bias vector."""
+    if part == "ggml_type":  # a GGUF type held as row bytes: its one-element type id
+        return array
     if array.ndim == 1:
         return mx.array(array[rows[0]:rows[1]])  # a copy: the whole array is freed
     return mx.array(array[..., rows[0]:rows[1], :])
 
 
-def _cut_rows(weights: dict, prefix: str, rows) -> None:
-    for part in ("weight", "scales", "biases", "bias"):
-        name = f"{prefix}.{part}"
-        if name in weights:
-            weights[name] = _take_rows(weights[name], rows)
-
-
-def _cut_columns(weights: dict, prefix: str, columns: tuple[int, int], in_features: int, keep_bias: bool) -> None:
+def _columns(module: str, array: mx.array, part: str, columns: tuple[int, int], in_features: int) -> mx.array:
+    """Input columns [begin, end) of one array of a matrix split by its inputs: float as they are, MLX's
+    packed words and per-group scales/biases on whole groups; a bias (the outputs') whole."""
     begin, end = columns
-    weight = weights[f"{prefix}.weight"]
-    scales = weights.get(f"{prefix}.scales")
-    if scales is None and weight.dtype not in (mx.float32, mx.float16, mx.bfloat16):  # a GGUF type's row bytes
-        raise UserError(f"--tensor-parallel: {prefix} is held in GGUF blocks that cannot be cut by input "
+    if part in ("bias", "ggml_type"):
+        return array
+    floating = array.dtype in (mx.float32, mx.float16, mx.bfloat16)
+    if part == "weight" and floating:
+        return mx.array(array[..., begin:end])
+    if (part == "weight" and array.dtype != mx.uint32) or (part != "weight" and not floating):
+        raise UserError(f"--tensor-parallel: {module} is held in GGUF blocks that cannot be cut by input "
                         f"features yet; run with --tensor-parallel 1")
-    if scales is None:
-        weights[f"{prefix}.weight"] = mx.array(weight[..., begin:end])
-    else:
-        if scales.dtype not in (mx.float32, mx.float16, mx.bfloat16):
-            raise UserError(f"--tensor-parallel: {prefix} is held in GGUF blocks that cannot be cut by input "
-                            f"features yet; run with --tensor-parallel 1")
-        bits = weight.shape[-1] * 32 // in_features
-        group = in_features // scales.shape[-1]
-        if begin % group or end % group or (begin * bits) % 32 or (end * bits) % 32:
-            raise UserError(f"--tensor-parallel: {prefix}'s share [{begin}, {end}) of its inputs cuts its "
-                            f"quantization groups of {group}; use another --tensor-parallel")
-        weights[f"{prefix}.weight"] = mx.array(weight[..., begin * bits // 32:end * bits // 32])
-        for part in ("scales", "biases"):
-            name = f"{prefix}.{part}"
-            if name in weights:
-                weights[name] = mx.array(weights[name][..., begin // group:end // group])
-    if not keep_bias:
-        weights.pop(f"{prefix}.bias", None)
+    per = in_features // array.shape[-1] if part != "weight" else 0  # scales/biases: inputs per group
+    if part == "weight":
+        bits = array.shape[-1] * 32 // in_features
+        if (begin * bits) % 32 or (end * bits) % 32:
+            raise UserError(f"--tensor-parallel: {module}'s share [{begin}, {end}) of its inputs cuts its "
+                            f"packed words; use another --tensor-parallel")
+        return mx.array(array[..., begin * bits // 32:end * bits // 32])
+    if begin % per or end % per:
+        raise UserError(f"--tensor-parallel: {module}'s share [{begin}, {end}) of its inputs cuts its "
+                        f"quantization groups of {per}; use another --tensor-parallel")
+    return mx.array(array[..., begin // per:end // per])
 
 
 def share_fractions(config: ModelConfig, shard: Shard) -> tuple[float, float]:

@@ -51,7 +51,7 @@ class Stage:
         cut = None
         if shard is not None and shard.size > 1:
             shard_modules(model, config, shard)
-            cut, int8_in_place = (lambda weights: shard_weights(weights, config, shard)), None  # repacked after the cut
+            cut, int8_in_place = (lambda weights, names: shard_weights(weights, config, shard, names)), None  # int8 after
         names = load_slice(model, checkpoint, dtype, requantize, progress=progress,
                            int8_in_place=None if dense else int8_in_place, cut=cut)
         if cut is not None:

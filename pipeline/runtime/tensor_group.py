@@ -121,7 +121,7 @@ class LeaderStage(Stage):
         send(self.group, FORK, len(new_ids), [*new_ids, *kept_ids, *lengths])
         super().fork(new_ids, kept_ids, lengths)
 
-    def load_stored(self, seq_id: int, arrays: list[np.ndarray], dtype: str) -> bool:
+    def load_stored(self, seq_id: int, arrays: list, *layout) -> bool:
         return False  # the prompt cache on disk is refused with --tensor-parallel (job.prompt_cache)
 
 
