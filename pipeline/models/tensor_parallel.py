@@ -315,12 +315,12 @@ def _columns(module: str, array: mx.array, part: str, columns: tuple[int, int], 
     if part == "weight":
         bits = array.shape[-1] * 32 // in_features
         if (begin * bits) % 32 or (end * bits) % 32:
-            raise UserError(f"--tensor-parallel: {module}'s share [{begin}, {end}) of its inputs cuts its "
-                            f"packed words; use another --tensor-parallel")
+            raise UserError(f"--tensor-parallel: the shares of {module}'s {in_features} inputs cut its packed "
+                            f"words; use another --tensor-parallel")
         return mx.array(array[..., begin * bits // 32:end * bits // 32])
-    if begin % per or end % per:
-        raise UserError(f"--tensor-parallel: {module}'s share [{begin}, {end}) of its inputs cuts its "
-                        f"quantization groups of {per}; use another --tensor-parallel")
+    if begin % per or end % per:  # the same line on every rank it fails on
+        raise UserError(f"--tensor-parallel: the shares of {module}'s {in_features} inputs cut its quantization "
+                        f"groups of {per}; use a smaller --tensor-parallel or --group-size")
     return mx.array(array[..., begin // per:end // per])
 
 
