@@ -95,7 +95,7 @@ def minimax_m2_tensors(model) -> dict:
     return tensors
 
 
-def write_minimax_m2_gguf(path, model, vocab, quantized: str = "") -> None:
+def write_minimax_m2_gguf(path, model, vocab, quantized: str = "", gating=gguf.ExpertGatingFuncType.SIGMOID) -> None:
     c = model.config
 
     def metadata(writer):
@@ -104,6 +104,7 @@ def write_minimax_m2_gguf(path, model, vocab, quantized: str = "") -> None:
         writer.add_expert_used_count(c.num_experts_per_tok)
         writer.add_expert_feed_forward_length(c.intermediate_size)
         writer.add_rope_dimension_count(c.rotary_dim)  # the published legacy field, as MiniMaxM2Model writes
+        writer.add_expert_gating_func(gating)  # TextModel's, from scoring_func
 
     _write(path, "minimax-m2", minimax_m2_tensors(model), metadata, vocab, quantized)
 
@@ -154,6 +155,18 @@ def test_a_misread_minimax_m2_gguf_is_caught(bug, minimax_gguf, monkeypatch):
     wrong, _, _ = _gguf_logits(path, [(0, 4)])
     print(f"{bug}: max logit error {np.abs(wrong - expected).max():.3g}")
     assert np.abs(wrong - expected).max() > 100 * MINIMAX_TOLERANCE
+
+
+def test_a_minimax_m2_gguf_with_softmax_gating_is_refused(minimax_gguf):
+    from pipeline.checkpoints.gguf_checkpoint import GGUFCheckpoint
+    from pipeline.util.errors import UserError
+    from test_minimax_glm import make_minimax_m2 as make
+
+    path = minimax_gguf[0].with_name("tiny-minimax-m2-softmax.gguf")
+    write_minimax_m2_gguf(path, make(path.parent / "softmax"), gguf_vocab(path.parent), "",
+                          gguf.ExpertGatingFuncType.SOFTMAX)
+    with pytest.raises(UserError, match="expert_gating_func is 1; MiniMax-M2 routes by sigmoid"):
+        GGUFCheckpoint(path)
 
 
 def test_a_quantized_minimax_m2_gguf_holds_its_blocks(minimax_gguf):
@@ -312,7 +325,8 @@ def test_a_misread_glm_dsa_gguf_is_caught(bug, glm_gguf, monkeypatch):
     if bug == "indexer_rope_halves":
         monkeypatch.setattr(gguf_glm, "config_fields", lambda *a: {**fields(*a), "indexer_rope_interleave": False})
     else:
-        monkeypatch.setattr(gguf_glm, "config_fields", lambda *a: {**fields(*a), "index_topk": fields(*a)["index_topk"] - 1})
+        monkeypatch.setattr(gguf_glm, "config_fields",
+                            lambda *a: {**fields(*a), "index_topk": fields(*a)["index_topk"] - 1})
     wrong, _, _ = _gguf_logits(path, [(0, 5)])
     print(f"{bug}: max logit error {np.abs(wrong - expected).max():.3g}")
     assert np.abs(wrong - expected).max() > 100 * GLM_TOLERANCE

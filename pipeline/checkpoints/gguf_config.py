@@ -84,7 +84,7 @@ def build_config(g: GGUFModel) -> dict[str, Any]:
         config.update(gguf_qwen35.config_fields(need, get, g.tensors, layers - int(get("nextn_predict_layers", 0) or 0),
                                                 config["head_dim"]))
     if arch == gguf_minimax.ARCH:
-        config.update(gguf_minimax.config_fields(need, get, g.tensors, config["head_dim"]))
+        config.update(gguf_minimax.config_fields(need, get, g.tensors, config["head_dim"], path))
     if arch in ("deepseek2", gguf_glm.ARCH):  # GLM-5's converter is DeepSeek V2's, plus the indexer
         rope = int(need("rope.dimension_count"))
         # Files converted since llama.cpp split kv_b (MLA as MQA) keep the per-head sizes in *_mla keys;

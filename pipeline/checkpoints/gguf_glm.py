@@ -57,7 +57,8 @@ def config_fields(need, get, tensors, path) -> dict[str, Any]:
     sparse = [f"blk.{i}.ffn_gate_inp.weight" in tensors for i in range(layers)]
     return dict(
         model_type="glm_moe_dsa", num_hidden_layers=layers,
-        index_n_heads=int(need("attention.indexer.head_count")), index_head_dim=int(need("attention.indexer.key_length")),
+        index_n_heads=int(need("attention.indexer.head_count")),
+        index_head_dim=int(need("attention.indexer.key_length")),
         index_topk=int(need("attention.indexer.top_k")),
         indexer_types=["full" if t else "shared" for t in types],
         mlp_layer_types=["sparse" if s else "dense" for s in sparse],
