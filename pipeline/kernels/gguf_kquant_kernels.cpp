@@ -90,12 +90,45 @@ struct Unpacked {
     float d, dmin;
 };
 
-/* Q3_K / Q2_K / TQ2_0: the 2 low bits of value 128 h + 32 s + l. */
-inline void two_bits(const uint8_t *qs, int8_t *q) {
+/* Q3_K / Q2_K / TQ2_0: the 2 low bits of value 128 h + 32 s + l, minus `offset`. */
+inline void two_bits(const uint8_t *qs, int8_t *q, int offset = 0) {
+#if defined(__AVX2__)
+    const __m256i minus = _mm256_set1_epi8(char(offset));
+    for (int h = 0; h < 2; h++) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(qs + 32 * h));
+        for (int s = 0; s < 4; s++) {
+            const __m256i bits = _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(2 * s)), _mm256_set1_epi8(3));
+            _mm256_store_si256(reinterpret_cast<__m256i *>(q + 128 * h + 32 * s), _mm256_sub_epi8(bits, minus));
+        }
+    }
+#else
     for (int h = 0; h < 2; h++)
         for (int s = 0; s < 4; s++)
-            for (int l = 0; l < 32; l++) q[128 * h + 32 * s + l] = int8_t((qs[32 * h + l] >> (2 * s)) & 3);
+            for (int l = 0; l < 32; l++) q[128 * h + 32 * s + l] = int8_t(((qs[32 * h + l] >> (2 * s)) & 3) - offset);
+#endif
 }
+
+#if defined(__AVX2__)
+inline __m256i load32(const uint8_t *p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i *>(p)); }
+inline void store32(int8_t *p, __m256i v) { _mm256_store_si256(reinterpret_cast<__m256i *>(p), v); }
+/* bit `s` of every byte of v, as 0 or 1 (a 16-bit shift moves the high byte's bits into the low byte's top
+   bits only: bit 0 of each byte is its own bit s) */
+inline __m256i bit_of(__m256i v, int s) {
+    return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(s)), _mm256_set1_epi8(1));
+}
+/* TQ1_0: base-3 digit `power` (3^n) of every byte b, minus 1: ((uint8(b * 3^n) * 3) >> 8) - 1, in 16-bit lanes */
+inline __m256i ternary_digits(__m256i v, int power) {
+    const __m256i p = _mm256_set1_epi16(int16_t(power)), three = _mm256_set1_epi16(3), low = _mm256_set1_epi16(0xFF);
+    const __m256i even = _mm256_and_si256(_mm256_mullo_epi16(_mm256_and_si256(v, low), p), low);
+    const __m256i odd = _mm256_and_si256(_mm256_mullo_epi16(_mm256_srli_epi16(v, 8), p), low);
+    const __m256i digits = _mm256_or_si256(_mm256_srli_epi16(_mm256_mullo_epi16(even, three), 8),
+                                           _mm256_slli_epi16(_mm256_srli_epi16(_mm256_mullo_epi16(odd, three), 8), 8));
+    return _mm256_sub_epi8(digits, _mm256_set1_epi8(1));
+}
+inline __m256i two_bits_of(__m256i v, int s) {
+    return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(2 * s)), _mm256_set1_epi8(3));
+}
+#endif
 
 inline void unpack(int type, const uint8_t *b, Unpacked &u) {
     switch (type) {
@@ -115,22 +148,44 @@ inline void unpack(int type, const uint8_t *b, Unpacked &u) {
                 u.sc[2 * j] = u.sc[2 * j + 1] = sc;
                 u.mn[2 * j] = u.mn[2 * j + 1] = m;
             }
+#if defined(__AVX2__)
+            const __m256i high = load32(qh), nibble = _mm256_set1_epi8(15);
+            for (int c = 0; c < 4; c++) {
+                const __m256i low = load32(qs + 32 * c);
+                store32(u.q + 64 * c, _mm256_or_si256(_mm256_and_si256(low, nibble),
+                                                      _mm256_slli_epi16(bit_of(high, 2 * c), 4)));
+                store32(u.q + 64 * c + 32, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low, 4), nibble),
+                                                           _mm256_slli_epi16(bit_of(high, 2 * c + 1), 4)));
+            }
+#else
             for (int c = 0; c < 4; c++)
                 for (int l = 0; l < 32; l++) {
                     u.q[64 * c + l] = int8_t((qs[32 * c + l] & 15) | (((qh[l] >> (2 * c)) & 1) << 4));
                     u.q[64 * c + 32 + l] = int8_t((qs[32 * c + l] >> 4) | (((qh[l] >> (2 * c + 1)) & 1) << 4));
                 }
+#endif
             return;
         }
         case Q3_K: {
             const uint8_t *hmask = b, *qs = b + 32, *s = b + 96;
             u.d = half_at(b + 108);
             u.dmin = 0.0f;
+#if defined(__AVX2__)
+            const __m256i high = load32(hmask), four = _mm256_set1_epi8(4);
+            for (int h = 0; h < 2; h++) {
+                const __m256i low = load32(qs + 32 * h);
+                for (int t = 0; t < 4; t++)  // q = low + 4 bit - 4
+                    store32(u.q + 128 * h + 32 * t,
+                            _mm256_sub_epi8(_mm256_or_si256(two_bits_of(low, t), _mm256_slli_epi16(bit_of(high, 4 * h + t), 2)),
+                                            four));
+            }
+#else
             two_bits(qs, u.q);
             for (int h = 0; h < 2; h++)
                 for (int t = 0; t < 4; t++)
                     for (int l = 0; l < 32; l++)
                         u.q[128 * h + 32 * t + l] -= int8_t((((hmask[l] >> (4 * h + t)) & 1) ^ 1) << 2);
+#endif
             for (int g = 0; g < GROUPS; g++) {
                 const int low = g < 8 ? s[g] & 15 : s[g - 8] >> 4, high = (s[8 + g % 4] >> (2 * (g / 4))) & 3;
                 u.sc[g] = (low | (high << 4)) - 32;
@@ -152,8 +207,7 @@ inline void unpack(int type, const uint8_t *b, Unpacked &u) {
         case TQ2_0: {
             u.d = half_at(b + 64);
             u.dmin = 0.0f;
-            two_bits(b, u.q);
-            for (int i = 0; i < SUPER; i++) u.q[i] -= 1;
+            two_bits(b, u.q, 1);
             for (int g = 0; g < GROUPS; g++) u.sc[g] = 1, u.mn[g] = 0;
             return;
         }
@@ -165,10 +219,19 @@ inline void unpack(int type, const uint8_t *b, Unpacked &u) {
             auto digit = [](uint8_t byte, uint8_t power) {
                 return int8_t(((uint16_t(uint8_t(byte * power)) * 3) >> 8) - 1);
             };
+#if defined(__AVX2__)
+            const __m256i first = load32(qs), second = _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i *>(qs + 32)));
+            for (int n = 0; n < 5; n++) {
+                store32(u.q + 32 * n, ternary_digits(first, POW3[n]));
+                _mm_storeu_si128(reinterpret_cast<__m128i *>(u.q + 160 + 16 * n),
+                                 _mm256_castsi256_si128(ternary_digits(second, POW3[n])));
+            }
+#else
             for (int n = 0; n < 5; n++)
                 for (int m = 0; m < 32; m++) u.q[32 * n + m] = digit(qs[m], POW3[n]);
             for (int n = 0; n < 5; n++)
                 for (int m = 0; m < 16; m++) u.q[160 + 16 * n + m] = digit(qs[32 + m], POW3[n]);
+#endif
             for (int n = 0; n < 4; n++)
                 for (int m = 0; m < 4; m++) u.q[240 + 4 * n + m] = digit(qh[m], POW3[n]);
             for (int g = 0; g < GROUPS; g++) u.sc[g] = 1, u.mn[g] = 0;
@@ -176,6 +239,46 @@ inline void unpack(int type, const uint8_t *b, Unpacked &u) {
         }
     }
 }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* The 16 scales and mins of unpack as int32 vectors, computed in registers from the block's bytes (the int8
+   products read them so: the arrays' narrow stores would stall a wide load). */
+inline void scale_vectors(int type, const uint8_t *b, __m512i &sc, __m512i &mn) {
+    switch (type) {
+        case Q5_K: {  // ggml's get_scale_min_k4 on 32-bit words: scales 0-3 / 4-7, mins 0-3 / 4-7
+            uint32_t w[3];
+            std::memcpy(w, b + 4, 12);
+            const uint32_t sc_lo = w[0] & 0x3f3f3f3f, m_lo = w[1] & 0x3f3f3f3f;
+            const uint32_t sc_hi = (w[2] & 0x0f0f0f0f) | ((w[0] >> 2) & 0x30303030);
+            const uint32_t m_hi = ((w[2] >> 4) & 0x0f0f0f0f) | ((w[1] >> 2) & 0x30303030);
+            const __m128i scales = _mm_setr_epi32(int(sc_lo), int(sc_hi), 0, 0), mins = _mm_setr_epi32(int(m_lo), int(m_hi), 0, 0);
+            sc = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(scales, scales));  // each for its two 16-value groups
+            mn = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(mins, mins));
+            return;
+        }
+        case Q3_K: {
+            const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i *>(b + 96)), nibble = _mm_set1_epi8(15);
+            const __m128i low = _mm_unpacklo_epi64(_mm_and_si128(v, nibble), _mm_and_si128(_mm_srli_epi16(v, 4), nibble));
+            uint32_t x;
+            std::memcpy(&x, b + 104, 4);
+            const __m128i high = _mm_setr_epi32(int(x & 0x03030303), int((x >> 2) & 0x03030303), int((x >> 4) & 0x03030303),
+                                                int((x >> 6) & 0x03030303));
+            sc = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_or_si128(low, _mm_slli_epi16(high, 4))), _mm512_set1_epi32(32));
+            mn = _mm512_setzero_si512();
+            return;
+        }
+        case Q2_K: {
+            const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i *>(b)), nibble = _mm_set1_epi8(15);
+            sc = _mm512_cvtepu8_epi32(_mm_and_si128(v, nibble));
+            mn = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), nibble));
+            return;
+        }
+        default:  // the ternary types
+            sc = _mm512_set1_epi32(1);
+            mn = _mm512_setzero_si512();
+    }
+}
+#endif
 
 /* The super-block's 256 weights in float32, as the gguf package computes them (the opening comment). */
 inline void dequantize(int type, const Unpacked &u, float *w) {
@@ -204,20 +307,48 @@ struct KMatrix {
 
 constexpr int FLOAT_TILE = 8;  // rows sharing each dequantized super-block
 
-template <int R>
-void float_tile(const KMatrix &m, int64_t col, const float *const *x, float *const *out) {
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+
+/* Group g's 16 weights in float32, as dequantize computes them (the same two roundings: an exact product, then
+   the min's subtraction), in a vector. */
+template <bool MINS>
+inline v16 group_weights(const Unpacked &u, int g, float scale, float shift) {
+#if defined(__AVX512F__)
+    const v16 f = (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i *>(u.q + 16 * g))));
+#elif defined(__AVX2__)
+    const __m256 halves[2] = {
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(u.q + 16 * g)))),
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(u.q + 16 * g + 8))))};
+    v16 f;
+    std::memcpy(&f, halves, 64);
+#else
+    i8x16 q;
+    std::memcpy(&q, u.q + 16 * g, 16);
+    const v16 f = __builtin_convertvector(q, v16);
+#endif
+    const v16 w = f * splat(scale);  // exact: the same value whatever the path
+    if constexpr (MINS) return w - splat(shift);
+    return w;
+}
+
+template <int R, bool MINS>
+void float_tile_of(const KMatrix &m, int64_t col, const float *const *x, float *const *out) {
     v16 acc[R] = {};
     Unpacked u;
-    alignas(64) float w[SUPER];
     for (int64_t sb = 0; sb < m.k / SUPER; sb++) {
         unpack(m.type, m.block(col, sb), u);
-        dequantize(m.type, u, w);
-        for (int c = 0; c < SUPER / 16; c++) {
-            const v16 wc = load16(w + 16 * c);
-            for (int r = 0; r < R; r++) acc[r] = fma16(wc, load16(x[r] + SUPER * sb + 16 * c), acc[r]);
+        for (int g = 0; g < GROUPS; g++) {
+            const v16 w = group_weights<MINS>(u, g, u.d * float(u.sc[g]), u.dmin * float(u.mn[g]));
+            for (int r = 0; r < R; r++) acc[r] = fma16(w, load16(x[r] + SUPER * sb + 16 * g), acc[r]);
         }
     }
     for (int r = 0; r < R; r++) out[r][col] = lanes_sum(acc[r]);
+}
+
+template <int R>
+void float_tile(const KMatrix &m, int64_t col, const float *const *x, float *const *out) {
+    if (has_mins(m.type)) return float_tile_of<R, true>(m, col, x, out);
+    float_tile_of<R, false>(m, col, x, out);
 }
 
 template <int R = 1>
@@ -266,8 +397,8 @@ RoundedRows round_rows(const float *x, int64_t rows, int64_t k) {
 
 /* sum_g sc[g] * sum_{i < 16} q[16 g + i] * xq[16 g + i] over a super-block: exact integers on every path
    (|q| <= 31, so vpmaddubsw's pair sums of |q| times x with q's sign cannot saturate). */
-inline int32_t scaled_dot(const Unpacked &u, const int8_t *xq) {
 #if defined(__AVX512BW__) && defined(__AVX512F__)
+inline int32_t scaled_dot(const Unpacked &u, const int8_t *xq, __m512i scale_vector) {
     __m512i total = _mm512_setzero_si512();
     for (int c = 0; c < 4; c++) {  // 64 values a step: 16 lanes of 4 products, lanes 4g'..4g'+3 group 4c + g'
         const __m512i w = _mm512_load_si512(u.q + 64 * c);
@@ -279,13 +410,16 @@ inline int32_t scaled_dot(const Unpacked &u, const int8_t *xq) {
 #else
         const __m512i lanes = _mm512_madd_epi16(_mm512_maddubs_epi16(magnitude, signed_x), _mm512_set1_epi16(1));
 #endif
-        const __m128i four = _mm_load_si128(reinterpret_cast<const __m128i *>(u.sc + 4 * c));
         const __m512i scales = _mm512_permutexvar_epi32(
-            _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), _mm512_castsi128_si512(four));
+            _mm512_add_epi32(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), _mm512_set1_epi32(4 * c)),
+            scale_vector);
         total = _mm512_add_epi32(total, _mm512_mullo_epi32(lanes, scales));
     }
     return _mm512_reduce_add_epi32(total);
-#elif defined(__AVX2__)
+}
+#else
+inline int32_t scaled_dot(const Unpacked &u, const int8_t *xq) {
+#if defined(__AVX2__)
     __m256i total = _mm256_setzero_si256();
     for (int c = 0; c < 8; c++) {  // 32 values a step: 8 lanes of 4 products, lanes 0-3 group 2c, 4-7 group 2c + 1
         const __m256i w = _mm256_load_si256(reinterpret_cast<const __m256i *>(u.q + 32 * c));
@@ -309,6 +443,7 @@ inline int32_t scaled_dot(const Unpacked &u, const int8_t *xq) {
     return total;
 #endif
 }
+#endif
 
 constexpr int INT8_TILE = 4;  // rows sharing each unpacked super-block
 
@@ -320,13 +455,25 @@ void int8_tile(const KMatrix &m, int64_t col, const int8_t *const *xq, const flo
     const bool mins = has_mins(m.type);
     for (int64_t sb = 0; sb < m.k / SUPER; sb++) {
         unpack(m.type, m.block(col, sb), u);
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        __m512i scale_vector, min_vector;
+        scale_vectors(m.type, m.block(col, sb), scale_vector, min_vector);
+#endif
         for (int r = 0; r < R; r++) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+            const int32_t s = scaled_dot(u, xq[r] + SUPER * sb, scale_vector);
+#else
             const int32_t s = scaled_dot(u, xq[r] + SUPER * sb);
+#endif
             acc[r] = std::fma(float(s), u.d * xd[r][sb], acc[r]);
             if (mins) {
-                int32_t total = 0;
                 const int32_t *sums = bsums[r] + GROUPS * sb;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+                const int32_t total = _mm512_reduce_add_epi32(_mm512_mullo_epi32(min_vector, _mm512_loadu_si512(sums)));
+#else
+                int32_t total = 0;
                 for (int g = 0; g < GROUPS; g++) total += u.mn[g] * sums[g];
+#endif
                 acc[r] = std::fma(float(total), -(u.dmin * xd[r][sb]), acc[r]);
             }
         }
