@@ -124,17 +124,6 @@ def test_two_ranks_generate_transformers_text(v4):
     assert result.stdout[:-1] == transformers_text(reference, folder, TEXT, 16)
 
 
-def test_the_prompt_cache_on_disk_is_refused_in_one_line(v4, tmp_path):
-    """Its files hold keys and values, not V4's compressed caches: --prompt-cache-dir is one error line
-    (the prefix cache in memory serves V4: test_deepseek_v4_features.py)."""
-    from test_mpi_generate import assert_fails_cleanly
-
-    folder, _, _ = v4
-    result = mpiexec(2, "serve", "--port", "0", "--model", str(folder), "--prompt-cache-dir", str(tmp_path / "cache"),
-                     "--split", "1,4", timeout=120)
-    assert_fails_cleanly(result, "deepseek_v4", "--prompt-cache-dir")
-
-
 def test_batch_on_three_ranks(v4, tmp_path):
     """`batch` on 3 ranks, the hash-routed layer 1 on rank 1 (token ids in the messages), prompts of
     different lengths packed into micro-batches: each text is transformers' greedy one."""

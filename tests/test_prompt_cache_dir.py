@@ -49,8 +49,8 @@ def test_an_entry_round_trips_and_is_found_by_its_tokens(tmp_path):
     store.flush()
     found = store.scan()
     assert list(found) == [key] and found[key].tokens == tuple(tokens) and found[key].positions == 200
-    loaded, dtype = store.load(key, 150)
-    assert dtype == "float32" and all(np.array_equal(a, b[:, :, :150]) for a, b in zip(loaded, held))
+    loaded = store.load(key, 150)
+    assert all(a.dtype == "float32" and np.array_equal(a.data, b[:, :, :150]) for a, b in zip(loaded, held))
     assert not store.warnings
     assert (tmp_path / "cache").stat().st_mode & 0o022 == 0 and store.path(key).stat().st_mode & 0o077 == 0
     # another rank's layers, another model: other names, not this store's

@@ -263,18 +263,6 @@ def test_three_ranks_batch_with_prefix_cache_and_ngram_drafts(qwen, tmp_path):
     assert results["cached"][0]["usage"]["prompt_tokens"] == 31
 
 
-def test_the_prompt_cache_on_disk_is_refused_in_one_line(qwen, tmp_path):
-    """Its entries do not hold the linear states: --prompt-cache-dir is one line naming the family and
-    the way out, before any weight is read."""
-    from conftest import mpiexec
-    from test_mpi_generate import assert_fails_cleanly  # here: the helper lives with the generate tests
-
-    _, _, folder = qwen
-    (tmp_path / "store").mkdir(mode=0o700)
-    result = mpiexec(1, "serve", "--model", str(folder), "--prompt-cache-dir", str(tmp_path / "store"))
-    assert_fails_cleanly(result, "qwen3_5_moe", "linear-attention states", "--prompt-cache-dir")
-
-
 def test_the_index_resumes_from_points_and_keeps_what_only_one_entry_offers():
     """PrefixCache with resume points (no model): a match resumes from the longest point within it; an
     entry whose tokens are a prefix of a new one stays where the new one lacks its points; each entry is

@@ -48,6 +48,17 @@ class KVCache:
         cache.offset = length
         return cache
 
+    def state_arrays(self) -> list[tuple[str, mx.array, int | None]]:
+        """The whole state as named arrays (the prompt cache on disk: stage.Stage.stored_arrays), each
+        with its positions axis: keys and values as held (room past `offset` included: cut by the store)."""
+        return [("keys", self.keys, 2), ("values", self.values, 2)]
+
+    def load_state_arrays(self, named: dict[str, mx.array], positions: int) -> None:
+        """Become the state `state_arrays` gave, at `positions` (ValueError where the arrays are not it)."""
+        if set(named) != {"keys", "values"} or any(a.ndim != 4 or a.shape[2] != positions for a in named.values()):
+            raise ValueError("not a KV cache's keys and values")
+        self.keys, self.values, self.offset = named["keys"], named["values"], positions
+
     @property
     def nbytes(self) -> int:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
@@ -139,6 +150,18 @@ class LinearAttentionState:
         if length and self.points:  # (a state keeping points: a prefix cache's; a draft's copy keeps none)
             state.points[length] = (state.conv, state.recurrent)
         return state
+
+    def state_arrays(self) -> list[tuple[str, mx.array, int | None]]:
+        """The state after `offset` positions as named arrays (neither cut to a shorter prefix: no
+        positions axis); the kept points and trail are not part of it."""
+        return [("conv", self.conv, None), ("recurrent", self.recurrent, None)]
+
+    def load_state_arrays(self, named: dict[str, mx.array], positions: int) -> None:
+        """Become the state `state_arrays` gave, after `positions` positions: its one kept point."""
+        if set(named) != {"conv", "recurrent"} or named["conv"].ndim != 2 or named["recurrent"].ndim < 3:
+            raise ValueError("not a linear-attention state's convolution window and memory")
+        self.conv, self.recurrent, self._offset = named["conv"], named["recurrent"], positions
+        self.points, self.trail = {positions: (self.conv, self.recurrent)}, None
 
     @property
     def nbytes(self) -> int:

@@ -385,6 +385,53 @@ class CompressedCache:
         other._become(state, length)
         return other
 
+    SERIES_FIELDS = ("entries", "pending_kv", "pending_gate", "overlap_kv", "overlap_gate")
+
+    def state_arrays(self) -> list[tuple[str, mx.array, int | None]]:
+        """The state after `offset` positions as named arrays for the prompt cache on disk (none cut to a
+        shorter prefix: the window and the open compressed windows cannot be): the window of keys, each
+        series' count, entries, pending tokens' projections and overlap halves (those it holds). The logs
+        and kept points are not part of it."""
+        named = [("window", self.window, None)] if self.window is not None else []
+        for label, s in zip(("compressor", "indexer"), (self.compressor, self.indexer)):
+            if s is not None:
+                named.append((f"{label}.count", mx.array([s.count], mx.int64), None))
+                named += [(f"{label}.{f}", getattr(s, f), None) for f in self.SERIES_FIELDS if getattr(s, f) is not None]
+        return named
+
+    def load_state_arrays(self, named: dict[str, mx.array], positions: int) -> None:
+        """Become the state `state_arrays` gave, after `positions` positions (ValueError where the arrays
+        are not it); that state is kept as a point (a later fork can start from it)."""
+        named = dict(named)
+        window = named.pop("window", None)
+        if window is None or window.ndim != 2 or window.shape[0] != min(positions, self.keep):
+            raise ValueError("not a DeepSeek V4 cache's window of keys")
+        series = []
+        for label, s in zip(("compressor", "indexer"), (self.compressor, self.indexer)):
+            if s is None:
+                continue
+            count = named.pop(f"{label}.count", None)
+            if count is None or count.size != 1:
+                raise ValueError(f"no count of the {label} series")
+            s = Series()
+            s.count = int(count.item())
+            for f in self.SERIES_FIELDS:
+                setattr(s, f, named.pop(f"{label}.{f}", None))
+            if (s.entries.shape[0] if s.entries is not None else 0) != s.count:
+                raise ValueError(f"the {label} series' entries are not its count")
+            series.append(s)
+        if named:
+            raise ValueError(f"arrays a DeepSeek V4 {self.kind} cache does not hold: {sorted(named)}")
+        self.logs, self.points = [], {}
+        self._become((window, series), positions)
+        if self.stride:
+            kept = []
+            for s in series:
+                point = s.copy()
+                point.entries = None
+                kept.append(point)
+            self.points[positions] = (window, kept)
+
     @property
     def nbytes(self) -> int:
         series = sum(s.nbytes for s in self.series())

@@ -34,13 +34,13 @@ class Family:
 LLAMA = Family("llama")
 DEEPSEEK_V3 = Family("deepseek_v3", mtp=True)
 # DeepSeek V4's compressed caches resume a prefix or drop rejected drafts from the states they keep
-# (models/deepseek_v4.py CompressedCache); the prompt cache on disk does not store them.
-DEEPSEEK_V4 = Family("deepseek_v4", stored_cache=False, mtp=True)
+# (models/deepseek_v4.py CompressedCache); the prompt cache on disk stores a sequence's states at its end.
+DEEPSEEK_V4 = Family("deepseek_v4", mtp=True)
 # Qwen3.5's linear-attention layers keep one fixed-size state per sequence (models/gated_deltanet.py),
 # which sums up every position seen: the prefix cache resumes it only where it kept it (the end of a
 # prompt chunk or of a sequence), and a rejected draft goes back to a state the verify trip kept
-# (models.cache.LinearAttentionState). The prompt cache on disk does not store those states yet.
-QWEN3_5_MOE = Family("qwen3_5_moe", stored_cache=False, kept_state="linear-attention states")
+# (models.cache.LinearAttentionState). The prompt cache on disk stores those states at a sequence's end.
+QWEN3_5_MOE = Family("qwen3_5_moe", kept_state="linear-attention states")
 
 FAMILIES: dict[str, Family] = {
     "llama": LLAMA,

@@ -306,7 +306,7 @@ def prompt_cache(settings: JobSettings, job: RingJob, comm) -> PromptCache | Non
         complete = [entry for key, entry in found.items()
                     if entry.tokens is not None and all(other.get(key) == entry.positions for other in held)]
         complete.sort(key=lambda entry: entry.last_used)
-        index.restore([(entry.key, entry.tokens) for entry in complete])
+        index.restore([(entry.key, entry.tokens, entry.points) for entry in complete])
         keep = set(index.index.entries)
     keep = comm.bcast(keep, root=0)
     removed = [key for key in found if key not in keep]

@@ -136,12 +136,13 @@ class StoredIndex:
         self.loaded_tokens = 0
         self.load_s = self.save_s = 0.0  # rank 0's reading and handing over of entries, on the scheduler's thread
 
-    def restore(self, stored: list[tuple[int, tuple[int, ...]]]) -> list[int]:
-        """The entries found at start-up, (key, tokens) least recently used first; returns the keys
-        to remove (another entry holds all their positions, or over the bound)."""
+    def restore(self, stored: list[tuple]) -> list[int]:
+        """The entries found at start-up, (key, tokens[, resume points: None where any length]) least
+        recently used first; returns the keys to remove (another entry holds all their positions, or over
+        the bound)."""
         removed = []
-        for key, tokens in stored:
-            removed += self.index.add(key, list(tokens))
+        for key, tokens, *points in stored:
+            removed += self.index.add(key, list(tokens), points[0] if points else None)
         return removed
 
     def lookup(self, prompt_ids: list[int], beyond: int) -> tuple[int | None, int]:
@@ -153,9 +154,10 @@ class StoredIndex:
         self.index.entries.move_to_end(best)
         return best, best_len
 
-    def add(self, tokens: list[int]) -> tuple[int | None, list[int]]:
-        """A finished sequence's tokens: (the key to write it under, or None where it is not written:
-        too short, or a stored entry already holds all its positions; the keys to remove)."""
+    def add(self, tokens: list[int], points: list[int] | None = None) -> tuple[int | None, list[int]]:
+        """A finished sequence's tokens (`points`: its resume points where its states cannot be cut: its
+        length, for a stored entry): (the key to write it under, or None where it is not written: too
+        short, or a stored entry already holds all its positions; the keys to remove)."""
         if len(tokens) < self.min_positions:
             return None, []
         key = self.key(tokens)
@@ -164,7 +166,7 @@ class StoredIndex:
                 self.index.entries.move_to_end(key)
                 return None, []
             self.index._drop(key)  # another entry's tokens under the same key: the new one replaces it
-        removed = self.index.add(key, tokens)
+        removed = self.index.add(key, tokens, points)
         if key in removed:
             return None, [k for k in removed if k != key]
         return key, removed

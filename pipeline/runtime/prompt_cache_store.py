@@ -1,16 +1,22 @@
 """The prompt cache on disk (serve --prompt-cache-dir): one rank's share of the prefix cache's entries
-as files, so that a restarted server starts a request from the keys and values an earlier run kept.
+as files, so that a restarted server starts a request from the caches an earlier run kept.
 
-Each rank stores, for an entry, the keys and values of its own layers in a file of its own, named by
+Each rank stores, for an entry, the whole state of its own layers' caches in a file of its own, as the
+caches name it (their `state_arrays`: a KV cache's keys and values, which grow with the positions; a
+linear-attention layer's convolution window and recurrent memory, or DeepSeek V4's window of keys and
+compressed series, fixed or not, each array with its own dtype: Stage.stored_arrays), named by
 the model's identity, the entry's key (a hash of its token ids), the rank's layer range and its
 tensor-parallel shard (always 0 of 1 for now). Rank 0 alone decides what is written, read and
 removed, and tells the ring in order (scheduler.py); this module is what one rank does with its
 files: the format, the checks, and a writer thread, with no MPI.
 
-A file: 8 magic bytes, the header's length (8 bytes, little-endian), a JSON header (the model's
-identity, the layer range, the shard, the entry key, the positions held, rank 0's copy of the token
-ids, the arrays' dtype and shapes, the payload's size and its BLAKE2b digest), then the payload: each
-array's bytes in order. No pickle: reading a file runs no code. A file that is truncated, belongs to
+A file (format 2): 8 magic bytes, the header's length (8 bytes, little-endian), a JSON header (the
+model's identity, the layer range, the shard, the entry key, the positions held, rank 0's copy of the
+token ids, each array's name, dtype, shape and positions axis (None: a state that cannot be cut to a
+shorter prefix), the payload's size and its BLAKE2b digest), then the payload: each array's bytes in
+order. An entry whose arrays all have a positions axis can start any shorter prefix; any other only
+its whole length. Format 1's files (KV arrays of one dtype) are not read: the format is part of the
+model's identity (their names differ) and of the magic bytes. No pickle: reading a file runs no code. A file that is truncated, belongs to
 another model or rank, does not match its own name or fails its digest is skipped with one warning,
 never trusted; the folder must be private to the user (private_folder.py), since another user's file
 there could poison the keys and values.
@@ -30,20 +36,32 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
 from ..util.errors import UserError
 from ..util.private_folder import make_private_folder, unsafe_folder, writable_by_others
 
-MAGIC = b"PLKV\x00\x01\r\n"  # format 1; the \r\n catches a file mangled by a text-mode copy
-FORMAT = 1
+MAGIC = b"PLKV\x00\x02\r\n"  # format 2; the \r\n catches a file mangled by a text-mode copy
+FORMAT = 2
 SUFFIX = ".kv"
 IDENTITY_SAMPLE = 1 << 20  # bytes hashed at each end of a weight file: a changed file changes the identity
 WRITER_NICENESS = 19  # the writer thread's: a rank's core is the ring's first (a write slowed decode 2x at 0)
 MAX_HEADER = 64 << 20  # a header longer than this is not ours (token ids of a 1M-token context fit)
 # The arrays' dtypes as stored: numpy's, bfloat16 (which numpy lacks) as its raw uint16 bits.
-DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "int64": np.int64,
+          "int32": np.int32, "uint32": np.uint32, "uint8": np.uint8, "bool": np.bool_}
+
+
+class StateArray(NamedTuple):
+    """One named array of a cache's state as stored: `data` in numpy (bfloat16 as its raw uint16 bits),
+    `dtype` the cache's dtype name, `axis` the positions axis where the array can be cut to a shorter
+    prefix along it (it holds at least the entry's positions there: the store cuts it), else None."""
+    name: str
+    data: np.ndarray
+    dtype: str
+    axis: int | None
 
 
 def model_identity(files: list[Path], settings: dict) -> str:
@@ -78,6 +96,12 @@ class Stored:
     positions: int
     tokens: tuple[int, ...] | None  # rank 0's files carry the token ids; the other ranks' the key only
     last_used: float  # the file's modification time: refreshed when it is read
+    whole: bool = False  # a state that cannot be cut: it starts only a prefix of all its positions
+
+    @property
+    def points(self) -> tuple[int, ...] | None:
+        """Its resume points for the index (prefix_cache.StoredIndex): None where any length."""
+        return (self.positions,) if self.whole else None
 
 
 class Unusable(Exception):
@@ -144,7 +168,8 @@ class PromptCacheStore:
                 self.warn(path, f"cannot be read ({e.strerror or e})")
                 continue
             tokens = tuple(header["tokens"]) if header.get("tokens") is not None else None
-            found[header["key"]] = Stored(header["key"], header["positions"], tokens, mtime)
+            whole = any(a["axis"] is None for a in header["arrays"])
+            found[header["key"]] = Stored(header["key"], header["positions"], tokens, mtime, whole)
         return found
 
     def _header(self, f, key: int) -> tuple[dict, int]:
@@ -156,6 +181,8 @@ class PromptCacheStore:
         if why:
             raise Unusable(f"another user could have written it: {why}")
         start = f.read(16)
+        if len(start) >= 16 and start[:5] == MAGIC[:5] and start[5] != MAGIC[5]:
+            raise Unusable(f"written in format {start[5]} of this program (this version reads {FORMAT})")
         if len(start) < 16 or start[:8] != MAGIC:
             raise Unusable("not a prompt-cache file of this format (truncated, or another program's)")
         (length,) = struct.unpack("<Q", start[8:])
@@ -171,10 +198,14 @@ class PromptCacheStore:
             if any(header.get(name) != value for name, value in expected.items()):
                 raise Unusable("its header names another model, layer range, shard or entry than its file name")
             positions, payload = int(header["positions"]), int(header["payload_bytes"])
-            if header["dtype"] not in DTYPES or not isinstance(header["blake2b"], str):
+            arrays = header["arrays"]
+            if (not isinstance(header["blake2b"], str) or not arrays
+                    or any(a["dtype"] not in DTYPES or not isinstance(a["name"], str) for a in arrays)
+                    or len({a["name"] for a in arrays}) != len(arrays)):
                 raise Unusable("its header is not one this version writes")
-            sizes = [int(np.prod(shape)) * np.dtype(DTYPES[header["dtype"]]).itemsize for shape in header["shapes"]]
-            if sum(sizes) != payload or any(shape[2] != positions for shape in header["shapes"]):
+            sizes = [int(np.prod(a["shape"], dtype=np.int64)) * np.dtype(DTYPES[a["dtype"]]).itemsize for a in arrays]
+            if (sum(sizes) != payload or any(min(a["shape"], default=0) < 0 for a in arrays)
+                    or any(a["axis"] is not None and a["shape"][a["axis"]] != positions for a in arrays)):
                 raise Unusable("its header's arrays do not add up")
             if header.get("tokens") is not None and (len(header["tokens"]) != positions
                                                      or entry_key(header["tokens"]) != key):
@@ -192,11 +223,13 @@ class PromptCacheStore:
 
     # -- writing ---------------------------------------------------------------------------------------------
 
-    def save(self, key: int, positions: int, arrays: list[np.ndarray], dtype: str, tokens=None) -> None:
-        """Queue an entry's file: `arrays` ([1, heads, >= positions, dim] each, keys and values of
-        each layer in order, views of the live caches: cut to `positions` and copied by the writer,
-        off the caller's thread; nothing may write to them meanwhile); `tokens`: rank 0's token ids."""
-        self._submit(("save", key, positions, arrays, dtype, None if tokens is None else list(tokens)))
+    def save(self, key: int, positions: int, arrays: list, dtype: str | None = None, tokens=None) -> None:
+        """Queue an entry's file: `arrays` (StateArray each: views of the live caches, those with a
+        positions axis cut to `positions` and all copied by the writer, off the caller's thread; nothing
+        may write to them meanwhile; a bare numpy array is a KV cache's keys or values, [1, heads,
+        >= positions, dim] in `dtype`); `tokens`: rank 0's token ids."""
+        arrays = [a if isinstance(a, StateArray) else StateArray(str(i), a, dtype, 2) for i, a in enumerate(arrays)]
+        self._submit(("save", key, positions, arrays, None if tokens is None else list(tokens)))
 
     def _submit(self, job) -> None:
         if self._writer is None:
@@ -234,14 +267,14 @@ class PromptCacheStore:
             finally:
                 self._jobs.task_done()
 
-    def _write(self, key: int, positions: int, arrays: list[np.ndarray], dtype: str, tokens) -> None:
+    def _write(self, key: int, positions: int, arrays: list[StateArray], tokens) -> None:
         """One array at a time (a layer's keys or values: the copy the writer holds stays small), the
         digest written into the header once the payload is all out (its hex has a fixed length)."""
-        shapes = [[*a.shape[:2], positions, *a.shape[3:]] for a in arrays]
-        itemsize = np.dtype(DTYPES[dtype]).itemsize
+        arrays = [a._replace(data=_cut(a.data, a.axis, positions)) for a in arrays]
+        described = [{"name": a.name, "dtype": a.dtype, "shape": list(a.data.shape), "axis": a.axis} for a in arrays]
         fields = {"format": FORMAT, "model": self.model, "layers": list(self.layers), "shard": list(self.shard),
-                  "key": key, "positions": positions, "tokens": tokens, "dtype": dtype, "shapes": shapes,
-                  "payload_bytes": sum(int(np.prod(shape)) for shape in shapes) * itemsize,
+                  "key": key, "positions": positions, "tokens": tokens, "arrays": described,
+                  "payload_bytes": sum(a.data.size * np.dtype(DTYPES[a.dtype]).itemsize for a in arrays),
                   "blake2b": "0" * 2 * hashlib.blake2b().digest_size}
         header = json.dumps(fields).encode()
         final = self.path(key)
@@ -252,7 +285,9 @@ class PromptCacheStore:
                 f.write(MAGIC + struct.pack("<Q", len(header)) + header)
                 digest = hashlib.blake2b()
                 for array in arrays:
-                    part = memoryview(np.ascontiguousarray(array[:, :, :positions], DTYPES[dtype])).cast("B")
+                    if not array.data.size:
+                        continue  # (an empty state: nothing to write, and memoryview refuses its shape)
+                    part = memoryview(np.ascontiguousarray(array.data, DTYPES[array.dtype]).reshape(-1)).cast("B")
                     digest.update(part)  # hashlib and write leave the GIL to the scheduler's thread
                     f.write(part)
                 fields["blake2b"] = digest.hexdigest()
@@ -266,9 +301,10 @@ class PromptCacheStore:
 
     # -- reading ---------------------------------------------------------------------------------------------
 
-    def load(self, key: int, positions: int) -> tuple[list[np.ndarray], str] | None:
-        """An entry's arrays cut to its first `positions` positions and their dtype, after every check
-        (header, size, digest of the payload); None, with one warning, where any fails."""
+    def load(self, key: int, positions: int) -> list[StateArray] | None:
+        """An entry's arrays cut to its first `positions` positions (those with a positions axis; an
+        entry with any other starts only its whole length), after every check (header, size, digest
+        of the payload); None, with one warning, where any fails."""
         self.flush()  # an entry written by this run may still be in the writer's queue
         path = self.path(key)
         try:
@@ -276,6 +312,9 @@ class PromptCacheStore:
                 header, offset = self._header(f, key)
                 if header["positions"] < positions:
                     raise Unusable(f"it holds {header['positions']} positions, {positions} were asked for")
+                if header["positions"] != positions and any(a["axis"] is None for a in header["arrays"]):
+                    raise Unusable(f"its states resume only all its {header['positions']} positions, "
+                                   f"{positions} were asked for")
                 payload = bytearray(header["payload_bytes"])
                 if f.readinto(payload) != len(payload):
                     raise Unusable("truncated in its payload")
@@ -288,13 +327,20 @@ class PromptCacheStore:
         except OSError as e:
             self.warn(path, f"cannot be read ({e.strerror or e})")
             return None
-        dtype = DTYPES[header["dtype"]]
         arrays, at = [], 0
-        for shape in header["shapes"]:
-            count = int(np.prod(shape))
-            arrays.append(np.frombuffer(payload, dtype=dtype, count=count, offset=at).reshape(shape)[:, :, :positions])
-            at += count * np.dtype(dtype).itemsize
-        return arrays, header["dtype"]
+        for a in header["arrays"]:
+            dtype, count = np.dtype(DTYPES[a["dtype"]]), int(np.prod(a["shape"], dtype=np.int64))
+            data = np.frombuffer(payload, dtype=dtype, count=count, offset=at).reshape(a["shape"])
+            arrays.append(StateArray(a["name"], _cut(data, a["axis"], positions), a["dtype"], a["axis"]))
+            at += count * dtype.itemsize
+        return arrays
+
+
+def _cut(data: np.ndarray, axis: int | None, positions: int) -> np.ndarray:
+    """An array's first `positions` positions along its positions axis (a view); a fixed state as it is."""
+    if axis is None:
+        return data
+    return data[(slice(None),) * axis + (slice(0, positions),)]
 
 
 def _remove(path: Path) -> None:

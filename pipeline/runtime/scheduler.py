@@ -349,7 +349,7 @@ class Scheduler:
         started = time.perf_counter()
         with self.timeline.span(COMPUTE, "load stored entry"):
             stored = self.store.load(key, positions)
-            own = stored is not None and self.stage.load_stored(seq.seq_id, *stored)
+            own = stored is not None and self.stage.load_stored(seq.seq_id, stored, positions)
         self.stored.load_s += time.perf_counter() - started
         if self.transport.size > 1:
             self.in_flight.append(PendingLoad(seq, key, positions, own))
@@ -548,14 +548,14 @@ class Scheduler:
     def _save(self, seq_id: int, tokens: list[int]) -> None:
         """Store a finished sequence on disk where the index wants it: every rank queues its file
         (its writer thread copies and writes it, off the ring's path), and what it outdates goes."""
-        key, removed = self.stored.add(tokens)
+        whole = resume_points(self.stage.caches[seq_id], len(tokens)) is not None  # states resumed at their end only
+        key, removed = self.stored.add(tokens, [len(tokens)] if whole else None)
         self._unstore(removed)
         if key is None:
             return
         started = time.perf_counter()
         with self.timeline.span(COMPUTE, "save stored entry"):
-            arrays, dtype = self.stage.stored_arrays(seq_id)
-            self.store.save(key, len(tokens), arrays, dtype, tokens=tokens)
+            self.store.save(key, len(tokens), self.stage.stored_arrays(seq_id, len(tokens)), tokens=tokens)
         self.stored.save_s += time.perf_counter() - started
         if self.transport.size > 1:
             self.sends.append(self.transport.isend_message(1, Kind.SAVE, [seq_id], entries=[key],
@@ -731,14 +731,13 @@ def follow_stored(stage: Stage, store: PromptCacheStore | None, message) -> list
         return []
     if message.kind == Kind.SAVE:
         for seq_id, key, positions in zip(message.seq_ids, message.entries, message.prefix):
-            arrays, dtype = stage.stored_arrays(seq_id)
-            store.save(key, positions, arrays, dtype)
+            store.save(key, positions, stage.stored_arrays(seq_id, positions))
         return message.prefix
     answers = []
     for seq_id, key, positions in zip(message.seq_ids, message.entries, message.prefix):
         if positions > 0:
             stored = store.load(key, positions)
-            if stored is None or not stage.load_stored(seq_id, *stored):
+            if stored is None or not stage.load_stored(seq_id, stored, positions):
                 positions = -positions
         answers.append(positions)
     return answers

@@ -22,6 +22,7 @@ from ..models.config import ModelConfig
 from ..models.registry import family_for
 from ..models.stage_slice import TransformerSlice
 from ..models.tensor_parallel import Shard, set_group_sum, shard_modules, shard_weights
+from .prompt_cache_store import StateArray
 
 
 @dataclass
@@ -95,30 +96,42 @@ class Stage:
         for new, kept, length in zip(new_ids, kept_ids, lengths):
             self.caches[new] = [cache.prefix(length) for cache in self.caches[kept]]
 
-    def stored_arrays(self, seq_id: int) -> tuple[list[np.ndarray], str]:
-        """A finished sequence's caches for the prompt cache on disk (prompt_cache_store.save): each
-        layer's keys then values as numpy views of the caches (no copy; nothing writes to a finished
-        sequence's caches, and forks of it copy before they grow), and their dtype's name (bfloat16 as
-        its raw bits, which numpy can hold)."""
-        arrays = [a for cache in self.caches[seq_id] for a in (cache.keys, cache.values)]
-        name = str(arrays[0].dtype).removeprefix("mlx.core.")
-        if name == "bfloat16":
-            arrays = [a.view(mx.uint16) for a in arrays]
-        mx.eval(arrays)
-        return [np.asarray(a) for a in arrays], name
+    def stored_arrays(self, seq_id: int, positions: int) -> list[StateArray]:
+        """A finished sequence's caches after its first `positions` positions, for the prompt cache on
+        disk (prompt_cache_store.save): each layer's state as its cache names it (`state_arrays`: a KV
+        cache's keys and values, a linear-attention or DeepSeek V4 layer's fixed-size states, each in
+        its own dtype, bfloat16 as its raw bits), as numpy views (no copy; nothing writes to a finished
+        sequence's caches, and forks of it copy before they grow). A state past `positions` (a sequence
+        that ended within a verify trip) is taken back there first (its cache's `prefix`)."""
+        named = []
+        for layer, cache in enumerate(self.caches[seq_id]):
+            state = cache if cache.offset == positions else cache.prefix(positions)
+            named += [(f"{layer}.{name}", array, axis) for name, array, axis in state.state_arrays()]
+        mx.eval([array for _, array, _ in named])
+        stored = []
+        for name, array, axis in named:
+            dtype = str(array.dtype).removeprefix("mlx.core.")
+            stored.append(StateArray(name, np.asarray(array.view(mx.uint16) if dtype == "bfloat16" else array),
+                                     dtype, axis))
+        return stored
 
-    def load_stored(self, seq_id: int, arrays: list[np.ndarray], dtype: str) -> bool:
-        """Start a sequence from a stored entry's arrays (`stored_arrays`' layout, read back by
-        prompt_cache_store.load); False, leaving nothing behind, where they do not fit this slice."""
+    def load_stored(self, seq_id: int, arrays: list[StateArray], positions: int) -> bool:
+        """Start a sequence from a stored entry's arrays at `positions` (`stored_arrays`' layout, read
+        back by prompt_cache_store.load); False, leaving nothing behind, where they do not fit this slice."""
         caches = self.model.make_cache()
-        if len(arrays) != 2 * len(caches) or any(a.shape[2] != arrays[0].shape[2] for a in arrays):
+        named: list[dict] = [{} for _ in caches]
+        for stored in arrays:
+            layer, _, name = stored.name.partition(".")
+            if not layer.isdigit() or int(layer) >= len(caches):
+                return False
+            array = mx.array(stored.data)  # a copy: the file's buffer goes
+            named[int(layer)][name] = array.view(mx.bfloat16) if stored.dtype == "bfloat16" else array
+        try:
+            for cache, state in zip(caches, named):
+                cache.load_state_arrays(state, positions)
+        except ValueError:
             return False
-        for cache, keys, values in zip(caches, arrays[::2], arrays[1::2]):
-            cache.keys, cache.values = mx.array(keys), mx.array(values)  # copies: the file's buffer goes
-            if dtype == "bfloat16":
-                cache.keys, cache.values = cache.keys.view(mx.bfloat16), cache.values.view(mx.bfloat16)
-            cache.offset = keys.shape[2]
-        mx.eval([a for cache in caches for a in (cache.keys, cache.values)])
+        mx.eval([array for state in named for array in state.values()])
         self.caches[seq_id] = caches
         return True
 
