@@ -43,10 +43,10 @@ def _write(path, arch: str, tensors: dict, metadata, vocab, quantized: str) -> N
     writer.close()
 
 
-def _common_metadata(writer, c, head_dim: int) -> None:
+def _common_metadata(writer, c, head_dim: int, context: int = 0) -> None:
     """What convert_hf_to_gguf.py's TextModel writes for every text model."""
     writer.add_block_count(c.num_hidden_layers)
-    writer.add_context_length(c.max_position_embeddings)
+    writer.add_context_length(context or c.max_position_embeddings)
     writer.add_embedding_length(c.hidden_size)
     writer.add_feed_forward_length(c.intermediate_size)
     writer.add_head_count(c.num_attention_heads)
@@ -228,14 +228,16 @@ def glm_dsa_tensors(model, mtp_layer: bool) -> dict:
     return tensors
 
 
-def write_glm_dsa_gguf(path, model, vocab, quantized: str = "", types_key: bool = True) -> None:
+def write_glm_dsa_gguf(path, model, vocab, quantized: str = "", types_key: bool = True, context: int = 0,
+                       indexers_everywhere: bool = False) -> None:
     """types_key: write attention.indexer.types (llama.cpp since GLM-5.2); else leave the shared layers to be
-    known by their missing indexer tensors."""
+    known by their missing indexer tensors. indexers_everywhere: every layer holds indexer tensors (layer 0's
+    copied), and no expert_gating_func key is written. context: the context_length written (else the config's)."""
     c = model.config
     latent, rope, nope, v = c.kv_lora_rank, c.qk_rope_head_dim, c.qk_nope_head_dim, c.v_head_dim
 
     def metadata(writer):
-        _common_metadata(writer, c, latent + rope)
+        _common_metadata(writer, c, latent + rope, context)
         writer.add_block_count(c.num_hidden_layers + 1)  # the MTP layer appended
         writer.add_head_count_kv(1)  # MLA as MQA, as DeepseekV2Model writes since the kv_b split
         writer.add_value_length(latent)
@@ -251,7 +253,8 @@ def write_glm_dsa_gguf(path, model, vocab, quantized: str = "", types_key: bool 
         writer.add_expert_shared_count(c.n_shared_experts)
         writer.add_expert_weights_scale(c.routed_scaling_factor)
         writer.add_expert_weights_norm(bool(c.norm_topk_prob))
-        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        if not indexers_everywhere:
+            writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
         writer.add_expert_group_count(c.n_group)
         writer.add_expert_group_used_count(c.topk_group)
         writer.add_nextn_predict_layers(1)
@@ -261,7 +264,13 @@ def write_glm_dsa_gguf(path, model, vocab, quantized: str = "", types_key: bool 
         if types_key:
             writer.add_array("glm-dsa.attention.indexer.types", [t == "full" for t in c.indexer_types])
 
-    _write(path, "glm-dsa", glm_dsa_tensors(model, mtp_layer=True), metadata, vocab, quantized)
+    tensors = glm_dsa_tensors(model, mtp_layer=True)
+    if indexers_everywhere:
+        for name, array in list(tensors.items()):
+            if name.startswith("blk.0.indexer."):
+                for layer in range(1, c.num_hidden_layers):
+                    tensors.setdefault(name.replace("blk.0.", f"blk.{layer}."), array)
+    _write(path, "glm-dsa", tensors, metadata, vocab, quantized)
 
 
 @pytest.fixture(scope="module")
@@ -273,6 +282,9 @@ def glm_gguf(tmp_path_factory):
     path = folder / "tiny-glm-dsa.gguf"
     write_glm_dsa_gguf(path, model, vocab)
     write_glm_dsa_gguf(folder / "tiny-glm-dsa-no-types.gguf", model, vocab, types_key=False)
+    for context in (512, 1 << 20):
+        write_glm_dsa_gguf(folder / f"tiny-glm-dsa-everywhere-{context}.gguf", model, vocab, types_key=False,
+                           context=context, indexers_everywhere=True)
     for kind in ("q8_0", "dequantized"):
         write_glm_dsa_gguf(folder / f"tiny-glm-dsa-{kind}.gguf", model, vocab, kind)
     return path, expected
@@ -297,6 +309,27 @@ def test_a_glm_dsa_gguf_gives_transformers_logits(glm_gguf):
     assert np.abs(two - expected).max() <= GLM_TOLERANCE
     untyped, config, _ = _gguf_logits(path.with_name("tiny-glm-dsa-no-types.gguf"), [(0, 5)])
     assert config.raw["indexer_types"] == GLM_INDEXERS and np.array_equal(untyped, one)
+
+
+def test_glm_dsa_indexer_types_where_every_layer_holds_an_indexer(glm_gguf):
+    """No types key and indexer tensors in every layer: as llama.cpp's loader, all full below a 1M context
+    (GLM-5, 5.1), else GLM-5.2's pattern (full at 0, 1, 2, 6, ...; the shared layers' indexer tensors not
+    read); no expert_gating_func key: sigmoid (glm-dsa's default, not deepseek2's softmax)."""
+    from pipeline.checkpoints.gguf_checkpoint import GGUFCheckpoint
+    from pipeline.runtime.stage import Stage
+
+    path = glm_gguf[0]
+    short = GGUFCheckpoint(path.with_name("tiny-glm-dsa-everywhere-512.gguf"))
+    assert short.config_dict["indexer_types"] == ["full"] * 5 and short.config_dict["scoring_func"] == "sigmoid"
+    long = GGUFCheckpoint(path.with_name("tiny-glm-dsa-everywhere-1048576.gguf"))
+    assert long.config_dict["indexer_types"] == ["full", "full", "full", "shared", "shared"]
+    assert "model.layers.2.self_attn.indexer.wk.weight" in long.tensors
+    assert not any(n.startswith(("model.layers.3.self_attn.indexer", "model.layers.4.self_attn.indexer"))
+                   for n in long.tensors)
+    for checkpoint, ranges in ((short, [(0, 5)]), (long, [(0, 3), (3, 5)])):
+        config = checkpoint.model_config()
+        stages = [Stage.load(config, checkpoint, r, has_ends=i == 0, dtype=mx.float32) for i, r in enumerate(ranges)]
+        assert np.isfinite(forward(stages, LONG_PROMPT[:20])).all()
 
 
 def test_a_quantized_glm_dsa_gguf_holds_its_blocks(glm_gguf):

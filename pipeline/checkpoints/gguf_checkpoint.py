@@ -156,7 +156,9 @@ class GGUFCheckpoint(Checkpoint):
                 continue
             named = hf_name(tensor.name)
             if named is None and g.architecture == gguf_glm.ARCH:
-                named = gguf_glm.hf_name(tensor.name)  # the indexer's
+                named = gguf_glm.hf_name(tensor.name, config["indexer_types"])  # the indexer's
+                if named == gguf_glm.UNUSED:
+                    continue  # a shared layer's indexer, which llama.cpp does not run either
             if named is None:
                 raise UserError(f"{g.path}: tensor {tensor.name} is not one pipeline knows for the {g.architecture} "
                                 "architecture; this GGUF layout is not supported")

@@ -11,7 +11,10 @@ pairs, as llama.cpp's deepseek2 graph does, so nothing is permuted). What it add
   `attention.indexer.head_count` / `key_length` / `top_k`;
 - which layers run their indexer and which reuse the last full layer's top-k: `attention.indexer.types`
   (true: full), written since GLM-5.2's IndexShare; without the key, a layer holding no indexer tensors
-  is a shared one (the files before it hold them in every layer, all full);
+  is a shared one; where every layer holds them, as llama.cpp's glm-dsa loader decides: all full below a
+  1M-token context (GLM-5, 5.1), else GLM-5.2's published pattern (full at 0, 1, then every 4th from 2;
+  the shared layers' indexer tensors, which llama.cpp does not run either, are not read);
+- a file without `expert_gating_func` routes by sigmoid (llama.cpp's glm-dsa default; deepseek2's is softmax);
 - its MTP layers appended past the model's (`nextn_predict_layers`; `blk.N.nextn.*` and that block's
   attention and experts): not read.
 Dense or MoE per layer is whether the layer holds a router (`ffn_gate_inp`), which also covers
@@ -28,14 +31,19 @@ from ..util.errors import UserError
 ARCH = "glm-dsa"
 _INDEXER = {"attn_q_b": "wq_b", "attn_k": "wk", "k_norm": "k_norm", "proj": "weights_proj"}
 _TENSOR = re.compile(r"^blk\.(\d+)\.indexer\.([a-z_]+)\.(weight|bias)$")
+GLM_5_2_CONTEXT = 1 << 20  # llama.cpp: a file without indexer types from this context up is GLM-5.2's
+UNUSED = (-1, "")  # hf_name's answer for a shared layer's indexer tensor: not read
 
 
-def hf_name(gguf_name: str) -> tuple[int, str] | None:
-    """(layer, our name) of a glm-dsa indexer tensor, or None where it is not one."""
+def hf_name(gguf_name: str, indexer_types: list[str]) -> tuple[int, str] | None:
+    """(layer, our name) of a glm-dsa indexer tensor (UNUSED where its layer is a shared one), or None where
+    it is not one."""
     m = _TENSOR.match(gguf_name)
     if not m or m.group(2) not in _INDEXER:
         return None
     layer = int(m.group(1))
+    if layer < len(indexer_types) and indexer_types[layer] == "shared":
+        return UNUSED
     return layer, f"model.layers.{layer}.self_attn.indexer.{_INDEXER[m.group(2)]}.{m.group(3)}"
 
 
@@ -51,6 +59,8 @@ def config_fields(need, get, tensors, path) -> dict[str, Any]:
                             "the file is damaged")
     else:
         types = [f"blk.{i}.indexer.attn_k.weight" in tensors for i in range(layers)]
+        if all(types) and int(need("context_length")) >= GLM_5_2_CONTEXT:
+            types = [i < 2 or (i - 2) % 4 == 0 for i in range(layers)]
     if not types[0]:
         raise UserError(f"{path}: layer 0 of this {ARCH} GGUF reuses an earlier layer's top-k, and there is none; "
                         "the file is damaged")
@@ -63,4 +73,5 @@ def config_fields(need, get, tensors, path) -> dict[str, Any]:
         indexer_types=["full" if t else "shared" for t in types],
         mlp_layer_types=["sparse" if s else "dense" for s in sparse],
         first_k_dense_replace=next((i for i, s in enumerate(sparse) if s), layers),
+        scoring_func="softmax" if int(get("expert_gating_func", 0) or 0) == 1 else "sigmoid",
         indexer_rope_interleave=True, rope_interleave=True)
