@@ -80,6 +80,20 @@ def test_a_format_1_file_is_skipped_not_misread(tmp_path):
     assert store.scan() == {} and "written in format 1" in store.warnings[-1]
 
 
+def test_the_index_counts_a_whole_entrys_states_and_resumes_it_at_its_end_only():
+    """A stored entry with fixed-size states: matched only where the prompt extends all its tokens, and
+    budgeted its positions plus its states (two, as the memory's: job.prompt_cache sizes them)."""
+    index = StoredIndex(capacity_tokens=1000, key=entry_key, min_positions=16, point_positions=200)
+    first = list(range(3, 203))
+    key, gone = index.add(first, [len(first)])
+    assert key is not None and gone == [] and index.index.held == 200 + 2 * 200
+    assert index.lookup(first + [7, 8], beyond=0) == (key, 200)
+    assert index.lookup(first[:150] + [7, 8], beyond=0) == (None, 0)  # within it: not resumable there
+    second = list(range(300, 500))
+    _, gone = index.add(second, [len(second)])
+    assert gone == [key]  # 1200 positions over 1000: the older goes
+
+
 # -- through the scheduler ---------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -299,10 +299,12 @@ def prompt_cache(settings: JobSettings, job: RingJob, comm) -> PromptCache | Non
     held = comm.gather({key: entry.positions for key, entry in found.items()}, root=0)
     index, keep = None, None
     if rank == 0:
-        per_layer = architecture(plan.config).kv_values * getattr(mx, weights.dtype).size
-        per_position = per_layer * plan.config.num_hidden_layers  # every rank's files together
+        arch = architecture(plan.config)
+        per_position = arch.kv_values * getattr(mx, weights.dtype).size * plan.config.num_hidden_layers  # all ranks'
         capacity = int(ring.prompt_cache_dir_gb * 1e9 // per_position) if per_position else 0
-        index = StoredIndex(capacity, entry_key, min_positions=STORED_MIN_POSITIONS)
+        per_entry = 4 * sum(c.per_sequence for c in arch.kv_layers or [])  # fixed-size states, float32 at most
+        index = StoredIndex(capacity, entry_key, min_positions=STORED_MIN_POSITIONS,
+                            point_positions=-(-int(per_entry) // int(per_position)) if per_position else 0)
         complete = [entry for key, entry in found.items()
                     if entry.tokens is not None and all(other.get(key) == entry.positions for other in held)]
         complete.sort(key=lambda entry: entry.last_used)

@@ -125,10 +125,12 @@ class StoredIndex:
     the folder is over its bound (least recently used first). Like the memory's, over positions:
     capacity_tokens is the bound in GB over all ranks' bytes per position (job.prompt_cache)."""
 
-    def __init__(self, capacity_tokens: int, key, min_positions: int = 1):
+    def __init__(self, capacity_tokens: int, key, min_positions: int = 1, point_positions: int = 0):
         """key: tokens -> entry key. min_positions: shorter entries are neither written nor loaded
-        (reading a file costs more than computing a few positions)."""
-        self.index = PrefixCache(capacity_tokens, min_reuse=min_positions, step=1)
+        (reading a file costs more than computing a few positions). point_positions: what an entry's
+        fixed-size states (Qwen3.5, DeepSeek V4) take on disk, in positions (PrefixCache counts two per
+        entry with a resume point, its end and a verify trip's replay: the bound errs on the safe side)."""
+        self.index = PrefixCache(capacity_tokens, min_reuse=min_positions, step=1, point_positions=point_positions)
         self.key = key
         self.min_positions = min_positions
         self.loads = 0  # confirmed by every rank
