@@ -43,16 +43,17 @@ def _write(path, arch: str, tensors: dict, metadata, vocab, quantized: str) -> N
     writer.close()
 
 
-def _common_metadata(writer, c, head_dim: int, context: int = 0) -> None:
+def _common_metadata(writer, c, head_dim: int, context: int = 0, blocks: int = 0, kv_heads: int = 0,
+                     value_length: int = 0) -> None:
     """What convert_hf_to_gguf.py's TextModel writes for every text model."""
-    writer.add_block_count(c.num_hidden_layers)
+    writer.add_block_count(blocks or c.num_hidden_layers)
     writer.add_context_length(context or c.max_position_embeddings)
     writer.add_embedding_length(c.hidden_size)
     writer.add_feed_forward_length(c.intermediate_size)
     writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_head_count_kv(kv_heads or c.num_key_value_heads)
     writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
+    writer.add_value_length(value_length or head_dim)
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
 
@@ -237,10 +238,9 @@ def write_glm_dsa_gguf(path, model, vocab, quantized: str = "", types_key: bool 
     latent, rope, nope, v = c.kv_lora_rank, c.qk_rope_head_dim, c.qk_nope_head_dim, c.v_head_dim
 
     def metadata(writer):
-        _common_metadata(writer, c, latent + rope, context)
-        writer.add_block_count(c.num_hidden_layers + 1)  # the MTP layer appended
-        writer.add_head_count_kv(1)  # MLA as MQA, as DeepseekV2Model writes since the kv_b split
-        writer.add_value_length(latent)
+        # the MTP layer appended; MLA as MQA (one KV head of the latent), as DeepseekV2Model writes since the split
+        _common_metadata(writer, c, latent + rope, context, blocks=c.num_hidden_layers + 1, kv_heads=1,
+                         value_length=latent)
         writer.add_key_length_mla(nope + rope)
         writer.add_value_length_mla(v)
         writer.add_q_lora_rank(c.q_lora_rank)
@@ -363,3 +363,18 @@ def test_a_misread_glm_dsa_gguf_is_caught(bug, glm_gguf, monkeypatch):
     wrong, _, _ = _gguf_logits(path, [(0, 5)])
     print(f"{bug}: max logit error {np.abs(wrong - expected).max():.3g}")
     assert np.abs(wrong - expected).max() > 100 * GLM_TOLERANCE
+
+
+@pytest.mark.parametrize("family", ["minimax", "glm"])
+def test_convert_writes_a_folder_of_the_new_families(family, minimax_gguf, glm_gguf, tmp_path):
+    """`convert` of each GGUF: a folder (config.json's architectures as transformers names them) whose
+    logits are transformers' as the GGUF's are."""
+    from conftest import load_stages
+    from pipeline.checkpoints.gguf_convert import convert_gguf
+    from test_minimax_glm import GLM_TOLERANCE, MINIMAX_TOLERANCE
+
+    (path, expected), layers, bound = {"minimax": (minimax_gguf, 4, MINIMAX_TOLERANCE),
+                                       "glm": (glm_gguf, 5, GLM_TOLERANCE)}[family]
+    out = convert_gguf(path, tmp_path / "converted", progress=False)
+    (stage,) = load_stages(out, [(0, layers)])
+    assert np.abs(forward([stage], LONG_PROMPT) - expected).max() <= bound

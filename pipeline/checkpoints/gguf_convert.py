@@ -29,7 +29,8 @@ MAX_SHARD_BYTES = 2_000_000_000
 # our model_type -> the Hugging Face `architectures` entry of config.json
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                     "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                    "deepseek_v3": "DeepseekV3ForCausalLM", "kimi_k2": "DeepseekV3ForCausalLM"}
+                    "deepseek_v3": "DeepseekV3ForCausalLM", "kimi_k2": "DeepseekV3ForCausalLM",
+                    "minimax_m2": "MiniMaxM2ForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM"}
 
 
 class OutputExistsError(UserError):
