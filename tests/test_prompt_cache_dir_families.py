@@ -65,6 +65,16 @@ def test_named_arrays_of_any_dtype_round_trip_and_a_fixed_state_is_not_cut(tmp_p
     assert all(np.array_equal(a.data, b.data) and a.data.dtype == b.data.dtype for a, b in zip(loaded[1:], held[1:]))
     # a state that cannot be cut: no shorter prefix, one warning
     assert store.load(key, 60) is None and "resume only all its 100 positions" in store.warnings[-1]
+    # a header whose layout changed but still adds up is not misread: a shape permuted, a dtype of the same size
+    for old, new in ((b'"shape": [4, 16, 16]', b'"shape": [16, 4, 16]'), (b'"dtype": "bfloat16"', b'"dtype": "float16"')):
+        path = store.path(key)
+        original = path.read_bytes()
+        changed = original.replace(old, new + b" " * (len(old) - len(new)), 1)
+        assert changed != original and len(changed) == len(original)
+        path.write_bytes(changed)
+        fresh = PromptCacheStore(tmp_path / "c", MODEL, (0, 2))
+        assert key in fresh.scan() and fresh.load(key, 100) is None and "checksum" in fresh.warnings[-1]
+        path.write_bytes(original)
 
 
 def test_a_format_1_file_is_skipped_not_misread(tmp_path):

@@ -13,7 +13,7 @@ files: the format, the checks, and a writer thread, with no MPI.
 A file (format 2): 8 magic bytes, the header's length (8 bytes, little-endian), a JSON header (the
 model's identity, the layer range, the shard, the entry key, the positions held, rank 0's copy of the
 token ids, each array's name, dtype, shape and positions axis (None: a state that cannot be cut to a
-shorter prefix), the payload's size and its BLAKE2b digest), then the payload: each array's bytes in
+shorter prefix), the payload's size and its BLAKE2b digest, of the positions and arrays' layout too), then the payload: each array's bytes in
 order. An entry whose arrays all have a positions axis can start any shorter prefix; any other only
 its whole length. Format 1's files (KV arrays of one dtype) are not read: the format is part of the
 model's identity (their names differ) and of the magic bytes. No pickle: reading a file runs no code. A file that is truncated, belongs to
@@ -283,7 +283,7 @@ class PromptCacheStore:
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(MAGIC + struct.pack("<Q", len(header)) + header)
-                digest = hashlib.blake2b()
+                digest = _layout_digest(positions, described)
                 for array in arrays:
                     if not array.data.size:
                         continue  # (an empty state: nothing to write, and memoryview refuses its shape)
@@ -318,7 +318,9 @@ class PromptCacheStore:
                 payload = bytearray(header["payload_bytes"])
                 if f.readinto(payload) != len(payload):
                     raise Unusable("truncated in its payload")
-            if hashlib.blake2b(payload).hexdigest() != header["blake2b"]:
+            digest = _layout_digest(header["positions"], header["arrays"])
+            digest.update(payload)
+            if digest.hexdigest() != header["blake2b"]:
                 raise Unusable("its payload does not match its checksum")
             os.utime(path)  # recently used: last out when the folder is over its bound
         except Unusable as e:
@@ -334,6 +336,12 @@ class PromptCacheStore:
             arrays.append(StateArray(a["name"], _cut(data, a["axis"], positions), a["dtype"], a["axis"]))
             at += count * dtype.itemsize
         return arrays
+
+
+def _layout_digest(positions: int, arrays: list[dict]):
+    """A BLAKE2b digest begun with the entry's positions and arrays' names, dtypes, shapes and axes, so
+    that a header changed in them (a shape permuted, a dtype of the same size) fails the checksum too."""
+    return hashlib.blake2b(json.dumps([positions, arrays]).encode())
 
 
 def _cut(data: np.ndarray, axis: int | None, positions: int) -> np.ndarray:
