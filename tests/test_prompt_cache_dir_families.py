@@ -14,6 +14,7 @@ Then on 2 ranks, through `mpiexec -n 2 serve`, both kinds of layer on each rank.
 
 from __future__ import annotations
 
+import json
 import random
 from concurrent.futures import ThreadPoolExecutor
 
@@ -131,12 +132,12 @@ def _difference(hit, cold) -> float:
     return max(abs(a - b) for a, b in zip(_logprobs(hit), _logprobs(cold)))
 
 
-def restart_turn(model, tmp_path, seed=0):
+def restart_turn(model, tmp_path, seed=0, dtype=None):
     """Turn 1 saved to disk, a restart (new scheduler, store and index; no caches left in memory), turn 2
     (turn 1's prompt and answer and more) from the disk: (turn 2 after the restart, turn 2 cold, tokens
     turn 1 left on disk, the restarted index)."""
     folder, layers = model
-    (stage,) = load_stages(folder, [layers])
+    (stage,) = load_stages(folder, [layers], dtype=dtype)
     tokenizer = Tokenizer.from_folder(folder)
     tokenizer.eos_token_ids = set()  # a random model ends early otherwise: decode the full length
     first = long_prompt(70, seed=seed)
@@ -165,13 +166,20 @@ def restart_turn(model, tmp_path, seed=0):
     return hit, cold, len(first) + len(answer) - 1, index
 
 
-@pytest.mark.parametrize("family", ["qwen", "v4"])
-def test_a_restart_resumes_the_next_turn_from_disk_as_a_cold_run(family, request, tmp_path):
-    hit, cold, stored, index = restart_turn(request.getfixturevalue(family), tmp_path)
+@pytest.mark.parametrize("family, dtype", [("qwen", None), ("v4", None), ("qwen", mx.bfloat16)])
+def test_a_restart_resumes_the_next_turn_from_disk_as_a_cold_run(family, dtype, request, tmp_path):
+    """(--dtype bfloat16: the convolution window stored as bfloat16's bits, the memory as float32.)"""
+    hit, cold, stored, index = restart_turn(request.getfixturevalue(family), tmp_path, dtype=dtype)
     assert hit.last.cached_tokens == stored and cold.last.cached_tokens == 0
     assert index.loads == 1 and index.loaded_tokens == stored
     assert hit.last.completion_tokens == cold.last.completion_tokens == 6
     assert _difference(hit, cold) <= REUSE_TOLERANCE
+    if dtype is not None:  # each array in its own dtype, as the header says
+        path = sorted((tmp_path / "cache").iterdir())[0]  # (turn 2 was stored too)
+        data = path.read_bytes()
+        arrays = json.loads(data[16:16 + int.from_bytes(data[8:16], "little")])["arrays"]
+        kinds = {(a["name"].split(".", 1)[1], a["dtype"]) for a in arrays}
+        assert kinds == {("conv", "bfloat16"), ("recurrent", "float32"), ("keys", "bfloat16"), ("values", "bfloat16")}
 
 
 def _conv_shifted(original):
