@@ -256,3 +256,53 @@ def test_a_restarted_two_rank_server_resumes_from_disk(family, split, request, t
     difference = max(abs(a - b) for a, b in zip(logprobs(warm), logprobs(cold)))
     print(f"{family}: 2-rank server, restart's hit vs cold: {difference:.2g}")
     assert difference <= SERVER_TOLERANCE, difference
+
+
+def test_a_turn_ending_within_a_verify_trip_is_stored_at_its_end(qwen, tmp_path, monkeypatch):
+    """Turn 1 decoded with drafts ends at end-of-text inside a verify trip: its linear states sit past its
+    tokens, so the entry is stored from the trip's replay at its length (the cache's prefix); after a
+    restart, turn 2 resumes from disk with a cold run's tokens."""
+    import copy
+
+    from pipeline.runtime import scheduler as scheduler_module
+    from test_qwen3_5_features import CHUNK, Known, _drafting  # the in-memory test's set-up
+
+    folder, layers = qwen
+    (stage,) = load_stages(folder, [layers])
+    tokenizer = Tokenizer.from_folder(folder)
+    tokenizer.eos_token_ids = set()
+    monkeypatch.setattr(scheduler_module, "PREFILL_CHUNK", CHUNK)
+    first = long_prompt(20, seed=4)
+    probe = Collect()
+    scheduler(stage, tokenizer, ListSource([Request(first, GREEDY, 16, probe)])).run()
+    answer = [e.token_id for e in probe.events if isinstance(e, Tokens)]
+    assert answer[9] not in answer[:9]
+    tokenizer = copy.copy(tokenizer)
+    tokenizer.eos_token_ids = {answer[9]}  # the turn ends there, on the 10th token
+    second = first + answer[:9] + long_prompt(6, seed=5)
+    cold = Collect()
+    scheduler(stage, tokenizer, ListSource([Request(second, GREEDY, 10, cold)])).run()
+    store = PromptCacheStore(tmp_path / "cache", MODEL, layers)
+    turn1 = _drafting(stage, tokenizer, ListSource([Request(first, GREEDY, 16, Collect())]),
+                      Known({tuple(first): answer}, right=4))
+    turn1.prefix_cache, turn1.stored, turn1.store = (PrefixCache(capacity_tokens=4096), StoredIndex(10 ** 6, entry_key, 16),
+                                                     store)
+    turn1.run()
+    (kept,) = turn1.prefix_cache.entries
+    linear = next(c for c in stage.caches[kept] if isinstance(c, LinearAttentionState))
+    assert linear.offset > len(first) + 9 and linear.trail is not None  # past the entry's end
+    store.flush()
+    for seq_id in list(stage.caches):
+        stage.release([seq_id])
+    restarted = PromptCacheStore(tmp_path / "cache", MODEL, layers)
+    index = StoredIndex(10 ** 6, entry_key, 16)
+    index.restore([(s.key, s.tokens, s.points) for s in restarted.scan().values()])
+    hit = Collect()
+    turn2 = scheduler(stage, tokenizer, ListSource([Request(second, GREEDY, 10, hit)]), max_batch=1)
+    turn2.prefix_cache, turn2.stored, turn2.store = PrefixCache(capacity_tokens=4096), index, restarted
+    turn2.run()
+    for seq_id in list(stage.caches):
+        stage.release([seq_id])
+    assert hit.last.cached_tokens == len(first) + 9 and index.loads == 1
+    assert [e.token_id for e in hit.events if isinstance(e, Tokens)] == \
+        [e.token_id for e in cold.events if isinstance(e, Tokens)]
