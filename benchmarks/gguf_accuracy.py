@@ -26,6 +26,7 @@ Never in CI: nothing here is imported by a test.
 
     python benchmarks/gguf_accuracy.py [--types Q4_K_M,IQ4_NL,...] [--parts files,perplexity,speed] [--runs 1]
     python benchmarks/gguf_accuracy.py --plot        # redraw the PNG from the JSON
+    python benchmarks/gguf_accuracy.py --table       # print the table (markdown) and the goals from the JSON
 
 Each invocation adds its runs to benchmarks/results/gguf_accuracy.json (every run kept, with its date,
 commit and load); the table is the latest run of each (type, contender).
@@ -51,7 +52,7 @@ import llamacpp_build  # noqa: E402
 import vs_llamacpp  # noqa: E402
 
 SOURCE = "Q4_1"  # the default model's own file: scored as it is, not requantized
-TYPES = ("Q4_1", "Q4_K_M", "Q5_K_M", "Q6_K", "Q3_K_M", "Q2_K", "IQ4_NL", "IQ4_XS", "IQ3_XXS", "IQ3_S", "IQ2_XXS",
+TYPES = ("Q4_1", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "Q3_K_M", "Q2_K", "IQ4_NL", "IQ4_XS", "IQ3_XXS", "IQ3_S", "IQ2_XXS",
          "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0")
 IMATRIX_TYPES = ("IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")
 IMATRIX_CHUNKS = 30  # the file records its count (imatrix.chunk_count)
@@ -239,13 +240,18 @@ def table(data: dict) -> dict:
             row[f"{c} re-quantized"] = ours and bool(ours["notes"])
             if ours and c == "pipeline int8":
                 row["weights_mib"], row["peak_rss_mib"] = ours["weights_mib"], ours["peak_rss_mib"]
+            if ours and c == "pipeline float":
+                row["weights_mib_float"], row["peak_rss_mib_float"] = ours["weights_mib"], ours["peak_rss_mib"]
         goals = {}
         if row["llama.cpp"] and row["pipeline int8"]:
             r = row["pipeline int8"] / row["llama.cpp"]
             goals["perplexity"] = {"ratio": r, "goal": GOALS["perplexity"], "met": r <= GOALS["perplexity"]}
         if row.get("weights_mib") and row["file_bytes"]:
             r = row["weights_mib"] * 2**20 / row["file_bytes"]
-            goals["memory"] = {"ratio": r, "goal": GOALS["memory"], "met": r <= GOALS["memory"]}
+            goals["memory"] = {"ratio": r, "goal": GOALS["memory"], "met": r <= GOALS["memory"],
+                               "weights_mib": row["weights_mib"], "peak_rss_mib": row["peak_rss_mib"]}
+            if row.get("weights_mib_float"):
+                goals["memory"]["float_products_ratio"] = row["weights_mib_float"] * 2**20 / row["file_bytes"]
         bench, gen = latest(data, qtype, "speed", "llama.cpp bench"), latest(data, qtype, "speed", "pipeline generate int8")
         if bench and gen:
             r = gen["decode_tps"] / bench["decode_tps"]
@@ -266,8 +272,9 @@ def table(data: dict) -> dict:
 
 
 def print_table(rows: dict) -> None:
-    print("\n| file type | MB | llama.cpp | pipeline int8 | pipeline float | weights / file | decode | batch |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("\n| file type | MB | its matrices (tensors) | llama.cpp | pipeline int8 | pipeline float | weights held / file "
+          "| decode | batch |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for qtype, r in rows.items():
         g = r["goals"]
         ppl = lambda v: f"{v:.3f}" if v else "-"  # noqa: E731
@@ -278,7 +285,10 @@ def print_table(rows: dict) -> None:
         if r.get("pipeline int8 re-quantized"):
             ours += " re-quantized"
         mb = f"{r['file_bytes'] / 1e6:.1f}" if r.get("file_bytes") else "-"
-        print(f"| {qtype} | {mb} | {ppl(r['llama.cpp'])} | {ours} | {ppl(r['pipeline float'])} | {ratio('memory')} | "
+        flt = f" ({g['memory']['float_products_ratio']:.2f}x float)" if "float_products_ratio" in g.get("memory", {}) else ""
+        kinds = ", ".join(f"{k} {v[0]}" for k, v in sorted((r.get("census") or {}).items(), key=lambda kv: -kv[1][1])
+                          if k != "F32")
+        print(f"| {qtype} | {mb} | {kinds} | {ppl(r['llama.cpp'])} | {ours} | {ppl(r['pipeline float'])} | {ratio('memory')}{flt} | "
               f"{ratio('decode')} | {ratio('batch')} |")
 
 
@@ -422,19 +432,24 @@ def main() -> int:
         record(qt, "perplexity", c, future.result())
         save()
     pool.shutdown()
-    rows = table(data)
+    print_goals(table(data))
+    print(f"wrote {JSON} and {JSON.with_suffix('.png')}")
+    return 0
+
+
+def print_goals(rows: dict) -> None:
     print_table(rows)
     for qtype, r in rows.items():
         verdicts = ", ".join(f"{k} {v['ratio']:.3f} ({'met' if v['met'] else 'NOT met'}, goal "
                              f"{'<=' if k in ('perplexity', 'memory') else '>='} {v['goal']})"
                              for k, v in r["goals"].items())
         print(f"goals {qtype}: {verdicts or 'nothing measured'}")
-    print(f"wrote {JSON} and {JSON.with_suffix('.png')}")
-    return 0
 
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["--plot"]:
         plot(load_json())
+    elif sys.argv[1:] == ["--table"]:
+        print_goals(table(load_json()))
     else:
         sys.exit(main())
