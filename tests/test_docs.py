@@ -115,7 +115,7 @@ def test_links_lead_somewhere(path):
 
 def test_readme_is_short_and_points_nowhere_private():
     text = (REPO / "README.md").read_text()
-    assert len(text.encode()) < 12 * 1024, len(text.encode())
+    assert len(text.encode()) < 12.5 * 1024, len(text.encode())  # the project rule: under 12.5 KB
     for private in (r"\bissue \d+", r"\+dirty", r"this machine", r"#\d{2,}\b"):
         assert not re.search(private, text, re.I), private
 
