@@ -14,7 +14,7 @@ Published figures and how they are counted:
   (image-text-to-text models), the MTP module not counted; 17B / 3B activated (rounded).
 - GLM-5 (transformers' model doc): 744B total, 40B active per token; its MTP layer not in the 744B.
 - MiniMax-M2 (transformers' model doc): 230 billion total parameters with 10 billion active.
-The last three families are planned only (issue 36): the runtime refuses them by name.
+The last three families run since issue 36 (models/qwen3_5_moe.py, glm_moe_dsa.py, minimax_m2.py).
 """
 
 from __future__ import annotations
