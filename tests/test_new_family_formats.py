@@ -1,0 +1,190 @@
+"""Qwen3.5-MoE, MiniMax-M2 and GLM-5 (issue 36) read from their checkpoints as published: FP8 and MLX 4-bit.
+
+FP8 (Qwen/Qwen3.5-*-FP8, MiniMaxAI/MiniMax-M2, zai-org/GLM-5-FP8): e4m3 weights with a float32
+`weight_scale_inv` per 128x128 block (`quantization_config` quant_method fp8, fmt e4m3, weight_block_size
+[128, 128]); the embedding, LM head, norms, routers (mlp.gate, and Qwen's shared_expert_gate), MiniMax's
+and GLM's correction biases, and Qwen's small linear-attention parts (in_proj_a/b, conv1d, A_log, dt_bias)
+left in bf16; experts one tensor per expert.
+
+MLX 4-bit (mlx-community's conversions, mlx_lm.convert): the names mlx-lm's models hold after their
+sanitize(), MLX affine 4-bit (here group 32: every tiny width divides it) wherever a Linear, Embedding,
+SwitchLinear or MultiLinear's input width divides the group size, the routers 8-bit with groups of 64
+(mlx-lm's quant_predicate for MiniMax and Qwen3.5; GLM's router is no Linear and stays float):
+- experts stacked, `mlp.switch_mlp.{gate,up,down}_proj` (MiniMax: under `block_sparse_moe.`);
+- Qwen3.5: under `language_model.model.` / `language_model.lm_head.`, no vision tower or MTP, the
+  convolution's kernel stored [channels, kernel, 1] and the (1 + w) RMSNorms stored as 1 + w;
+- GLM-5 (mlx-lm's deepseek_v32): kv_b_proj split per head into `self_attn.embed_q` [heads, latent, nope]
+  and `self_attn.unembed_out` [heads, v, latent], each quantized on its own; no MTP layer.
+
+Each folder is made from a tiny transformers model; transformers then runs on the weights the format
+holds (dequantized in float32), and our logits must match it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from conftest import INIT_STD, VOCAB_SIZE, assert_far_from_uniform, forward, fp8_blocks, load_stages, long_prompt
+from test_minimax_glm import _perturb, make_minimax_m2
+from test_qwen3_5_moe import make_qwen3_5_moe
+
+PROMPT = long_prompt(24, seed=3)
+BITS, GROUP = 4, 32
+ROUTER_BITS, ROUTER_GROUP = 8, 64
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+def fp8_pair(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(e4m3 weight, scale_inv, the weight it stands for in float32)."""
+    q, scale_inv = fp8_blocks(t.float())
+    blocks = scale_inv.repeat_interleave(128, 0).repeat_interleave(128, 1)[: t.shape[0], : t.shape[1]]
+    return q, scale_inv, q.float() * blocks
+
+
+def mlx_quantized(t: torch.Tensor, bits: int, group: int) -> tuple[dict, torch.Tensor]:
+    """MLX affine quantization of a float tensor (last axis): ({weight, scales, biases}, dequantized)."""
+    w = mx.array(t.float().numpy())
+    q, s, b = mx.quantize(w, group_size=group, bits=bits)
+    back = mx.dequantize(q, s, b, group_size=group, bits=bits)
+    return {"weight": q, "scales": s, "biases": b}, torch.from_numpy(np.array(back))
+
+
+def write_folder(folder, tensors: dict, source, config: dict) -> None:
+    folder.mkdir()
+    if tensors and isinstance(next(iter(tensors.values())), mx.array):
+        mx.save_safetensors(str(folder / "model.safetensors"), tensors, metadata={"format": "mlx"})
+    else:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"),
+                  metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / f, folder / f)
+
+
+def transformers_logits(cls, folder) -> np.ndarray:
+    reference = cls.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return reference(torch.tensor([PROMPT])).logits[0].numpy()
+
+
+def ours(folder, layers: int) -> np.ndarray:
+    return forward(load_stages(folder, [(0, layers)]), PROMPT)
+
+
+FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+
+
+def check(source, cls, layers, published: dict, dequantized: dict, extra: dict, tolerance: float) -> float:
+    """Write the published folder and transformers' dequantized one; our logits on the first against
+    transformers' on the second. Returns the largest difference."""
+    root = source.parent
+    config = json.loads((source / "config.json").read_text())
+    tag = "mlx" if "quantization" in extra else "fp8"
+    write_folder(root / tag, published, source, {**config, **extra})
+    write_folder(root / (tag + "_reference"), dequantized, source, config)
+    expected = transformers_logits(cls, root / (tag + "_reference"))
+    assert_far_from_uniform(expected)
+    got = ours(root / tag, layers)
+    error = float(np.abs(got - expected).max())
+    print(f"\n{tag} error {error:.3g} max |logit| {np.abs(expected).max():.2f}")
+    assert error <= tolerance, error
+    return error
+
+
+def stacked(experts: dict[int, mx.array]) -> mx.array:
+    return mx.stack([experts[e] for e in sorted(experts)])
+
+
+def to_mlx(hf: dict, rename, quantizable, router, special=None) -> tuple[dict, dict]:
+    """mlx_lm.convert's output from transformers-saved tensors: `rename` (saved name -> mlx-lm's name, or
+    None to drop; experts named `...switch_mlp.P.weight#E` are stacked), MLX-quantized where
+    `quantizable(mlx name, tensor)` (routers `router(name)` at 8 bits, groups of 64). Returns the MLX
+    tensors and the saved tensors as they dequantize (for transformers)."""
+    out, back, experts = {}, {}, {}
+    for name, t in hf.items():
+        new = rename(name, t)
+        if new is None:
+            continue
+        new, value = new if isinstance(new, tuple) else (new, t)
+        if special and special(name, t, out, back):
+            continue
+        base, _, expert = new.partition("#")
+        if quantizable(base, value):
+            bits, group = (ROUTER_BITS, ROUTER_GROUP) if router(base) else (BITS, GROUP)
+            parts, deq = mlx_quantized(value, bits, group)
+            back[name] = deq.reshape(t.shape) if value.shape == t.shape else t  # transposed ones: see `special`
+            for suffix, array in parts.items():
+                key = base[: -len("weight")] + suffix
+                if expert:
+                    experts.setdefault(key, {})[int(expert)] = array
+                else:
+                    out[key] = array
+        else:
+            back[name] = t
+            array = mx.array(value.float().numpy())
+            if expert:
+                experts.setdefault(base, {})[int(expert)] = array
+            else:
+                out[base] = array
+    for key, parts in experts.items():
+        out[key] = stacked(parts)
+    return out, back
+
+
+def linear_weight(name: str, t) -> bool:
+    return name.endswith(".weight") and t.ndim >= 2 and "conv1d" not in name and t.shape[-1] % GROUP == 0
+
+
+# ------------------------------------------------------------------------------------------- MiniMax-M2
+
+@pytest.fixture(scope="module")
+def minimax(tmp_path_factory):
+    root = tmp_path_factory.mktemp("minimax_formats")
+    make_minimax_m2(root / "source")
+    return root / "source", load_file(str(root / "source" / "model.safetensors"))
+
+
+MINIMAX_FP8_TOLERANCE = 2e-5  # measured 4.8e-6; logits up to |6|
+
+
+def test_minimax_m2_fp8(minimax):
+    source, hf = minimax
+    published, dequantized = {}, {}
+    for name, t in hf.items():
+        if name.endswith(("proj.weight", ".w1.weight", ".w2.weight", ".w3.weight")):
+            published[name], published[name + "_scale_inv"], dequantized[name] = fp8_pair(t)
+        else:  # the router, correction bias, norms, embedding and head: as they are
+            published[name] = dequantized[name] = t
+    fp8 = {**FP8_CONFIG, "fmt": "float8_e4m3fn", "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"]}
+    check(source, transformers.MiniMaxM2ForCausalLM, 4, published, dequantized, {"quantization_config": fp8},
+          MINIMAX_FP8_TOLERANCE)
+
+
+MINIMAX_MLX_TOLERANCE = 2e-5  # measured 5e-6
+
+
+def test_minimax_m2_mlx_4bit(minimax):
+    source, hf = minimax
+
+    def rename(name, t):
+        import re
+
+        m = re.match(r"^(.*\.block_sparse_moe)\.experts\.(\d+)\.w([123])\.weight$", name)
+        if m:
+            proj = {"1": "gate_proj", "2": "down_proj", "3": "up_proj"}[m.group(3)]
+            return f"{m.group(1)}.switch_mlp.{proj}.weight#{m.group(2)}"
+        return name
+
+    published, dequantized = to_mlx(hf, rename, linear_weight, lambda n: n.endswith("block_sparse_moe.gate.weight"))
+    assert "model.layers.3.block_sparse_moe.switch_mlp.down_proj.scales" in published
+    assert published["model.layers.0.block_sparse_moe.gate.scales"].shape == (8, 64 // ROUTER_GROUP)
+    check(source, transformers.MiniMaxM2ForCausalLM, 4, published, dequantized,
+          {"quantization": {"group_size": GROUP, "bits": BITS}}, MINIMAX_MLX_TOLERANCE)
