@@ -188,3 +188,77 @@ def test_minimax_m2_mlx_4bit(minimax):
     assert published["model.layers.0.block_sparse_moe.gate.scales"].shape == (8, 64 // ROUTER_GROUP)
     check(source, transformers.MiniMaxM2ForCausalLM, 4, published, dequantized,
           {"quantization": {"group_size": GROUP, "bits": BITS}}, MINIMAX_MLX_TOLERANCE)
+
+
+# ------------------------------------------------------------------------------------------- Qwen3.5-MoE
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen3_5_formats")
+    make_qwen3_5_moe(root / "source")
+    return root / "source", load_file(str(root / "source" / "model.safetensors"))
+
+
+def qwen_cls():
+    from transformers.models.qwen3_5_moe import Qwen3_5MoeForConditionalGeneration
+
+    return Qwen3_5MoeForConditionalGeneration
+
+
+QWEN_FP8_TOLERANCE = 1.5e-4  # measured 4.1e-5 (transformers' chunked delta rule against our recurrence)
+# Left in bf16 by Qwen's FP8 release: the linear attention's per-head in_proj_a / in_proj_b (tiny outputs),
+# besides the routers, norms, convolution, embedding and head.
+QWEN_NOT_FP8 = (".in_proj_a.weight", ".in_proj_b.weight")
+
+
+def test_qwen3_5_moe_fp8(qwen):
+    source, hf = qwen
+    published, dequantized = {}, {}
+    for name, t in hf.items():
+        if (name.startswith("model.language_model.layers.") and t.ndim == 2 and not name.endswith(QWEN_NOT_FP8)
+                and not any(part in name for part in ("norm", "conv1d", "mlp.gate.", "shared_expert_gate."))):
+            published[name], published[name + "_scale_inv"], dequantized[name] = fp8_pair(t)
+        else:
+            published[name] = dequantized[name] = t
+    assert sum(n.endswith("_scale_inv") for n in published) == 3 * (4 + 3 * 8 + 3) + 3 * (3 + 3 * 8 + 3)  # attention + experts + shared expert
+    fp8 = {**FP8_CONFIG, "modules_to_not_convert": ["lm_head", "model.visual", "mlp.gate", "mlp.shared_expert_gate",
+                                                    "linear_attn.in_proj_a", "linear_attn.in_proj_b"]}
+    check(source, qwen_cls(), 6, published, dequantized, {"quantization_config": fp8}, QWEN_FP8_TOLERANCE)
+
+
+QWEN_ONE_PLUS = (".input_layernorm.weight", ".post_attention_layernorm.weight", ".q_norm.weight", ".k_norm.weight",
+                 "model.language_model.norm.weight")
+
+
+def qwen_mlx_name(name: str, t):
+    """mlx-lm's qwen3_5_moe names and layouts (its sanitize()): see the module docstring."""
+    import re
+
+    if name.startswith(("model.visual.", "mtp.")):
+        return None
+    value = t
+    if name.endswith("conv1d.weight"):
+        value = t.moveaxis(2, 1)  # [channels, kernel, 1]
+    elif name.endswith(QWEN_ONE_PLUS):
+        value = t + 1.0
+    if name == "lm_head.weight":
+        return "language_model.lm_head.weight", value
+    new = name.replace("model.language_model.", "language_model.model.", 1)
+    m = re.match(r"^(.*\.mlp)\.experts\.(\d+)\.(\w+_proj)\.weight$", new)
+    if m:
+        new = f"{m.group(1)}.switch_mlp.{m.group(3)}.weight#{m.group(2)}"
+    return new, value
+
+
+QWEN_MLX_TOLERANCE = 1.5e-4  # measured 4.3e-5
+
+
+def test_qwen3_5_moe_mlx_4bit(qwen):
+    source, hf = qwen
+    published, dequantized = to_mlx(hf, qwen_mlx_name, linear_weight,
+                                    lambda n: n.endswith(("mlp.gate.weight", "shared_expert_gate.weight")))
+    assert published["language_model.model.layers.0.linear_attn.conv1d.weight"].shape[-1] == 1
+    assert "language_model.model.layers.5.mlp.switch_mlp.up_proj.biases" in published
+    assert not any(n.startswith(("mtp.", "model.visual")) for n in published)
+    check(source, qwen_cls(), 6, published, dequantized, {"quantization": {"group_size": GROUP, "bits": BITS}},
+          QWEN_MLX_TOLERANCE)

@@ -17,6 +17,9 @@
   every such run lies inside one block, so the block's scale repeated per run makes the same
   weights, again without touching the bytes (rows of a width that is no multiple of 32 are
   dequantized instead).
+- mlx-lm's Qwen3.5 / Qwen3-Next conversions (mlx-community) store the linear attention's convolution
+  kernel as [channels, kernel, 1] and the (1 + w) RMSNorms' weights with the 1 added (its sanitize());
+  told by that kernel's shape, both are read back as transformers holds them ([channels, 1, kernel], w).
 - `requantize` (the `--quantize` flag) turns float weights into MLX affine tensors right after
   each one is read, so a rank's memory never holds more than one float tensor at a time.
 """
@@ -35,6 +38,8 @@ from ..util.errors import UserError
 _EXPERT = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$")
 _ANY_EXPERT = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.")
 _FP8_BLOCK = 128
+# mlx-lm's Qwen3.5 conversions store these RMSNorms' weights as 1 + w (models/qwen3_5_moe.py scales by 1 + w)
+_ONE_PLUS_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", ".q_norm.weight", ".k_norm.weight")
 _CT_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_shape", ".weight_zero_point", ".weight_g_idx")
 
 
@@ -90,6 +95,7 @@ def adapt_tensors(names: list[str], tensors: dict, read: Callable[[str], mx.arra
             del experts[key]
             yield f"{prefix}.switch_mlp.{proj}.{suffix}", entry[0]
 
+    mlx_linear_attention = _mlx_linear_attention(tensors)
     for name in names:
         if name.endswith("_scale_inv") or name.endswith(_CT_SUFFIXES[1:]):
             continue  # consumed with the tensor they belong to
@@ -111,6 +117,10 @@ def adapt_tensors(names: list[str], tensors: dict, read: Callable[[str], mx.arra
                 yield from emit(f"{module}.{suffix}", array)
             continue
         array = read(name)
+        if mlx_linear_attention and name.endswith(".linear_attn.conv1d.weight"):
+            array = array.swapaxes(1, 2)
+        elif mlx_linear_attention and (name.endswith(_ONE_PLUS_NORMS) or name == "model.norm.weight"):
+            array = array - 1  # exact: a weight near 1 minus 1 needs no more bits than it has
         scale_inv = read(name + "_scale_inv") if name + "_scale_inv" in tensors else None
         held = mx.float32 if scale_inv is None and keep_float32 and keep_float32(name) else dtype
         if requantize and _requantizable(name, array, requantize.group_size, fp8=scale_inv is not None):
@@ -127,6 +137,12 @@ def adapt_tensors(names: list[str], tensors: dict, read: Callable[[str], mx.arra
     if experts:
         missing = ", ".join(f"{p}.experts.*.{proj}" for p, proj, _ in experts)
         raise UserError(f"incomplete expert tensors in the checkpoint: {missing}")
+
+
+def _mlx_linear_attention(tensors: dict) -> bool:
+    """Whether the checkpoint is mlx-lm's Qwen3.5 / Qwen3-Next layout: a convolution kernel [channels, kernel, 1]."""
+    return any(name.endswith(".linear_attn.conv1d.weight") and len(info.shape) == 3 and info.shape[1] > 1
+               and info.shape[2] == 1 for name, info in tensors.items())
 
 
 def _fused_experts(name: str, array: mx.array, dtype: mx.Dtype) -> Iterator[tuple[str, mx.array]]:
