@@ -262,3 +262,96 @@ def test_qwen3_5_moe_mlx_4bit(qwen):
     assert not any(n.startswith(("mtp.", "model.visual")) for n in published)
     check(source, qwen_cls(), 6, published, dequantized, {"quantization": {"group_size": GROUP, "bits": BITS}},
           QWEN_MLX_TOLERANCE)
+
+
+# ----------------------------------------------------------------------------------------------- GLM-5
+
+def make_glm(folder, seed=0):
+    """test_minimax_glm.py's tiny GLM-5 with its MLA widths at 32, so that MLX groups of 32 divide them
+    (mlx-lm quantizes embed_q and unembed_out only then)."""
+    from test_minimax_glm import GLM_INDEXERS
+
+    torch.manual_seed(seed)
+    config = transformers.GlmMoeDsaConfig(
+        hidden_size=64, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=4, intermediate_size=128,
+        moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=3, vocab_size=VOCAB_SIZE, q_lora_rank=32,
+        kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=8, v_head_dim=32,
+        mlp_layer_types=["dense", "sparse", "sparse", "dense", "sparse"], indexer_types=GLM_INDEXERS,
+        index_topk=8, index_n_heads=32, index_head_dim=32, max_position_embeddings=512,
+        bos_token_id=None, eos_token_id=2, initializer_range=INIT_STD)
+    model = transformers.GlmMoeDsaForCausalLM(config)
+    _perturb(model)
+    from conftest import save_reference
+
+    return save_reference(model, folder)
+
+
+@pytest.fixture(scope="module")
+def glm(tmp_path_factory):
+    root = tmp_path_factory.mktemp("glm_formats")
+    make_glm(root / "source")
+    return root / "source", load_file(str(root / "source" / "model.safetensors"))
+
+
+GLM_FP8_TOLERANCE = 3e-5  # measured 1.3e-5
+# Left in bf16 (as DeepSeek V3.2's FP8 release, whose layout GLM-5-FP8 follows): the indexer's per-head
+# weights_proj, besides the router, correction bias, norms, embedding and head.
+GLM_NOT_FP8 = (".mlp.gate.weight", ".indexer.weights_proj.weight")
+
+
+def test_glm_moe_dsa_fp8(glm):
+    source, hf = glm
+    published, dequantized = {}, {}
+    for name, t in hf.items():
+        if name.startswith("model.layers.") and t.ndim == 2 and not name.endswith(GLM_NOT_FP8):
+            published[name], published[name + "_scale_inv"], dequantized[name] = fp8_pair(t)
+        else:
+            published[name] = dequantized[name] = t
+    assert "model.layers.0.self_attn.indexer.wq_b.weight_scale_inv" in published
+    check(source, transformers.GlmMoeDsaForCausalLM, 5, published, dequantized,
+          {"quantization_config": FP8_CONFIG}, GLM_FP8_TOLERANCE)
+
+
+def glm_mlx_name(name: str, t):
+    import re
+
+    m = re.match(r"^(.*\.mlp)\.experts\.(\d+)\.(\w+_proj)\.weight$", name)
+    if m:
+        return f"{m.group(1)}.switch_mlp.{m.group(3)}.weight#{m.group(2)}"
+    return name
+
+
+def glm_split_kv_b(heads: int, nope: int):
+    """mlx-lm's deepseek_v32 sanitize(): kv_b_proj [heads * (nope + v), latent] -> embed_q [heads, latent, nope]
+    and unembed_out [heads, v, latent], each quantized on its own; the reference gets kv_b_proj back from
+    the two dequantized."""
+
+    def special(name, t, out, back):
+        if not name.endswith(".self_attn.kv_b_proj.weight"):
+            return False
+        prefix = name[: -len("kv_b_proj.weight")]
+        w = t.reshape(heads, -1, t.shape[-1])
+        halves = {"embed_q": w[:, :nope].transpose(1, 2).contiguous(), "unembed_out": w[:, nope:].contiguous()}
+        restored = {}
+        for module, half in halves.items():
+            parts, restored[module] = mlx_quantized(half, BITS, GROUP)
+            for suffix, array in parts.items():
+                out[f"{prefix}{module}.{suffix}"] = array
+        back[name] = torch.cat([restored["embed_q"].transpose(1, 2), restored["unembed_out"]], 1).reshape(t.shape)
+        return True
+
+    return special
+
+
+GLM_MLX_TOLERANCE = 3e-5  # measured 1.2e-5
+
+
+def test_glm_moe_dsa_mlx_4bit(glm):
+    source, hf = glm
+    published, dequantized = to_mlx(hf, glm_mlx_name, lambda n, t: linear_weight(n, t) and not n.endswith("mlp.gate.weight"),
+                                    lambda n: False, special=glm_split_kv_b(heads=4, nope=32))
+    assert published["model.layers.2.self_attn.embed_q.weight"].shape == (4, 32, 32 * BITS // 32)
+    assert "model.layers.2.self_attn.kv_b_proj.weight" not in published
+    assert published["model.layers.1.mlp.gate.weight"].dtype == mx.float32  # MoEGate: no Linear, not quantized
+    check(source, transformers.GlmMoeDsaForCausalLM, 5, published, dequantized,
+          {"quantization": {"group_size": GROUP, "bits": BITS}}, GLM_MLX_TOLERANCE)

@@ -20,6 +20,10 @@
 - mlx-lm's Qwen3.5 / Qwen3-Next conversions (mlx-community) store the linear attention's convolution
   kernel as [channels, kernel, 1] and the (1 + w) RMSNorms' weights with the 1 added (its sanitize());
   told by that kernel's shape, both are read back as transformers holds them ([channels, 1, kernel], w).
+- mlx-lm's DeepSeek V3.2 / GLM-5 conversions split MLA's kv_b_proj [heads * (nope + v), latent] per head
+  into `embed_q` [heads, latent, nope] and `unembed_out` [heads, v, latent], each MLX-quantized on its
+  own where its width allows: they are dequantized and joined back into kv_b_proj (the attention splits
+  it again after loading, models/deepseek_v3.py).
 - `requantize` (the `--quantize` flag) turns float weights into MLX affine tensors right after
   each one is read, so a rank's memory never holds more than one float tensor at a time.
 """
@@ -33,6 +37,7 @@ from typing import Callable, Iterator
 import mlx.core as mx
 
 from ..kernels import requantize as requantize_kernel
+from ..kernels.int8_layout import packed_layout
 from ..util.errors import UserError
 
 _EXPERT = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$")
@@ -107,6 +112,12 @@ def adapt_tensors(names: list[str], tensors: dict, read: Callable[[str], mx.arra
                                               dtype, requantize):
                 yield from emit(f"{module}.{suffix}", array)
             continue
+        if name.endswith(".self_attn.embed_q.weight"):
+            yield name[: -len("embed_q.weight")] + "kv_b_proj.weight", _mlx_kv_b(read, name[: -len(".embed_q.weight")],
+                                                                                  tensors, dtype)
+            continue
+        if ".self_attn.embed_q." in name or ".self_attn.unembed_out." in name:
+            continue  # joined into kv_b_proj with embed_q.weight
         if name.endswith(".mlp.experts.gate_up_proj") or name.endswith(".mlp.experts.down_proj"):
             yield from _fused_experts(name, read(name), dtype)
             continue
@@ -143,6 +154,34 @@ def _mlx_linear_attention(tensors: dict) -> bool:
     """Whether the checkpoint is mlx-lm's Qwen3.5 / Qwen3-Next layout: a convolution kernel [channels, kernel, 1]."""
     return any(name.endswith(".linear_attn.conv1d.weight") and len(info.shape) == 3 and info.shape[1] > 1
                and info.shape[2] == 1 for name, info in tensors.items())
+
+
+def _mlx_kv_b(read, attention: str, tensors: dict, dtype: mx.Dtype) -> mx.array:
+    """kv_b_proj [heads * (nope + v), latent] from mlx-lm's embed_q [heads, latent, nope] and unembed_out
+    [heads, v, latent] (see the module docstring), each dequantized if it is MLX-quantized."""
+    def part(module: str, in_features: int | None) -> mx.array:
+        weight = read(f"{attention}.{module}.weight")
+        if f"{attention}.{module}.scales" not in tensors:
+            return weight.astype(mx.float32)
+        scales = read(f"{attention}.{module}.scales")
+        if in_features is None:  # embed_q's width (nope) from its packed words, at unembed_out's bits
+            in_features = weight.shape[-1] * 32 // bits[0] if bits else 0
+        layout = packed_layout(in_features, weight.shape[-1], scales.shape[-1])
+        if layout is None:
+            raise UserError(f"{attention}.{module}: packed {list(weight.shape)} with scales {list(scales.shape)} is "
+                            "no MLX quantization this loader can tell (mlx-lm writes embed_q and unembed_out at one "
+                            "bit width, both quantized or unembed_out too)")
+        bits.append(layout[1])
+        biases = read(f"{attention}.{module}.biases") if f"{attention}.{module}.biases" in tensors else None
+        return mx.dequantize(weight, scales.astype(mx.float32), biases.astype(mx.float32) if biases is not None
+                             else None, group_size=layout[0], bits=layout[1])
+
+    bits: list[int] = []
+    latent = tensors[f"{attention}.embed_q.weight"].shape[1]
+    values = part("unembed_out", latent)  # [heads, v, latent]
+    keys = part("embed_q", None)  # [heads, latent, nope]
+    joined = mx.concatenate([keys.swapaxes(1, 2), values], axis=1)  # [heads, nope + v, latent]
+    return joined.reshape(-1, latent).astype(dtype)
 
 
 def _fused_experts(name: str, array: mx.array, dtype: mx.Dtype) -> Iterator[tuple[str, mx.array]]:
