@@ -380,10 +380,11 @@ def test_linear_attention_state_is_per_sequence_in_the_plan():
     fp = Precision(checkpoint_format(config), "bfloat16", 4)
     short, long = (plan_cluster(config, 4, fp, hw, context=c, batch=2) for c in (1024, 2048))
     state = 64 * 128 * 128 + 3 * (2 * 16 * 128 + 64 * 128)
+    state_bytes = 64 * 128 * 128 * 4 + 3 * (2 * 16 * 128 + 64 * 128) * 2  # the memory in float32 (as the runtime)
     for a, b in zip(short.ranks, long.ranks):
         full = sum(1 for i in range(a.start, a.end) if i % 4 == 3)
         linear = (a.end - a.start) - full
-        assert a.kv_bytes == 2 * 2 * (linear * state + full * 1024 * 1024)  # batch 2, bfloat16
+        assert a.kv_bytes == 2 * (linear * state_bytes + full * 2 * 1024 * 1024)  # batch 2, bfloat16 keys+values
         assert b.kv_bytes - a.kv_bytes == 2 * 2 * full * 1024 * 1024  # only the full layers grow
     arch = short.arch
     assert arch.kv_read(0, 10) == arch.kv_read(0, 100_000) == state

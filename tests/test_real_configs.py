@@ -156,7 +156,8 @@ def test_qwen3_5_397b_counts_and_linear_state():
         assert (cache.per_token, cache.per_sequence) == ((2 * 2 * 256, 0) if i % 4 == 3 else (0, state))
     # In the memory plan a linear layer's state is per sequence and the same at any context.
     short, long = kv_layer_bytes(arch, 2, 16, sequences=3), kv_layer_bytes(arch, 2, 65536, sequences=3)
-    assert short[0] == long[0] == 3 * state * 2 and long[3] == 4096 * short[3] == 3 * 65536 * 1024 * 2
+    state_bytes = 64 * 128 * 128 * 4 + (4 - 1) * (2 * 16 * 128 + 64 * 128) * 2  # the recurrent state in float32
+    assert short[0] == long[0] == 3 * state_bytes and long[3] == 4096 * short[3] == 3 * 65536 * 1024 * 2
     assert all(sum(1 for p in layer if p.experts == 512) == 3 for layer in arch.layers)
     assert checkpoint_format(config).kind == "float"
 

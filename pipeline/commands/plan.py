@@ -87,6 +87,9 @@ def add_parser(commands) -> None:
                            "not yet fitted). Default m3-ultra-rdma")
     plan.add_argument("--reserve-gb", type=float, default=0.0,
                       help="GiB per host to keep free for the OS and activations when judging the fit (default 0)")
+    plan.add_argument("--prefix-cache-gb", type=float, default=0.0, metavar="GB",
+                      help="the job's --prefix-cache-gb (serve's default is 4, batch's 0): each rank's prefix cache "
+                           "may hold up to this, counted in its memory (default: 0, none)")
 
 
 def run(args: argparse.Namespace, comm=None) -> int:
@@ -107,6 +110,7 @@ def run(args: argparse.Namespace, comm=None) -> int:
         link_latency_us=_non_negative(args.link_latency_us, "--link-latency-us"),
         tflops=parse_per_host(args.tflops, "--tflops", hosts, allow_one=True) if args.tflops else None,
         reserve_gib=_non_negative(args.reserve_gb, "--reserve-gb"),
+        prefix_cache_gb=_non_negative(args.prefix_cache_gb, "--prefix-cache-gb"),
     )
     precision = Precision(checkpoint_format(config, find(args.model), args.quantize, args.group_size), args.dtype,
                           args.quantize, args.group_size,
@@ -145,6 +149,7 @@ def run(args: argparse.Namespace, comm=None) -> int:
         short = [f"rank {r.rank} needs {size(r.needed)} of {r.memory_gib:g} GiB" for r in plan.ranks if not r.fits]
         raise UserError(f"the model does not fit: {'; '.join(short)}"
                         + (f" (with --reserve-gb {hardware.reserve_gib:g})" if hardware.reserve_gib else "")
+                        + (f" (with --prefix-cache-gb {hardware.prefix_cache_gb:g})" if hardware.prefix_cache_gb else "")
                         + "; add hosts or memory, or hold the weights in fewer bytes (--dtype bfloat16, --quantize 4)")
     return 0
 

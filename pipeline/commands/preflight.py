@@ -13,7 +13,8 @@ Run it under mpiexec exactly like the job (same hostfile, same number of ranks, 
 - the rank's free memory is below what its slice of the layers needs: its weights as they will
   be held (floats in --dtype, --quantize applied as the loader applies it, MLX-quantized weights
   packed or dequantized as --weights-in-memory decides, auto included, from every host's free
-  memory) plus the KV cache of --context tokens, and 10% on top for activations. The count is the
+  memory) plus the KV cache of --context tokens (a linear layer's fixed state per sequence) and
+  --prefix-cache-gb (serve's prefix cache), and 10% on top for activations. The count is the
   planner's (memory.py), the one `plan` and the stats line print. Slices are split, and free
   memory read, by the job's own functions (layer_split.split_layers, weights_in_memory.available_memory_bytes),
   --int8-activations resolved over every rank as the job resolves it (job.resolve_int8).
@@ -75,6 +76,7 @@ class RankReport:
     tensor_parallel: int = 1  # --tensor-parallel T: this rank's stage is a group of T
     layer_fraction: float = 1.0  # under it, the fraction of each layer's weights this rank holds
     kv_fraction: float = 1.0  # and of each layer's KV cache
+    prefix_cache: int = 0  # --prefix-cache-gb in bytes: the most this rank's prefix cache may hold
 
 
 def add_parser(commands) -> None:
@@ -92,6 +94,9 @@ def add_parser(commands) -> None:
     add_tensor_parallel_arg(pre)
     pre.add_argument("--draft", choices=DRAFT_CHOICES, default=WeightSettings.draft,
                      help="the job's --draft: with mtp, rank 0 also holds DeepSeek's multi-token-prediction module")
+    pre.add_argument("--prefix-cache-gb", type=float, default=0.0, metavar="GB",
+                     help="the job's --prefix-cache-gb (serve's default is 4): each rank's prefix cache may hold "
+                          "up to this, counted in what its slice needs (default: 0, none)")
 
 
 def run(args: argparse.Namespace, comm) -> int:
@@ -188,6 +193,9 @@ def measure_model(report: RankReport, folder: Path, args: argparse.Namespace, in
     if context < 1:
         raise UserError(f"--context must be >= 1, got {context}")
     report.kv_layer_bytes = kv_layer_bytes(architecture(config), DTYPE_BYTES[args.dtype], context)
+    if not (args.prefix_cache_gb >= 0 and args.prefix_cache_gb != float("inf")):
+        raise UserError(f"--prefix-cache-gb must be a finite number >= 0, got {args.prefix_cache_gb:g}")
+    report.prefix_cache = round(args.prefix_cache_gb * 1e9)
     t = report.tensor_parallel = args.tensor_parallel
     if t > 1:  # each rank of a stage holds a share of each of its layers (rank 0 the ends too)
         from ..models.registry import family_for  # as the MTP import above: where used
@@ -284,7 +292,8 @@ def plan_slices(reports: list[RankReport], ref: RankReport, split: str | None, w
         start, end = layer_ranges(counts)[stage]
         mb = ref.dense_held if dense[stage] else ref.held
         held_as = "quantized" if ref.quantized and not dense[stage] else DTYPE_LABEL[ref.dtype]
-        held = rank_bytes(mb.layers, mb.ends, ref.kv_layer_bytes, (start, end), stage, ranks, held_as=held_as)
+        held = rank_bytes(mb.layers, mb.ends, ref.kv_layer_bytes, (start, end), stage, ranks, held_as=held_as,
+                          prefix_cache=ref.prefix_cache)
         if t > 1:  # a share of each layer, the ends on rank 0 only
             ends = mb.ends if rank == 0 else 0
             held = replace(held, weights=round((held.weights - (mb.ends if stage == 0 else 0)) * r.layer_fraction) + ends,

@@ -175,7 +175,7 @@ def plan_layout(arch: Architecture, precision: Precision, t: int, bandwidth_gbs:
     mb = shared_model_bytes(arch, precision, t)
     counts = layer_counts(mb, stages, group_memory)
     ranges = layer_ranges(counts)
-    kv = [round(arch.kv_cached(i, i + 1, context) * precision.dtype_bytes * batch * kv_share(arch, i, t))
+    kv = [round(arch.kv_bytes(i, i + 1, context, precision.dtype_bytes) * batch * kv_share(arch, i, t))
           for i in range(len(arch.layers))]
     ranks = [rank_bytes(mb.layers, mb.ends, kv, span, s, stages) for s, span in enumerate(ranges)]
     timing = _LayoutTiming(arch, precision, mb, ranges, [min(bandwidth_gbs[h] for h in g) for g in groups], t,

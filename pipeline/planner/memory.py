@@ -29,35 +29,37 @@ class RankBytes:
     kv_cache: int = 0
     head_share: int = 0  # the last rank's rows of the LM head (batch and serve)
     held_as: str = ""  # how the weights are held: 'fp32', 'quantized', 'r0 fp32, r1 quantized', ...
+    prefix_cache: int = 0  # serve's --prefix-cache-gb: the most the rank's prefix cache may hold
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv_cache + self.head_share
+        return self.weights + self.kv_cache + self.head_share + self.prefix_cache
 
     def describe(self, kv_cache: bool = True) -> str:
         """'weights 257.1 MiB fp32 + KV cache 1.4 MiB (+ LM head share 12.0 MiB)'; without the KV cache
         where it says nothing (a batch job's end, when every sequence has released its cache)."""
         text = f"weights {size(self.weights)}{' ' + self.held_as if self.held_as else ''}"
         text += f" + KV cache {size(self.kv_cache)}" if kv_cache else ""
-        return text + (f" + LM head share {size(self.head_share)}" if self.head_share else "")
+        return (text + (f" + LM head share {size(self.head_share)}" if self.head_share else "")
+                + (f" + prefix cache {size(self.prefix_cache)}" if self.prefix_cache else ""))
 
 
 def rank_bytes(layer_bytes: list[int], ends_bytes: int, kv_layer_bytes: list[int], span: tuple[int, int],
                rank: int, ranks: int, head_bytes: int = 0, head_fraction: float = 0.0,
-               held_as: str = "") -> RankBytes:
+               held_as: str = "", prefix_cache: int = 0) -> RankBytes:
     """What rank `rank` of `ranks` holds for layers span = [start, end): those layers' weights (plus
     the embedding, final norm and LM head on rank 0: `ends_bytes`), their KV cache (`kv_layer_bytes`:
     per layer, for every token and sequence it will keep) and, on the last rank, `head_fraction` of
-    the LM head's `head_bytes`."""
+    the LM head's `head_bytes`; `prefix_cache`: the most its prefix cache may hold (--prefix-cache-gb)."""
     start, end = span
     weights = sum(layer_bytes[start:end]) + (ends_bytes if rank == 0 else 0)
     head = round(head_fraction * head_bytes) if rank == ranks - 1 and ranks > 1 else 0
-    return RankBytes(weights, sum(kv_layer_bytes[start:end]), head, held_as)
+    return RankBytes(weights, sum(kv_layer_bytes[start:end]), head, held_as, prefix_cache)
 
 
 def kv_layer_bytes(arch: Architecture, dtype_bytes: int, tokens: int, sequences: int = 1) -> list[int]:
     """Per layer: the KV cache bytes of `sequences` sequences of `tokens` tokens."""
-    return [round(arch.kv_cached(i, i + 1, tokens) * dtype_bytes * sequences) for i in range(len(arch.layers))]
+    return [round(arch.kv_bytes(i, i + 1, tokens, dtype_bytes) * sequences) for i in range(len(arch.layers))]
 
 
 

@@ -39,10 +39,12 @@ def format_plan(plan: ClusterPlan, title: str) -> str:
         lines.append(f"KV cache: {arch.kv_note} = {arch.kv_values} values/token/layer, {kv_token / 1024:.1f} KiB per "
                      f"token ({p.dtype}); context {plan.context} x batch {plan.batch}")
     else:  # layers differ: per token, plus what a sequence holds whatever its length (windows, linear states)
-        fixed = arch.kv_cached(0, len(arch.layers), 0) * p.dtype_bytes
+        fixed = arch.kv_bytes(0, len(arch.layers), 0, p.dtype_bytes)
         lines.append(f"KV cache: {arch.kv_note} = {arch.kv_values:.1f} values/token/layer on average, "
                      f"{kv_token / 1024:.2f} KiB per token" + (f" + {fixed / 2**20:.1f} MiB per sequence" if fixed else "")
                      + f" ({p.dtype}); context {plan.context} x batch {plan.batch}")
+    prefix = _prefix_cache_line(plan)
+    lines += [prefix] if prefix else []
     lines.append("")
     lines.append(f"{'rank':>4}  {'memory':>9}  {'layers':<14}  {'weights':>10}  {'KV cache':>9}  {'headroom':>10}  "
                  f"{'fits':>4}  {'bandwidth':>10}  {'ms/token':>8}")
@@ -81,6 +83,25 @@ def format_plan(plan: ClusterPlan, title: str) -> str:
                  + ("; compute-bound at 2 x params x tokens / --tflops" if hw.tflops else "; compute not modelled")
                  + "; peak numbers, no efficiency factor: real runs land below")
     return "\n".join(lines)
+
+
+def _prefix_cache_line(plan: ClusterPlan) -> str:
+    """Serve's prefix cache (--prefix-cache-gb), counted at its whole budget on each rank, and for
+    linear-attention families what one resume point of a sequence holds on the rank holding the most
+    (runtime/job.py budgets each point as that many positions; models/cache.py keeps at most
+    LinearAttentionState.points_max per sequence). Empty for other families without the flag."""
+    gb, arch = plan.hardware.prefix_cache_gb, plan.arch
+    point, layers = max(((arch.linear_state_bytes(r.start, r.end, plan.precision.dtype_bytes),
+                          sum(c.kind == "linear_attention" for c in (arch.kv_layers or [])[r.start:r.end]))
+                         for r in plan.ranks), default=(0, 0))
+    if not gb and not point:
+        return ""
+    text = (f"prefix cache (--prefix-cache-gb {gb:g}): up to {gb:g} GB per rank, counted in each rank's memory"
+            if gb else "prefix cache: none counted (serve's --prefix-cache-gb defaults to 4: give it to plan)")
+    if point:
+        text += (f"; a kept point: {size(point)} per rank (linear states of {layers} layers, recurrent memory in "
+                 f"float32), up to 8 per sequence while its prompt runs")
+    return text
 
 
 def format_layouts(layouts: list[Layout], host: HostTerms, link: LinkTerms, context: int,

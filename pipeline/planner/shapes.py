@@ -78,6 +78,8 @@ class LayerCache(NamedTuple):
     # a linear-attention layer's recurrent and convolution state)
     kind: str  # the layer's attention: V4's sliding, compressed sparse or heavily compressed; Qwen3.5's
     # linear_attention or full_attention; GLM's indexed_attention (its own indexer) or shared_indexed_attention
+    float32: int = 0  # of per_sequence, the values held in float32 whatever --dtype (a linear layer's recurrent
+    # memory: gated_deltanet.GatedDeltaNet.sequence keeps it so)
 
 
 @dataclass
@@ -103,6 +105,20 @@ class Architecture:
         if self.kv_layers is None:
             return self.kv_values * context * (end - start)
         return sum(cache.per_token * context + cache.per_sequence for cache in self.kv_layers[start:end])
+
+    def kv_bytes(self, start: int, end: int, context: int, dtype_bytes: int) -> float:
+        """Bytes one sequence of `context` tokens caches in layers [start, end): values in --dtype
+        (`dtype_bytes`), but those a layer holds in float32 at 4 bytes."""
+        if self.kv_layers is None:
+            return self.kv_cached(start, end, context) * dtype_bytes
+        return sum((cache.per_token * context + cache.per_sequence - cache.float32) * dtype_bytes + 4 * cache.float32
+                   for cache in self.kv_layers[start:end])
+
+    def linear_state_bytes(self, start: int, end: int, dtype_bytes: int) -> int:
+        """Bytes of one sequence's linear-attention states in layers [start, end) (Qwen3.5): what a
+        resume point of the prefix cache holds there; 0 for families without them."""
+        return round(sum((c.per_sequence - c.float32) * dtype_bytes + 4 * c.float32
+                         for c in (self.kv_layers or [])[start:end] if c.kind == "linear_attention"))
 
     def kv_read(self, layer: int, context: int) -> float:
         """Values a decode step of one sequence reads from layer `layer`'s cache at `context` tokens:
@@ -358,7 +374,7 @@ def _qwen3_5_moe_architecture(config: ModelConfig) -> Architecture:
     layers = [_qwen3_5_layer(config, f"model.layers.{i}", kind) for i, kind in enumerate(kinds)]
     kv_full = 2 * config.num_key_value_heads * hd
     state, conv = _qwen3_5_linear_state(config)
-    kv_layers = [LayerCache(kv_full, 0, kind) if kind == "full_attention" else LayerCache(0, state + conv, kind)
+    kv_layers = [LayerCache(kv_full, 0, kind) if kind == "full_attention" else LayerCache(0, state + conv, kind, state)
                  for kind in kinds]
     unused: list[Param] = []
     for k in range(int(r.get("mtp_num_hidden_layers") or 0)):
@@ -370,8 +386,8 @@ def _qwen3_5_moe_architecture(config: ModelConfig) -> Architecture:
     linear = kinds.count("linear_attention")
     note = (f"keys+values in the {len(kinds) - linear} full-attention layers ({config.num_key_value_heads} KV heads x "
             f"{hd}); each of the {linear} linear-attention layers keeps a fixed state per sequence instead "
-            f"({r['linear_num_value_heads']} x {r['linear_key_head_dim']} x {r['linear_value_head_dim']} recurrent + "
-            f"{conv} convolution values)")
+            f"({r['linear_num_value_heads']} x {r['linear_key_head_dim']} x {r['linear_value_head_dim']} recurrent in "
+            f"float32 + {conv} convolution values)")
     not_loaded = [("vision tower (model.visual.*)", qwen3_5_vision_params(r["vision_config"]))] \
         if r.get("vision_config") else []
     return Architecture(config, layers, ends, unused, int(r["num_experts_per_tok"]),

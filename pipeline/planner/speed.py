@@ -33,6 +33,7 @@ class Hardware:
     link_latency_us: float = 100.0
     tflops: list[float] | None = None
     reserve_gib: float = 0.0
+    prefix_cache_gb: float = 0.0  # serve's --prefix-cache-gb: each rank's prefix cache holds up to this
 
 
 @dataclass
@@ -147,7 +148,8 @@ def plan_cluster(config: ModelConfig, hosts: int, precision: Precision, hardware
 def _rank_plans(arch, mb, precision, hardware, counts, context, batch) -> list[RankPlan]:
     kv = kv_layer_bytes(arch, precision.dtype_bytes, context, batch)
     ranges = layer_ranges(counts)
-    return [RankPlan(r, start, end, rank_bytes(mb.layers, mb.ends, kv, (start, end), r, len(ranges)),
+    return [RankPlan(r, start, end, rank_bytes(mb.layers, mb.ends, kv, (start, end), r, len(ranges),
+                                               prefix_cache=round(hardware.prefix_cache_gb * 1e9)),
                      hardware.memory_gib[r] if hardware.memory_gib else None, hardware.reserve_gib)
             for r, (start, end) in enumerate(ranges)]
 
