@@ -165,12 +165,12 @@ def _mlx_kv_b(read, attention: str, tensors: dict, dtype: mx.Dtype) -> mx.array:
             return weight.astype(mx.float32)
         scales = read(f"{attention}.{module}.scales")
         if in_features is None:  # embed_q's width (nope) from its packed words, at unembed_out's bits
-            in_features = weight.shape[-1] * 32 // bits[0] if bits else 0
-        layout = packed_layout(in_features, weight.shape[-1], scales.shape[-1])
-        if layout is None:
+            in_features = weight.shape[-1] * 32 // bits[0] if bits else None
+        layout = in_features and packed_layout(in_features, weight.shape[-1], scales.shape[-1])
+        if not layout:
             raise UserError(f"{attention}.{module}: packed {list(weight.shape)} with scales {list(scales.shape)} is "
-                            "no MLX quantization this loader can tell (mlx-lm writes embed_q and unembed_out at one "
-                            "bit width, both quantized or unembed_out too)")
+                            "no MLX quantization this loader can tell (it reads embed_q at unembed_out's bits): "
+                            "convert the model again with mlx_lm.convert, which quantizes both alike")
         bits.append(layout[1])
         biases = read(f"{attention}.{module}.biases") if f"{attention}.{module}.biases" in tensors else None
         return mx.dequantize(weight, scales.astype(mx.float32), biases.astype(mx.float32) if biases is not None
