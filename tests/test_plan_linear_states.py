@@ -93,3 +93,28 @@ def test_plan_counts_the_prefix_cache_and_names_a_kept_point():
     assert "up to 4 GB per rank" in text
     # a family without linear states and without the flag: no line
     assert "prefix cache" not in format_plan(_plan("Qwen3-235B-A22B"), "Qwen3-235B-A22B")
+
+
+def test_a_decode_step_reads_the_state_as_held():
+    """The roofline reads a linear layer's whole state per step: its recurrent memory at 4 bytes in
+    bfloat16 too (4.07 MiB a layer of the 397B), a full-attention layer's keys and values in bfloat16."""
+    arch = architecture(load_config("Qwen3.5-397B-A17B"))
+    per_layer = 64 * 128 * 128 * 4 + 3 * (2 * 16 * 128 + 64 * 128) * 2
+    assert arch.kv_read_bytes(0, 10, 2) == arch.kv_read_bytes(0, 100_000, 2) == per_layer
+    assert arch.kv_read_bytes(3, 1000, 2) == 2 * 2 * 256 * 1000 * 2
+
+
+def test_preflight_counts_the_prefix_cache_in_a_slices_need():
+    """preflight --prefix-cache-gb 4: each rank's slice needs 4 GB more (+10%), named in the problem line."""
+    from test_preflight import report
+
+    from pipeline.commands.preflight import evaluate
+
+    plain = [report(0, 512 * 2**30), report(1, 223 * 2**30)]
+    _, problems = evaluate(plain, split=None)
+    assert problems == []  # layers 2-3: weights 200 GiB + KV cache 2 GiB, +10%: 222.2 GiB of 223
+    served = [report(0, 512 * 2**30, prefix_cache=4 * 10**9), report(1, 223 * 2**30, prefix_cache=4 * 10**9)]
+    _, problems = evaluate(served, split=None)
+    assert problems == ["rank 1 (studio-2): its slice (layers 2-3) needs 226.3 GiB (weights 200.0 GiB fp32 + KV "
+                        "cache 2.0 GiB + prefix cache 3.7 GiB, +10%) but only 223.0 GiB of memory is free: add a "
+                        "host, or move layers off it with --split"]

@@ -141,7 +141,7 @@ class _LayoutTiming(DecodeTiming):
                  host: HostTerms, link: LinkTerms, context: int):
         self.arch, self.mb, self.ranges, self.t, self.host, self.link = arch, mb, ranges, t, host, link
         self.bandwidth = bandwidth  # per stage: its group's slowest host, GB/s
-        self.kv_read = [arch.kv_read(i, context) * precision.dtype_bytes * kv_share(arch, i, t)
+        self.kv_read = [arch.kv_read_bytes(i, context, precision.dtype_bytes) * kv_share(arch, i, t)
                         for i in range(len(arch.layers))]
         self.hop_bytes = (arch.hidden_values or arch.config.hidden_size) * precision.dtype_bytes
 

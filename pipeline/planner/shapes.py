@@ -120,6 +120,12 @@ class Architecture:
         return round(sum((c.per_sequence - c.float32) * dtype_bytes + 4 * c.float32
                          for c in (self.kv_layers or [])[start:end] if c.kind == "linear_attention"))
 
+    def kv_read_bytes(self, layer: int, context: int, dtype_bytes: int) -> float:
+        """kv_read in bytes: in --dtype, but a linear layer's recurrent memory in float32."""
+        if self.kv_layers is None:
+            return self.kv_read(layer, context) * dtype_bytes
+        return self.kv_read(layer, context) * dtype_bytes + (4 - dtype_bytes) * self.kv_layers[layer].float32
+
     def kv_read(self, layer: int, context: int) -> float:
         """Values a decode step of one sequence reads from layer `layer`'s cache at `context` tokens:
         all of it, but for V4's compressed sparse layers the indexer's keys and the top-k entries

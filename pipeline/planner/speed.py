@@ -218,7 +218,7 @@ class _Timing(DecodeTiming):
 
     def __init__(self, arch, mb, precision, hardware, ranges, context):
         self.arch, self.mb, self.hw, self.ranges = arch, mb, hardware, ranges
-        self.kv_read = [arch.kv_read(i, context) * precision.dtype_bytes for i in range(len(arch.layers))]
+        self.kv_read = [arch.kv_read_bytes(i, context, precision.dtype_bytes) for i in range(len(arch.layers))]
         self.hidden_bytes = (arch.hidden_values or arch.config.hidden_size) * precision.dtype_bytes
         n = len(ranges)
         self.bandwidth = hardware.bandwidth_gbs if len(hardware.bandwidth_gbs) == n else hardware.bandwidth_gbs[:1] * n
