@@ -95,12 +95,21 @@ def _write(tmp_path, kind: str, types: dict, vocab) -> tuple:
     model = make(tmp_path / "hf") if kind == "qwen3moe" else _transformers(kind, make(tmp_path / "hf"))
     encode = test_gguf_inplace.encode
     test_gguf_inplace.encode = lambda w, q: pack_iq4(w.reshape(-1, w.shape[-1]), q).reshape(*w.shape[:-1], -1) \
-        if q in (QT.IQ4_NL, QT.IQ4_XS) else encode(w, q)
+        if q in (QT.IQ4_NL, QT.IQ4_XS) else random_nvfp4(w) if q == QT.NVFP4 else encode(w, q)
     try:
         written = write_model(tmp_path / "m.gguf", model, arch, _by_kind(types), vocab=vocab)
     finally:
         test_gguf_inplace.encode = encode
     return model, written
+
+
+def random_nvfp4(w: np.ndarray) -> np.ndarray:
+    """NVFP4 blocks (4 ue4m3 scales, then 32 code bytes, per 64 values) of random codes spread about as w's values
+    (std 0.2: scales 0.027-0.047), which gguf dequantizes but does not quantize: a type pipeline re-quantizes."""
+    rng = np.random.default_rng(w.size)
+    raw = rng.integers(0, 256, (*w.shape[:-1], w.shape[-1] // 64, 36), dtype=np.uint8)
+    raw[..., :4] = rng.integers(22, 29, raw[..., :4].shape)
+    return raw.reshape(*w.shape[:-1], -1)
 
 
 # kind -> the tensors in the type under test (the rest Q8_0, norms and routers F32)
@@ -119,7 +128,7 @@ def vocab(tmp_path_factory):
 
 
 # the types held as the file's row bytes (quants.BLOCKS: the K-quant kernels' Q2_K, Q5_K) have their embeddings and
-# heads held so too (their kernels dequantize rows), not yet their expert stacks (no gathered product)
+# heads held so too (their kernels dequantize rows); their expert stacks: test_gguf_block_experts.py
 CASES = [(case, qtype) for case in ENDS for qtype in TYPES] + [("embedding-and-head", QT.Q2_K),
                                                                  ("tied-embedding", QT.Q5_K)]
 
@@ -175,8 +184,10 @@ def test_models_with_ends_and_experts_in_blocks_match_transformers(case, qtype, 
 MIX = {"token_embd": QT.Q2_K, "attn_q.": QT.IQ4_XS, "attn_k.": QT.Q4_K, "attn_v": QT.IQ4_NL, "attn_output": QT.Q8_0,
        "ffn_gate": QT.Q6_K, "ffn_up": QT.Q4_K, "ffn_down": QT.IQ4_NL, "output.": QT.Q6_K}
 TIED_MIX = MIX | {"token_embd": QT.IQ4_NL}  # Qwen3's tied embedding, in its blocks, is the head
-# the Q2_K expert stacks re-quantized (no gathered product for row-byte types yet), the Q3_K embedding in its blocks
-MOE_MIX = {"exps": QT.Q2_K, "token_embd": QT.Q3_K, "attn_q.": QT.IQ4_XS, "attn": QT.Q4_K, "output.": QT.Q6_K}
+# the Q2_K gate and up expert stacks and the Q3_K embedding in their blocks, the NVFP4 down stacks re-quantized (no
+# kernel of ours computes NVFP4)
+MOE_MIX = {"down_exps": QT.NVFP4, "exps": QT.Q2_K, "token_embd": QT.Q3_K, "attn_q.": QT.IQ4_XS, "attn": QT.Q4_K,
+           "output.": QT.Q6_K}
 MIXES = {"mistral": MIX, "qwen3": TIED_MIX, "qwen3moe": MOE_MIX}
 
 
@@ -203,11 +214,16 @@ def test_plan_counts_what_each_rank_holds(tmp_path, vocab, kind, dtype, int8, ca
         if rank == 0:  # the embedding's rows (float32 from its blocks) in --dtype, as every float the layers take
             assert stage.model.embed(mx.array([[1, 2]])).dtype == getattr(mx, dtype)
         if rank == 0 and kind == "qwen3moe" and dtype == "float32":  # the loader's note: the re-quantized stacks,
-            # held vs in the file (as read: float32 scales, which --dtype bfloat16 then halves)
-            stacks = [(f"blk.{i}.ffn_{p}_exps.weight", stage.model.layers[i].mlp.switch_mlp[f"{p}_proj"])
-                      for i in range(start, end) for p in ("gate", "up", "down")]
+            # held vs in the file (as read: float32 scales, which --dtype bfloat16 then halves); the Q2_K stacks are
+            # the file's bytes
+            mlps = [stage.model.layers[i].mlp.switch_mlp for i in range(start, end)]
+            assert (sum(m[f"{p}_proj"]["weight"].nbytes for m in mlps for p in ("gate", "up"))
+                    == sum(checkpoint.gguf.tensors[f"blk.{i}.ffn_{p}_exps.weight"].nbytes
+                           for i in range(start, end) for p in ("gate", "up")))
+            stacks = [(f"blk.{i}.ffn_down_exps.weight", stage.model.layers[i].mlp.switch_mlp.down_proj)
+                      for i in range(start, end)]
             held = sum(module[p].nbytes for _, module in stacks for p in ("weight", "scales", "biases"))
             in_file = sum(checkpoint.gguf.tensors[name].nbytes for name, _ in stacks)
             note, = [line for line in capsys.readouterr().err.splitlines() if "re-quantized" in line]
-            assert "6 GGUF tensors " in note and "(6 Q2_K -> 8-bit group 64: blk.0-1.ffn_gate_exps, " in note, note
+            assert "2 GGUF tensors " in note and "(2 NVFP4 -> 8-bit group 64: blk.0-1.ffn_down_exps" in note, note
             assert f"{held / 2**20:.1f} MiB in memory for " in note and f"in the file ({held / in_file:.2f}x)" in note, note

@@ -197,16 +197,15 @@ class GGUFCheckpoint(Checkpoint):
         if t not in quants.SUPPORTED and t not in quants.INTEGERS:
             raise UserError(f"{self.gguf.path}: tensor {tensor.name} has GGML type {t}, which pipeline cannot read "
                             f"(supported: {', '.join(quants.SUPPORTED)})")
-        # in its own blocks: a layer's matrix, the LM head and the token embedding (the kernels' products, and
-        # rows dequantized by gguf_rows.py or the BLOCKS types' kernels), an expert stack where its type's gathered
-        # products are computed so (quants.NATIVE_ROWS); but for MLA's kv_b, which DeepSeek's attention dequantizes
-        # after loading to split it
+        # in its own blocks: a layer's matrix, the LM head, the token embedding and an expert stack (the kernels'
+        # products and gathered products, rows dequantized by gguf_rows.py or the BLOCKS types' kernels) where its
+        # type's are computed so (quants.NATIVE_ROWS, quants.BLOCKS); but for MLA's kv_b, which DeepSeek's attention
+        # dequantizes after loading to split it
         stack = ".switch_mlp." in name
         ends = name in ("lm_head.weight", "model.embed_tokens.weight")
         native = (self.native and not float_only and not name.endswith("kv_b_proj.weight")
                   and (name.startswith("model.layers.") or ends) and len(tensor.shape) == (3 if stack else 2)
-                  and (t in quants.NATIVE_ROWS or not stack)
-                  and (t in quants.NATIVE_ROWS or t in quants.BLOCKS or not ends))
+                  and (t in quants.NATIVE_ROWS or t in quants.BLOCKS or not (stack or ends)))
         lay = quants.layout(t, tensor.cols, self.requantize_bits, self.group_size, native)
         if lay.kind == "float" or float_only or len(tensor.shape) < 2 or not name.endswith(".weight"):
             if lay.kind == "float":

@@ -27,10 +27,14 @@ fp16 d per 32, as bits, which no cast to --dtype touches; int8: IQ4_XS's 8 heade
 matrix (256 values: ql[128], qh[64], int8 scales[16], fp16 d) has no split into those shapes (210 bytes per
 256 values): it looks like MLX's 6-bit affine with groups of 128, its weight the 192 code bytes, its scales
 int64 (the 16 int8 scales, 2 per 256), its biases uint8 (d's 2 bytes). Embeddings, the LM head and expert
-stacks of those types are re-quantized as below (their lookups and gathers run MLX's own code).
+stacks of those types are held so too (NATIVE_ROWS: rows dequantized by kernels/gguf_rows.py, stacks gathered by
+gguf_kernels.cpp). The BLOCKS types (K-quants Q2_K, Q3_K, Q5_K, ternary TQ1_0, TQ2_0, the grid i-quants) are held as
+the file's row bytes verbatim, one uint8 array and the type id, in layer matrices, ends and expert stacks
+([experts, rows, row bytes], each token's experts gathered by kernels_common.h's gathered product) alike.
 
-Re-quantized types. Q6_K (but for layer matrices, above), Q3_K and Q2_K scale 16-value sub-blocks, which no MLX group size
-(32, 64, 128) carries, and the i-quants look values up in codebooks: they are dequantized by the
+Re-quantized types: without pipeline's kernels, with --quantize, and for NVFP4 and MLA's kv_b. Q6_K, Q3_K and Q2_K
+scale 16-value sub-blocks, which no MLX group size (32, 64, 128) carries, and the i-quants look values up in
+codebooks: they are dequantized by the
 `gguf` package's own dequantizers and re-quantized by MLX, a row chunk at a time, so memory stays
 near the quantized size. The largest error against the dequantized source is measured on the fly.
 """
@@ -63,8 +67,9 @@ NATIVE = {"IQ4_NL": (20, "U16", 32), "IQ4_XS": (23, "I8", 256), "Q6_K": (14, "I6
 # not listed keeps those re-quantized; its LM head, a product, is held in its blocks as its layer matrices)
 NATIVE_ROWS = ("IQ4_NL", "IQ4_XS", "Q6_K")
 # GGML type -> (its ggml type id, bytes per 256 values) for types held as the file's row bytes verbatim (see the
-# module docstring): one uint8 array [rows, row bytes] and the type id, products by the kernels' function for the
-# type (kernels/qmm.py BLOCK_KERNELS: gguf_kquant_kernels.cpp, ...). Checked before NATIVE, EXACT and REQUANTIZED.
+# module docstring): one uint8 array [rows, row bytes] (an expert stack's [experts, rows, row bytes]) and the type
+# id, products and gathered products by the kernels' functions for the type (kernels/qmm.py BLOCK_KERNELS:
+# gguf_kquant_kernels.cpp, ...). Checked before NATIVE, EXACT and REQUANTIZED.
 BLOCKS = {"Q5_K": (13, 176), "Q3_K": (11, 110), "Q2_K": (10, 84), "TQ2_0": (35, 66), "TQ1_0": (34, 54)}
 BLOCKS.update({"IQ2_XXS": (16, 66), "IQ2_XS": (17, 74), "IQ2_S": (22, 82), "IQ3_XXS": (18, 98), "IQ3_S": (21, 110),
                "IQ1_S": (19, 50), "IQ1_M": (29, 56)})  # the grid i-quants: gguf_iquant_kernels.cpp

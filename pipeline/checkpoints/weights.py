@@ -14,7 +14,7 @@ from mlx.utils import tree_unflatten
 
 from ..kernels import qmm
 from ..kernels.int8_layout import packed_layout
-from ..models.experts import SwitchLinear
+from ..models.experts import GGUFBlocksSwitchLinear, SwitchLinear
 from ..util.errors import UserError
 from .format_adapters import Requantize
 from .int8_repack import Int8WhileLoading
@@ -88,6 +88,8 @@ def _quantize_like(model: nn.Module, weights: dict[str, mx.array]) -> None:
             qmm.GGUFBlocksLinear.become(modules[path], weights[path + ".weight"], weights[name])
         elif isinstance(modules.get(path), nn.Embedding):  # the token embedding (rows looked up, or the tied head)
             qmm.GGUFBlocksEmbedding.become(modules[path], weights[path + ".weight"], weights[name])
+        elif isinstance(modules.get(path), SwitchLinear):  # an expert stack (its tokens' experts gathered)
+            GGUFBlocksSwitchLinear.become(modules[path], weights[path + ".weight"], weights[name])
     settings = {}
     for name, scales in weights.items():
         if not name.endswith(".scales"):

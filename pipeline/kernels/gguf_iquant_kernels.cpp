@@ -453,87 +453,16 @@ void dequantize(const IQMatrix &m, float *out) { IQ_DISPATCH(m.type, dequantize_
 
 /* ---- the MLX operations ---------------------------------------------------------------------------- */
 
-/* Inputs: x [..., k] float32, blocks [n, ...] (any dtype) whose bytes are n rows of k / 256 super-blocks. */
-class IQProduct : public mx::UnaryPrimitive {
-   public:
-    IQProduct(mx::Stream stream, int type, bool int8) : mx::UnaryPrimitive(stream), type_(type), int8_(int8) {}
+/* product() and dequantize() as kernels_common.h's BlockProduct and BlockDequantize call them: w[0] the row bytes
+   of one matrix, or of one expert of a stack (gguf_iquant_gather_matmul). */
+void iq_product(const std::vector<const uint8_t *> &w, int64_t n, int64_t k, const float *x, int64_t rows, float *out,
+                int type, bool int8) {
+    product(IQMatrix{w[0], type, n, k}, x, rows, out, int8);
+}
 
-    void eval_cpu(const std::vector<mx::array> &inputs, mx::array &out) override {
-        out.set_data(mx::allocator::malloc(out.nbytes()));
-        auto &encoder = mx::cpu::get_command_encoder(stream());
-        for (auto &a : inputs) encoder.set_input_array(a);
-        encoder.set_output_array(out);
-        const int type = type_;
-        const bool int8 = int8_;
-        encoder.dispatch([inputs, out, type, int8]() mutable {
-            std::vector<mx::array> keep;
-            const mx::array x = contiguous(inputs[0], keep), blocks = contiguous(inputs[1], keep);
-            const int64_t k = x.shape(-1), rows = k ? int64_t(x.size()) / k : 0, n = blocks.shape(0);
-            if (rows == 0 || n == 0) return;
-            const IQMatrix m{blocks.data<uint8_t>(), type, n, k};
-            product(m, x.data<float>(), rows, out.data<float>(), int8);
-        });
-    }
-
-    void eval_gpu(const std::vector<mx::array> &, mx::array &) override {
-        throw std::runtime_error("pipeline's GGUF i-quant products run on the CPU only");
-    }
-
-    const char *name() const override { return "PipelineGGUFIQuantProduct"; }
-
-    bool is_equivalent(const mx::Primitive &other) const override {
-        auto *o = dynamic_cast<const IQProduct *>(&other);
-        return o && o->type_ == type_ && o->int8_ == int8_;
-    }
-
-    std::vector<mx::Shape> output_shapes(const std::vector<mx::array> &inputs) override {
-        mx::Shape shape = inputs[0].shape();
-        shape.back() = inputs[1].shape(0);
-        return {shape};
-    }
-
-   private:
-    int type_;
-    bool int8_;
-};
-
-/* Output: float32 [n, k], every weight as the float path uses it. */
-class IQDequantize : public mx::UnaryPrimitive {
-   public:
-    IQDequantize(mx::Stream stream, int type) : mx::UnaryPrimitive(stream), type_(type) {}
-
-    void eval_cpu(const std::vector<mx::array> &inputs, mx::array &out) override {
-        out.set_data(mx::allocator::malloc(out.nbytes()));
-        auto &encoder = mx::cpu::get_command_encoder(stream());
-        encoder.set_input_array(inputs[0]);
-        encoder.set_output_array(out);
-        const int type = type_;
-        encoder.dispatch([inputs, out, type]() mutable {
-            std::vector<mx::array> keep;
-            const mx::array blocks = contiguous(inputs[0], keep);
-            const int64_t n = out.shape(0), k = out.shape(1);
-            dequantize(IQMatrix{blocks.data<uint8_t>(), type, n, k}, out.data<float>());
-        });
-    }
-
-    void eval_gpu(const std::vector<mx::array> &, mx::array &) override {
-        throw std::runtime_error("pipeline's GGUF i-quant products run on the CPU only");
-    }
-
-    const char *name() const override { return "PipelineGGUFIQuantDequantize"; }
-
-    bool is_equivalent(const mx::Primitive &other) const override {
-        auto *o = dynamic_cast<const IQDequantize *>(&other);
-        return o && o->type_ == type_;
-    }
-
-    std::vector<mx::Shape> output_shapes(const std::vector<mx::array> &inputs) override {
-        return {mx::Shape{inputs[0].shape(0), int(inputs[0].nbytes() / inputs[0].shape(0) / block_bytes(type_) * SUPER)}};
-    }
-
-   private:
-    int type_;
-};
+void iq_dequantize(const uint8_t *blocks, int64_t n, int64_t k, float *out, int type) {
+    dequantize(IQMatrix{blocks, type, n, k}, out);
+}
 
 void check(const mx::array &blocks, int type, int64_t k) {
     auto fail = [](const std::string &why) { throw std::invalid_argument("pipeline GGUF i-quant product: " + why); };
@@ -544,7 +473,11 @@ void check(const mx::array &blocks, int type, int64_t k) {
         fail("blocks must be [n, ...] holding n rows of k / 256 super-blocks");
 }
 
-mx::Stream cpu_stream() { return mx::default_stream(mx::Device(mx::Device::cpu)); }
+/* The lazy product (experts given: gathered) of the blocks, after check()'s checks. */
+mx::array iq_array(const mx::array &x, const mx::array &blocks, int type, bool int8, const std::optional<mx::array> &experts) {
+    return block_product<iq_product>("pipeline GGUF i-quant product", type, int8, x, {blocks}, experts,
+                                     [&](const std::vector<mx::array> &w) { check(w[0], type, x.shape(-1)); });
+}
 
 }  // namespace
 
@@ -557,27 +490,26 @@ void register_gguf_iquants(nb::module_ &m) {
     m.def(
         "gguf_iquant_matmul",
         [](const mx::array &x, const mx::array &blocks, int type, bool int8) {
-            if (x.ndim() < 1 || x.dtype() != mx::float32)
-                throw std::invalid_argument("pipeline GGUF i-quant product: x must be float32 [..., k]");
-            check(blocks, type, x.shape(-1));
-            mx::Shape shape = x.shape();
-            shape.back() = blocks.shape(0);
-            return mx::array(shape, mx::float32, std::make_shared<IQProduct>(cpu_stream(), type, int8), {x, blocks});
+            return iq_array(x, blocks, type, int8, std::nullopt);
         },
         nb::arg("x"), nb::arg("blocks"), nb::arg("type"), nb::arg("int8"),
         "x [..., k] float32 @ w.T for a GGUF grid i-quant tensor (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, "
         "IQ1_M) held as the file's blocks ([n, ...], any dtype), lazily; int8: x rounded per 256 as Q8_K "
         "(llama.cpp's vec_dot), else float products");
     m.def(
+        "gguf_iquant_gather_matmul",
+        [](const mx::array &x, const mx::array &blocks, int type, bool int8, const mx::array &experts) {
+            return iq_array(x, blocks, type, int8, experts);
+        },
+        nb::arg("x"), nb::arg("blocks"), nb::arg("type"), nb::arg("int8"), nb::arg("experts"),
+        "x [rows, k] float32: row p times expert experts[p]'s matrix of a stack held as the file's blocks "
+        "([experts, n, row bytes]), lazily: each row the bits of gguf_iquant_matmul on that row alone");
+    m.def(
         "gguf_iquant_dequantize",
         [](const mx::array &blocks, int type) {
-            if (!block_bytes(type) || blocks.ndim() < 1 || blocks.shape(0) == 0 ||
-                blocks.nbytes() % size_t(blocks.shape(0) * block_bytes(type)))
-                throw std::invalid_argument("pipeline GGUF i-quant dequantize: blocks must be [n, ...] of whole "
-                                            "super-blocks of a grid i-quant type");
-            const int k = int(blocks.nbytes() / blocks.shape(0) / block_bytes(type) * SUPER);
-            return mx::array(mx::Shape{blocks.shape(0), k}, mx::float32, std::make_shared<IQDequantize>(cpu_stream(), type),
-                             {blocks});
+            return block_dequantize<iq_dequantize>("pipeline GGUF i-quant dequantize: blocks must be [n, ...] of whole "
+                                                   "super-blocks of a grid i-quant type",
+                                                   blocks, type, block_bytes(type));
         },
         nb::arg("blocks"), nb::arg("type"),
         "float32 [n, k]: the weights of a grid i-quant tensor's blocks as the float products use them (exact)");

@@ -488,126 +488,13 @@ void product(const NativeMatrix &m, const float *x, int64_t rows, float *out, bo
 
 /* ---- the MLX operation ---------------------------------------------------------------------------- */
 
-/* Inputs: x [..., k] float32, codes [n, k / 2] uint8 (or uint32 [n, k / 8]), scales as the opening comment. */
-class NativeProduct : public mx::UnaryPrimitive {
-   public:
-    NativeProduct(mx::Stream stream, int type, bool int8) : mx::UnaryPrimitive(stream), type_(type), int8_(int8) {}
-
-    void eval_cpu(const std::vector<mx::array> &inputs, mx::array &out) override {
-        out.set_data(mx::allocator::malloc(out.nbytes()));
-        auto &encoder = mx::cpu::get_command_encoder(stream());
-        for (auto &a : inputs) encoder.set_input_array(a);
-        encoder.set_output_array(out);
-        const int type = type_;
-        const bool int8 = int8_;
-        encoder.dispatch([inputs, out, type, int8]() mutable {
-            std::vector<mx::array> keep;
-            const mx::array x = contiguous(inputs[0], keep), codes = contiguous(inputs[1], keep),
-                            scales = contiguous(inputs[2], keep);
-            const mx::array ds = inputs.size() > 3 ? contiguous(inputs[3], keep) : scales;
-            const int64_t k = x.shape(-1), rows = k ? int64_t(x.size()) / k : 0, n = codes.shape(0);
-            if (rows == 0 || n == 0) return;
-            const NativeMatrix m{codes.data<uint8_t>(), scales.data<uint8_t>(), ds.data<uint8_t>(), type, n, k};
-            product(m, x.data<float>(), rows, out.data<float>(), int8);
-        });
-    }
-
-    void eval_gpu(const std::vector<mx::array> &, mx::array &) override {
-        throw std::runtime_error("pipeline's GGUF products run on the CPU only");
-    }
-
-    const char *name() const override { return "PipelineGGUFProduct"; }
-
-    bool is_equivalent(const mx::Primitive &other) const override {
-        auto *o = dynamic_cast<const NativeProduct *>(&other);
-        return o && o->type_ == type_ && o->int8_ == int8_;
-    }
-
-    std::vector<mx::Shape> output_shapes(const std::vector<mx::array> &inputs) override {
-        mx::Shape shape = inputs[0].shape();
-        shape.back() = inputs[1].shape(0);
-        return {shape};
-    }
-
-   private:
-    int type_;
-    bool int8_;
-};
-
-/* An expert stack's gathered products (models/experts.py): inputs x [P, k] float32, codes, scales (and Q6_K's d)
-   stacked [E, n, ...] as above, experts uint32 [P]: out[p] = x[p] @ w[experts[p]].T. The rows of each expert are
-   gathered (in order of p) and multiplied as one product, so every output row has the bits of that row alone
-   times its expert's matrix (batch invariance); with several experts at work and enough work, the experts are
-   spread over the threads (one product each) rather than each product's columns. */
-class NativeGatherProduct : public mx::UnaryPrimitive {
-   public:
-    NativeGatherProduct(mx::Stream stream, int type, bool int8) : mx::UnaryPrimitive(stream), type_(type), int8_(int8) {}
-
-    void eval_cpu(const std::vector<mx::array> &inputs, mx::array &out) override {
-        out.set_data(mx::allocator::malloc(out.nbytes()));
-        auto &encoder = mx::cpu::get_command_encoder(stream());
-        for (auto &a : inputs) encoder.set_input_array(a);
-        encoder.set_output_array(out);
-        const int type = type_;
-        const bool int8 = int8_;
-        encoder.dispatch([inputs, out, type, int8]() mutable {
-            std::vector<mx::array> keep;
-            const mx::array x = contiguous(inputs[0], keep), codes = contiguous(inputs[1], keep),
-                            scales = contiguous(inputs[2], keep), experts = contiguous(inputs[3], keep);
-            const mx::array ds = inputs.size() > 4 ? contiguous(inputs[4], keep) : scales;
-            const int64_t k = x.shape(-1), rows = k ? int64_t(x.size()) / k : 0, stack = codes.shape(0), n = codes.shape(1);
-            if (rows == 0 || n == 0 || stack == 0) return;
-            const size_t code_bytes = codes.nbytes() / stack, scale_bytes = scales.nbytes() / stack,
-                         d_bytes = ds.nbytes() / stack;
-            const uint32_t *chosen = experts.data<uint32_t>();
-            std::vector<std::vector<int64_t>> groups(stack);
-            float *o = out.data<float>();
-            for (int64_t p = 0; p < rows; p++) {
-                if (chosen[p] < uint64_t(stack)) {
-                    groups[chosen[p]].push_back(p);
-                } else {  // no such expert (a router's bug): NaN, not a throw on MLX's thread
-                    std::fill(o + p * n, o + (p + 1) * n, std::nanf(""));
-                }
-            }
-            std::vector<int64_t> used;
-            for (int64_t e = 0; e < stack; e++)
-                if (!groups[e].empty()) used.push_back(e);
-            const float *xs = x.data<float>();
-            const bool spread = g_threads > 1 && used.size() > 1 && rows * n * k >= THREADED_MIN_WORK;
-#pragma omp parallel for schedule(dynamic) num_threads(g_threads) if (spread)
-            for (size_t u = 0; u < used.size(); u++) {
-                const int64_t e = used[u];
-                const std::vector<int64_t> &group = groups[e];
-                const int64_t count = int64_t(group.size());
-                std::vector<float> xg(count * k), og(count * n);
-                for (int64_t i = 0; i < count; i++) std::memcpy(xg.data() + i * k, xs + group[i] * k, k * sizeof(float));
-                const NativeMatrix m{codes.data<uint8_t>() + e * code_bytes, scales.data<uint8_t>() + e * scale_bytes,
-                                     ds.data<uint8_t>() + e * d_bytes, type, n, k};
-                product(m, xg.data(), count, og.data(), int8);
-                for (int64_t i = 0; i < count; i++) std::memcpy(o + group[i] * n, og.data() + i * n, n * sizeof(float));
-            }
-        });
-    }
-
-    void eval_gpu(const std::vector<mx::array> &, mx::array &) override {
-        throw std::runtime_error("pipeline's GGUF products run on the CPU only");
-    }
-
-    const char *name() const override { return "PipelineGGUFGatherProduct"; }
-
-    bool is_equivalent(const mx::Primitive &other) const override {
-        auto *o = dynamic_cast<const NativeGatherProduct *>(&other);
-        return o && o->type_ == type_ && o->int8_ == int8_;
-    }
-
-    std::vector<mx::Shape> output_shapes(const std::vector<mx::array> &inputs) override {
-        return {mx::Shape{inputs[0].shape(0), inputs[1].shape(1)}};
-    }
-
-   private:
-    int type_;
-    bool int8_;
-};
+/* product() as kernels_common.h's BlockProduct calls it: w the codes, scales and (Q6_K) d of one matrix, or of one
+   expert of a stack (gguf_gather_matmul: a stack's experts spread over the threads, each output row the bits of
+   that row alone times its expert's matrix). */
+void native_product(const std::vector<const uint8_t *> &w, int64_t n, int64_t k, const float *x, int64_t rows,
+                    float *out, int type, bool int8) {
+    product(NativeMatrix{w[0], w[1], w.size() > 2 ? w[2] : w[1], type, n, k}, x, rows, out, int8);
+}
 
 void check_q6_k(const mx::array &x, const mx::array &codes, const mx::array &scales, const std::optional<mx::array> &ds) {
     auto fail = [](const std::string &why) { throw std::invalid_argument("pipeline GGUF product (Q6_K): " + why); };
@@ -639,7 +526,16 @@ void check(const mx::array &x, const mx::array &codes, const mx::array &scales, 
         fail(nl ? "scales must be uint16 (fp16 bits) [n, k / 32]" : "scales must be int8 [n, k / 32]");
 }
 
-mx::Stream cpu_stream() { return mx::default_stream(mx::Device(mx::Device::cpu)); }
+/* The lazy product (experts given: gathered) of codes, scales and Q6_K's d, after check()'s checks. */
+mx::array native_array(const mx::array &x, const mx::array &codes, const mx::array &scales, int type, bool int8,
+                       const std::optional<mx::array> &ds, const std::optional<mx::array> &experts) {
+    std::vector<mx::array> weights{codes, scales};
+    if (type == Q6_K && ds) weights.push_back(*ds);
+    return block_product<native_product>("pipeline GGUF product", type, int8, x, weights, experts,
+                                         [&](const std::vector<mx::array> &w) {
+                                             check(x, w[0], w[1], w.size() > 2 ? std::optional(w[2]) : std::nullopt, type);
+                                         });
+}
 
 }  // namespace
 
@@ -647,14 +543,7 @@ void register_gguf(nb::module_ &m) {
     m.def(
         "gguf_matmul",
         [](const mx::array &x, const mx::array &codes, const mx::array &scales, int type, bool int8,
-           const std::optional<mx::array> &ds) {
-            check(x, codes, scales, ds, type);
-            mx::Shape shape = x.shape();
-            shape.back() = codes.shape(0);
-            std::vector<mx::array> inputs{x, codes, scales};
-            if (type == Q6_K) inputs.push_back(*ds);
-            return mx::array(shape, mx::float32, std::make_shared<NativeProduct>(cpu_stream(), type, int8), inputs);
-        },
+           const std::optional<mx::array> &ds) { return native_array(x, codes, scales, type, int8, ds, std::nullopt); },
         nb::arg("x"), nb::arg("codes"), nb::arg("scales"), nb::arg("type"), nb::arg("int8"), nb::arg("d") = nb::none(),
         "x [..., k] float32 @ w.T for a GGUF tensor held in its own blocks (Q6_K, IQ4_NL, IQ4_XS), lazily; d: Q6_K's fp16 d bytes; int8: x "
         "rounded per block as llama.cpp's q8 pairs (else float products)");
@@ -662,19 +551,7 @@ void register_gguf(nb::module_ &m) {
         "gguf_gather_matmul",
         [](const mx::array &x, const mx::array &codes, const mx::array &scales, int type, bool int8,
            const mx::array &experts, const std::optional<mx::array> &ds) {
-            auto fail = [](const std::string &why) { throw std::invalid_argument("pipeline GGUF gathered product: " + why); };
-            if (x.ndim() != 2) fail("x must be [rows, k]");
-            if (codes.ndim() != 3 || scales.ndim() != 3 || scales.shape(0) != codes.shape(0) || (ds && ds->ndim() != 3))
-                fail("codes, scales and d must be stacks [experts, n, ...]");
-            if (experts.dtype() != mx::uint32 || experts.ndim() != 1 || experts.shape(0) != x.shape(0))
-                fail("experts must be uint32 [rows]");
-            const int e = codes.shape(0), n = codes.shape(1);
-            auto flat = [e, n](const mx::array &a) { return mx::reshape(a, {e * n, a.shape(2)}); };
-            check(x, flat(codes), flat(scales), ds ? std::optional<mx::array>(flat(*ds)) : std::nullopt, type);
-            std::vector<mx::array> inputs{x, codes, scales, experts};
-            if (type == Q6_K) inputs.push_back(*ds);
-            return mx::array(mx::Shape{x.shape(0), n}, mx::float32,
-                             std::make_shared<NativeGatherProduct>(cpu_stream(), type, int8), inputs);
+            return native_array(x, codes, scales, type, int8, ds, experts);
         },
         nb::arg("x"), nb::arg("codes"), nb::arg("scales"), nb::arg("type"), nb::arg("int8"), nb::arg("experts"),
         nb::arg("d") = nb::none(),

@@ -536,93 +536,22 @@ void product(const KMatrix &m, const float *x, int64_t rows, float *out, bool in
 
 /* ---- the MLX operations ---------------------------------------------------------------------------- */
 
-/* Inputs: x [..., k] float32, blocks [n, ...] (any dtype) whose bytes are n rows of k / 256 super-blocks. */
-class KProduct : public mx::UnaryPrimitive {
-   public:
-    KProduct(mx::Stream stream, int type, bool int8) : mx::UnaryPrimitive(stream), type_(type), int8_(int8) {}
+/* product() and the float weights as kernels_common.h's BlockProduct and BlockDequantize call them: w[0] the row
+   bytes of one matrix, or of one expert of a stack (gguf_kquant_gather_matmul). */
+void k_product(const std::vector<const uint8_t *> &w, int64_t n, int64_t k, const float *x, int64_t rows, float *out,
+               int type, bool int8) {
+    product(KMatrix{w[0], type, n, k}, x, rows, out, int8);
+}
 
-    void eval_cpu(const std::vector<mx::array> &inputs, mx::array &out) override {
-        out.set_data(mx::allocator::malloc(out.nbytes()));
-        auto &encoder = mx::cpu::get_command_encoder(stream());
-        for (auto &a : inputs) encoder.set_input_array(a);
-        encoder.set_output_array(out);
-        const int type = type_;
-        const bool int8 = int8_;
-        encoder.dispatch([inputs, out, type, int8]() mutable {
-            std::vector<mx::array> keep;
-            const mx::array x = contiguous(inputs[0], keep), blocks = contiguous(inputs[1], keep);
-            const int64_t k = x.shape(-1), rows = k ? int64_t(x.size()) / k : 0, n = blocks.shape(0);
-            if (rows == 0 || n == 0) return;
-            const KMatrix m{blocks.data<uint8_t>(), type, n, k};
-            product(m, x.data<float>(), rows, out.data<float>(), int8);
-        });
-    }
-
-    void eval_gpu(const std::vector<mx::array> &, mx::array &) override {
-        throw std::runtime_error("pipeline's GGUF K-quant products run on the CPU only");
-    }
-
-    const char *name() const override { return "PipelineGGUFKQuantProduct"; }
-
-    bool is_equivalent(const mx::Primitive &other) const override {
-        auto *o = dynamic_cast<const KProduct *>(&other);
-        return o && o->type_ == type_ && o->int8_ == int8_;
-    }
-
-    std::vector<mx::Shape> output_shapes(const std::vector<mx::array> &inputs) override {
-        mx::Shape shape = inputs[0].shape();
-        shape.back() = inputs[1].shape(0);
-        return {shape};
-    }
-
-   private:
-    int type_;
-    bool int8_;
-};
-
-/* Output: float32 [n, k], every weight as the float products use it. */
-class KDequantize : public mx::UnaryPrimitive {
-   public:
-    KDequantize(mx::Stream stream, int type) : mx::UnaryPrimitive(stream), type_(type) {}
-
-    void eval_cpu(const std::vector<mx::array> &inputs, mx::array &out) override {
-        out.set_data(mx::allocator::malloc(out.nbytes()));
-        auto &encoder = mx::cpu::get_command_encoder(stream());
-        encoder.set_input_array(inputs[0]);
-        encoder.set_output_array(out);
-        const int type = type_;
-        encoder.dispatch([inputs, out, type]() mutable {
-            std::vector<mx::array> keep;
-            const mx::array blocks = contiguous(inputs[0], keep);
-            const int64_t n = out.shape(0), k = out.shape(1);
-            const KMatrix m{blocks.data<uint8_t>(), type, n, k};
-            Unpacked u;
-            for (int64_t r = 0; r < n; r++)
-                for (int64_t sb = 0; sb < k / SUPER; sb++) {
-                    unpack(type, m.block(r, sb), u);
-                    dequantize(type, u, out.data<float>() + r * k + sb * SUPER);
-                }
-        });
-    }
-
-    void eval_gpu(const std::vector<mx::array> &, mx::array &) override {
-        throw std::runtime_error("pipeline's GGUF K-quant products run on the CPU only");
-    }
-
-    const char *name() const override { return "PipelineGGUFKQuantDequantize"; }
-
-    bool is_equivalent(const mx::Primitive &other) const override {
-        auto *o = dynamic_cast<const KDequantize *>(&other);
-        return o && o->type_ == type_;
-    }
-
-    std::vector<mx::Shape> output_shapes(const std::vector<mx::array> &inputs) override {
-        return {mx::Shape{inputs[0].shape(0), int(inputs[0].nbytes() / inputs[0].shape(0) / block_bytes(type_) * SUPER)}};
-    }
-
-   private:
-    int type_;
-};
+void k_dequantize(const uint8_t *blocks, int64_t n, int64_t k, float *out, int type) {
+    const KMatrix m{blocks, type, n, k};
+    Unpacked u;
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t sb = 0; sb < k / SUPER; sb++) {
+            unpack(type, m.block(r, sb), u);
+            dequantize(type, u, out + r * k + sb * SUPER);
+        }
+}
 
 void check(const mx::array &blocks, int type, int64_t k) {
     auto fail = [](const std::string &why) { throw std::invalid_argument("pipeline GGUF K-quant product: " + why); };
@@ -632,7 +561,11 @@ void check(const mx::array &blocks, int type, int64_t k) {
         fail("blocks must be [n, ...] holding n rows of k / 256 super-blocks");
 }
 
-mx::Stream cpu_stream() { return mx::default_stream(mx::Device(mx::Device::cpu)); }
+/* The lazy product (experts given: gathered) of the blocks, after check()'s checks. */
+mx::array k_array(const mx::array &x, const mx::array &blocks, int type, bool int8, const std::optional<mx::array> &experts) {
+    return block_product<k_product>("pipeline GGUF K-quant product", type, int8, x, {blocks}, experts,
+                                    [&](const std::vector<mx::array> &w) { check(w[0], type, x.shape(-1)); });
+}
 
 }  // namespace
 
@@ -640,26 +573,25 @@ void register_gguf_kquants(nb::module_ &m) {
     m.def(
         "gguf_kquant_matmul",
         [](const mx::array &x, const mx::array &blocks, int type, bool int8) {
-            if (x.ndim() < 1 || x.dtype() != mx::float32)
-                throw std::invalid_argument("pipeline GGUF K-quant product: x must be float32 [..., k]");
-            check(blocks, type, x.shape(-1));
-            mx::Shape shape = x.shape();
-            shape.back() = blocks.shape(0);
-            return mx::array(shape, mx::float32, std::make_shared<KProduct>(cpu_stream(), type, int8), {x, blocks});
+            return k_array(x, blocks, type, int8, std::nullopt);
         },
         nb::arg("x"), nb::arg("blocks"), nb::arg("type"), nb::arg("int8"),
         "x [..., k] float32 @ w.T for a GGUF tensor (Q2_K, Q3_K, Q5_K, TQ1_0, TQ2_0) held as the file's blocks "
         "([n, ...], any dtype), lazily; int8: x rounded per 256 as Q8_K (llama.cpp's vec_dot), else float products");
     m.def(
+        "gguf_kquant_gather_matmul",
+        [](const mx::array &x, const mx::array &blocks, int type, bool int8, const mx::array &experts) {
+            return k_array(x, blocks, type, int8, experts);
+        },
+        nb::arg("x"), nb::arg("blocks"), nb::arg("type"), nb::arg("int8"), nb::arg("experts"),
+        "x [rows, k] float32: row p times expert experts[p]'s matrix of a stack held as the file's blocks "
+        "([experts, n, row bytes]), lazily: each row the bits of gguf_kquant_matmul on that row alone");
+    m.def(
         "gguf_kquant_dequantize",
         [](const mx::array &blocks, int type) {
-            if (!block_bytes(type) || blocks.ndim() < 1 || blocks.shape(0) == 0 ||
-                blocks.nbytes() % size_t(blocks.shape(0) * block_bytes(type)))
-                throw std::invalid_argument("pipeline GGUF K-quant dequantize: blocks must be [n, ...] of whole "
-                                            "super-blocks of Q2_K, Q3_K, Q5_K, TQ1_0 or TQ2_0");
-            const int k = int(blocks.nbytes() / blocks.shape(0) / block_bytes(type) * SUPER);
-            return mx::array(mx::Shape{blocks.shape(0), k}, mx::float32,
-                             std::make_shared<KDequantize>(cpu_stream(), type), {blocks});
+            return block_dequantize<k_dequantize>("pipeline GGUF K-quant dequantize: blocks must be [n, ...] of whole "
+                                                  "super-blocks of Q2_K, Q3_K, Q5_K, TQ1_0 or TQ2_0",
+                                                  blocks, type, block_bytes(type));
         },
         nb::arg("blocks"), nb::arg("type"), "float32 [n, k]: every weight of the blocks as the float products use it");
 }

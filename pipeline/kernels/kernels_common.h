@@ -4,8 +4,12 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <optional>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -17,6 +21,10 @@
 
 #include "mlx/allocator.h"
 #include "mlx/array.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+#include "mlx/stream.h"
 #include "mlx/types/half_types.h"
 
 namespace mx = mlx::core;
@@ -174,4 +182,201 @@ inline RowsByExpert rows_by_expert(const std::vector<int64_t> &expert_of, int64_
     std::vector<int64_t> fill(out.start.begin(), out.start.end() - 1);
     for (int64_t r = 0; r < rows; r++) out.order[fill[expert_of[r]]++] = r;
     return out;
+}
+
+/* ---- GGUF tensors in their own blocks: the one MLX operation of every kernel file's products ------------- */
+
+/* A kernel file's product (gguf_kernels.cpp, gguf_kquant_kernels.cpp, gguf_iquant_kernels.cpp): out [rows, n] =
+   x [rows, k] @ w.T for one matrix w of ggml type `type`, given by its arrays' row-contiguous data in their
+   inputs' order (gguf_kernels.cpp: codes, scales and Q6_K's d; the others: the file's row bytes). */
+using BlockProductFn = void (*)(const std::vector<const uint8_t *> &w, int64_t n, int64_t k, const float *x,
+                                int64_t rows, float *out, int type, bool int8);
+
+/* Below this many multiply-adds a gathered product's experts run one after another on MLX's thread (the kernel
+   files' threshold for spreading one product's columns, for the same reason). */
+constexpr int64_t GATHER_SPREAD_MIN_WORK = int64_t(1) << 22;
+
+/* out[p] = x[p] @ w[chosen[p]].T over a stack of experts (w: each array's first expert, and its bytes per
+   expert): each expert's rows gathered in order of p and multiplied as one product, so every output row has
+   the bits of that row alone times its expert's matrix (the products are batch-invariant); an index past the
+   stack (a router's bug) gives NaN rows, not a throw on MLX's thread. With several experts at work and enough
+   work, the experts are spread over the threads (one product each) rather than each product's columns. */
+template <BlockProductFn F>
+void gathered_product(const std::vector<const uint8_t *> &w, const std::vector<size_t> &expert_bytes, int64_t stack,
+                      int64_t n, int64_t k, const float *x, const uint32_t *chosen, int64_t rows, float *out, int type,
+                      bool int8) {
+    std::vector<std::vector<int64_t>> groups(stack);
+    for (int64_t p = 0; p < rows; p++) {
+        if (chosen[p] < uint64_t(stack)) {
+            groups[chosen[p]].push_back(p);
+        } else {
+            std::fill(out + p * n, out + (p + 1) * n, std::nanf(""));
+        }
+    }
+    std::vector<int64_t> used;
+    for (int64_t e = 0; e < stack; e++)
+        if (!groups[e].empty()) used.push_back(e);
+    const bool spread = g_threads > 1 && used.size() > 1 && rows * n * k >= GATHER_SPREAD_MIN_WORK;
+#pragma omp parallel for schedule(dynamic) num_threads(g_threads) if (spread)
+    for (size_t u = 0; u < used.size(); u++) {
+        const int64_t e = used[u];
+        const std::vector<int64_t> &group = groups[e];
+        const int64_t count = int64_t(group.size());
+        std::vector<float> xg(count * k), og(count * n);
+        for (int64_t i = 0; i < count; i++) std::memcpy(xg.data() + i * k, x + group[i] * k, k * sizeof(float));
+        std::vector<const uint8_t *> expert(w.size());
+        for (size_t i = 0; i < w.size(); i++) expert[i] = w[i] + e * expert_bytes[i];
+        F(expert, n, k, xg.data(), count, og.data(), type, int8);
+        for (int64_t i = 0; i < count; i++) std::memcpy(out + group[i] * n, og.data() + i * n, n * sizeof(float));
+    }
+}
+
+/* The MLX operation of a BlockProductFn, lazy like any MLX op, on the CPU. Inputs: x [..., k] float32, then the
+   weight arrays [n, ...]; gathered: x [rows, k], the experts uint32 [rows], then the weight stacks
+   [experts, n, ...] (out[p] = x[p] @ w[experts[p]].T, gathered_product). */
+template <BlockProductFn F>
+class BlockProduct : public mx::UnaryPrimitive {
+   public:
+    BlockProduct(mx::Stream stream, int type, bool int8, bool gathered)
+        : mx::UnaryPrimitive(stream), type_(type), int8_(int8), gathered_(gathered) {}
+
+    void eval_cpu(const std::vector<mx::array> &inputs, mx::array &out) override {
+        out.set_data(mx::allocator::malloc(out.nbytes()));
+        auto &encoder = mx::cpu::get_command_encoder(stream());
+        for (auto &a : inputs) encoder.set_input_array(a);
+        encoder.set_output_array(out);
+        const int type = type_;
+        const bool int8 = int8_, gathered = gathered_;
+        encoder.dispatch([inputs, out, type, int8, gathered]() mutable {
+            std::vector<mx::array> keep, in;
+            for (const auto &a : inputs) in.push_back(contiguous(a, keep));
+            const size_t first = gathered ? 2 : 1;  // the first weight array
+            const int64_t k = in[0].shape(-1), rows = k ? int64_t(in[0].size()) / k : 0;
+            const int64_t stack = gathered ? in[first].shape(0) : 1, n = in[first].shape(gathered ? 1 : 0);
+            if (rows == 0 || n == 0 || stack == 0) return;
+            std::vector<const uint8_t *> w;
+            std::vector<size_t> expert_bytes;
+            for (size_t i = first; i < in.size(); i++) {
+                w.push_back(in[i].data<uint8_t>());
+                expert_bytes.push_back(in[i].nbytes() / stack);
+            }
+            if (gathered) {
+                gathered_product<F>(w, expert_bytes, stack, n, k, in[0].data<float>(), in[1].data<uint32_t>(), rows,
+                                    out.data<float>(), type, int8);
+            } else {
+                F(w, n, k, in[0].data<float>(), rows, out.data<float>(), type, int8);
+            }
+        });
+    }
+
+    void eval_gpu(const std::vector<mx::array> &, mx::array &) override {
+        throw std::runtime_error("pipeline's GGUF products run on the CPU only");
+    }
+
+    const char *name() const override { return gathered_ ? "PipelineGGUFGatherProduct" : "PipelineGGUFProduct"; }
+
+    bool is_equivalent(const mx::Primitive &other) const override {
+        auto *o = dynamic_cast<const BlockProduct *>(&other);
+        return o && o->type_ == type_ && o->int8_ == int8_ && o->gathered_ == gathered_;
+    }
+
+    std::vector<mx::Shape> output_shapes(const std::vector<mx::array> &inputs) override {
+        if (gathered_) return {mx::Shape{inputs[0].shape(0), inputs[2].shape(1)}};
+        mx::Shape shape = inputs[0].shape();
+        shape.back() = inputs[1].shape(0);
+        return {shape};
+    }
+
+   private:
+    int type_;
+    bool int8_, gathered_;
+};
+
+/* A kernel file's Python wrapper's body: the lazy x [..., k] float32 @ w.T of BlockProduct<F>, or, given
+   `experts` (uint32 [rows]), x [rows, k] with each row times its expert's matrix of the weight stacks
+   [experts, n, ...]; after the checks every product makes (`what` begins their one-line errors) and the
+   kernel's own, check(weights) on the weight arrays as matrices [n, ...] (a stack's experts one after another). */
+template <BlockProductFn F, class Check>
+mx::array block_product(const char *what, int type, bool int8, const mx::array &x, const std::vector<mx::array> &weights,
+                        const std::optional<mx::array> &experts, Check check) {
+    auto fail = [what](const std::string &why) { throw std::invalid_argument(std::string(what) + ": " + why); };
+    if (x.ndim() < 1 || x.dtype() != mx::float32) fail("x must be float32 [..., k]");
+    const mx::Stream cpu = mx::default_stream(mx::Device(mx::Device::cpu));
+    std::vector<mx::array> inputs{x};
+    if (!experts) {
+        check(weights);
+        inputs.insert(inputs.end(), weights.begin(), weights.end());
+        mx::Shape shape = x.shape();
+        shape.back() = weights[0].shape(0);
+        return mx::array(shape, mx::float32, std::make_shared<BlockProduct<F>>(cpu, type, int8, false), inputs);
+    }
+    if (x.ndim() != 2) fail("x must be [rows, k] with experts");
+    if (experts->dtype() != mx::uint32 || experts->ndim() != 1 || experts->shape(0) != x.shape(0))
+        fail("experts must be uint32 [rows]");
+    inputs.push_back(*experts);
+    std::vector<mx::array> matrices;
+    for (const auto &w : weights) {
+        if (w.ndim() != 3 || w.shape(0) != weights[0].shape(0) || w.shape(1) != weights[0].shape(1))
+            fail("the weights must be stacks [experts, n, ...] of one shape");
+        matrices.push_back(mx::reshape(w, {w.shape(0) * w.shape(1), w.shape(2)}));
+        inputs.push_back(w);
+    }
+    check(matrices);
+    return mx::array(mx::Shape{x.shape(0), weights[0].shape(1)}, mx::float32,
+                     std::make_shared<BlockProduct<F>>(cpu, type, int8, true), inputs);
+}
+
+/* A kernel file's dequantization of whole super-blocks (256 values, `bytes` each) of ggml type `type`:
+   out [n, k] float32, every weight as its float products use it. */
+using BlockDequantizeFn = void (*)(const uint8_t *blocks, int64_t n, int64_t k, float *out, int type);
+
+/* Its MLX operation: input blocks [n, ...] (any dtype) whose bytes are n rows of super-blocks, output [n, k]. */
+template <BlockDequantizeFn F>
+class BlockDequantize : public mx::UnaryPrimitive {
+   public:
+    BlockDequantize(mx::Stream stream, int type, int64_t bytes) : mx::UnaryPrimitive(stream), type_(type), bytes_(bytes) {}
+
+    void eval_cpu(const std::vector<mx::array> &inputs, mx::array &out) override {
+        out.set_data(mx::allocator::malloc(out.nbytes()));
+        auto &encoder = mx::cpu::get_command_encoder(stream());
+        encoder.set_input_array(inputs[0]);
+        encoder.set_output_array(out);
+        const int type = type_;
+        encoder.dispatch([inputs, out, type]() mutable {
+            std::vector<mx::array> keep;
+            const mx::array blocks = contiguous(inputs[0], keep);
+            F(blocks.data<uint8_t>(), out.shape(0), out.shape(1), out.data<float>(), type);
+        });
+    }
+
+    void eval_gpu(const std::vector<mx::array> &, mx::array &) override {
+        throw std::runtime_error("pipeline's GGUF products run on the CPU only");
+    }
+
+    const char *name() const override { return "PipelineGGUFDequantize"; }
+
+    bool is_equivalent(const mx::Primitive &other) const override {
+        auto *o = dynamic_cast<const BlockDequantize *>(&other);
+        return o && o->type_ == type_;
+    }
+
+    std::vector<mx::Shape> output_shapes(const std::vector<mx::array> &inputs) override {
+        return {mx::Shape{inputs[0].shape(0), int(inputs[0].nbytes() / inputs[0].shape(0) / bytes_ * 256)}};
+    }
+
+   private:
+    int type_;
+    int64_t bytes_;
+};
+
+/* Its Python wrapper's body: float32 [n, k] of blocks [n, ...] of whole super-blocks of `bytes` (0: a type the
+   file has not; `what` is the one-line error). */
+template <BlockDequantizeFn F>
+mx::array block_dequantize(const char *what, const mx::array &blocks, int type, int64_t bytes) {
+    if (!bytes || blocks.ndim() < 1 || blocks.shape(0) == 0 || blocks.nbytes() % size_t(blocks.shape(0) * bytes))
+        throw std::invalid_argument(what);
+    const int k = int(blocks.nbytes() / blocks.shape(0) / bytes * 256);
+    return mx::array(mx::Shape{blocks.shape(0), k}, mx::float32,
+                     std::make_shared<BlockDequantize<F>>(mx::default_stream(mx::Device(mx::Device::cpu)), type, bytes),
+                     {blocks});
 }

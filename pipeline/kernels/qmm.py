@@ -120,12 +120,35 @@ def gguf_gather(x: mx.array, codes: mx.array, scales: mx.array, d: mx.array | No
         raise RuntimeError(f"GGUF tensors held in their own blocks need pipeline's kernels ({state.why_not})")
     int8 = gguf_int8() if int8 is None else int8
     state.used["int8" if int8 else "pipeline"] += 1
+    flat_x, experts, shape = _pairs(x, rhs_indices)
+    out = state.module.gguf_gather_matmul(_float32(flat_x), codes, scales, GGUF_NATIVE[scales.dtype], int8, experts, d)
+    return _in_dtype_of(x, out).reshape(*shape, codes.shape[1])
+
+
+def gguf_blocks_gather(x: mx.array, blocks: mx.array, ggml_type: int, rhs_indices: mx.array,
+                       int8: bool | None = None) -> mx.array:
+    """`gather_qmm` for an expert stack held as the file's row bytes (blocks uint8 [experts, n, row bytes]) of ggml
+    type id `ggml_type` (BLOCK_KERNELS): each row of x times the experts it chose (rhs_indices), on the type's
+    gathered product (kernels_common.h: rows grouped per expert, each row the bits of gguf_blocks_matmul on it
+    alone); int8: activations rounded per 256 as Q8_K (None: gguf_int8())."""
+    state = load()
+    if state.module is None:
+        raise RuntimeError(f"GGUF tensors held in their own blocks need pipeline's kernels ({state.why_not})")
+    int8 = gguf_int8() if int8 is None else int8
+    state.used["int8" if int8 else "pipeline"] += 1
+    flat_x, experts, shape = _pairs(x, rhs_indices)
+    kernel = getattr(state.module, BLOCK_KERNELS[ggml_type].replace("_matmul", "_gather_matmul"))
+    return _in_dtype_of(x, kernel(_float32(flat_x), blocks, ggml_type, int8, experts)).reshape(*shape, blocks.shape[1])
+
+
+def _pairs(x: mx.array, rhs_indices: mx.array) -> tuple[mx.array, mx.array, tuple[int, ...]]:
+    """A gather's (token, expert) pairs: x's rows broadcast against rhs_indices as [pairs, k], each pair's expert
+    uint32 [pairs], and the output's shape but its last axis."""
     rows, k = x.shape[-2:]
     batch = tuple(mx.broadcast_shapes(x.shape[:-2], rhs_indices.shape))
     flat_x = mx.broadcast_to(x, (*batch, rows, k)).reshape(-1, k)
     experts = mx.broadcast_to(rhs_indices[..., None], (*batch, rows)).reshape(-1).astype(mx.uint32)
-    out = state.module.gguf_gather_matmul(_float32(flat_x), codes, scales, GGUF_NATIVE[scales.dtype], int8, experts, d)
-    return _in_dtype_of(x, out).reshape(*batch, rows, codes.shape[1])
+    return flat_x, experts, (*batch, rows)
 
 
 def gguf_blocks_matmul(x: mx.array, blocks: mx.array, ggml_type: int, int8: bool | None = None) -> mx.array:
@@ -186,15 +209,12 @@ def gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | No
     if int8 or (kernels is not None and lhs_indices is None and rhs_indices is not None and w.ndim == 3
                 and covers(w, scales, biases, group_size, bits, mode, transpose)):
         state.used["int8" if int8 else "pipeline"] += 1
-        rows, k = x.shape[-2:]
-        batch = tuple(mx.broadcast_shapes(x.shape[:-2], rhs_indices.shape))
-        flat_x = mx.broadcast_to(x, (*batch, rows, k)).reshape(-1, k)
-        experts = mx.broadcast_to(rhs_indices[..., None], (*batch, rows)).reshape(-1).astype(mx.uint32)
+        flat_x, experts, shape = _pairs(x, rhs_indices)
         if int8:
             out = _in_dtype_of(x, kernels.int8_gather_qmm(_float32(flat_x), w, scales, biases, experts, group_size, bits))
         else:
             out = kernels.gather_qmm(flat_x, w, scales, biases, experts, group_size, bits)
-        return out.reshape(*batch, rows, w.shape[1])
+        return out.reshape(*shape, w.shape[1])
     state.used["mlx"] += 1
     return mx.gather_qmm(x, w, scales, biases, lhs_indices=lhs_indices, rhs_indices=rhs_indices,
                          transpose=transpose, group_size=group_size, bits=bits, mode=mode,

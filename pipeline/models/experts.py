@@ -90,6 +90,17 @@ class GGUFSwitchLinear(nn.Module):
         return qmm.gguf_gather(x, self["weight"], self["scales"], self.get("biases"), indices)
 
 
+class GGUFBlocksSwitchLinear(qmm.GGUFBlocksLinear):
+    """An expert stack held as a GGUF file's row bytes (checkpoints/quants.py BLOCKS: the K-quants, ternary and grid
+    i-quant types): `weight` uint8 [experts, out, row bytes], `ggml_type` int32 [1] (the type id, also the int
+    `type_id`); each token times its chosen experts' matrices as llama.cpp computes them (qmm.gguf_blocks_gather).
+    A SwitchLinear becomes one where the loaded arrays say so (checkpoints/weights.py, before they go in: `become`);
+    what handles MLX's layouts (the int8 repack, --weights-in-memory's dequantizing) leaves it as it is."""
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        return qmm.gguf_blocks_gather(x, self["weight"], self.type_id, indices)
+
+
 class SwitchGLU(nn.Module):
     """The routed experts of a layer, each a SwiGLU MLP: down(silu(gate(x)) * up(x))."""
 
