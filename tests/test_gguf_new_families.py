@@ -302,7 +302,10 @@ def test_a_glm_dsa_gguf_gives_transformers_logits(glm_gguf):
     assert config.model_type == "glm_moe_dsa" and config.num_hidden_layers == 5
     assert config.raw["indexer_types"] == GLM_INDEXERS
     assert config.raw["mlp_layer_types"] == ["dense", "sparse", "sparse", "dense", "sparse"]
-    assert not any(".layers.5." in name for name in checkpoint.tensors)
+    # the MTP block (5) under a published checkpoint's names, for --draft mtp (test_glm_mtp.py); not its copies
+    assert "model.layers.5.eh_proj.weight" in checkpoint.tensors and config.raw["num_nextn_predict_layers"] == 1
+    assert not any(".layers.5.embed_tokens" in name or ".layers.5.shared_head.head" in name
+                   for name in checkpoint.tensors)
     print(f"glm-dsa GGUF: max logit error vs transformers {np.abs(one - expected).max():.3g}")
     assert np.abs(one - expected).max() <= GLM_TOLERANCE
     two, _, _ = _gguf_logits(path, [(0, 1), (1, 5)])

@@ -149,16 +149,17 @@ class GGUFCheckpoint(Checkpoint):
             return self._index_qwen35(layers)
         for tensor in g.tensors.values():
             m = _LAYER.match(tensor.name)
-            if m and int(m.group(1)) >= layers:
-                continue  # e.g. a multi-token-prediction layer past the last one we run
+            if m and int(m.group(1)) >= layers + (g.architecture == gguf_glm.ARCH):
+                continue  # e.g. a multi-token-prediction layer past the last one we run (GLM's first: its MTP)
             if m and m.group(2) in ("attn_k_b", "attn_v_b"):
                 split_mla.setdefault(int(m.group(1)), {})[m.group(2)] = tensor
                 continue
             named = hf_name(tensor.name)
             if named is None and g.architecture == gguf_glm.ARCH:
-                named = gguf_glm.hf_name(tensor.name, config["indexer_types"])  # the indexer's
+                named = gguf_glm.hf_name(tensor.name, config["indexer_types"]) \
+                    or gguf_glm.nextn_name(tensor.name)  # the indexer's, the MTP module's own
                 if named == gguf_glm.UNUSED:
-                    continue  # a shared layer's indexer, which llama.cpp does not run either
+                    continue  # a shared layer's indexer (llama.cpp does not run it either), the MTP's copies
             if named is None:
                 raise UserError(f"{g.path}: tensor {tensor.name} is not one pipeline knows for the {g.architecture} "
                                 "architecture; this GGUF layout is not supported")

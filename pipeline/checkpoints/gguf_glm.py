@@ -15,8 +15,12 @@ pairs, as llama.cpp's deepseek2 graph does, so nothing is permuted). What it add
   1M-token context (GLM-5, 5.1), else GLM-5.2's published pattern (full at 0, 1, then every 4th from 2;
   the shared layers' indexer tensors, which llama.cpp does not run either, are not read);
 - a file without `expert_gating_func` routes by sigmoid (llama.cpp's glm-dsa default; deepseek2's is softmax);
-- its MTP layers appended past the model's (`nextn_predict_layers`; `blk.N.nextn.*` and that block's
-  attention and experts): not read.
+- its MTP layers appended past the model's (`nextn_predict_layers`): the first, block N = the model's
+  layer count, is `--draft mtp`'s module (models/mtp.py), under the names of a published checkpoint's
+  layer N: that block's attention, indexer and experts as any layer's, and `blk.N.nextn.eh_proj` / `enorm` /
+  `hnorm` / `shared_head_norm` (gguf-py's NEXTN_* names) as `model.layers.N.eh_proj` / `enorm` / `hnorm` /
+  `shared_head.norm`; its copies of the embedding and head (`nextn.embed_tokens`, `nextn.shared_head_head`)
+  are the main model's and are not read, nor are blocks past N.
 Dense or MoE per layer is whether the layer holds a router (`ffn_gate_inp`), which also covers
 `leading_dense_block_count`. No MLX here (the planner reads the index).
 """
@@ -47,10 +51,30 @@ def hf_name(gguf_name: str, indexer_types: list[str]) -> tuple[int, str] | None:
     return layer, f"model.layers.{layer}.self_attn.indexer.{_INDEXER[m.group(2)]}.{m.group(3)}"
 
 
+_NEXTN = re.compile(r"^blk\.(\d+)\.nextn\.([a-z_]+)\.(weight|bias)$")
+_NEXTN_OWN = {"eh_proj": "eh_proj", "enorm": "enorm", "hnorm": "hnorm", "shared_head_norm": "shared_head.norm"}
+_NEXTN_COPIES = ("embed_tokens", "shared_head_head")  # the main model's embedding and head, never read
+
+
+def nextn_name(gguf_name: str) -> tuple[int, str] | None:
+    """(layer, our name) of an MTP block's own tensor (`blk.N.nextn.*`; UNUSED for its copies of the
+    embedding and head), or None where it is not one."""
+    m = _NEXTN.match(gguf_name)
+    if not m:
+        return None
+    if m.group(2) in _NEXTN_COPIES:
+        return UNUSED
+    if m.group(2) not in _NEXTN_OWN:
+        return None
+    layer = int(m.group(1))
+    return layer, f"model.layers.{layer}.{_NEXTN_OWN[m.group(2)]}.{m.group(3)}"
+
+
 def config_fields(need, get, tensors, path) -> dict[str, Any]:
     """The glm_moe_dsa fields of a glm-dsa GGUF, over those gguf_config's deepseek2 branch read:
     `need(key)` / `get(key, default)` read its `glm-dsa.*` metadata, `tensors` its tensor table."""
-    layers = int(need("block_count")) - int(get("nextn_predict_layers", 0) or 0)
+    nextn = int(get("nextn_predict_layers", 0) or 0)
+    layers = int(need("block_count")) - nextn
     types = get("attention.indexer.types")
     if types is not None:
         types = [bool(t) for t in types][:layers]
@@ -66,7 +90,7 @@ def config_fields(need, get, tensors, path) -> dict[str, Any]:
                         "the file is damaged")
     sparse = [f"blk.{i}.ffn_gate_inp.weight" in tensors for i in range(layers)]
     return dict(
-        model_type="glm_moe_dsa", num_hidden_layers=layers,
+        model_type="glm_moe_dsa", num_hidden_layers=layers, num_nextn_predict_layers=nextn,
         index_n_heads=int(need("attention.indexer.head_count")),
         index_head_dim=int(need("attention.indexer.key_length")),
         index_topk=int(need("attention.indexer.top_k")),

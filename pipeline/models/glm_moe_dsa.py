@@ -10,7 +10,9 @@ see deepseek_v32.py; dense MLP or DeepSeekMoE per `mlp_layer_types`), with two d
   rank before sends that choice with the hidden states (`Slice`), since the full layer's queries and
   indexer keys live there. (The published GLM-5 and GLM-5.1 configs run the indexer on every layer.)
 
-The published checkpoint's MTP layer (`model.layers.78.*`) is of no layer we run, and is never read.
+The published checkpoint's MTP layer (`model.layers.78.*`, after num_hidden_layers) is DeepSeek V3.2's
+module (vLLM runs glm_moe_dsa's as its DeepseekV32MTPModel): models/mtp.py's MTPModule over this
+module's DecoderLayer at index num_hidden_layers, a full layer (it runs its own indexer) and MoE.
 """
 
 from __future__ import annotations
@@ -69,7 +71,8 @@ class GlmSparseAttention(SparseLatentAttention):
     indexer_class = GlmIndexer
 
     def __init__(self, config: ModelConfig, layer_index: int):
-        shared = indexer_types(config)[layer_index] == "shared"
+        kinds = indexer_types(config)
+        shared = layer_index < len(kinds) and kinds[layer_index] == "shared"  # past them: the MTP layer, full
         super().__init__(config, indexed=not shared)
         self.shared = shared
         self.relay = TopKRelay()  # replaced by the slice's, which its layers share (Slice below)

@@ -1,7 +1,8 @@
 """DeepSeek's multi-token-prediction (MTP) module, the drafter of `--draft mtp`.
 
 DeepSeek V3 / R1 / V3.1 / V3.2 ship one MTP module after the main model's layers (config.json
-`num_nextn_predict_layers: 1`; tensors `model.layers.{num_hidden_layers}.*`). For position j it
+`num_nextn_predict_layers: 1`; tensors `model.layers.{num_hidden_layers}.*`), and so do GLM-5 / 5.1
+(`glm_moe_dsa`: vLLM maps it to its DeepseekV32MTPModel; the block is GLM's decoder layer, a full one). For position j it
 combines the main model's hidden state h_j with the token after it, t_{j+1}, and predicts t_{j+2}:
 
     x_j = eh_proj([enorm(embed(t_{j+1})) ; hnorm(h_j)])

@@ -54,7 +54,7 @@ FAMILIES: dict[str, Family] = {
     "deepseek_v4": DEEPSEEK_V4,
     "kimi_k25": DEEPSEEK_V3,  # Kimi K2.5's language model is K2's (its text_config names deepseek_v3)
     "minimax_m2": Family("minimax_m2"),  # plain KV caches, as qwen3_moe; its MTP modules are not published
-    "glm_moe_dsa": Family("glm_moe_dsa"),  # V3.2's caches; its MTP layer is not run (DeepSeek's drafter is not it)
+    "glm_moe_dsa": Family("glm_moe_dsa", mtp=True),  # V3.2's caches; its MTP layer is DeepSeek's module (models/mtp.py)
     "qwen3_5_moe": QWEN3_5_MOE,
     "qwen3_5_moe_text": QWEN3_5_MOE,  # a published config's text_config type, which ModelConfig reads
 }
