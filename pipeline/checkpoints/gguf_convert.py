@@ -30,7 +30,9 @@ MAX_SHARD_BYTES = 2_000_000_000
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                     "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                     "deepseek_v3": "DeepseekV3ForCausalLM", "kimi_k2": "DeepseekV3ForCausalLM",
-                    "minimax_m2": "MiniMaxM2ForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM"}
+                    "minimax_m2": "MiniMaxM2ForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM",
+                    # a text-only folder (no vision tower): transformers' text model, config flat (no text_config)
+                    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
 
 
 class OutputExistsError(UserError):
@@ -93,6 +95,9 @@ def folder_config(checkpoint) -> dict[str, Any]:
     mlx-lm style `quantization`: the most common (bits, group) by default, modules held otherwise
     with their own entry, float matrices `false`."""
     config = dict(checkpoint.config_dict)
+    if config["model_type"] not in HF_ARCHITECTURES:
+        raise UserError(f"{checkpoint.folder}: convert does not write {config['model_type']} folders yet "
+                        f"(it writes {', '.join(sorted(HF_ARCHITECTURES))}); run the GGUF in place instead")
     config["architectures"] = [HF_ARCHITECTURES[config["model_type"]]]
     modules: dict[str, dict | bool] = {}
     scale_dtypes, float_dtypes, symmetric = set(), [], []
