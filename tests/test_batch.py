@@ -114,7 +114,7 @@ def test_default_model_batch_equals_generate_for_1_2_3_ranks(tmp_path_factory):
     cache = tmp_path_factory.mktemp("pipeline-cache")
     env = {**ENV, "PIPELINE_CACHE": str(cache)}
     tmp = tmp_path_factory.mktemp("smol")
-    questions = ["What is the capital of France?", "Name a primary color.", "What is 2 + 2?"]
+    questions = ["What is the capital of France? Answer in one sentence.", "Name a primary color.", "What is 2 + 2?"]
     inp = write_jsonl(tmp / "in.jsonl", [{"id": i, "prompt": q, "max_tokens": 16} for i, q in enumerate(questions)])
     expected = {}
     for i, q in enumerate(questions):
