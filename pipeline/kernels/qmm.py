@@ -98,16 +98,23 @@ def gguf_int8() -> bool:
     return state.gguf_int8
 
 
-def gguf_matmul(x: mx.array, codes: mx.array, scales: mx.array, int8: bool | None = None,
-                d: mx.array | None = None) -> mx.array:
-    """x @ w.T for a GGUF tensor held in its own blocks (codes, scales and Q6_K's d: checkpoints/quants.py
-    native_arrays); int8: activations rounded per block (None: gguf_int8())."""
+def _gguf_kernels(int8: bool | None) -> tuple[object, bool]:
+    """The extension for a product of GGUF tensors held in their own blocks, and its int8 choice (None:
+    gguf_int8()), the product counted for the stats line."""
     state = load()
     if state.module is None:
         raise RuntimeError(f"GGUF tensors held in their own blocks need pipeline's kernels ({state.why_not})")
     int8 = gguf_int8() if int8 is None else int8
     state.used["int8" if int8 else "pipeline"] += 1
-    return _in_dtype_of(x, state.module.gguf_matmul(_float32(x), codes, scales, GGUF_NATIVE[scales.dtype], int8, d))
+    return state.module, int8
+
+
+def gguf_matmul(x: mx.array, codes: mx.array, scales: mx.array, int8: bool | None = None,
+                d: mx.array | None = None) -> mx.array:
+    """x @ w.T for a GGUF tensor held in its own blocks (codes, scales and Q6_K's d: checkpoints/quants.py
+    native_arrays); int8: activations rounded per block (None: gguf_int8())."""
+    kernels, int8 = _gguf_kernels(int8)
+    return _in_dtype_of(x, kernels.gguf_matmul(_float32(x), codes, scales, GGUF_NATIVE[scales.dtype], int8, d))
 
 
 def gguf_gather(x: mx.array, codes: mx.array, scales: mx.array, d: mx.array | None, rhs_indices: mx.array,
@@ -115,13 +122,9 @@ def gguf_gather(x: mx.array, codes: mx.array, scales: mx.array, d: mx.array | No
     """`gather_qmm` for an expert stack held in its own blocks (codes, scales, d [experts, n, ...]): each row of x
     times the experts it chose (rhs_indices), on gguf_kernels.cpp's gathered product (rows grouped per expert
     there, each row the bits of gguf_matmul on it alone)."""
-    state = load()
-    if state.module is None:
-        raise RuntimeError(f"GGUF tensors held in their own blocks need pipeline's kernels ({state.why_not})")
-    int8 = gguf_int8() if int8 is None else int8
-    state.used["int8" if int8 else "pipeline"] += 1
+    kernels, int8 = _gguf_kernels(int8)
     flat_x, experts, shape = _pairs(x, rhs_indices)
-    out = state.module.gguf_gather_matmul(_float32(flat_x), codes, scales, GGUF_NATIVE[scales.dtype], int8, experts, d)
+    out = kernels.gguf_gather_matmul(_float32(flat_x), codes, scales, GGUF_NATIVE[scales.dtype], int8, experts, d)
     return _in_dtype_of(x, out).reshape(*shape, codes.shape[1])
 
 
@@ -131,13 +134,9 @@ def gguf_blocks_gather(x: mx.array, blocks: mx.array, ggml_type: int, rhs_indice
     type id `ggml_type` (BLOCK_KERNELS): each row of x times the experts it chose (rhs_indices), on the type's
     gathered product (kernels_common.h: rows grouped per expert, each row the bits of gguf_blocks_matmul on it
     alone); int8: activations rounded per 256 as Q8_K (None: gguf_int8())."""
-    state = load()
-    if state.module is None:
-        raise RuntimeError(f"GGUF tensors held in their own blocks need pipeline's kernels ({state.why_not})")
-    int8 = gguf_int8() if int8 is None else int8
-    state.used["int8" if int8 else "pipeline"] += 1
+    kernels, int8 = _gguf_kernels(int8)
     flat_x, experts, shape = _pairs(x, rhs_indices)
-    kernel = getattr(state.module, BLOCK_KERNELS[ggml_type].replace("_matmul", "_gather_matmul"))
+    kernel = getattr(kernels, BLOCK_KERNELS[ggml_type].replace("_matmul", "_gather_matmul"))
     return _in_dtype_of(x, kernel(_float32(flat_x), blocks, ggml_type, int8, experts)).reshape(*shape, blocks.shape[1])
 
 
@@ -154,12 +153,8 @@ def _pairs(x: mx.array, rhs_indices: mx.array) -> tuple[mx.array, mx.array, tupl
 def gguf_blocks_matmul(x: mx.array, blocks: mx.array, ggml_type: int, int8: bool | None = None) -> mx.array:
     """x @ w.T for a GGUF tensor held as the file's row bytes (blocks [n, row bytes]) of ggml type id `ggml_type`
     (BLOCK_KERNELS); int8: activations rounded per 256 as Q8_K (None: gguf_int8())."""
-    state = load()
-    if state.module is None:
-        raise RuntimeError(f"GGUF tensors held in their own blocks need pipeline's kernels ({state.why_not})")
-    int8 = gguf_int8() if int8 is None else int8
-    state.used["int8" if int8 else "pipeline"] += 1
-    kernel = getattr(state.module, BLOCK_KERNELS[ggml_type])
+    kernels, int8 = _gguf_kernels(int8)
+    kernel = getattr(kernels, BLOCK_KERNELS[ggml_type])
     return _in_dtype_of(x, kernel(_float32(x), blocks, ggml_type, int8))
 
 
