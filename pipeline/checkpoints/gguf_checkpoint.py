@@ -5,7 +5,8 @@ The index is built from the header alone (gguf_file.py): llama.cpp's tensor name
 our modules load (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`), and a
 quantized tensor appears as the three arrays MLX quantization holds (`.weight` packed, `.scales`,
 `.biases`), in the layout quants.py maps it to: exactly where MLX can carry its values, in the file's own
-blocks for the types pipeline's kernels compute so (quants.NATIVE: IQ4_NL, IQ4_XS, Q6_K), re-quantized otherwise. Reading one of the three decodes the GGUF tensor once, in row chunks, from its byte range.
+blocks for the types pipeline's kernels compute so (quants.NATIVE: IQ4_NL, IQ4_XS, Q6_K; quants.BLOCKS: the K-quants,
+ternary and grid i-quant types as the file's row bytes, expert stacks included), re-quantized otherwise. Reading one of the three decodes the GGUF tensor once, in row chunks, from its byte range.
 The index loads no MLX (the planner reads it): MLX is imported where arrays are made.
 
 What llama.cpp's converter changed from the Hugging Face checkpoint is undone here:
