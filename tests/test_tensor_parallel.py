@@ -123,10 +123,10 @@ def test_refusals(nine_heads):
     # 64 expert features over 2 ranks: shares of 32 inputs, within one group of 64
     one_error_line(generate(2, nine_heads["qwen3_moe"], "--tensor-parallel", "2", "--quantize", "4", "--group-size",
                             "64"), "cut its quantization groups of 64")
-    config = SimpleNamespace(model_type="deepseek_v3")  # all check_family reads of a config
-    with pytest.raises(UserError, match="--tensor-parallel is not supported for deepseek_v3 yet"):
-        check_family(config, "deepseek_v3", 2)
-    check_family(config, "deepseek_v3", 1)
+    config = SimpleNamespace(model_type="deepseek_v4")  # all check_family reads of a config
+    with pytest.raises(UserError, match="--tensor-parallel is not supported for deepseek_v4 yet"):
+        check_family(config, "deepseek_v4", 2)
+    check_family(config, "deepseek_v4", 1)
     check_family(config, "qwen3_moe", 2)
 
 

@@ -42,8 +42,10 @@ from .config import ModelConfig
 from .experts import SwitchGLU
 from .layers import MLP, Attention, summed
 from .qwen3_moe import SparseMoeBlock
+from . import tensor_parallel_mla as mla
 
-SUPPORTED_FAMILIES = ("llama", "qwen3_moe")  # registry module names sharded here
+SUPPORTED_FAMILIES = ("llama", "qwen3_moe", "deepseek_v3", "deepseek_v32")  # registry module names sharded here
+# (deepseek_v3, deepseek_v32: MLA and DeepSeekMoE, in tensor_parallel_mla.py)
 MLP_UNITS = (256, 128, 64, 32, 16)  # the widest unit of intermediate features that still gives every member some
 
 
@@ -115,6 +117,8 @@ def mlp_share(intermediate: int, shard: Shard) -> tuple[int, int]:
 def shard_modules(model: nn.Module, config: ModelConfig, shard: Shard) -> None:
     """Replace each layer's attention and MLP projections of `model` (a TransformerSlice, not yet
     loaded) with ones of the member's shapes, so its share's arrays load into it."""
+    if mla.is_mla_family(config):  # DeepSeek V3/V3.2, Kimi K2: MLA and DeepSeekMoE
+        return mla.shard_modules(model, config, shard, MLA_TOOLS)
     hd, hidden = config.head_dim, config.hidden_size
     heads = head_share(config.num_attention_heads, config.num_key_value_heads, shard)
     i0, i1 = mlp_share(config.intermediate_size, shard)
@@ -231,6 +235,9 @@ def set_group_sum(model: nn.Module, group_sum: Callable[[mx.array], mx.array] | 
         layer.mlp.group_sum = group_sum
         if isinstance(layer.mlp, ShardedMoeBlock):
             layer.mlp.group_choice = group_choice
+        for module in (layer.self_attn, layer.mlp):  # MLA's router and indexer (tensor_parallel_mla.py)
+            if hasattr(module, "take_choices_from"):
+                module.take_choices_from(group_choice)
 
 
 def shard_weights(weights: dict[str, mx.array], config: ModelConfig, shard: Shard,
@@ -239,7 +246,8 @@ def shard_weights(weights: dict[str, mx.array], config: ModelConfig, shard: Shar
     cut array a copy, evaluated, so the whole one is freed. Each array is cut on its own (the loader
     calls this for each group of tensors as it is read: checkpoint_style or module-local names, any name
     holding `layers.N.`), so what a rank keeps resident never grows past its share and one group."""
-    heads = head_share(config.num_attention_heads, config.num_key_value_heads, shard)
+    mla_cut = mla.is_mla_family(config)
+    heads = None if mla_cut else head_share(config.num_attention_heads, config.num_key_value_heads, shard)
     cut = []
     for name in list(weights) if names is None else names:
         match = _PARAMETER.match(name)
@@ -247,7 +255,9 @@ def shard_weights(weights: dict[str, mx.array], config: ModelConfig, shard: Shar
             continue
         layer, module, part = match.groups()
         whole = weights.pop(name)
-        for new_module, array in _cut(module, part, whole, config, shard, heads):  # none: a bias held once
+        pieces = mla.cut(module, part, whole, config, shard, MLA_TOOLS) if mla_cut else \
+            _cut(module, part, whole, config, shard, heads)
+        for new_module, array in pieces:  # none: a bias held once
             weights[f"{layer}.{new_module}.{part}"] = array
             cut.append(array)
     mx.eval(cut)
@@ -324,11 +334,16 @@ def _columns(module: str, array: mx.array, part: str, columns: tuple[int, int], 
     return mx.array(array[..., begin // per:end // per])
 
 
+MLA_TOOLS = mla.Tools(even_split, mlp_share, _rows, _columns)  # what tensor_parallel_mla.py borrows from here
+
+
 def share_fractions(config: ModelConfig, shard: Shard) -> tuple[float, float]:
     """The fractions of a layer's weights and of its KV cache that `shard` holds (preflight's accounting):
     its projections' rows or columns as held (repeated KV heads included, biases and norms whole)."""
     if shard.size == 1:
         return 1.0, 1.0
+    if mla.is_mla_family(config):
+        return mla.share_fractions(config, shard, MLA_TOOLS)
     hd, hidden = config.head_dim, config.hidden_size
     heads = head_share(config.num_attention_heads, config.num_key_value_heads, shard)
     i0, i1 = mlp_share(config.intermediate_size, shard)
