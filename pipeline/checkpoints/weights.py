@@ -54,7 +54,11 @@ def load_slice(model: nn.Module, checkpoint: Checkpoint, dtype: mx.Dtype,
                                                after_group=after_group).items()}
     checkpoint.loaded(names)
     if model.head_rows:
-        _keep_head_rows(weights, model.head_rows, head_prefix(model.config).removeprefix("model."))
+        _keep_head_rows(weights, model.head_rows, head_prefix(model.config).removeprefix("model."),
+                        getattr(model, "head_begin", None))
+    head = model.get("lm_head") if model.has_ends else None
+    if head is not None and head.weight.shape[0] < model.config.vocab_size:  # rank 0's slice (models/vocab_split.py)
+        _keep_head_rows(weights, head.weight.shape[0], "lm_head.", 0, rename="lm_head.")
     fill_module(model, weights, f"weights in {checkpoint.folder}")
     if int8 is not None:
         int8.mark(model)
@@ -114,12 +118,18 @@ def _quantize_like(model: nn.Module, weights: dict[str, mx.array]) -> None:
         qmm.use_in(model)  # their products through pipeline's kernels where built (qmm.py)
 
 
-def _keep_head_rows(weights: dict[str, mx.array], rows: int, prefix: str) -> None:
+def _keep_head_rows(weights: dict[str, mx.array], rows: int, prefix: str, begin: int | None = None,
+                    rename: str = "head_share.") -> None:
     """The LM head's tensors (weight, and scales/biases if quantized: one row per vocabulary
-    entry) cut to their last `rows` rows, renamed to the `head_share` module."""
+    entry) cut to their last `rows` rows, or with `begin` rows [begin, begin + rows) (a tensor-parallel
+    member's slice, models/vocab_split.py), renamed to the `head_share` module (or `rename`)."""
     for name in [n for n in weights if n.startswith(prefix)]:
         array = weights.pop(name)
-        weights["head_share." + name[len(prefix):]] = mx.array(array[-rows:])  # a copy: the rest is freed
+        if name.endswith(".ggml_type"):  # a GGUF type held as row bytes: its one-element type id
+            weights[rename + name[len(prefix):]] = array
+            continue
+        kept = array[-rows:] if begin is None else array[begin:begin + rows]
+        weights[rename + name[len(prefix):]] = mx.array(kept)  # a copy: the rest is freed
 
 
 def dequantize_slice(model: nn.Module, dtype: mx.Dtype) -> int:

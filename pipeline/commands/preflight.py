@@ -78,6 +78,13 @@ class RankReport:
     kv_fraction: float = 1.0  # and of each layer's KV cache
     prefix_cache: int = 0  # --prefix-cache-gb in bytes: the most this rank's prefix cache may hold
 
+    # --tensor-parallel, stage 0's group: the LM head's rows (vocabulary entries) this rank computes
+    # (models/vocab_split.py), of vocab_size; head_trimmed (packed, dense): whether rank 0 then holds only
+    # its rows of the head's matrix (an untied lm_head, or a tied embedding's int8 copy; a tied embedding
+    # stays whole, tokens are looked up in it)
+    vocab_rows: int = 0
+    vocab_size: int = 0
+    head_trimmed: tuple[bool, bool] = (False, False)
 
 def add_parser(commands) -> None:
     pre = commands.add_parser("preflight", help="check every rank's host before a long job",
@@ -189,6 +196,8 @@ def measure_model(report: RankReport, folder: Path, args: argparse.Namespace, in
         report.held, report.dense_held = with_mtp(report.held), with_mtp(report.dense_held)
     report.quantized, report.dtype = is_quantized(checkpoint), args.dtype
     report.fast_quantized = args.dtype == "float32" and build.expected()  # as job.plan_job asks every rank
+    if 1 < args.tensor_parallel and report.rank < args.tensor_parallel:  # stage 0's group: the head split by vocabulary
+        head_split_bytes(report, config, folder, args, int8)
     context = args.context or min(8192, config.max_position_embeddings)
     if context < 1:
         raise UserError(f"--context must be >= 1, got {context}")
@@ -267,6 +276,23 @@ class Slice:
     start: int
     end: int
     held: RankBytes  # weights as held + KV cache for --context tokens
+def head_split_bytes(report: RankReport, config, folder: Path, args: argparse.Namespace, int8: bool) -> None:
+    """What a member of stage 0's group holds of the LM head split by vocabulary (RankReport.vocab_rows)."""
+    from ..models.vocab_split import vocab_share  # loads MLX, as in collect
+    from ..planner.weights_bytes import Precision, checkpoint_format, find
+
+    t = args.tensor_parallel
+    begin, end = vocab_share(config.vocab_size, t, report.rank % t)
+    report.vocab_rows, report.vocab_size = end - begin, config.vocab_size
+    if not config.tie_word_embeddings:
+        report.head_trimmed = (True, True)
+        return
+    stored = checkpoint_format(config, find(folder), args.quantize, args.group_size)
+    embedding = next(p for p in architecture(config).ends if p.is_embedding)
+    report.head_trimmed = tuple(Precision(stored, args.dtype, args.quantize, args.group_size, dense, int8)
+                                .int8_head_copy(embedding) > 0 for dense in (False, True))
+
+
     need: int  # bytes, with HEADROOM
 
 
@@ -307,6 +333,13 @@ def memory_problems(r: RankReport, piece: Slice, who: str) -> list[str]:
     problems = []
     if r.available is not None and piece.need > r.available:
         problems.append(f"{who}: its slice (layers {piece.start}-{piece.end - 1}) needs {size(piece.need)} "
+        if t > 1 and r.vocab_rows:  # stage 0's group: the LM head split by vocabulary (models/vocab_split.py)
+            per_row = mb.head // r.vocab_size
+            if rank == 0:  # its own rows only, where it does not hold the whole head anyway (a tied embedding)
+                trimmed = per_row * (r.vocab_size - r.vocab_rows) if r.head_trimmed[bool(dense[stage])] else 0
+                held = replace(held, weights=held.weights - trimmed)
+            else:  # its slice, as the stats line's "LM head share"
+                held = replace(held, head_share=per_row * r.vocab_rows)
                         f"({piece.held.describe()}, +10%) but only {size(r.available)} of memory is free: add a "
                         f"host, or move layers off it with --split")
     if r.metal_limit is not None and piece.need > r.metal_limit:

@@ -9,11 +9,13 @@ from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from ..kernels import qmm
 from .config import ModelConfig
 from .layers import EXACT_POSITIONS_MAX, RMSNorm
 from .packing import kept_rows, segments
+from .vocab_split import combine, summary
 from ..util.cores import cpus_allowed
 
 
@@ -113,13 +115,35 @@ class TransformerSlice(nn.Module):
                 start_computing(h)
         return h
 
+    # --tensor-parallel T > 1, rank 0: the runtime's callable that computes the head split by vocabulary
+    # over stage 0's group (runtime/tensor_group.py SplitHead; models/vocab_split.py): given the normed rows,
+    # this rank's own logits of entries [0, vocab_split.own_end) and `top`, the whole vocabulary's logits
+    # (top None) or its summary (vocab_split.Combined). Models never talk to other ranks.
+    vocab_split = None
+    head_begin = None  # the first row of `head_share` (None: the head's last rows; else a group member's slice)
+
     def logits(self, h: mx.array, vocab_end: int | None = None) -> mx.array:
         """Logits of every vocabulary entry, or of entries [0, vocab_end) only."""
         h = self.norm(h)
         head = self.embed_tokens if self.config.tie_word_embeddings else self.lm_head
+        if self.vocab_split is not None and vocab_end is None:
+            shape = h.shape
+            rows = h.reshape(-1, shape[-1])
+            logits = self.vocab_split(rows, lambda x: head_columns(head, x, 0, self.vocab_split.own_end))
+            return logits.reshape(*shape[:-1], logits.shape[-1])
         if vocab_end is not None:
             return head_columns(head, h, 0, vocab_end)
         return head.as_linear(h) if self.config.tie_word_embeddings else head(h)
+
+    def head_summary(self, rows: mx.array, top: int = 0):
+        """rows [n, hidden] (before the norm) -> the whole vocabulary's greedy tokens, logsumexp and `top`
+        entries (vocab_split.Combined), from the members' summaries where the head is split by vocabulary
+        (only a summary of each slice crosses the group), else from the whole head's logits."""
+        if self.vocab_split is None:
+            return combine([np.asarray(summary(self.logits(rows), top))], [0], top)
+        h = self.norm(rows)
+        head = self.embed_tokens if self.config.tie_word_embeddings else self.lm_head
+        return self.vocab_split(h, lambda x: head_columns(head, x, 0, self.vocab_split.own_end), top=top)
 
 
 def head_columns(head: nn.Module, x: mx.array, begin: int, end: int) -> mx.array:

@@ -123,7 +123,7 @@ def _overlapped(stage: Stage, transport: Transport, sampler: Sampler, logits: mx
         if more():
             following = stage.run_layers(model.embed(pending.reshape(1, 1)), evaluate=False, last_only=True)
             if transport.size == 1:
-                following = sampler.lazy(model.logits(following[:, -1, :])[0])
+                following = _next_token(model, sampler, following[:, -1, :])
             mx.async_eval(following)
         taken += 1
         if take(int(pending.item())):
@@ -131,8 +131,16 @@ def _overlapped(stage: Stage, transport: Transport, sampler: Sampler, logits: mx
         if following is None:
             return Overlapped(ended=False, taken=taken)
         if transport.size > 1:
-            following = sampler.lazy(model.logits(round_the_ring(transport, following)[:, -1, :])[0])
+            following = _next_token(model, sampler, round_the_ring(transport, following)[:, -1, :])
         pending = following
+
+
+def _next_token(model, sampler: Sampler, last: mx.array) -> mx.array:
+    """The token after `last` ([1, hidden], before the norm) as `sampler.lazy` gives it; greedy with the
+    LM head split by vocabulary (--tensor-parallel), from the slices' maxima alone (stage_slice.head_summary)."""
+    if sampler.greedy and model.vocab_split is not None:
+        return mx.array(int(model.head_summary(last).tokens[0]), dtype=mx.uint32)
+    return sampler.lazy(model.logits(last)[0])
 
 
 def _speculate(stage: Stage, transport: Transport, sampler: Sampler, drafter: NgramDrafter, token: int,

@@ -26,6 +26,7 @@ from ..models.config import ModelConfig
 from ..models.mtp import check_mtp, mtp_nbytes
 from ..models.registry import family_for
 from ..models.tensor_parallel import check_family
+from ..models.vocab_split import vocab_share
 from ..planner.host_memory import MemoryPlan
 from ..planner.layer_split import SplitWeights, split_layers
 from ..planner.partition import layer_ranges
@@ -39,7 +40,7 @@ from .prompt_cache_store import PromptCacheStore, entry_key, model_identity
 from .scheduler import exact_group_rows
 from .settings import JobSettings, RingSettings, TransportSettings, WeightSettings
 from .stage import Stage
-from .tensor_group import Group, LeaderStage, form_group
+from .tensor_group import Group, LeaderStage, SplitHead, form_group
 
 
 @dataclass
@@ -152,11 +153,13 @@ def load_stage(settings: WeightSettings, plan: Plan, rank: int, progress: bool, 
     --draft mtp, DeepSeek's MTP module too (it reads rank 0's embedding, head and final states).
     group: --tensor-parallel T > 1, this rank's stage group: its share of its stage's layers
     (tensor_group.py); `rank` stays the job's rank."""
-    index, shard, group_sum, stage_class = rank, None, None, Stage
+    index, shard, group_sum, stage_class, vocab_slice = rank, None, None, Stage, None
     if group is not None and group.size > 1:
         index, shard, group_sum = group.stage, group.shard, group.group_sum
         stage_class = LeaderStage if group.leads else Stage
     dense = bool(plan.dense and plan.dense[index])
+        if group.stage == 0:  # stage 0's group splits the LM head by vocabulary (models/vocab_split.py)
+            vocab_slice = vocab_share(plan.config.vocab_size, group.size, group.member)
     int8 = plan.int8
     # rearranged in the buffers they were read into where those are in huge pages (else the products
     # would walk small pages: 1B Llama decode -5%), into new huge pages otherwise
@@ -165,10 +168,13 @@ def load_stage(settings: WeightSettings, plan: Plan, rank: int, progress: bool, 
                              dtype=getattr(mx, settings.dtype), requantize=settings.requantize, progress=progress,
                              dense=dense, head_rows=head_rows, int8_in_place=in_place if int8 else None,
                              shard=shard, group_sum=group_sum,
-                             group_choice=group_sum.from_first if group_sum is not None else None)
+                             group_choice=group_sum.from_first if group_sum is not None else None,
+                             vocab_slice=vocab_slice)
     if stage_class is LeaderStage:
         stage.group = group
     if settings.dtype == "float32":
+    if vocab_slice is not None and rank == 0:
+        stage.model.vocab_split = SplitHead(group, plan.config.vocab_size)
         build.load()  # the kernels' extension (attention, quantized products): built now, not at the first token
         qmm.set_gguf_int8(bool(int8))  # IQ4 blocks (gguf_kernels.cpp) round activations as the flag says
     if rank == 0 and settings.draft == "mtp":
@@ -182,9 +188,23 @@ def load_stage(settings: WeightSettings, plan: Plan, rank: int, progress: bool, 
             if module is not None:
                 use_int8(module, tied_head=bool(config.tie_word_embeddings), head_share=share, in_place=in_place)
     return stage
+    if vocab_slice is not None and rank == 0:
+        keep_own_head_rows(stage.model, vocab_slice[1])
 
 
 @dataclass
+def keep_own_head_rows(model, rows: int) -> None:
+    """Rank 0 of a vocabulary-split head with a tied embedding: the embedding stays whole (tokens are
+    looked up in it), but its int8 copy, which only the head reads, keeps rank 0's rows [0, rows)."""
+    embedding = model.get("embed_tokens")
+    if embedding is None or "int8_weight" not in embedding:
+        return
+    for name in ("int8_weight", "int8_scales", "int8_biases"):
+        if name in embedding:
+            embedding[name] = mx.array(embedding[name][:rows])  # a copy: the rest is freed
+    mx.eval(embedding.parameters())
+
+
 class RingJob:
     """What batch and serve set up before their scheduler starts: the transport, the split, and how
     the ring shares work (exact products, the LM head's share on the last rank, micro-batches)."""
@@ -206,7 +226,7 @@ def plan_ring_job(settings: JobSettings, comm) -> RingJob:
     group_rows = exact_group_rows(settings.ring.packed_matmuls)  # this rank's own: it depends on its BLAS
     head_fraction = head_share_fraction(settings.ring.head_share, comm.allgather(group_rows))
     if group.size > 1:
-        head_fraction = 0.0  # the head stays whole on rank 0 under --tensor-parallel (a vocabulary split: later)
+        head_fraction = 0.0  # under --tensor-parallel stage 0's group splits the head by vocabulary instead
     plan = mpi.checkpoint(comm, lambda: plan_job(settings.weights, comm, last_rank_head=head_fraction))
     if not family_for(plan.config).head_share:  # DeepSeek V4: the head reads collapsed streams
         head_fraction = 0.0

@@ -50,6 +50,7 @@ from ..cluster.transport import Kind, Transport
 from ..kernels import blas
 from ..models.cache import resume_points
 from ..models.packing import segments
+from ..models.vocab_split import Combined
 from .engine import PREFILL_CHUNK
 from .head_share import HeadSplit, combined_argmax, returned_rows, split_returned
 from .prefix_cache import PrefixCache, StoredIndex
@@ -573,20 +574,30 @@ class Scheduler:
             rows, share = rows[mx.array(picked)], None if share is None else share[mx.array(picked)]
         own = self.model.config.vocab_size - microbatch.head_columns  # the entries rank 0 computes
         started = time.perf_counter()
-        logits = [self.model.logits(rows[b:e], vocab_end=own if share is not None else None)
-                  for b, e in row_groups([1] * len(picked), self.group_rows)]
-        logits = logits[0] if len(logits) == 1 else mx.concatenate(logits, axis=0)  # [rows, own]
+        if self.model.vocab_split is not None and all(seq.sampler.greedy for seq in sampling):
+            # --tensor-parallel, the head split by vocabulary: greedy tokens and their logprobs from each
+            # slice's summary (models/vocab_split.py), not every logit
+            top = max(seq.request.logprobs or 0 for seq in sampling)
+            logits = Combined.concatenate([self.model.head_summary(rows[b:e], top)
+                                           for b, e in row_groups([1] * len(picked), self.group_rows)])
+            greedy = logits.tokens.tolist()
+        else:
+            logits = [self.model.logits(rows[b:e], vocab_end=own if share is not None else None)
+                      for b, e in row_groups([1] * len(picked), self.group_rows)]
+            logits = logits[0] if len(logits) == 1 else mx.concatenate(logits, axis=0)  # [rows, own]
+            greedy = None
         # Every row's argmax in one op, read back at once: what greedy requests take (the same
         # index a row's own argmax gives); a sync per row cost rank 0 ~1 ms a micro-batch.
-        if share is None:
-            greedy = mx.argmax(logits, axis=-1)
-        else:
-            greedy = combined_argmax(logits, share, own)
-            self.head_split.note_shared(microbatch.head_columns)
-        mx.eval(logits, greedy)
-        if self.head_split is not None:
-            self.head_split.observe_cost(time.perf_counter() - started, len(index), own)
-        greedy = greedy.tolist()
+        if greedy is None:
+            if share is None:
+                greedy = mx.argmax(logits, axis=-1)
+            else:
+                greedy = combined_argmax(logits, share, own)
+                self.head_split.note_shared(microbatch.head_columns)
+            mx.eval(logits, greedy)
+            if self.head_split is not None:
+                self.head_split.observe_cost(time.perf_counter() - started, len(index), own)
+            greedy = greedy.tolist()
         ended, rewinds = [], []
         now = time.perf_counter()
         row = 0
@@ -695,7 +706,11 @@ class Scheduler:
 
 
 def token_logprob(logits: mx.array, token: int, top: int) -> TokenLogprob:
-    """The chosen token's log-probability under the raw logits, and the `top` most likely tokens'."""
+    """The chosen token's log-probability under the raw logits, and the `top` most likely tokens'.
+    logits: one row's, or (the head split by vocabulary, a greedy token) its vocab_split.Combined."""
+    if isinstance(logits, Combined):
+        assert int(logits.tokens[0]) == token, (logits.tokens[0], token)
+        return TokenLogprob(token, logits.logprob(0), logits.top_logprobs(0, top))
     logprobs = logits.astype(mx.float32) - mx.logsumexp(logits.astype(mx.float32))
     alternatives: list[tuple[int, float]] = []
     if top:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
@@ -38,17 +39,27 @@ class Stage:
              progress: bool = False, dense: bool = False, head_rows: int = 0,
              int8_in_place: bool | None = None, shard: Shard | None = None,
              group_sum: Callable[[mx.array], mx.array] | None = None,
-             group_choice: Callable[[mx.array], mx.array] | None = None) -> "Stage":
+             group_choice: Callable[[mx.array], mx.array] | None = None,
+             vocab_slice: tuple[int, int] | None = None) -> "Stage":
         """dense: hold MLX-quantized weights dequantized to `dtype` (--weights-in-memory).
         head_rows: also hold the LM head's last rows (the last rank of a batch job, head_share.py).
         int8_in_place: not None, the layers' quantized matrices take the int8 layout while loading
         (weights.load_slice).
         shard: --tensor-parallel T > 1, this rank's member of its stage's group: its share of each layer
         (models/tensor_parallel.py), whose partial outputs `group_sum` adds up over the group (and a MoE
-        layer's top-k choices `group_choice` takes from the group's first member)."""
+        layer's top-k choices `group_choice` takes from the group's first member).
+        vocab_slice: --tensor-parallel, stage 0's group: the LM head's rows [begin, end) this rank computes
+        (models/vocab_split.py): rank 0 holds only those of an untied head (a tied one stays whole, the
+        embedding), another member holds them as its `head_share`."""
         family = family_for(config).module()
         slice_class = getattr(family, "Slice", TransformerSlice)  # DeepSeek V4: its residual streams
+        if vocab_slice is not None and not has_ends:
+            head_rows = vocab_slice[1] - vocab_slice[0]
         model = slice_class(config, family.DecoderLayer, layers[0], layers[1], has_ends, head_rows)
+        if vocab_slice is not None and not has_ends:
+            model.head_begin = vocab_slice[0]
+        elif vocab_slice is not None and "lm_head" in model:
+            model.lm_head = nn.Linear(config.hidden_size, vocab_slice[1], bias=False)
         cut = None
         if shard is not None and shard.size > 1:
             shard_modules(model, config, shard)

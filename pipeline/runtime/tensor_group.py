@@ -13,14 +13,20 @@ A mate waits for its leader's next command without the watchdog (a server may id
 leader has its own watchdog on the ring, and a dead process on the same host is still noticed); the
 group sums and the leader's sends to its mates wait under the watchdog.
 
-Not yet: --transport mlx (MLX 0.32 cannot split its group), the prompt cache on disk, the LM head split
-by vocabulary (the head stays on rank 0, as the embedding), and families other than Llama's and
-Qwen3-MoE (models/tensor_parallel.py check_family).
+Stage 0's group splits the LM head by vocabulary (models/vocab_split.py): each member holds a slice of
+its rows, and rank 0 (which embeds, and holds the whole embedding) asks its mates for their slices'
+logits with a HEAD command (`SplitHead`): every logit where the caller reads the whole vocabulary
+(sampling, drafts, perplexity), or only a summary of each slice (max, argmax, logsumexp, top entries)
+where greedy tokens and their logprobs are all it needs.
+
+Not yet: --transport mlx (MLX 0.32 cannot split its group), the prompt cache on disk, and families other
+than Llama's and Qwen3-MoE (models/tensor_parallel.py check_family).
 """
 
 from __future__ import annotations
 
 import socket
+import time
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -29,11 +35,14 @@ import numpy as np
 from ..cluster.tensor_group import GroupSum, split
 from ..cluster.transport import MpiTransport, this_process
 from ..models.tensor_parallel import Shard
+from ..models.stage_slice import head_columns
 from ..util import cores
+from ..models.vocab_split import combine, summary, vocab_share
 from ..util.errors import UserError
 from .stage import Stage
 
-RUN, RELEASE, REWIND, FORK, STOP = 1, 2, 3, 4, 5
+RUN, RELEASE, REWIND, FORK, STOP, HEAD = 1, 2, 3, 4, 5, 6
+FULL, SUMMARY = 0, 1  # what a member returns of its head slice for a HEAD command
 _HEADER = 12  # command, sequences, last_only, full given, dtype code, ndim, 4 dims, positions (REWIND), spare
 _WIRE = {mx.float32: (0, np.float32), mx.float16: (1, np.float16), mx.bfloat16: (2, np.uint16)}
 _FROM_CODE = {code: (mx_dtype, np_dtype) for mx_dtype, (code, np_dtype) in _WIRE.items()}
@@ -126,6 +135,50 @@ class LeaderStage(Stage):
 
 
 def send(group: Group, command: int, count: int, layout: list[int] = (), payload: np.ndarray | None = None,
+class SplitHead:
+    """Rank 0 under --tensor-parallel: the LM head split by vocabulary over stage 0's group, as the
+    callable TransformerSlice.vocab_split (see the module docstring). Counts the seconds rank 0
+    spends waiting for its mates' slices."""
+
+    def __init__(self, group: Group, vocab_size: int):
+        self.group = group
+        self.bounds = [vocab_share(vocab_size, group.size, m) for m in range(group.size)]
+        self.own_end = self.bounds[0][1]
+        self.seconds = 0.0
+
+    def __call__(self, rows: mx.array, own, top: int | None = None):
+        """rows [n, hidden], normed; own(rows): rank 0's logits of entries [0, own_end). top None: the
+        logits of every entry [n, vocab]; else the whole vocabulary's summary (vocab_split.Combined)."""
+        mx.eval(rows)
+        wire = np.asarray(rows.view(mx.uint16) if rows.dtype == mx.bfloat16 else rows)
+        n = rows.shape[0]
+        send(self.group, HEAD, n, [FULL if top is None else SUMMARY, top or 0], wire, dtype=rows.dtype)
+        mine = own(rows)
+        mine = mine if top is None else summary(mine, top)
+        mx.eval(mine)
+        started = time.perf_counter()
+        parts = []
+        for member, (begin, end) in enumerate(self.bounds[1:], start=1):
+            width = end - begin if top is None else 3 + 2 * min(top, end - begin)
+            buf = np.empty((n, width), dtype=np.float32)
+            self.group.link.recv(buf, member)
+            parts.append(buf)
+        self.seconds += time.perf_counter() - started
+        if top is None:  # in member order: the whole vocabulary's logits
+            return mx.concatenate([mine] + [mx.array(p).astype(mine.dtype) for p in parts], axis=-1)
+        return combine([np.asarray(mine)] + parts, [b for b, _ in self.bounds], top)
+
+
+def head_slice_reply(stage: Stage, group: Group, rows: mx.array, mode: int, top: int) -> None:
+    """A mate of stage 0: its slice's logits of `rows` (normed by rank 0), or their summary, to rank 0."""
+    head = stage.model.head_share
+    logits = head_columns(head, rows, 0, head.weight.shape[0])
+    out = summary(logits, top) if mode == SUMMARY else logits.astype(mx.float32)
+    buf = np.ascontiguousarray(np.asarray(out))
+    link = group.link
+    link.wait_for(link.isend(buf, 0), 0, sending=True)
+
+
          dtype: mx.Dtype = mx.float32, last_only: bool = False, full_given: bool = False, positions: int = 0) -> None:
     """Leader: one command to each mate (header, layout, payload), sent to all before waiting."""
     header = np.zeros(_HEADER, dtype=np.int64)
@@ -158,12 +211,13 @@ def follow_leader(stage: Stage, group: Group) -> None:
         command, count = int(header[0]), int(header[1])
         if command == STOP:
             return
-        words = {RUN: 2 * count + (count if header[3] else 0), RELEASE: count, REWIND: count, FORK: 3 * count}[command]
+        words = {RUN: 2 * count + (count if header[3] else 0), RELEASE: count, REWIND: count, FORK: 3 * count,
+                 HEAD: 2}[command]
         layout = np.empty(words, dtype=np.int64)
         if words:
             link.recv(layout, 0)
         layout = layout.tolist()
-        if command == RUN:
+        if command in (RUN, HEAD):
             mx_dtype, np_dtype = _FROM_CODE[int(header[4])]
             payload = np.empty(tuple(int(d) for d in header[6:6 + int(header[5])]), dtype=np_dtype)
             link.recv(payload, 0)
@@ -171,6 +225,9 @@ def follow_leader(stage: Stage, group: Group) -> None:
             if mx_dtype == mx.bfloat16:
                 hidden = hidden.view(mx.bfloat16)
             full = [bool(f) for f in layout[2 * count:]] if header[3] else None
+        if command == HEAD:
+            head_slice_reply(stage, group, hidden, layout[0], layout[1])
+        elif command == RUN:
             stage.run_layers(hidden, layout[:count], layout[count:2 * count], last_only=bool(header[2]), full=full)
         elif command == RELEASE:
             stage.release(layout)
