@@ -22,7 +22,7 @@ def predict(m: Measurement, host: HostTerms, link: LinkTerms = THUNDERBOLT5_RDMA
     """Single-stream tok/s the layouts model gives for measurement m's run."""
     config = load_config(m.model)
     precision = Precision(checkpoint_format(config, None, m.quantize, m.group_size), MEASURED_DTYPE, m.quantize,
-                          m.group_size)
+                          m.group_size, mla_kv_b_float=False)  # exo's mlx-lm and llama.cpp keep MLA's kv_b quantized
     memory = [float(g) for g in m.host_memory]
     return plan_layout(architecture(config), precision, m.tensor_parallel, [M3_ULTRA_GBS] * len(memory), memory,
                        host, link, MEASURED_CONTEXT, batch=1).single_tps

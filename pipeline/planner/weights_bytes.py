@@ -11,7 +11,8 @@ them):
   (4-bit, group 64, bfloat16: 0.5 + 4/64 = 0.5625 B). `--quantize` takes every matrix whose
   rows divide into groups (embedding and LM head included) except MoE routers;
 - compressed-tensors INT4 (Kimi K2 Thinking's routed experts, symmetric, group 32) maps exactly
-  onto MLX affine 4-bit group 32 (scale s, bias -8s): 0.5 + 2*dtype/32 B.
+  onto MLX affine 4-bit group 32 (scale s, bias -8s): 0.5 + 2*dtype/32 B;
+- MLA's kv_b_proj is held in the dtype whatever its format (MLA_KV_B below).
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ from .shapes import Architecture, Param, architecture
 from .stored_formats import CheckpointFormat, affine_bytes, checkpoint_format
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# MLA's kv_b_proj (DeepSeek V3 / V3.2, Kimi, GLM-5): the attention dequantizes it after loading and keeps its
+# per-head halves w_uk / w_uv in the activation dtype (models/deepseek_v3.py after_load), so it is held in floats
+# whether stored MLX-quantized (mlx-lm's GLM-5 / V3.2 folders store it as embed_q / unembed_out, which the
+# loader joins back: checkpoints/format_adapters.py), re-quantized by --quantize, or read from a GGUF.
+MLA_KV_B = ".self_attn.kv_b_proj.weight"
 
 
 def _mx_bytes(shape: tuple[int, ...], bits: int) -> int:
@@ -46,6 +52,9 @@ class Precision:
     group_size: int = 64
     dense: bool = False  # MLX-quantized weights dequantized to the dtype (generate --weights-in-memory)
     int8: bool = False  # --int8-activations: 4- and 8-bit matrices repacked for the int8 products (int8_repack.use_int8)
+    # MLA's kv_b_proj held in floats, as our attention holds it (MLA_KV_B); False: kept as stored or re-quantized,
+    # as mlx-lm and llama.cpp keep its halves (calibration.py models their published runs)
+    mla_kv_b_float: bool = True
 
     @property
     def dtype_bytes(self) -> int:
@@ -60,6 +69,8 @@ class Precision:
         if self.checkpoint.config.model_type == "deepseek_v4":
             if p.name.endswith(FLOAT32):  # held in float32 whatever the dtype, as the loader does
                 return p.numel * 4
+        if self.mla_kv_b_float and p.name.endswith(MLA_KV_B):  # MLA's absorbed halves, whatever the format
+            return p.numel * self.dtype_bytes
         if self.checkpoint.held_in_blocks(p):  # a GGUF's tensors in their own blocks (stored_formats): the file's bytes
             return self.checkpoint.held_bytes(p)
         native = self.checkpoint.native(p)
@@ -81,9 +92,11 @@ class Precision:
         return self.int8 and self.dtype == "float32" and bits in INT8_BITS and p.shape[-2] % INT8_BLOCK == 0
 
     def int8_head_copy(self, embedding: Param) -> int:
-        """The bytes of the int8 copy a tied, MLX-quantized embedding gains as the LM head (int8_repack.use_int8); 0 if none."""
+        """The bytes of the int8 copy a tied, MLX-quantized embedding gains as the LM head (int8_repack.use_int8); 0 if none
+        (8 bits are the head as they are: int8_rows_matmul reads them in place)."""
         native = self.checkpoint.native(embedding)
         if (self.dense or not native or self.checkpoint.held_in_blocks(embedding)  # in its blocks: no copy made
+                or native[0] == 8
                 or not self.int8_repacked(embedding, native[0])):
             return 0
         return affine_bytes(embedding.shape, *native, 2 if self.checkpoint.half_scales(embedding) else self.dtype_bytes,
