@@ -77,7 +77,6 @@ class RankReport:
     layer_fraction: float = 1.0  # under it, the fraction of each layer's weights this rank holds
     kv_fraction: float = 1.0  # and of each layer's KV cache
     prefix_cache: int = 0  # --prefix-cache-gb in bytes: the most this rank's prefix cache may hold
-
     # --tensor-parallel, stage 0's group: the LM head's rows (vocabulary entries) this rank computes
     # (models/vocab_split.py), of vocab_size; head_trimmed (packed, dense): whether rank 0 then holds only
     # its rows of the head's matrix (an untied lm_head, or a tied embedding's int8 copy; a tied embedding
@@ -85,6 +84,7 @@ class RankReport:
     vocab_rows: int = 0
     vocab_size: int = 0
     head_trimmed: tuple[bool, bool] = (False, False)
+
 
 def add_parser(commands) -> None:
     pre = commands.add_parser("preflight", help="check every rank's host before a long job",
@@ -195,9 +195,9 @@ def measure_model(report: RankReport, folder: Path, args: argparse.Namespace, in
         report.disk_ends_bytes += mtp_nbytes(checkpoint, config)
         report.held, report.dense_held = with_mtp(report.held), with_mtp(report.dense_held)
     report.quantized, report.dtype = is_quantized(checkpoint), args.dtype
-    report.fast_quantized = args.dtype == "float32" and build.expected()  # as job.plan_job asks every rank
     if 1 < args.tensor_parallel and report.rank < args.tensor_parallel:  # stage 0's group: the head split by vocabulary
         head_split_bytes(report, config, folder, args, int8)
+    report.fast_quantized = args.dtype == "float32" and build.expected()  # as job.plan_job asks every rank
     context = args.context or min(8192, config.max_position_embeddings)
     if context < 1:
         raise UserError(f"--context must be >= 1, got {context}")
@@ -270,16 +270,10 @@ def model_problems(r: RankReport, ref: RankReport, who: str) -> list[str]:
     return problems
 
 
-@dataclass
-class Slice:
-    """One rank's part of the job: its layers, and what it holds of them."""
-    start: int
-    end: int
-    held: RankBytes  # weights as held + KV cache for --context tokens
 def head_split_bytes(report: RankReport, config, folder: Path, args: argparse.Namespace, int8: bool) -> None:
     """What a member of stage 0's group holds of the LM head split by vocabulary (RankReport.vocab_rows)."""
     from ..models.vocab_split import vocab_share  # loads MLX, as in collect
-    from ..planner.weights_bytes import Precision, checkpoint_format, find
+    from ..planner.weights_bytes import Precision, checkpoint_format, find  # as the line above: where used
 
     t = args.tensor_parallel
     begin, end = vocab_share(config.vocab_size, t, report.rank % t)
@@ -293,6 +287,12 @@ def head_split_bytes(report: RankReport, config, folder: Path, args: argparse.Na
                                 .int8_head_copy(embedding) > 0 for dense in (False, True))
 
 
+@dataclass
+class Slice:
+    """One rank's part of the job: its layers, and what it holds of them."""
+    start: int
+    end: int
+    held: RankBytes  # weights as held + KV cache for --context tokens
     need: int  # bytes, with HEADROOM
 
 
@@ -324,6 +324,13 @@ def plan_slices(reports: list[RankReport], ref: RankReport, split: str | None, w
             ends = mb.ends if rank == 0 else 0
             held = replace(held, weights=round((held.weights - (mb.ends if stage == 0 else 0)) * r.layer_fraction) + ends,
                            kv_cache=round(held.kv_cache * r.kv_fraction))
+        if t > 1 and r.vocab_rows:  # stage 0's group: the LM head split by vocabulary (models/vocab_split.py)
+            per_row = mb.head // r.vocab_size
+            if rank == 0:  # its own rows only, where it does not hold the whole head anyway (a tied embedding)
+                trimmed = per_row * (r.vocab_size - r.vocab_rows) if r.head_trimmed[bool(dense[stage])] else 0
+                held = replace(held, weights=held.weights - trimmed)
+            else:  # its slice, as the stats line's "LM head share"
+                held = replace(held, head_share=per_row * r.vocab_rows)
         slices.append(Slice(start, end, held, int(held.total * HEADROOM)))
     return slices
 
@@ -333,13 +340,6 @@ def memory_problems(r: RankReport, piece: Slice, who: str) -> list[str]:
     problems = []
     if r.available is not None and piece.need > r.available:
         problems.append(f"{who}: its slice (layers {piece.start}-{piece.end - 1}) needs {size(piece.need)} "
-        if t > 1 and r.vocab_rows:  # stage 0's group: the LM head split by vocabulary (models/vocab_split.py)
-            per_row = mb.head // r.vocab_size
-            if rank == 0:  # its own rows only, where it does not hold the whole head anyway (a tied embedding)
-                trimmed = per_row * (r.vocab_size - r.vocab_rows) if r.head_trimmed[bool(dense[stage])] else 0
-                held = replace(held, weights=held.weights - trimmed)
-            else:  # its slice, as the stats line's "LM head share"
-                held = replace(held, head_share=per_row * r.vocab_rows)
                         f"({piece.held.describe()}, +10%) but only {size(r.available)} of memory is free: add a "
                         f"host, or move layers off it with --split")
     if r.metal_limit is not None and piece.need > r.metal_limit:

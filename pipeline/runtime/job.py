@@ -157,9 +157,9 @@ def load_stage(settings: WeightSettings, plan: Plan, rank: int, progress: bool, 
     if group is not None and group.size > 1:
         index, shard, group_sum = group.stage, group.shard, group.group_sum
         stage_class = LeaderStage if group.leads else Stage
-    dense = bool(plan.dense and plan.dense[index])
         if group.stage == 0:  # stage 0's group splits the LM head by vocabulary (models/vocab_split.py)
             vocab_slice = vocab_share(plan.config.vocab_size, group.size, group.member)
+    dense = bool(plan.dense and plan.dense[index])
     int8 = plan.int8
     # rearranged in the buffers they were read into where those are in huge pages (else the products
     # would walk small pages: 1B Llama decode -5%), into new huge pages otherwise
@@ -172,9 +172,9 @@ def load_stage(settings: WeightSettings, plan: Plan, rank: int, progress: bool, 
                              vocab_slice=vocab_slice)
     if stage_class is LeaderStage:
         stage.group = group
-    if settings.dtype == "float32":
     if vocab_slice is not None and rank == 0:
         stage.model.vocab_split = SplitHead(group, plan.config.vocab_size)
+    if settings.dtype == "float32":
         build.load()  # the kernels' extension (attention, quantized products): built now, not at the first token
         qmm.set_gguf_int8(bool(int8))  # IQ4 blocks (gguf_kernels.cpp) round activations as the flag says
     if rank == 0 and settings.draft == "mtp":
@@ -187,12 +187,11 @@ def load_stage(settings: WeightSettings, plan: Plan, rank: int, progress: bool, 
         for module in (stage.model, stage.mtp):  # what was not repacked while loading: the head, MTP
             if module is not None:
                 use_int8(module, tied_head=bool(config.tie_word_embeddings), head_share=share, in_place=in_place)
-    return stage
     if vocab_slice is not None and rank == 0:
         keep_own_head_rows(stage.model, vocab_slice[1])
+    return stage
 
 
-@dataclass
 def keep_own_head_rows(model, rows: int) -> None:
     """Rank 0 of a vocabulary-split head with a tied embedding: the embedding stays whole (tokens are
     looked up in it), but its int8 copy, which only the head reads, keeps rank 0's rows [0, rows)."""
@@ -205,6 +204,7 @@ def keep_own_head_rows(model, rows: int) -> None:
     mx.eval(embedding.parameters())
 
 
+@dataclass
 class RingJob:
     """What batch and serve set up before their scheduler starts: the transport, the split, and how
     the ring shares work (exact products, the LM head's share on the last rank, micro-batches)."""

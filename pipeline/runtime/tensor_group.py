@@ -34,10 +34,10 @@ import numpy as np
 
 from ..cluster.tensor_group import GroupSum, split
 from ..cluster.transport import MpiTransport, this_process
-from ..models.tensor_parallel import Shard
 from ..models.stage_slice import head_columns
-from ..util import cores
+from ..models.tensor_parallel import Shard
 from ..models.vocab_split import combine, summary, vocab_share
+from ..util import cores
 from ..util.errors import UserError
 from .stage import Stage
 
@@ -134,7 +134,6 @@ class LeaderStage(Stage):
         return False  # the prompt cache on disk is refused with --tensor-parallel (job.prompt_cache)
 
 
-def send(group: Group, command: int, count: int, layout: list[int] = (), payload: np.ndarray | None = None,
 class SplitHead:
     """Rank 0 under --tensor-parallel: the LM head split by vocabulary over stage 0's group, as the
     callable TransformerSlice.vocab_split (see the module docstring). Counts the seconds rank 0
@@ -179,6 +178,7 @@ def head_slice_reply(stage: Stage, group: Group, rows: mx.array, mode: int, top:
     link.wait_for(link.isend(buf, 0), 0, sending=True)
 
 
+def send(group: Group, command: int, count: int, layout: list[int] = (), payload: np.ndarray | None = None,
          dtype: mx.Dtype = mx.float32, last_only: bool = False, full_given: bool = False, positions: int = 0) -> None:
     """Leader: one command to each mate (header, layout, payload), sent to all before waiting."""
     header = np.zeros(_HEADER, dtype=np.int64)
@@ -224,10 +224,10 @@ def follow_leader(stage: Stage, group: Group) -> None:
             hidden = mx.array(payload)
             if mx_dtype == mx.bfloat16:
                 hidden = hidden.view(mx.bfloat16)
-            full = [bool(f) for f in layout[2 * count:]] if header[3] else None
         if command == HEAD:
             head_slice_reply(stage, group, hidden, layout[0], layout[1])
         elif command == RUN:
+            full = [bool(f) for f in layout[2 * count:]] if header[3] else None
             stage.run_layers(hidden, layout[:count], layout[count:2 * count], last_only=bool(header[2]), full=full)
         elif command == RELEASE:
             stage.release(layout)
