@@ -107,8 +107,9 @@ def add_draft_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", choices=DRAFT_CHOICES, default=WeightSettings.draft,
                         help="speculative decoding: draft tokens and check them in one trip round the ring; "
                              "ngram: continue the latest earlier match of the last tokens (prompt lookup; best "
-                             "when the answer repeats the prompt: summaries, edits, code); mtp: DeepSeek's "
-                             "multi-token-prediction module (in DeepSeek's own V3/R1/V3.1/V3.2 folders) on rank 0. "
+                             "when the answer repeats the prompt: summaries, edits, code); mtp: the model's own "
+                             "multi-token-prediction module (DeepSeek V3/R1/V3.1/V3.2/V4 and GLM-5 folders, GLM-5's "
+                             "glm-dsa GGUFs) on rank 0. "
                              "Greedy output is the same as without (default none)")
     parser.add_argument("--draft-tokens", type=int, default=DraftSettings.tokens, metavar="K",
                         help=f"most tokens drafted per trip, 1 to {MAX_DRAFT_TOKENS} (default {DraftSettings.tokens})")
