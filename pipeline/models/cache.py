@@ -168,13 +168,21 @@ class LinearAttentionState:
         held = {id(a): a for a in (self.conv, self.recurrent) if a is not None}
         for pair in self.points.values():
             held.update((id(a), a) for a in pair)
-        if self.trail is not None:
-            held[id(self.trail[1])] = self.trail[1]  # (and the replay's inputs and first memory)
+        if self.trail is not None:  # the trip's window, and the replay's first memory and inputs (its defaults)
+            _, window, _, replay = self.trail
+            held.update((id(a), a) for a in _arrays((window, getattr(replay, "__defaults__", None))))
         return sum(a.nbytes for a in held.values())
 
     @property
     def bytes_per_token(self) -> int:
         return 0  # fixed in size: nothing grows with the context
+
+
+def _arrays(held) -> list[mx.array]:
+    """The arrays in nested tuples and lists."""
+    if isinstance(held, mx.array):
+        return [held]
+    return [a for item in held for a in _arrays(item)] if isinstance(held, (tuple, list)) else []
 
 
 def resume_points(caches: list, length: int) -> list[int] | None:

@@ -239,10 +239,14 @@ class Series:
                 out.overlap_kv, out.overlap_gate = kv[w:w + rate, :dim], gate[w:w + rate, :dim]
         return out
 
+    def arrays(self) -> list[mx.array]:
+        """The arrays it holds (the last update's projections too, until the cache's log takes them)."""
+        held = [self.entries, self.pending_kv, self.pending_gate, self.overlap_kv, self.overlap_gate, *(self.raw or ())]
+        return [a for a in held if a is not None]
+
     @property
     def nbytes(self) -> int:
-        arrays = (self.entries, self.pending_kv, self.pending_gate, self.overlap_kv, self.overlap_gate)
-        return sum(a.nbytes for a in arrays if a is not None)
+        return sum(a.nbytes for a in {id(a): a for a in self.arrays()}.values())
 
 
 LOG_LIMIT = 64  # a call of at most this many tokens is logged: it can be rewound (drafts) or cut within
@@ -434,12 +438,15 @@ class CompressedCache:
 
     @property
     def nbytes(self) -> int:
-        series = sum(s.nbytes for s in self.series())
-        kept = sum(w.nbytes + sum(s.nbytes for s in ss) for w, ss in self.points.values())
-        logged = {id(a): a for _, _, keys, _, series in self.logs
-                  for a in (keys, *(r for _, raw, *_ in series for r in raw))}  # what the last calls' logs hold
-        return (series + kept + sum(a.nbytes for a in logged.values())
-                + (0 if self.window is None else self.window.nbytes))
+        """Every array the cache holds, each once: the window and series, the kept points (a window and
+        open compressions every `stride` positions), and the last calls' logs (their keys, projections
+        and the series before each call, whose entries arrays are older ones than the series' own)."""
+        held = [self.window, *(a for s in self.series() for a in s.arrays())]
+        for window, kept in self.points.values():
+            held += [window, *(a for s in kept for a in s.arrays())]
+        for _, _, keys, _, series in self.logs:
+            held += [keys, *(a for before, raw, *_ in series for a in (*before.arrays(), *(raw or ())))]
+        return sum(a.nbytes for a in {id(a): a for a in held if a is not None}.values())
 
     @property
     def bytes_per_token(self) -> float:

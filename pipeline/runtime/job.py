@@ -35,7 +35,8 @@ from ..planner.weights_bytes import held_and_dense, with_mtp
 from ..util import cores, huge_pages
 from ..util.errors import UserError
 from .head_share import HeadSplit, head_share_fraction, head_share_rows
-from .prefix_cache import PrefixCache, StoredIndex
+from .prefix_cache import StoredIndex
+from .prefix_cache import for_job as prefix_cache_for
 from .prompt_cache_store import PromptCacheStore, entry_key, model_identity
 from .scheduler import exact_group_rows
 from .settings import JobSettings, RingSettings, TransportSettings, WeightSettings
@@ -258,23 +259,19 @@ def head_split(settings: RingSettings, job: RingJob):
 
 
 def prefix_cache(settings: JobSettings, job: RingJob):
-    """Rank 0's prefix cache for --prefix-cache-gb (None when 0): as many positions as the rank
-    with the most cached bytes per position holds in that many GB."""
+    """Rank 0's prefix cache for --prefix-cache-gb (None when 0): kept sequences up to that many GB on
+    the rank whose caches hold the most."""
     gb = settings.ring.prefix_cache_gb
     if not gb or not family_for(job.plan.config).prefix_cache:
-        return None  # DeepSeek V4: a compressed cache cannot be cut back to a shorter prefix
+        return None
     arch = architecture(job.plan.config)
-    per_layer = arch.kv_values * getattr(mx, settings.weights.dtype).size
-    per_position = max(per_layer * (end - start) for start, end in job.plan.ranges)
-    # A resume point of linear-attention states (Qwen3.5): its values in float32 (the memory is), on
-    # the rank holding the most, counted as that many positions.
-    per_point = max(4 * sum(c.per_sequence for c in (arch.kv_layers or [])[start:end] if c.kind == "linear_attention")
-                    for start, end in job.plan.ranges)
-    point_positions = -(-int(per_point) // int(per_position)) if per_position else 0
+    linear = [c.kind == "linear_attention" for c in arch.kv_layers or []]
     first, last = job.plan.ranges[0]
-    if per_point and not any(c.kind == "linear_attention" for c in arch.kv_layers[first:last]):
+    if any(linear) and not any(linear[first:last]):
         return None  # rank 0 reads the resume points from its own linear states: with none, no prefix cache
-    return PrefixCache(int(gb * 1e9 // per_position) if per_position else 0, point_positions=point_positions)
+    # In bytes, each kept sequence as its caches hold it (prefix_cache.EntryBytes: KV caches as grown, a
+    # linear layer's states at each resume point, DeepSeek V4's kept points and logs)
+    return prefix_cache_for(gb, arch, job.plan.ranges, getattr(mx, settings.weights.dtype).size)
 
 
 STORED_MIN_POSITIONS = 64  # shorter entries are not worth a file: reading one costs more than computing them

@@ -21,22 +21,35 @@ A linear-attention layer's state (Qwen3.5) cannot be cut back to a shorter prefi
 also names its resume points, the lengths whose states every rank kept (models.cache.resume_points:
 the end of each prompt chunk and the sequence's end), and a hit resumes from the longest one within
 the match; each point's states are budgeted as `point_positions` positions.
+
+serve's and batch's cache (job.prefix_cache, `for_job`) counts bytes instead: what each kept entry's
+caches hold (`EntryBytes`: every array of every layer's cache, each cache's `nbytes`: KV keys and values
+as grown, linear states with their points and verify trail, DeepSeek V4's window, compressed series,
+the state every 512 positions and the logs of the last calls), so that --prefix-cache-gb bounds what
+the rank holding the most keeps.
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
+from typing import Callable
 
 CACHE_STEP = 256  # KVCache grows in steps of this many positions: what a kept entry holds at most
 
 
 class PrefixCache:
-    def __init__(self, capacity_tokens: int, min_reuse: int = 1, step: int = CACHE_STEP, point_positions: int = 0):
+    def __init__(self, capacity_tokens: int, min_reuse: int = 1, step: int = CACHE_STEP, point_positions: int = 0,
+                 measure: "EntryBytes | None" = None):
         """capacity_tokens: positions kept over all entries, as the rank with the most cached bytes
-        per position can hold them (job.prefix_cache_for). min_reuse: shorter matches are not reused.
+        per position can hold them. min_reuse: shorter matches are not reused.
         step: an entry of n positions holds n rounded up to this many (the caches grow in steps).
-        point_positions: what one resume point's linear-attention states take, in positions."""
+        point_positions: what one resume point's linear-attention states take, in positions.
+        measure: capacity_tokens is then in bytes, and `add` is given each entry's size (the scheduler
+        measures a finished sequence's caches with it): `for_job`."""
         self.capacity = capacity_tokens
+        self.measure = measure
+        self.sizes: dict[int, int] = {}  # id -> what `add` was told it holds (measured entries)
         self.min_reuse = min_reuse
         self.step = step
         self.point_positions = point_positions
@@ -84,14 +97,16 @@ class PrefixCache:
             return None, 0
         return best, best_len
 
-    def add(self, seq_id: int, tokens: list[int], points: list[int] | None = None) -> list[int]:
+    def add(self, seq_id: int, tokens: list[int], points: list[int] | None = None, size: int | None = None) -> list[int]:
         """Keep a finished sequence's caches (positions for `tokens`; `points`: its resume points, where
-        its caches cannot be cut anywhere); returns the ids to release: entries this one makes redundant
-        (their tokens are a prefix of its, their resume points among its), the least recently used while
-        over capacity, or the new one itself if it adds nothing or cannot fit."""
+        its caches cannot be cut anywhere; `size`: what it holds, in the capacity's units, where measured:
+        else its positions as grown and its points' states); returns the ids to release: entries this one
+        makes redundant (their tokens are a prefix of its, their resume points among its), the least
+        recently used while over capacity, or the new one itself if it adds nothing or cannot fit."""
         tokens = tuple(tokens)
         points = None if points is None else tuple(sorted(set(points)))
-        if not tokens or self._held(len(tokens), points) > self.capacity:
+        size = self._held(len(tokens), points) if size is None else size
+        if not tokens or size > self.capacity:
             return [seq_id]
         release = []
         for other, kept in list(self.entries.items()):
@@ -104,7 +119,8 @@ class PrefixCache:
         self.entries[seq_id] = tokens
         if points is not None:
             self.points[seq_id] = points
-        self.held += self._held(len(tokens), points)
+        self.sizes[seq_id] = size
+        self.held += size
         while self.held > self.capacity:
             oldest = next(iter(self.entries))
             release.append(oldest)
@@ -112,11 +128,50 @@ class PrefixCache:
         return release
 
     def _drop(self, seq_id: int) -> None:
-        self.held -= self._held(len(self.entries.pop(seq_id)), self.points.pop(seq_id, None))
+        self.entries.pop(seq_id)
+        self.points.pop(seq_id, None)
+        self.held -= self.sizes.pop(seq_id)
 
     @property
     def hit_rate(self) -> float:
         return self.hits / self.lookups if self.lookups else 0.0
+
+
+class EntryBytes:
+    """What a kept sequence's caches hold on the rank holding the most, in bytes. Rank 0 measures its own
+    (each layer's cache's `nbytes`: every array it holds, kept points and logs included) and counts each
+    other rank's layers at what a layer of the same kind (the planner's LayerCache.kind: the same shapes,
+    and every rank's caches saw the same calls) holds on rank 0; a kind rank 0 holds none of at the
+    planner's estimate for it, scaled as rank 0's measured bytes are to their estimate. On one rank, or
+    where rank 0 holds every kind, that is each rank's bytes exactly."""
+
+    def __init__(self, kinds: list[str], ranges: list[tuple[int, int]], estimate: Callable[[int, int], float]):
+        """kinds: each layer's cache kind; ranges: each stage's [first, last) layers, rank 0's first;
+        estimate(layer, positions): the planner's bytes for one layer's cache of a sequence."""
+        self.kinds, self.ranges, self.estimate = kinds, ranges, estimate
+
+    def __call__(self, caches: list, positions: int) -> int:
+        first, last = self.ranges[0]
+        own = sum(cache.nbytes for cache in caches)
+        guess = sum(self.estimate(layer, positions) for layer in range(first, last))
+        scale = own / guess if own and guess else 1.0
+        measured: dict[str, int] = {}
+        if len(caches) == last - first:  # (else each rank at its estimate, scaled)
+            for kind, cache in zip(self.kinds[first:last], caches):
+                measured[kind] = max(measured.get(kind, 0), cache.nbytes)
+        others = [sum(measured[self.kinds[layer]] if self.kinds[layer] in measured
+                      else self.estimate(layer, positions) * scale for layer in range(start, end))
+                  for start, end in self.ranges[1:]]
+        return max([own, *(math.ceil(b) for b in others)])
+
+
+def for_job(gb: float, arch, ranges: list[tuple[int, int]], dtype_bytes: int) -> PrefixCache:
+    """serve's and batch's prefix cache for --prefix-cache-gb (per rank): bytes, each entry as measured
+    (`EntryBytes`; arch: the planner's Architecture, its per-layer caches' kinds and estimates)."""
+    kinds = [c.kind for c in arch.kv_layers] if arch.kv_layers else ["kv"] * len(arch.layers)
+    measure = EntryBytes(kinds, list(ranges), lambda layer, positions: arch.kv_bytes(layer, layer + 1, positions,
+                                                                                   dtype_bytes))
+    return PrefixCache(int(gb * 1e9), measure=measure)
 
 
 class StoredIndex:

@@ -543,7 +543,9 @@ class Scheduler:
             if self.stored is not None:  # before any RELEASE of it: every rank writes it from its caches
                 self._save(seq_id, tokens)
             # (Qwen3.5's linear states resume only from the points they kept)
-            release += self.prefix_cache.add(seq_id, tokens, resume_points(self.stage.caches[seq_id], len(tokens)))
+            caches, measure = self.stage.caches[seq_id], self.prefix_cache.measure
+            release += self.prefix_cache.add(seq_id, tokens, resume_points(caches, len(tokens)),
+                                             size=None if measure is None else measure(caches, len(tokens)))
         return release
 
     def _save(self, seq_id: int, tokens: list[int]) -> None:
