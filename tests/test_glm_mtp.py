@@ -308,3 +308,30 @@ def test_the_module_loads_from_an_fp8_folder(glm_mtp, tmp_path):
     print(f"GLM MTP from FP8: max logit difference to its blocks' values {error:.3g}; "
           f"to the float model {np.abs(fp8 - reference.mtp_logits(history).numpy()).max():.3g}")
     assert error < TOLERANCE
+
+
+def test_batch_with_mtp_equals_batch_without(glm_mtp, tmp_path):
+    """Each sequence drafts with its own module cache inside the micro-batches: on 2 ranks (--split 1,4)
+    the texts equal those without drafts, with the LM head shared and with the prefix cache (one at a
+    time, so the later requests resume from the first one's caches and their module from the first new
+    position)."""
+    from test_batch import batch, read_records, write_jsonl
+
+    folder, _ = glm_mtp
+    rows = [{"id": i, "prompt": TEXT + p, "max_tokens": 12} for i, p in enumerate(
+        [" The capital of France is", " def hello(world):\n    return 42\n", " hidden states"])]
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    plain = batch(2, folder, inp, tmp_path / "plain.jsonl", "--no-chat-template", "--split", "1,4")
+    assert plain.returncode == 0, plain.stderr
+    expected = {r["id"]: r["text"] for r in read_records(tmp_path / "plain.jsonl")}
+    for extra in (("--head-share", "0.5"), ("--max-batch", "1", "--prefix-cache-gb", "0.01")):
+        out = tmp_path / f"mtp{len(extra)}.jsonl"
+        result = batch(2, folder, inp, out, "--no-chat-template", "--split", "1,4", "--draft", "mtp",
+                       "--draft-tokens", "2", *extra)
+        assert result.returncode == 0, result.stderr
+        records = {r["id"]: r for r in read_records(out)}
+        assert {i: r["text"] for i, r in records.items()} == expected, extra
+        assert re.search(r"speculative: drafted [1-9]", result.stderr), result.stderr
+        if "--prefix-cache-gb" in extra:
+            cached = [records[i]["usage"]["prompt_tokens_details"]["cached_tokens"] for i in range(3)]
+            assert cached[0] == 0 and all(c > 20 for c in cached[1:]), cached
