@@ -13,7 +13,7 @@ from conftest import load_stages, long_prompt
 from pipeline.models.cache import LinearAttentionState
 from pipeline.models.config import ModelConfig
 from pipeline.planner.config_files import load_config
-from pipeline.planner.memory import kv_layer_bytes
+from pipeline.planner.memory import POINTS_MAX, kv_layer_bytes
 from pipeline.planner.report import format_plan
 from pipeline.planner.shapes import architecture
 from pipeline.planner.speed import Hardware, plan_cluster
@@ -82,11 +82,14 @@ def _plan(name: str, gb: float = 0.0, dtype: str = "bfloat16", hosts: int = 2):
 
 
 def test_plan_counts_the_prefix_cache_and_names_a_kept_point():
-    """--prefix-cache-gb 4: each rank's memory counts 4 GB more; the 397B's line names a kept point's
-    size on the rank with the most linear layers (23 of the 45 on 2 ranks: 23 x 4.07 MiB)."""
+    """--prefix-cache-gb 4: each rank's memory counts 4 GB more, and its KV cache each live sequence's
+    resume points (up to 8, kept only with a prefix cache); the 397B's line names a kept point's size on
+    the rank with the most linear layers (23 of the 45 on 2 ranks: 23 x 4.07 MiB)."""
     without, served = _plan("Qwen3.5-397B-A17B"), _plan("Qwen3.5-397B-A17B", 4)
     for a, b in zip(without.ranks, served.ranks):
-        assert b.needed - a.needed == 4 * 10**9 and b.kv_bytes == a.kv_bytes
+        # and each of the 2 live sequences' resume points (up to 8, kept only with a prefix cache) in its KV cache
+        points = 2 * POINTS_MAX * served.arch.linear_state_bytes(a.start, a.end, 2)
+        assert b.needed - a.needed == 4 * 10**9 + points and b.kv_bytes - a.kv_bytes == points
     text = format_plan(served, "Qwen3.5-397B-A17B")
     point = 23 * (64 * 128 * 128 * 4 + 3 * (2 * 16 * 128 + 64 * 128) * 2)
     assert f"a kept point: {point / MIB:.1f} MiB per rank (linear states of 23 layers" in text

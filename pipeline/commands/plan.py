@@ -132,7 +132,8 @@ def run(args: argparse.Namespace, comm=None) -> int:
     if hosts > 1 or t is not None:
         host_terms, link_terms = TERM_SETS[args.cluster_terms]
         layouts = plan_layouts(plan.arch, precision, hardware.bandwidth_gbs, memory, host_terms, link_terms,
-                               plan.context, args.batch or 16, drafts, 0.0 if acceptance is None else acceptance)
+                               plan.context, args.batch or 16, drafts, 0.0 if acceptance is None else acceptance,
+                               hardware.prefix_cache_gb)
         measured = None
         if args.cluster_terms == "m3-ultra-rdma":  # the published runs are MLX's on M3 Ultras over RDMA
             measured = known_measurement(title, memory, args.quantize, t or hosts)

@@ -38,7 +38,7 @@ from ..checkpoints.tensor_names import layer_nbytes
 from ..checkpoints.weights_in_memory import available_memory_bytes, is_quantized
 from ..kernels import build
 from ..planner.layer_split import SplitWeights, split_layers
-from ..planner.memory import DTYPE_LABEL, RankBytes, kv_layer_bytes, rank_bytes, size
+from ..planner.memory import DTYPE_LABEL, RankBytes, kv_layer_bytes, live_points, rank_bytes, size
 from ..planner.partition import layer_ranges
 from ..planner.shapes import architecture
 from ..planner.weights_bytes import DTYPE_BYTES, ModelBytes, held_and_dense, with_mtp
@@ -201,9 +201,11 @@ def measure_model(report: RankReport, folder: Path, args: argparse.Namespace, in
     context = args.context or min(8192, config.max_position_embeddings)
     if context < 1:
         raise UserError(f"--context must be >= 1, got {context}")
-    report.kv_layer_bytes = kv_layer_bytes(architecture(config), DTYPE_BYTES[args.dtype], context)
     if not (args.prefix_cache_gb >= 0 and args.prefix_cache_gb != float("inf")):
         raise UserError(f"--prefix-cache-gb must be a finite number >= 0, got {args.prefix_cache_gb:g}")
+    # (with a prefix cache, the sequence also keeps its resume points: Qwen3.5's linear states, as plan counts them)
+    report.kv_layer_bytes = kv_layer_bytes(architecture(config), DTYPE_BYTES[args.dtype], context,
+                                           points=live_points(args.prefix_cache_gb))
     report.prefix_cache = round(args.prefix_cache_gb * 1e9)
     t = report.tensor_parallel = args.tensor_parallel
     if t > 1:  # each rank of a stage holds a share of each of its layers (rank 0 the ends too)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from ..util.errors import UserError
 from .cluster_costs import SUMS_PER_LAYER, HostTerms, LinkTerms
-from .memory import GIB, RankBytes, rank_bytes
+from .memory import GIB, RankBytes, live_points, rank_bytes
 from .partition import layer_counts, layer_ranges
 from .shapes import Architecture, Param, qwen3_5_layer_types
 from .speed import DecodeTiming
@@ -164,9 +164,11 @@ class _LayoutTiming(DecodeTiming):
 
 def plan_layout(arch: Architecture, precision: Precision, t: int, bandwidth_gbs: list[float],
                 memory_gib: list[float] | None, host: HostTerms, link: LinkTerms, context: int, batch: int = 16,
-                draft_tokens: list[int] = (), draft_acceptance: float = 0.0) -> Layout:
+                draft_tokens: list[int] = (), draft_acceptance: float = 0.0, prefix_cache_gb: float = 0.0) -> Layout:
     """One layout of len(bandwidth_gbs) hosts as stages of t consecutive ranks; KV cache counted for
-    `batch` sequences of `context` tokens."""
+    `batch` sequences of `context` tokens. prefix_cache_gb (--prefix-cache-gb, per rank, as plan's main fit
+    counts it): the budget in each rank's memory, and each live sequence's resume points in its KV cache
+    (Qwen3.5's linear states at up to memory.POINTS_MAX prompt chunks' ends, split as the states are)."""
     hosts = len(bandwidth_gbs)
     check_tensor_parallel(t, hosts)
     stages = hosts // t
@@ -175,9 +177,12 @@ def plan_layout(arch: Architecture, precision: Precision, t: int, bandwidth_gbs:
     mb = shared_model_bytes(arch, precision, t)
     counts = layer_counts(mb, stages, group_memory)
     ranges = layer_ranges(counts)
-    kv = [round(arch.kv_bytes(i, i + 1, context, precision.dtype_bytes) * batch * kv_share(arch, i, t))
+    points = live_points(prefix_cache_gb)
+    kv = [round((arch.kv_bytes(i, i + 1, context, precision.dtype_bytes)
+                 + points * arch.linear_state_bytes(i, i + 1, precision.dtype_bytes)) * batch * kv_share(arch, i, t))
           for i in range(len(arch.layers))]
-    ranks = [rank_bytes(mb.layers, mb.ends, kv, span, s, stages) for s, span in enumerate(ranges)]
+    ranks = [rank_bytes(mb.layers, mb.ends, kv, span, s, stages, prefix_cache=round(prefix_cache_gb * 1e9))
+             for s, span in enumerate(ranges)]
     timing = _LayoutTiming(arch, precision, mb, ranges, [min(bandwidth_gbs[h] for h in g) for g in groups], t,
                            host, link, context)
     sums_ms = 1e3 * sum(timing.sum_seconds(s, 1) for s in range(stages))
@@ -190,10 +195,11 @@ def plan_layout(arch: Architecture, precision: Precision, t: int, bandwidth_gbs:
 
 def plan_layouts(arch: Architecture, precision: Precision, bandwidth_gbs: list[float],
                  memory_gib: list[float] | None, host: HostTerms, link: LinkTerms, context: int, batch: int = 16,
-                 draft_tokens: list[int] = (), draft_acceptance: float = 0.0) -> list[Layout]:
+                 draft_tokens: list[int] = (), draft_acceptance: float = 0.0,
+                 prefix_cache_gb: float = 0.0) -> list[Layout]:
     """Every layout of the hosts: T from 1 (pipeline) to the host count (pure tensor), T dividing it,
     where each stage has at least one layer."""
     hosts = len(bandwidth_gbs)
     return [plan_layout(arch, precision, t, bandwidth_gbs, memory_gib, host, link, context, batch,
-                        draft_tokens, draft_acceptance)
+                        draft_tokens, draft_acceptance, prefix_cache_gb)
             for t in range(1, hosts + 1) if hosts % t == 0 and hosts // t <= len(arch.layers)]

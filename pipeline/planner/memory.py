@@ -15,6 +15,10 @@ from dataclasses import dataclass
 from .shapes import Architecture
 
 MIB, GIB = 2**20, 2**30
+# With a prefix cache, each live sequence of a linear-attention family (Qwen3.5) keeps its linear states at
+# up to this many prompt chunks' ends besides its current one (models/cache.py LinearAttentionState.points_max;
+# tests/test_plan_linear_states.py checks they agree): its resume points.
+POINTS_MAX = 8
 DTYPE_LABEL = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # --dtype as the stats line names it
 
 
@@ -57,9 +61,18 @@ def rank_bytes(layer_bytes: list[int], ends_bytes: int, kv_layer_bytes: list[int
     return RankBytes(weights, sum(kv_layer_bytes[start:end]), head, held_as, prefix_cache)
 
 
-def kv_layer_bytes(arch: Architecture, dtype_bytes: int, tokens: int, sequences: int = 1) -> list[int]:
-    """Per layer: the KV cache bytes of `sequences` sequences of `tokens` tokens."""
-    return [round(arch.kv_bytes(i, i + 1, tokens, dtype_bytes) * sequences) for i in range(len(arch.layers))]
+def kv_layer_bytes(arch: Architecture, dtype_bytes: int, tokens: int, sequences: int = 1,
+                   points: int = 0) -> list[int]:
+    """Per layer: the KV cache bytes of `sequences` sequences of `tokens` tokens, each also holding
+    `points` resume points (a whole linear-attention state each: `live_points`)."""
+    return [round((arch.kv_bytes(i, i + 1, tokens, dtype_bytes) + points * arch.linear_state_bytes(i, i + 1, dtype_bytes))
+                  * sequences) for i in range(len(arch.layers))]
+
+
+def live_points(prefix_cache_gb: float) -> int:
+    """Resume points a live sequence keeps: POINTS_MAX with a prefix cache (the runtime keeps them only
+    then: runtime/job.py load_ring_stage), else none."""
+    return POINTS_MAX if prefix_cache_gb else 0
 
 
 

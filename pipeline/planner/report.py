@@ -7,7 +7,7 @@ from __future__ import annotations
 from ..models.registry import FAMILIES
 from .cluster_costs import HostTerms, LinkTerms, Measurement
 from .layouts import Layout
-from .memory import size
+from .memory import POINTS_MAX, size
 from .speed import ClusterPlan
 
 
@@ -86,10 +86,11 @@ def format_plan(plan: ClusterPlan, title: str) -> str:
 
 
 def _prefix_cache_line(plan: ClusterPlan) -> str:
-    """Serve's prefix cache (--prefix-cache-gb), counted at its whole budget on each rank, and for
-    linear-attention families what one resume point of a sequence holds on the rank holding the most
-    (runtime/job.py budgets each point as that many positions; models/cache.py keeps at most
-    LinearAttentionState.points_max per sequence). Empty for other families without the flag."""
+    """Serve's prefix cache (--prefix-cache-gb), counted at its whole budget on each rank (the runtime's
+    cache counts each kept sequence at the bytes its caches hold: runtime/prefix_cache.py EntryBytes), and
+    for linear-attention families what one resume point of a sequence holds on the rank holding the most
+    (models/cache.py keeps at most LinearAttentionState.points_max per sequence, memory.POINTS_MAX, counted
+    in each live sequence's KV cache with the flag). Empty for other families without the flag."""
     gb, arch = plan.hardware.prefix_cache_gb, plan.arch
     point, layers = max(((arch.linear_state_bytes(r.start, r.end, plan.precision.dtype_bytes),
                           sum(c.kind == "linear_attention" for c in (arch.kv_layers or [])[r.start:r.end]))
@@ -100,7 +101,8 @@ def _prefix_cache_line(plan: ClusterPlan) -> str:
             if gb else "prefix cache: none counted (serve's --prefix-cache-gb defaults to 4: give it to plan)")
     if point:
         text += (f"; a kept point: {size(point)} per rank (linear states of {layers} layers, recurrent memory in "
-                 f"float32), up to 8 per sequence while its prompt runs")
+                 f"float32), up to {POINTS_MAX} per sequence while its prompt runs"
+                 + (", counted in its KV cache" if gb else ""))
     return text
 
 
@@ -110,11 +112,14 @@ def format_layouts(layouts: list[Layout], host: HostTerms, link: LinkTerms, cont
     layout's lines; a published figure of the same run beside its prediction."""
     rows = [lay for lay in layouts if chosen is None or lay.tensor_parallel == chosen]
     batch = rows[0].batch
+    overhead = f" + {host.sum_overhead_us:g} us of the host's own" if host.sum_overhead_us else ""
     lines = ["", f"layouts, predicted with fitted terms (pipeline/planner/cluster_costs.py): {host.name} reads "
                  f"{100 * host.bandwidth_fraction:.1f}% of --bandwidth-gbs; a group sum of T ranks costs "
                  f"{link.latency_us:g} us + (T-1) x hidden x 4 B at {link.gbs:g} GB/s x {host.link_fraction:.3g} "
-                 f"({link.name}), 2 per layer; a stage's memory is its group's smallest host x T; KV cache for "
-                 f"{batch} sequences of {context} tokens"]
+                 f"({link.name}){overhead}, 2 per layer; a stage's memory is its group's smallest host x T; KV cache for "
+                 f"{batch} sequences of {context} tokens"
+                 + (f" (with their resume points) + prefix cache {size(kept)} per rank (--prefix-cache-gb)"
+                    if (kept := rows[0].ranks[0].prefix_cache) else "")]
     lines.append(f"  {'stages x T':<20}  {'layers per stage':<18}  {'per rank (largest)':>18}  {'fits':>4}  "
                  f"{'1 stream':>12}  {'sums/token':>10}  {f'{batch} streams':>12}")
     for lay in rows:

@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 from ..models.config import ModelConfig
 from ..util.errors import UserError
-from .memory import GIB, RankBytes, kv_layer_bytes, rank_bytes
+from .memory import GIB, RankBytes, kv_layer_bytes, live_points, rank_bytes
 from .partition import layer_counts, layer_ranges
 from .shapes import Architecture, Counts, architecture, count_params
 from .weights_bytes import ModelBytes, Precision, model_bytes
@@ -146,7 +146,7 @@ def plan_cluster(config: ModelConfig, hosts: int, precision: Precision, hardware
 
 
 def _rank_plans(arch, mb, precision, hardware, counts, context, batch) -> list[RankPlan]:
-    kv = kv_layer_bytes(arch, precision.dtype_bytes, context, batch)
+    kv = kv_layer_bytes(arch, precision.dtype_bytes, context, batch, live_points(hardware.prefix_cache_gb))
     ranges = layer_ranges(counts)
     return [RankPlan(r, start, end, rank_bytes(mb.layers, mb.ends, kv, (start, end), r, len(ranges),
                                                prefix_cache=round(hardware.prefix_cache_gb * 1e9)),
