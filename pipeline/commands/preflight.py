@@ -76,6 +76,7 @@ class RankReport:
     tensor_parallel: int = 1  # --tensor-parallel T: this rank's stage is a group of T
     layer_fraction: float = 1.0  # under it, the fraction of each layer's weights this rank holds
     kv_fraction: float = 1.0  # and of each layer's KV cache
+    layer_fractions: list[float] = field(default_factory=list)  # per layer where they differ (MLA: dense/MoE layers)
     prefix_cache: int = 0  # --prefix-cache-gb in bytes: the most this rank's prefix cache may hold
     # --tensor-parallel, stage 0's group: the LM head's rows (vocabulary entries) this rank computes
     # (models/vocab_split.py), of vocab_size; head_trimmed (packed, dense): whether rank 0 then holds only
@@ -210,10 +211,13 @@ def measure_model(report: RankReport, folder: Path, args: argparse.Namespace, in
     t = report.tensor_parallel = args.tensor_parallel
     if t > 1:  # each rank of a stage holds a share of each of its layers (rank 0 the ends too)
         from ..models.registry import family_for  # as the MTP import above: where used
-        from ..models.tensor_parallel import Shard, check_family, share_fractions  # loads MLX, as in collect
+        from ..models.tensor_parallel import MLA_TOOLS, Shard, check_family, share_fractions  # loads MLX, as in collect
+        from ..models import tensor_parallel_mla as mla  # as the line above
 
         check_family(config, family_for(config).module_name, t)
         report.layer_fraction, report.kv_fraction = share_fractions(config, Shard(report.rank % t, t))
+        if mla.is_mla_family(config):  # MLA's layers: the replicated latents weigh differently in dense and MoE ones
+            report.layer_fractions = mla.layer_fractions(config, Shard(report.rank % t, t), MLA_TOOLS)
 
 
 def evaluate(reports: list[RankReport], split: str | None, weights_in_memory: str = "quantized") -> tuple[str, list[str]]:
@@ -324,7 +328,10 @@ def plan_slices(reports: list[RankReport], ref: RankReport, split: str | None, w
                           prefix_cache=ref.prefix_cache)
         if t > 1:  # a share of each layer, the ends on rank 0 only
             ends = mb.ends if rank == 0 else 0
-            held = replace(held, weights=round((held.weights - (mb.ends if stage == 0 else 0)) * r.layer_fraction) + ends,
+            layers = held.weights - (mb.ends if stage == 0 else 0)
+            share = (round(sum(mb.layers[i] * r.layer_fractions[i] for i in range(start, end))) if r.layer_fractions
+                     else round(layers * r.layer_fraction))
+            held = replace(held, weights=share + ends,
                            kv_cache=round(held.kv_cache * r.kv_fraction))
         if t > 1 and r.vocab_rows:  # stage 0's group: the LM head split by vocabulary (models/vocab_split.py)
             per_row = mb.head // r.vocab_size

@@ -212,32 +212,51 @@ def shard_modules(model: nn.Module, config: ModelConfig, shard, tools: Tools) ->
 
 # ------------------------------------------------------------------------------------------ weights
 
-def cut(module: str, part: str, array: mx.array, config: ModelConfig, shard,
-        tools: Tools) -> list[tuple[str, mx.array]]:
-    """(module, array) pairs the member holds of one loaded array of `module` (a parameter `part`);
-    none: a bias held by member 0 only."""
-    cut_columns, cut_rows, mlp_share = tools.cut_columns, tools.cut_rows, tools.mlp_share
+def share_of(module: str, part: str, config: ModelConfig, shard, tools: Tools) -> tuple[int, int, int] | None:
+    """(axis, begin, end) of the member's share of one array of `module` (a parameter `part`: -2 its
+    output rows, -1 its input columns, each as a matrix [out, in] counts them, or of each expert's), or
+    None: held whole. A reader that narrows what it reads to the share (checkpoints/share_reads.py) must
+    take it from here for these families: their heads are not config.head_dim wide."""
     d = _dims(config)
     h0, h1 = heads_of(config, shard, tools)
     if module in ("self_attn.q_b_proj", "self_attn.q_proj"):
         per = d["nope"] + d["rope"]
-        return [(module, cut_rows(array, part, (h0 * per, h1 * per)))]
+        return -2, h0 * per, h1 * per
     if module == "self_attn.kv_b_proj":
         per = d["nope"] + d["v"]
-        return [(module, cut_rows(array, part, (h0 * per, h1 * per)))]
+        return -2, h0 * per, h1 * per
     if module == "self_attn.o_proj":
-        if part == "bias":
-            return [(module, array)] if shard.member == 0 else []
-        columns = (h0 * d["v"], h1 * d["v"])
-        return [(module, cut_columns(module, array, part, columns, config.num_attention_heads * d["v"]))]
+        return None if part == "bias" else (-1, h0 * d["v"], h1 * d["v"])
     features = {"mlp.": config.intermediate_size, "mlp.switch_mlp.": d["moe"],
                 "mlp.shared_experts.": d["moe"] * d["shared"]}
     for prefix, count in features.items():
         if module in (prefix + "gate_proj", prefix + "up_proj"):
-            return [(module, cut_rows(array, part, mlp_share(count, shard)))]
+            return -2, *tools.mlp_share(count, shard)
         if module == prefix + "down_proj":
-            return [(module, cut_columns(module, array, part, mlp_share(count, shard), count))]
-    return [(module, array)]  # held whole: latent projections, norms, the router, the indexer
+            return -1, *tools.mlp_share(count, shard)
+    return None  # held whole: latent projections, norms, the router, the indexer
+
+
+def _in_features(module: str, config: ModelConfig) -> int:
+    """The input features of a matrix cut by its columns."""
+    d = _dims(config)
+    return {"self_attn.o_proj": config.num_attention_heads * d["v"], "mlp.down_proj": config.intermediate_size,
+            "mlp.switch_mlp.down_proj": d["moe"], "mlp.shared_experts.down_proj": d["moe"] * d["shared"]}[module]
+
+
+def cut(module: str, part: str, array: mx.array, config: ModelConfig, shard,
+        tools: Tools) -> list[tuple[str, mx.array]]:
+    """(module, array) pairs the member holds of one loaded array of `module` (a parameter `part`);
+    none: a bias held by member 0 only (o_proj's)."""
+    if module == "self_attn.o_proj" and part == "bias":
+        return [(module, array)] if shard.member == 0 else []
+    share = share_of(module, part, config, shard, tools)
+    if share is None:
+        return [(module, array)]
+    axis, begin, end = share
+    if axis == -2:
+        return [(module, tools.cut_rows(array, part, (begin, end)))]
+    return [(module, tools.cut_columns(module, array, part, (begin, end), _in_features(module, config)))]
 
 
 # ------------------------------------------------------------------------------------------ accounting
