@@ -277,6 +277,14 @@ def test_the_module_loads_from_a_glm_dsa_gguf(glm_mtp, tmp_path, monkeypatch):
     print(f"GLM MTP from a glm-dsa GGUF: max logit error {error:.3g} (F32), Q8_0 vs its blocks' values {blocks:.3g}")
     assert error < TOLERANCE and blocks <= writer.Q8_0_TOLERANCE
 
+    # the command line on the file: drafts on 2 ranks give the text of none
+    args = ("generate", "--model", str(tmp_path / "glm-mtp.gguf"), "--no-chat-template", "--prompt", TEXT,
+            "--max-tokens", "12")
+    plain = mpiexec(1, *args, "--draft", "none")
+    drafted = mpiexec(2, *args, "--split", "1,4", "--draft", "mtp", "--draft-tokens", "2")
+    assert plain.returncode == 0 and drafted.returncode == 0, plain.stderr + drafted.stderr
+    assert drafted.stdout == plain.stdout and re.search(r"speculative: drafted [1-9]", drafted.stderr)
+
 
 def test_the_module_loads_from_an_fp8_folder(glm_mtp, tmp_path):
     """GLM-5-FP8's layout (e4m3 with a float32 scale per 128x128 block; routers, the indexer's
