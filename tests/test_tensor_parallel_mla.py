@@ -207,3 +207,27 @@ def test_shares():
     check_family(SimpleNamespace(model_type="deepseek_v32"), "deepseek_v32", 2)
     with pytest.raises(UserError, match="not supported for deepseek_v4"):
         check_family(SimpleNamespace(model_type="deepseek_v4"), "deepseek_v4", 2)
+
+
+@pytest.mark.parametrize("layout", ["split", "legacy"])
+def test_gguf_deepseek2_with_two_ranks(layout, tmp_path):
+    """A DeepSeek GGUF (llama.cpp's deepseek2: kv_b split into attn_k_b / attn_v_b, or the older attn_kv_b
+    without a query latent), Q8_0 (o_proj's columns cut on its blocks of 32: v_head_dim 32), 5 heads: T = 2
+    against transformers on the file's values."""
+    import test_gguf_inplace as g  # its GGUF writer (llama.cpp's layout) and reference
+    from gguf import GGMLQuantizationType as QT
+
+    (tmp_path / "vocab").mkdir()
+    write_tokenizer(tmp_path / "vocab")
+    types = {"exps": QT.Q8_0, "attn": QT.Q8_0, "ffn_": QT.Q8_0, "token_embd": QT.Q8_0, "output.": QT.Q8_0}
+    overrides = {"q_lora_rank": None} if layout == "legacy" else {}
+    model = g._deepseek(tmp_path / "hf", num_attention_heads=5, num_key_value_heads=5, **overrides)
+    written = g.write_model(tmp_path / "m.gguf", model, "deepseek2", g._by_kind(types), mla=layout,
+                            vocab=g.gguf_vocab(tmp_path / "vocab"))
+    expected = np.asarray(g.reference(model, written["state"]))
+    whole, incremental = worker_logits(written["files"][0], 2, tmp_path)
+    errors = np.abs(whole - expected).max(), np.abs(incremental - expected).max()
+    print(layout, errors)
+    # measured 6.50e-5 (split; T = 1 6.59e-5), 8.51e-5 (legacy, no query latent); tests/test_gguf_inplace.py's
+    # T = 1 bounds for these layouts: 7e-5 and 1.1e-4
+    assert max(errors) <= {"split": 7e-5, "legacy": 9e-5}[layout], errors
