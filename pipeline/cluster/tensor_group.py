@@ -9,10 +9,15 @@ gathered to every rank (a non-blocking Iallgather polled under the --watchdog, a
 then every rank adds them in rank order in float32 with numpy, so that all members hold the same bits
 and a given T gives the same bits whatever the batch or the number of stages. A library all-reduce
 promises neither (MLX 0.32's ring all_sum rounds differently with the message's length).
+
+`sum_channel` gives the in-graph sum (kernels/group_sum.py, which the runtime prefers) what it needs of
+MPI: a communicator of the sums' own (a duplicate of the group's, so that no sum ever matches a
+leader's command), its C handles, the library mpi4py loaded, and the watchdog's messages per member.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -40,6 +45,47 @@ def split(comm, size: int) -> Communicators:
     group = comm.Split(stage, member)
     leaders = comm.Split(0 if member == 0 else MPI.UNDEFINED, rank)
     return Communicators(size, stage, member, group, None if leaders == MPI.COMM_NULL else leaders)
+
+
+def sum_channel(link: MpiTransport) -> tuple[object, dict | str]:
+    """Collective over the group: (a duplicate of its communicator, kept open by the caller, and what
+    kernels/group_sum.py open_sum takes to sum over it, or why it cannot: a phrase)."""
+    from mpi4py import MPI  # as in split
+
+    comm = link.comm.Dup()
+    if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
+        return comm, "MPI was not initialized with MPI_THREAD_MULTIPLE"
+    sizes = {MPI._sizeof(kind) for kind in (MPI.Comm, MPI.Datatype, MPI.Request)}
+    if sizes not in ({4}, {8}):
+        return comm, f"MPI handles of {sorted(sizes)} bytes"
+    library = mpi_library()
+    if not library:
+        return comm, "the MPI library mpi4py loaded was not found in /proc/self/maps"
+    members = range(link.size)
+    return comm, dict(
+        library=library, pointer_handles=sizes == {8}, comm=MPI._handleof(comm), byte_type=MPI._handleof(MPI.BYTE),
+        member=link.rank, size=link.size, watchdog_s=link.watchdog_s,
+        spin_s=GroupSum.SPIN_S if link.spin_s == link.OWN_CORE_SPIN_S else 0.0, yield_s=link.spin_s,
+        silent_recv=[link.silence(m, sending=False) if m != link.rank else "" for m in members],
+        silent_send=[link.silence(m, sending=True) if m != link.rank else "" for m in members],
+        pids=[link.local_pids.get(m, 0) for m in members],
+        gone=[link.gone(m) if m in link.local_pids else "" for m in members])
+
+
+def mpi_library() -> str:
+    """The path of the MPI library this process has loaded (libmpi.so.12: MPICH; libmpi.so.40: Open MPI;
+    libmpi_abi.so: the MPI 5 ABI), or "" (no /proc, or none mapped)."""
+    try:
+        with open("/proc/self/maps") as f:
+            fields = [line.split(None, 5) for line in f]
+    except OSError:
+        return ""
+    paths = dict.fromkeys(parts[5].strip() for parts in fields if len(parts) == 6 and parts[5].startswith("/"))
+    for path in paths:
+        name = os.path.basename(path)
+        if name.startswith(("libmpi.so", "libmpi_abi.so")):
+            return path
+    return ""
 
 
 class GroupSum:

@@ -33,6 +33,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..cluster.tensor_group import GroupSum, split
+from .group_sums import make_group_sum
 from ..cluster.transport import MpiTransport, this_process
 from ..models.stage_slice import head_columns
 from ..models.tensor_parallel import Shard
@@ -100,7 +101,7 @@ def form_group(comm, t: int, transport: str = "mpi", watchdog: float = 0.0) -> G
     group_processes = [processes[r] for r in members]
     link = MpiTransport(comms.group, watchdog, labels, own_core, group_processes)
     waiting = MpiTransport(comms.group, 0.0, labels, own_core, group_processes)
-    return Group(t, comms.stage, comms.member, comms.leaders, link, waiting, GroupSum(link))
+    return Group(t, comms.stage, comms.member, comms.leaders, link, waiting, make_group_sum(link))
 
 
 @dataclass
