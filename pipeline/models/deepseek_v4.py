@@ -316,6 +316,10 @@ class CompressedCache:
                [(b, s.raw, *shape) for b, s, shape in zip(befores, self.series(), shapes)])
         for s in self.series():
             s.raw = None
+        for b in befores:  # (copies) Series.at reads a log's series before the call for its count and overlap
+            b.entries = b.pending_kv = b.pending_gate = None  # halves only: its entries are the live ones' first,
+            # its pending tokens' projections the start of `raw`; kept, an older entries array per call stayed
+            # held (16 a CSA layer over 64 decoded tokens at rate 4: most of a long sequence's bytes)
         self.logs.append(log)
         if self.stride:
             first = -(-(start + 1) // self.stride) * self.stride
