@@ -231,3 +231,21 @@ def test_gguf_deepseek2_with_two_ranks(layout, tmp_path):
     # measured 6.50e-5 (split; T = 1 6.59e-5), 8.51e-5 (legacy, no query latent); tests/test_gguf_inplace.py's
     # T = 1 bounds for these layouts: 7e-5 and 1.1e-4
     assert max(errors) <= {"split": 7e-5, "legacy": 9e-5}[layout], errors
+
+
+def test_mtp_drafts_with_two_ranks(tmp_path):
+    """--draft mtp under --tensor-parallel 2: rank 0 holds DeepSeek's MTP module whole and drafts; the
+    verified text equals the text without drafts (4 heads: 2 + 2)."""
+    from test_moe import make_deepseek  # the MTP test's model and its module
+    from test_mtp import add_mtp_layer
+
+    main = make_deepseek(tmp_path / "model", num_nextn_predict_layers=1)
+    add_mtp_layer(tmp_path / "model", main, tmp_path / "donor")
+    args = ("generate", "--model", str(tmp_path / "model"), "--no-chat-template", "--prompt", "hello", "--max-tokens",
+            "24", "--tensor-parallel", "2")
+    plain = mpiexec(2, *args, "--draft", "none")
+    drafted = mpiexec(2, *args, "--draft", "mtp", "--draft-tokens", "2")
+    assert plain.returncode == 0 and drafted.returncode == 0, plain.stderr + drafted.stderr
+    assert drafted.stdout == plain.stdout and plain.stdout.strip()
+    stats = re.search(r"speculative: drafted (\d+), accepted (\d+)", drafted.stderr)
+    assert stats and int(stats.group(1)) > 0, drafted.stderr
