@@ -40,6 +40,7 @@ def format_plan(plan: ClusterPlan, title: str) -> str:
                      f"token ({p.dtype}); context {plan.context} x batch {plan.batch}")
     else:  # layers differ: per token, plus what a sequence holds whatever its length (windows, linear states)
         fixed = arch.kv_bytes(0, len(arch.layers), 0, p.dtype_bytes)
+        kv_token = arch.kv_bytes(0, len(arch.layers), 1, p.dtype_bytes) - fixed  # (V4: its kept points too)
         lines.append(f"KV cache: {arch.kv_note} = {arch.kv_values:.1f} values/token/layer on average, "
                      f"{kv_token / 1024:.2f} KiB per token" + (f" + {fixed / 2**20:.1f} MiB per sequence" if fixed else "")
                      + f" ({p.dtype}); context {plan.context} x batch {plan.batch}")

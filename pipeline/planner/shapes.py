@@ -80,6 +80,10 @@ class LayerCache(NamedTuple):
     # linear_attention or full_attention; GLM's indexed_attention (its own indexer) or shared_indexed_attention
     float32: int = 0  # of per_sequence, the values held in float32 whatever --dtype (a linear layer's recurrent
     # memory: gated_deltanet.GatedDeltaNet.sequence keeps it so)
+    # Held but not read by a decode step (memory, not the roofline's reads): DeepSeek V4's state every
+    # `reuse_stride` positions (per token) and its logs of the last calls (per sequence, at most: `_v4_kept`)
+    kept_per_token: float = 0.0
+    kept_per_sequence: int = 0
 
 
 @dataclass
@@ -104,15 +108,16 @@ class Architecture:
         """Values one sequence of `context` tokens caches in layers [start, end)."""
         if self.kv_layers is None:
             return self.kv_values * context * (end - start)
-        return sum(cache.per_token * context + cache.per_sequence for cache in self.kv_layers[start:end])
+        return sum((cache.per_token + cache.kept_per_token) * context + cache.per_sequence + cache.kept_per_sequence
+                   for cache in self.kv_layers[start:end])
 
     def kv_bytes(self, start: int, end: int, context: int, dtype_bytes: int) -> float:
         """Bytes one sequence of `context` tokens caches in layers [start, end): values in --dtype
         (`dtype_bytes`), but those a layer holds in float32 at 4 bytes."""
         if self.kv_layers is None:
             return self.kv_cached(start, end, context) * dtype_bytes
-        return sum((cache.per_token * context + cache.per_sequence - cache.float32) * dtype_bytes + 4 * cache.float32
-                   for cache in self.kv_layers[start:end])
+        return sum(((cache.per_token + cache.kept_per_token) * context + cache.per_sequence + cache.kept_per_sequence
+                    - cache.float32) * dtype_bytes + 4 * cache.float32 for cache in self.kv_layers[start:end])
 
     def linear_state_bytes(self, start: int, end: int, dtype_bytes: int) -> int:
         """Bytes of one sequence's linear-attention states in layers [start, end) (Qwen3.5): what a
@@ -275,6 +280,41 @@ def _deepseek_layer(c: ModelConfig, i: int, indexer: bool | None = None, moe: bo
     return params
 
 
+V4_LOG_LIMIT = 64  # models/deepseek_v4.py LOG_LIMIT (that module loads MLX; tests/test_plan_v4_held.py checks both)
+
+
+def v4_reuse_stride(config: ModelConfig) -> int:
+    """models/deepseek_v4.py reuse_stride, without MLX: positions between a V4 cache's kept points."""
+    kinds = set(layer_types(config)) - {"sliding_attention"}
+    lcm = math.lcm(*(compress_rate(config, k) for k in kinds)) if kinds else 1
+    return lcm * max(1, -(-4 * deepseek_v4_config(config).sliding_window // lcm))
+
+
+def _v4_kept(config: ModelConfig, kind: str) -> tuple[float, int]:
+    """What one V4 layer's cache (models/deepseek_v4.py CompressedCache) holds for a sequence besides what a
+    decode step reads, in values: (per position, its kept points: the window of keys and a CSA layer's overlap
+    halves every `v4_reuse_stride` positions; per sequence, the logs of the last calls spanning at most
+    V4_LOG_LIMIT positions, at their largest, single-token calls: each its window and key, each series' raw
+    projections (kv and gate of its pending tokens and the new one) and overlap halves before it)."""
+    v4, hd = deepseek_v4_config(config), config.head_dim
+    window, calls = v4.sliding_window, V4_LOG_LIMIT
+    series = []  # (rate, dim, width) per compressed series of the layer
+    if kind != "sliding_attention":
+        rate = compress_rate(config, kind)
+        overlap = kind == "compressed_sparse_attention"
+        series.append((rate, hd, 2 * hd if overlap else hd))
+        if overlap:
+            series.append((rate, v4.index_head_dim, 2 * v4.index_head_dim))
+    overlaps = [(rate, dim) for rate, dim, width in series if width == 2 * dim]
+    point = (window - 1) * hd + sum(2 * rate * dim for rate, dim in overlaps)
+    logs = calls * window * hd
+    for rate, dim, width in series:
+        rows = max(sum((start + i) % rate + 1 for i in range(calls)) for start in range(rate))
+        logs += 2 * width * rows
+    logs += sum((calls // rate + 1) * 2 * rate * dim for rate, dim in overlaps)
+    return point / v4_reuse_stride(config), logs
+
+
 def _deepseek_v4_architecture(config: ModelConfig) -> Architecture:
     """DeepSeek V4 (see models/deepseek_v4.py), under transformers' names: hyper-connections
     around each sub-block, shared-KV attention with its compressor (and CSA's indexer), grouped
@@ -295,7 +335,7 @@ def _deepseek_v4_architecture(config: ModelConfig) -> Architecture:
                 di = v4.index_head_dim
                 per_token += di / rate
                 fixed += 2 * (rate - 1) * 2 * di + 2 * rate * (hd + di)  # + the overlapping halves
-        kv_layers.append(LayerCache(per_token, fixed, kinds[i]))
+        kv_layers.append(LayerCache(per_token, fixed, kinds[i], 0, *_v4_kept(config, kinds[i])))
     unused: list[Param] = []
     for k in range(v4.num_nextn_predict_layers):
         p = f"mtp.{k}"
@@ -309,7 +349,8 @@ def _deepseek_v4_architecture(config: ModelConfig) -> Architecture:
     mean = sum(cache.per_token for cache in kv_layers) / len(kv_layers)
     note = (f"compressed per layer type ({hd}-value entries per {compress_rate(config, 'compressed_sparse_attention')} "
             f"tokens + indexer keys / per {compress_rate(config, 'heavily_compressed_attention')} tokens) plus a "
-            f"{window}-token window per layer and sequence")
+            f"{window}-token window per layer and sequence; held besides (not read): a window of keys every "
+            f"{v4_reuse_stride(config)} positions and the logs of the last {V4_LOG_LIMIT} positions' calls")
     return Architecture(config, layers, ends, unused, v4.num_experts_per_tok, mean, note,
                         kv_layers, n * d)
 
