@@ -1,8 +1,9 @@
 """Tensor parallelism inside a stage (--tensor-parallel T): what one rank of a stage's group of T
 holds of each layer, and the hook through which a layer asks for the group's sum.
 
-Llama family (llama, mistral, qwen2, qwen3) and Qwen3-MoE; other families refuse T > 1 by name
-(`check_family`).
+Llama family (llama, mistral, qwen2, qwen3) and Qwen3-MoE here; DeepSeek V3/V3.2 and Kimi K2 (MLA,
+DeepSeekMoE) in tensor_parallel_mla.py, which the functions below hand those families to; other
+families refuse T > 1 by name (`check_family`).
 
 Per layer, member m of a group of T holds:
 - attention: query heads [q0, q1), split as evenly as the count allows (9 heads over 2: 5 and 4), and
