@@ -20,7 +20,8 @@ logits with a HEAD command (`SplitHead`): every logit where the caller reads the
 where greedy tokens and their logprobs are all it needs.
 
 Not yet: --transport mlx (MLX 0.32 cannot split its group), the prompt cache on disk, and families other
-than Llama's and Qwen3-MoE (models/tensor_parallel.py check_family).
+than Llama's, Qwen3-MoE and the MLA families (DeepSeek V3/V3.2, Kimi K2; models/tensor_parallel.py
+check_family).
 """
 
 from __future__ import annotations
