@@ -69,7 +69,7 @@ def v4(tmp_path_factory):
     (stage,) = load_stages(folder, [(0, 5)])
     tokenizer = Tokenizer.from_folder(folder)
     tokenizer.eos_token_ids = set()
-    return stage, tokenizer, architecture(ModelConfig.from_folder(folder))
+    return stage, tokenizer, architecture(ModelConfig.from_folder(folder)), folder
 
 
 def test_v4_entries_are_counted_at_every_array_they_hold_and_evicted_within_the_budget(v4):
@@ -77,7 +77,7 @@ def test_v4_entries_are_counted_at_every_array_they_hold_and_evicted_within_the_
     fourth extending the first's prompt (a hit: a forked entry): with room for all, each entry's counted bytes are
     the walk's; with room for about two and a half, the total counted equals the walk's sum over the kept
     entries, stays within the budget, and the evicted ones' caches are gone."""
-    stage, tokenizer, arch = v4
+    stage, tokenizer, arch, _ = v4
     stride = V.reuse_stride(stage.model.config)
     prompts = [long_prompt(n, seed=20 + i) for i, n in enumerate((100, 140, 70, 0, 120, 90))]
     prompts[3] = prompts[0] + long_prompt(30, seed=30)
@@ -167,3 +167,36 @@ def test_other_ranks_are_counted_by_kind_as_rank_0_measured_them():
         estimate = {0: 100, 1: 300, 2: 100, 3: c, 4: c}
         measure = EntryBytes(kinds, ranges, lambda layer, positions: estimate[layer])
         assert measure([Held(150), Held(450)], 10) == expected
+
+
+
+def test_v4_batch_on_two_ranks_keeps_and_reuses_within_its_bytes(v4, tmp_path):
+    """`batch --prefix-cache-gb` on 2 ranks (--split 2,3: rank 1 holds the heavily compressed layers rank 0
+    has none of, counted at the planner's estimate scaled by rank 0's measure): prompts sharing a long start
+    reuse the first one's caches, texts as without the cache; a budget too small for one entry keeps none."""
+    import json
+
+    from conftest import mpiexec
+    from test_deepseek_v4 import TEXT
+
+    stage, tokenizer, _, folder = v4
+    shared = TEXT * 3
+    rows = [{"id": f"r{i}", "prompt": shared + tail, "max_tokens": 6}
+            for i, tail in enumerate((" The end.", " A second ending here", " And a third one"))]
+    assert len(tokenizer.encode(shared, add_special_tokens=False)) > 64
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    texts, cached = {}, {}
+    for gb in ("0", "0.01", "0.00001"):
+        out = tmp_path / f"out{gb}.jsonl"
+        result = mpiexec(2, "batch", "--model", str(folder), "--input", str(inp), "--output", str(out),
+                         "--no-chat-template", "--split", "2,3", "--max-batch", "1", "--prefix-cache-gb", gb,
+                         env={"OPENBLAS_NUM_THREADS": "1"}, timeout=240)
+        assert result.returncode == 0, result.stderr[-3000:]
+        records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+        texts[gb] = {i: r["text"] for i, r in records.items()}
+        cached[gb] = [records[f"r{i}"]["usage"]["prompt_tokens_details"]["cached_tokens"] for i in range(3)]
+    print(cached)
+    assert texts["0.01"] == texts["0"] == texts["0.00001"]
+    assert cached["0"] == cached["0.00001"] == [0, 0, 0]
+    assert cached["0.01"][0] == 0 and all(c >= 32 for c in cached["0.01"][1:])  # at least the kept point at 32
