@@ -29,6 +29,7 @@ from pipeline.checkpoints import quants
 from pipeline.util.errors import UserError
 from pipeline.checkpoints.gguf_checkpoint import GGUFCheckpoint
 from pipeline.checkpoints.gguf_file import open_gguf
+from pipeline.kernels import gguf_rows
 from pipeline.runtime.stage import Stage
 
 LONG_PROMPT = long_prompt(64)
@@ -713,10 +714,16 @@ def test_smollm_gguf_loads_the_same_tensors_as_its_conversion(tmp_path):
     path = _smollm_gguf()
     folder = convert_gguf(path, tmp_path / "converted", progress=False)
     converted, direct = Checkpoint(folder), GGUFCheckpoint(path)
-    assert set(converted.tensors) == set(direct.tensors)
-    for name in sorted(converted.tensors):
+    # but for the tied Q8_0 embedding, which the file holds as its own bytes (quants.TIED_BLOCKS), the folder in MLX's layout
+    embedding = {f"model.embed_tokens.{part}" for part in ("weight", "scales", "biases", "ggml_type")}
+    assert set(converted.tensors) - embedding == set(direct.tensors) - embedding
+    assert {n for n in direct.tensors if n in embedding} == {"model.embed_tokens.weight", "model.embed_tokens.ggml_type"}
+    for name in sorted(set(converted.tensors) - embedding):
         a, b = converted.read(name), direct.read(name)
         assert a.shape == b.shape and mx.array_equal(a.astype(mx.float32), b.astype(mx.float32)).item(), name
+    w, s, b = (converted.read(f"model.embed_tokens.{p}") for p in ("weight", "scales", "biases"))
+    held = mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32), 32, 8)
+    assert mx.array_equal(held, gguf_rows.q8_0(direct.read("model.embed_tokens.weight"))).item()
 
 
 def test_smollm_gguf_generates_as_the_default_model():
@@ -776,7 +783,8 @@ def test_plan_and_preflight_read_only_the_header(tmp_path):
     path = _smollm_gguf()
     result = mpiexec(1, "plan", "--model", str(path), "--hosts", "2", timeout=120)
     assert result.returncode == 0, result.stderr
-    assert "GGUF (Q4_1" in result.stdout and "Q4_1, Q8_0 exactly as MLX affine" in result.stdout
+    assert "GGUF (Q4_1" in result.stdout and "Q4_1 exactly as MLX affine" in result.stdout
+    assert "Q8_0 in their own blocks" in result.stdout  # the tied embedding (quants.TIED_BLOCKS)
     result = mpiexec(2, "preflight", "--model", str(path), timeout=120)
     assert result.returncode == 0 and "all 2 ranks ready" in result.stderr, result.stderr
 

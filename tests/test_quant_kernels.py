@@ -267,6 +267,15 @@ for qtype, type_id, block, header in (("IQ4_NL", 20, 32, 2), ("IQ4_XS", 23, 256,
         for int8 in (False, True):
             out[f"{'int8 ' if int8 else ''}gguf {qtype} {rows}"] = np.array(module.gguf_matmul(x, codes, block_scales,
                                                                                                 type_id, int8))
+# a tied 8-bit embedding's head read in place (int8_kernels.cpp): GGUF's Q8_0 blocks, MLX's 8-bit layout
+raw8 = rng.integers(0, 256, (40, 640 // 32, 34), dtype=np.uint8)
+raw8[..., :2] = rng.uniform(1e-3, 1e-2, raw8.shape[:2]).astype(np.float16).view(np.uint8).reshape(*raw8.shape[:2], 2)
+w8 = mx.array(rng.integers(0, 256, (48, 640), dtype=np.uint8).view(np.uint32))
+s8, b8 = (mx.array(rng.uniform(lo, hi, (48, 10)).astype(np.float32)).astype(mx.bfloat16) for lo, hi in ((1e-3, 1e-2), (-1, 1)))
+for rows in (1, 2, 3, 5, 9, 70):
+    x = mx.array(rng.standard_normal((rows, 640)).astype(np.float32))
+    out[f"int8 q8_0 blocks {rows}"] = np.array(module.gguf_q8_0_matmul(x, mx.array(raw8.reshape(40, -1)), 8, True))
+    out[f"int8 rows 8-bit {rows}"] = np.array(module.int8_rows_matmul(x, w8, s8, b8, 64))
 fp8 = mx.array(rng.integers(0, 126, size=(256, 384), dtype=np.uint8))
 scales = mx.array(rng.uniform(0.01, 1, (2, 3)).astype(np.float32))
 for bits in (3, 4, 8):

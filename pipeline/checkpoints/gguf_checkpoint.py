@@ -209,6 +209,10 @@ class GGUFCheckpoint(Checkpoint):
                   and (name.startswith("model.layers.") or ends) and len(tensor.shape) == (3 if stack else 2)
                   and (t in quants.NATIVE_ROWS or t in quants.BLOCKS or not (stack or ends)))
         lay = quants.layout(t, tensor.cols, self.requantize_bits, self.group_size, native)
+        if (self.native and not float_only and not self.requantize_bits and t in quants.TIED_BLOCKS
+                and name == "model.embed_tokens.weight" and len(tensor.shape) == 2 and tensor.cols % 32 == 0
+                and "output.weight" not in self.gguf.tensors):  # a tied Q8_0 embedding: held once, as the file's bytes
+            lay = quants.Layout("native", 8, 32, "blocks")
         if lay.kind == "float" or float_only or len(tensor.shape) < 2 or not name.endswith(".weight"):
             if lay.kind == "float":
                 dtype = {"F64": "F32"}.get(t, t if t in quants.FLOATS else "F32")
@@ -368,7 +372,7 @@ class GGUFCheckpoint(Checkpoint):
             parts = {"weight": [], "scales": []} | ({"biases": []} if tensor.ggml_type == "Q6_K" else {})
             if lay.mode == "blocks":  # the row bytes verbatim, and the type id beside them
                 parts = {"weight": []}
-                arrays["ggml_type"] = mx.array(np.array([quants.BLOCKS[tensor.ggml_type][0]], np.int32))
+                arrays["ggml_type"] = mx.array(np.array([quants.block_type(tensor.ggml_type)[0]], np.int32))
             for _, raw in self._chunks(tensor):
                 for part, array in zip(parts, quants.native_arrays(raw, tensor.ggml_type)):
                     parts[part].append(array)

@@ -40,10 +40,11 @@ def use_int8(model: nn.Module, tied_head: bool = False, head_share: bool = True,
     products (int8_kernels.cpp), in place, one module at a time: same shapes, another order (float32 scales
     holding float16 values, a GGUF's, become float16: fewer bytes a token, same numbers),
     and `module.int8` set so their products take the int8 path. tied_head: the embedding is also the
-    LM head (tie_word_embeddings): it keeps its MLX layout for lookups and gains an int8 copy for the
-    head; an embedding that is not the head is left alone. head_share: the last rank's share of the
-    head (head_share.py) may take the int8 path; the caller says no where rank 0's head cannot (its
-    rows not whole blocks, or rank 0 dense), so that both compute the head the same way.
+    LM head (tie_word_embeddings): it keeps its MLX layout for lookups; 8 bits are the head as they are
+    (`module.int8_rows`: int8 products read them row by row), 4 bits gain an int8 copy for the head;
+    an embedding that is not the head is left alone. head_share: the last rank's share of the head
+    (head_share.py) may take the int8 path; the caller says no where rank 0's head cannot (its rows not
+    whole blocks, or rank 0 dense), so that both compute the head the same way.
     in_place: rearrange a layer's weights in their own buffer, so that loading pays for no second copy
     in new memory; only for a caller that knows no graph built before still reads them (the loader).
     Returns how many were repacked (0 without the kernels: the stats line says why)."""
@@ -62,7 +63,13 @@ def use_int8(model: nn.Module, tied_head: bool = False, head_share: bool = True,
         if (embedding and not tied_head) or id(module) in skip or getattr(module, "int8", False) \
                 or not int8_covers(module):
             continue
-        # a tied embedding keeps its layout for lookups: its head is a copy
+        if embedding and module.bits == 8 and state.module is not None and hasattr(state.module, "int8_rows_matmul"):
+            # an 8-bit tied embedding is the head as it is, read row by row (qmm.rows_product: int8_rows_matmul,
+            # the bits a copy in the int8 layout gave), no copy: held once
+            module.int8_rows = True
+            count += 1
+            continue
+        # a tied embedding keeps its layout for lookups: its head (4 bits) is a copy
         w, s, b = state.module.int8_repack(module["weight"], module["scales"], module["biases"], module.group_size,
                                            module.bits, in_place=in_place and not embedding)
         prefix = "int8_" if embedding else ""

@@ -73,6 +73,11 @@ NATIVE_ROWS = ("IQ4_NL", "IQ4_XS", "Q6_K")
 BLOCKS = {"Q5_K": (13, 176), "Q3_K": (11, 110), "Q2_K": (10, 84), "TQ2_0": (35, 66), "TQ1_0": (34, 54)}
 BLOCKS.update({"IQ2_XXS": (16, 66), "IQ2_XS": (17, 74), "IQ2_S": (22, 82), "IQ3_XXS": (18, 98), "IQ3_S": (21, 110),
                "IQ1_S": (19, 50), "IQ1_M": (29, 56)})  # the grid i-quants: gguf_iquant_kernels.cpp
+# GGML type -> (its ggml type id, bytes per 32 values) for a type held as the file's row bytes only where it is a tied
+# embedding (the LM head too: gguf_checkpoint.py decides): one copy, the file's bytes, serves the lookups
+# (kernels/gguf_rows.py q8_0) and the head's products (int8_kernels.cpp's gguf_q8_0_matmul, the bits the int8 repack's
+# copy gave), where the int8 products held a second, int8 copy for the head (30 MB of SmolLM2's 98 MB Q4_1 file).
+TIED_BLOCKS = {"Q8_0": (8, 34)}
 # Types whose MLX scales and biases fp16 holds exactly (d, m, or d times a power of two), kept in fp16;
 # the K-quants' d x sc_j needs float32.
 FP16_SCALES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
@@ -125,10 +130,18 @@ def layout(ggml_type: str, cols: int, requantize_bits: int | None, group_size: i
     return None
 
 
+def block_type(ggml_type: str) -> tuple[int, int, int]:
+    """(ggml type id, bytes per block, values per block) of a type held as the file's row bytes (BLOCKS, TIED_BLOCKS)."""
+    if ggml_type in TIED_BLOCKS:
+        return (*TIED_BLOCKS[ggml_type], 32)
+    return (*BLOCKS[ggml_type], 256)
+
+
 def packed_shapes(rows: tuple[int, ...], cols: int, lay: Layout, ggml_type: str) -> dict[str, tuple[tuple[int, ...], str]]:
     """suffix -> (shape, safetensors-style dtype) of the arrays an MLX-quantized tensor becomes."""
-    if lay.mode == "blocks":  # the file's row bytes, and the type (BLOCKS)
-        return {"weight": ((*rows, cols // 256 * BLOCKS[ggml_type][1]), "U8"), "ggml_type": ((1,), "I32")}
+    if lay.mode == "blocks":  # the file's row bytes, and the type (BLOCKS, TIED_BLOCKS)
+        _, nbytes, values = block_type(ggml_type)
+        return {"weight": ((*rows, cols // values * nbytes), "U8"), "ggml_type": ((1,), "I32")}
     shapes = {"weight": ((*rows, cols * lay.bits // 32), "U32")}
     if lay.kind == "native" and ggml_type == "Q6_K":
         shapes["scales"] = ((*rows, cols // 128), "I64")
@@ -294,8 +307,8 @@ def native_arrays(raw: np.ndarray, ggml_type: str) -> tuple[np.ndarray, ...]:
     bytes (d, scales_h, scales_l) + 128 code bytes. Q6_K -> (codes uint32 [rows, 3 cols / 16]: ql and qh,
     scales int64 [rows, cols / 128]: the 16 int8 scales, d uint8 [rows, cols / 128]: d's bytes)."""
     rows = raw.shape[0]
-    if ggml_type in BLOCKS:  # the row bytes verbatim, and the type id (kernels/qmm.py GGUFBlocksLinear)
-        return np.ascontiguousarray(raw), np.array([BLOCKS[ggml_type][0]], np.int32)
+    if ggml_type in BLOCKS or ggml_type in TIED_BLOCKS:  # the row bytes verbatim, and the type id (qmm.GGUFBlocksLinear)
+        return np.ascontiguousarray(raw), np.array([block_type(ggml_type)[0]], np.int32)
     if ggml_type == "Q6_K":
         blocks = raw.reshape(rows, -1, 210)
         codes = np.ascontiguousarray(blocks[..., :192]).reshape(rows, -1).view("<u4")

@@ -48,7 +48,7 @@ def add_parser(commands) -> None:
     plan.add_argument("--int8-activations", action=argparse.BooleanOptionalAction,
                       default=WeightSettings.int8_activations,
                       help="plan for int8 products, as generate holds them: 4- and 8-bit matrices repacked "
-                           "(float16 scales where the checkpoint stores them so), a tied embedding held twice "
+                           "(float16 scales where the checkpoint stores them so), a tied 4-bit embedding held twice "
                            "on rank 0 (default: as generate decides it on this machine)")
     plan.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=WeightSettings.dtype,
                       help="activation dtype, which unquantized weights and the KV cache are held in "

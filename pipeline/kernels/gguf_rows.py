@@ -64,6 +64,19 @@ def q6_k(codes: mx.array, scales: mx.array, d: mx.array) -> mx.array:
     return w.reshape(*w.shape[:-5], -1)
 
 
+def q8_0(blocks: mx.array) -> mx.array:
+    """Rows of Q8_0 held as the file's row bytes (uint8 [..., k / 32 * 34]: per 32 values d fp16, q[32] int8) ->
+    float32 [..., k], w = d q: exact, the values MLX's 8-bit layout of the same blocks gave (s (q + 128) - 128 s)."""
+    b = blocks.reshape(*blocks.shape[:-1], blocks.shape[-1] // 34, 34)
+    q = b[..., 2:].astype(mx.int16)
+    q = mx.where(q >= 128, q - 256, q).astype(mx.float32)
+    w = _halves(b[..., 0:2])[..., None] * q
+    return w.reshape(*w.shape[:-2], -1)
+
+
+# ggml type id -> the dequantizer of rows held as the file's row bytes (qmm.GGUFBlocksEmbedding) done here
+BLOCK_ROWS = {8: q8_0}
+
 # ggml type id (kernels/qmm.py GGUF_NATIVE) -> its rows' dequantizer (codes, scales, d) -> float32 [..., k]
 DEQUANTIZERS = {20: iq4_nl, 23: iq4_xs, 14: q6_k}
 

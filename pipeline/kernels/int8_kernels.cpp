@@ -675,6 +675,307 @@ std::tuple<mx::array, mx::array, mx::array> int8_repack(mx::array w, mx::array s
     return {w2, s2, b2};
 }
 
+/* ---- a tied 8-bit embedding's LM head, from the embedding's own bytes ---------------------------------- */
+
+/* An 8-bit matrix held row by row, as a tied embedding is for its lookups, multiplied with the bits the int8
+   repack's copy of it gives (block_tile above, 8 bits), so the head needs no copy:
+     GGUF Q8_0 as the file's row bytes (checkpoints/quants.py TIED_BLOCKS): per 32 values a block of 34 bytes, d
+       (fp16) then q[32] (int8), w = d q: scale d, bias -128 d, codes u = q + 128;
+     MLX's affine 8-bit (a converted GGUF's Q8_0, an MLX checkpoint's 8 bits): codes u [n, k] uint8 (w packed as
+       uint32), scales and biases [n, k / group_size] (float32, float16 or bfloat16; biases may be absent: a
+       symmetric matrix, each bias -128 times its scale).
+   Per chunk of 32 inputs isum = sum(u xq), an exact integer, then acc = fma(isum, s dx, acc); acc = fma(b, sx, acc),
+   in order over k, for every output. isum is computed as sum(q xq) + 128 sum(xq) (q = u - 128) where that is the
+   cheaper form (AVX2, generic): the same integer. Sixteen columns at a time: their integer sums land in the 16
+   lanes, as block_tile's do; their scales and biases are gathered into a table per 16 columns first. */
+constexpr int64_t Q8_BYTES = 34;
+
+struct RowMajor8 {
+    const uint8_t *codes;  // GGUF: the blocks; MLX: the codes
+    const void *scales, *biases;  // MLX only (biases nullptr: symmetric)
+    int scale_type;
+    bool gguf;
+    int64_t n, k, per_group;  // per_group: chunks per scale (MLX)
+
+    int64_t row_bytes() const { return gguf ? k / CHUNK * Q8_BYTES : k; }
+    int64_t chunk_at(int64_t c) const { return gguf ? c * Q8_BYTES + 2 : c * CHUNK; }
+};
+
+/* The 16 integer sums sum(u xq) of chunk c of columns cols[0..15] (pointers to their rows) against xq's 32 values. */
+template <bool gguf>
+inline i32x16 q8_column_sums(const uint8_t *const *cols, int64_t at, const int8_t *xq) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    const __m512i x = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(xq)));
+    const __m512i flip = _mm512_set1_epi8(char(0x80));
+    __m512i pair[8];
+    for (int p = 0; p < 8; p++) {  // columns 2p (lanes 0-7) and 2p + 1 (lanes 8-15), 8 partial sums each
+        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(cols[2 * p] + at));
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(cols[2 * p + 1] + at));
+        __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+        if constexpr (gguf) u = _mm512_xor_si512(u, flip);  // q + 128
+        pair[p] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, x);
+    }
+    __m512i quad[4];  // 128-bit quarter j of quad[i]: column 4i + j's 4 partial sums
+    for (int i = 0; i < 4; i++)
+        quad[i] = _mm512_add_epi32(_mm512_shuffle_i64x2(pair[2 * i], pair[2 * i + 1], 0x88),
+                                   _mm512_shuffle_i64x2(pair[2 * i], pair[2 * i + 1], 0xDD));
+    const __m512i a = _mm512_add_epi32(_mm512_unpacklo_epi32(quad[0], quad[1]), _mm512_unpackhi_epi32(quad[0], quad[1]));
+    const __m512i b = _mm512_add_epi32(_mm512_unpacklo_epi32(quad[2], quad[3]), _mm512_unpackhi_epi32(quad[2], quad[3]));
+    const __m512i total = _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));  // lane 4j + i: column 4i + j
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return (i32x16)_mm512_permutexvar_epi32(order, total);
+#elif defined(__AVX2__)
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(xq)), ones = _mm256_set1_epi16(1);
+    // 128 sum(xq), once for all columns
+    const __m256i xs = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), x), ones);
+    __m128i xs4 = _mm_add_epi32(_mm256_castsi256_si128(xs), _mm256_extracti128_si256(xs, 1));
+    xs4 = _mm_add_epi32(xs4, _mm_shuffle_epi32(xs4, 0x4E));
+    xs4 = _mm_add_epi32(xs4, _mm_shuffle_epi32(xs4, 0xB1));
+    const __m256i offset = _mm256_slli_epi32(_mm256_broadcastd_epi32(xs4), 7);
+    i32x16 out;
+    for (int half = 0; half < 2; half++) {
+        __m256i d[8];
+        for (int i = 0; i < 8; i++) {  // sum(q xq) in 8 lanes: |q| <= 128 times xq signed as q, pairs within int16
+            __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(cols[8 * half + i] + at));
+            if constexpr (!gguf) q = _mm256_xor_si256(q, _mm256_set1_epi8(char(0x80)));  // u - 128
+            d[i] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(x, q)), ones);
+        }
+        const __m256i h0 = _mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]), _mm256_hadd_epi32(d[2], d[3]));
+        const __m256i h1 = _mm256_hadd_epi32(_mm256_hadd_epi32(d[4], d[5]), _mm256_hadd_epi32(d[6], d[7]));
+        const __m256i sums = _mm256_add_epi32(_mm256_permute2x128_si256(h0, h1, 0x20), _mm256_permute2x128_si256(h0, h1, 0x31));
+        const __m256i with = _mm256_add_epi32(sums, offset);
+        std::memcpy(reinterpret_cast<int32_t *>(&out) + 8 * half, &with, 32);
+    }
+    return out;
+#else
+    int32_t xsum = 0;
+    for (int i = 0; i < CHUNK; i++) xsum += xq[i];
+    i32x16 out;
+    for (int col = 0; col < BLOCK; col++) {
+        int32_t s = 0;
+        for (int i = 0; i < CHUNK; i++) s += int32_t(int8_t(cols[col][at + i] ^ (gguf ? 0 : 0x80))) * xq[i];  // q xq
+        out[col] = s + 128 * xsum;
+    }
+    return out;
+#endif
+}
+
+/* Columns [16 cb, 16 cb + 16) of rows [r0, r0 + R) of x: block_tile's arithmetic, R rows sharing the columns' bytes.
+   s, b: the columns' scales and biases, 16 a chunk. */
+template <bool gguf, int R>
+void q8_tile(const RowMajor8 &m, const uint8_t *const *cols, const float *s, const float *b, const QuantizedRows &xq,
+             int64_t r0, v16 *acc) {
+    const int64_t chunks = m.k / CHUNK;
+    for (int r = 0; r < R; r++) acc[r] = v16{};
+    for (int64_t c = 0; c < chunks; c++) {
+        const v16 sc = load16(s + BLOCK * c), bc = load16(b + BLOCK * c);
+        const int64_t at = m.chunk_at(c);
+        for (int r = 0; r < R; r++) {
+            const int64_t i = (r0 + r) * chunks + c;
+            const i32x16 isum = q8_column_sums<gguf>(cols, at, xq.q.data() + (r0 + r) * m.k + c * CHUNK);
+            acc[r] = fma16(__builtin_convertvector(isum, v16), sc * splat(xq.d[i]), acc[r]);
+            acc[r] = fma16(bc, splat(xq.sum[i]), acc[r]);
+        }
+    }
+}
+
+template <bool gguf, int R = 1>
+void q8_tile_of(int64_t count, const RowMajor8 &m, const uint8_t *const *cols, const float *s, const float *b,
+                const QuantizedRows &xq, int64_t r0, v16 *acc) {
+    if constexpr (R < TILE) {
+        if (count != R) return q8_tile_of<gguf, R + 1>(count, m, cols, s, b, xq, r0, acc);
+    }
+    q8_tile<gguf, R>(m, cols, s, b, xq, r0, acc);
+}
+
+/* The float products of Q8_0 blocks (where int8 ones are not asked for): w = d q exactly, a chunk's 32 inputs in
+   two 16-lane fused multiply-adds per output (lane l: inputs l and l + 16), one lane tree at the end. */
+float q8_float_dot(const uint8_t *row, int64_t k, const float *x) {
+    v16 acc{};
+    for (int64_t c = 0; c < k / CHUNK; c++) {
+        mx::float16_t h;
+        std::memcpy(&h, row + c * Q8_BYTES, 2);
+        const float d = static_cast<float>(h);
+        const int8_t *q = reinterpret_cast<const int8_t *>(row + c * Q8_BYTES + 2);
+        float w[32];
+        for (int i = 0; i < CHUNK; i++) w[i] = d * float(q[i]);  // exact
+        acc = fma16(load16(w), load16(x + c * CHUNK), acc);
+        acc = fma16(load16(w + 16), load16(x + c * CHUNK + 16), acc);
+    }
+    return lanes_sum(acc);
+}
+
+/* Chunk `at` of 16 columns in the int8 layout (8 bits): byte 4 i + b of step j (64 bytes) is column i's byte 4 j + b. */
+template <bool gguf>
+inline void q8_repack_chunk(const uint8_t *const *cols, int64_t at, uint8_t *dst) {
+#if defined(__AVX512F__)
+    // a 16 x 8 transpose of 4-byte words: z[p] holds columns p (low half) and p + 8; three exchanges of a register
+    // index bit with a lane index bit (column bits 2, 1, 0 with word bits 2, 1, 0) leave word j of column i in lane
+    // i of register j
+    __m512i z[8];
+    for (int p = 0; p < 8; p++)
+        z[p] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(cols[p] + at))),
+                                  _mm256_loadu_si256(reinterpret_cast<const __m256i *>(cols[p + 8] + at)), 1);
+    // per exchange r = 4, 2, 1: lane x of the low register from A's x or B's x ^ r, of the high one A's x | r or B's x
+    alignas(64) static constexpr int32_t index[3][2][16] = {
+        {{0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}, {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31}},
+        {{0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}, {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31}},
+        {{0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}, {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}},
+    };
+    for (int bit = 2; bit >= 0; bit--) {
+        const int r = 1 << bit;
+        const __m512i ilo = _mm512_load_si512(index[2 - bit][0]), ihi = _mm512_load_si512(index[2 - bit][1]);
+        for (int a = 0; a < 8; a++)
+            if (!(a & r)) {
+                const __m512i A = z[a], B = z[a | r];
+                z[a] = _mm512_permutex2var_epi32(A, ilo, B);
+                z[a | r] = _mm512_permutex2var_epi32(A, ihi, B);
+            }
+    }
+    for (int j = 0; j < 8; j++) {
+        if constexpr (gguf) z[j] = _mm512_xor_si512(z[j], _mm512_set1_epi8(char(0x80)));  // q + 128
+        _mm512_storeu_si512(dst + 64 * j, z[j]);
+    }
+#else
+    for (int j = 0; j < 8; j++)
+        for (int i = 0; i < BLOCK; i++)
+            for (int b = 0; b < 4; b++) dst[64 * j + 4 * i + b] = cols[i][at + 4 * j + b] ^ (gguf ? 0x80 : 0);
+#endif
+}
+
+constexpr int64_t Q8_REPACK_ROWS = 4;  // from this many rows, a column block is rearranged for block_tile first
+
+template <bool gguf>
+void q8_int8_product(const RowMajor8 &m, const QuantizedRows &xq, int64_t rows, float *out, bool threaded) {
+    const int64_t n = m.n, row_bytes = m.row_bytes(), column_blocks = (n + BLOCK - 1) / BLOCK, chunks = m.k / CHUNK;
+#pragma omp parallel num_threads(g_threads) if (threaded)
+    {
+    std::vector<float> s(chunks * BLOCK), b(chunks * BLOCK);  // the 16 columns' scales and biases, chunk by chunk
+    std::vector<uint8_t> packed(rows >= Q8_REPACK_ROWS ? chunks * chunk_bytes(8) : 0);
+    std::vector<int64_t> order(rows >= Q8_REPACK_ROWS ? rows : 0);
+    std::vector<float *> outs(order.size());
+    for (size_t r = 0; r < order.size(); r++) order[r] = int64_t(r);
+#pragma omp for schedule(static)
+    for (int64_t cb = 0; cb < column_blocks; cb++) {
+        const uint8_t *cols[BLOCK];
+        const int64_t valid = std::min<int64_t>(BLOCK, n - cb * BLOCK);
+        for (int i = 0; i < BLOCK; i++) {
+            const int64_t col = cb * BLOCK + std::min<int64_t>(i, valid - 1);  // past n: the last column again
+            cols[i] = m.codes + col * row_bytes;
+            for (int64_t c = 0; c < chunks; c++) {
+                float sc, bc;
+                if constexpr (gguf) {
+                    mx::float16_t h;
+                    std::memcpy(&h, cols[i] + c * Q8_BYTES, 2);
+                    sc = static_cast<float>(h);
+                    bc = sc * symmetric_offset(8);  // exact: a power of two
+                } else {
+                    const int64_t g = col * (chunks / m.per_group) + c / m.per_group;
+                    sc = scale_at(m.scales, m.scale_type, g);
+                    bc = m.biases ? scale_at(m.biases, m.scale_type, g) : sc * symmetric_offset(8);
+                }
+                s[c * BLOCK + i] = sc;
+                b[c * BLOCK + i] = bc;
+            }
+        }
+#if defined(__SSE__)
+        if (cb + 1 < column_blocks) {  // the next column block's bytes on their way while these are multiplied
+            const uint8_t *next = m.codes + (cb + 1) * BLOCK * row_bytes;
+            const int64_t bytes = std::min<int64_t>(BLOCK, n - (cb + 1) * BLOCK) * row_bytes;
+            for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch(reinterpret_cast<const char *>(next + at), _MM_HINT_T0);
+        }
+#endif
+        if (rows >= Q8_REPACK_ROWS && valid == BLOCK) {
+            // many rows: the 16 columns rearranged into the int8 layout first (block_tile's, one column block whose
+            // scales and biases are the tables above, one group a chunk), then block_tile's own steps
+            for (int64_t c = 0; c < chunks; c++) q8_repack_chunk<gguf>(cols, m.chunk_at(c), packed.data() + c * chunk_bytes(8));
+            const PackedMatrix block{packed.data(), s.data(), b.data(), SCALE_F32, BLOCK, m.k, chunks, 8, CHUNK};
+            for (int64_t r = 0; r < rows; r++) outs[r] = out + r * n + cb * BLOCK;
+            column_block<8>(block, 0, xq, order.data(), outs.data(), rows);
+            continue;
+        }
+        v16 acc[TILE];
+        for (int64_t r0 = 0; r0 < rows; r0 += TILE) {
+            const int64_t count = std::min<int64_t>(TILE, rows - r0);
+            q8_tile_of<gguf>(count, m, cols, s.data(), b.data(), xq, r0, acc);
+            for (int64_t r = 0; r < count; r++) {
+                float lanes[BLOCK];
+                store16(lanes, acc[r]);
+                std::memcpy(out + (r0 + r) * n + cb * BLOCK, lanes, valid * sizeof(float));
+            }
+        }
+    }
+    }
+}
+
+void q8_product(const RowMajor8 &m, const float *x, int64_t rows, float *out, bool int8) {
+    const int64_t n = m.n, k = m.k;
+    const bool threaded = g_threads > 1 && n > BLOCK && rows * n * k >= THREADED_MIN_WORK;
+    if (!int8) {  // GGUF's blocks only (an MLX layout's float products are qmm_kernels.cpp's)
+#pragma omp parallel for schedule(static) num_threads(g_threads) if (threaded)
+        for (int64_t col = 0; col < n; col++)
+            for (int64_t r = 0; r < rows; r++) out[r * n + col] = q8_float_dot(m.codes + col * m.row_bytes(), k, x + r * k);
+        return;
+    }
+    const QuantizedRows xq = quantized_rows(x, rows, k);
+    if (m.gguf)
+        q8_int8_product<true>(m, xq, rows, out, threaded);
+    else
+        q8_int8_product<false>(m, xq, rows, out, threaded);
+}
+
+/* Inputs: x [..., k] float32, then GGUF: blocks [n, k / 32 * 34] (any dtype: its bytes); MLX: w [n, k / 4] uint32,
+   scales and biases [n, k / group_size] (biases [n, 0]: symmetric). */
+class RowMajor8Product : public mx::UnaryPrimitive {
+   public:
+    RowMajor8Product(mx::Stream stream, bool gguf, bool int8, int group_size)
+        : mx::UnaryPrimitive(stream), gguf_(gguf), int8_(int8), group_size_(group_size) {}
+
+    void eval_cpu(const std::vector<mx::array> &inputs, mx::array &out) override {
+        out.set_data(mx::allocator::malloc(out.nbytes()));
+        auto &encoder = mx::cpu::get_command_encoder(stream());
+        for (auto &a : inputs) encoder.set_input_array(a);
+        encoder.set_output_array(out);
+        const bool gguf = gguf_, int8 = int8_;
+        const int group_size = group_size_;
+        encoder.dispatch([inputs, out, gguf, int8, group_size]() mutable {
+            std::vector<mx::array> keep;
+            const mx::array x = contiguous(inputs[0], keep), w = contiguous(inputs[1], keep);
+            const int64_t k = x.shape(-1), rows = k ? int64_t(x.size()) / k : 0, n = w.shape(0);
+            if (rows == 0 || n == 0) return;
+            RowMajor8 m{w.data<uint8_t>(), nullptr, nullptr, SCALE_F32, gguf, n, k, group_size / CHUNK};
+            if (!gguf) {
+                const mx::array s = contiguous(inputs[2], keep), b = contiguous(inputs[3], keep);
+                m.scales = s.data<void>();
+                m.biases = b.shape(-1) ? b.data<void>() : nullptr;
+                m.scale_type = scale_type_of(s.dtype());
+            }
+            q8_product(m, x.data<float>(), rows, out.data<float>(), int8);
+        });
+    }
+
+    void eval_gpu(const std::vector<mx::array> &, mx::array &) override {
+        throw std::runtime_error("pipeline's int8 products run on the CPU only");
+    }
+
+    const char *name() const override { return "PipelineRowMajor8Product"; }
+
+    bool is_equivalent(const mx::Primitive &other) const override {
+        auto *o = dynamic_cast<const RowMajor8Product *>(&other);
+        return o && o->gguf_ == gguf_ && o->int8_ == int8_ && o->group_size_ == group_size_;
+    }
+
+    std::vector<mx::Shape> output_shapes(const std::vector<mx::array> &inputs) override {
+        mx::Shape shape = inputs[0].shape();
+        shape.back() = inputs[1].shape(0);
+        return {shape};
+    }
+
+   private:
+    bool gguf_, int8_;
+    int group_size_;
+};
+
 mx::Stream cpu_stream() { return mx::default_stream(mx::Device(mx::Device::cpu)); }
 
 }  // namespace
@@ -764,4 +1065,39 @@ void register_int8(nb::module_ &m) {
             return fused(x, ws, ss, bs, group_size, bits, true)[0];
         },
         "silu(x @ gate.T) * (x @ up.T) for (gate, up) repacked, as models/layers.py's swiglu rounds it, lazily");
+    m.def(
+        "gguf_q8_0_matmul",
+        [](const mx::array &x, const mx::array &blocks, int type, bool int8) {
+            const int64_t k = x.ndim() ? x.shape(-1) : 0;
+            if (type != 8 || x.ndim() < 1 || x.dtype() != mx::float32 || k % CHUNK || blocks.ndim() != 2 ||
+                blocks.nbytes() != size_t(blocks.shape(0) * (k / CHUNK * Q8_BYTES)))
+                throw std::invalid_argument("pipeline GGUF Q8_0 product: x must be float32 [..., k] (k a multiple of 32) "
+                                            "and blocks [n, k / 32 * 34] (the file's Q8_0 row bytes), type 8");
+            mx::Shape shape = x.shape();
+            shape.back() = blocks.shape(0);
+            return mx::array(shape, mx::float32, std::make_shared<RowMajor8Product>(cpu_stream(), true, int8, 32), {x, blocks});
+        },
+        nb::arg("x"), nb::arg("blocks"), nb::arg("type"), nb::arg("int8"),
+        "x [..., k] float32 @ w.T for a GGUF Q8_0 tensor held as the file's row bytes, lazily; int8: x rounded per 32 "
+        "as the int8 products round it (the bits of the int8 repack's copy), else float products");
+    m.def(
+        "int8_rows_matmul",
+        [](const mx::array &x, const mx::array &w, const mx::array &s, const mx::array &b, int group_size) {
+            const int64_t k = x.ndim() ? x.shape(-1) : 0;
+            if (x.ndim() < 1 || x.dtype() != mx::float32 || k % CHUNK || w.ndim() != 2 || w.dtype() != mx::uint32 ||
+                w.shape(1) * 4 != k || (group_size != 32 && group_size != 64 && group_size != 128) || k % group_size ||
+                s.ndim() != 2 || s.shape(0) != w.shape(0) || s.shape(1) != k / group_size || b.ndim() != 2 ||
+                b.shape(0) != w.shape(0) || (b.shape(1) != k / group_size && b.shape(1) != 0) ||
+                (b.shape(1) && b.dtype() != s.dtype()))
+                throw std::invalid_argument("pipeline int8 rows product: x float32 [..., k] against MLX's 8-bit w [n, k / 4] "
+                                            "uint32, scales and biases [n, k / group_size] (biases [n, 0]: symmetric)");
+            scale_type_of(s.dtype());
+            mx::Shape shape = x.shape();
+            shape.back() = w.shape(0);
+            return mx::array(shape, mx::float32, std::make_shared<RowMajor8Product>(cpu_stream(), false, true, group_size),
+                             {x, w, s, b});
+        },
+        nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases"), nb::arg("group_size"),
+        "x [..., k] float32 @ w.T for MLX's affine 8-bit layout as loaded (a tied embedding's, read in place), with "
+        "int8 activations: the bits int8_matmul gives on its int8_repack, lazily");
 }

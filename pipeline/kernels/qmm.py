@@ -50,6 +50,7 @@ GGUF_NATIVE = {mx.uint16: 20, mx.int8: 23, mx.int64: 14}
 BLOCK_KERNELS = {10: "gguf_kquant_matmul", 11: "gguf_kquant_matmul", 13: "gguf_kquant_matmul",
                  34: "gguf_kquant_matmul", 35: "gguf_kquant_matmul"}
 BLOCK_KERNELS.update(dict.fromkeys((16, 17, 18, 19, 21, 22, 29), "gguf_iquant_matmul"))  # grid i-quants (IQ1_S..IQ3_S)
+BLOCK_KERNELS[8] = "gguf_q8_0_matmul"  # a tied Q8_0 embedding's head (int8_kernels.cpp; its rows: gguf_rows.q8_0)
 
 
 def extension_for(x: mx.array) -> object:
@@ -269,8 +270,10 @@ class GGUFBlocksEmbedding(GGUFBlocksLinear):
 
     def __call__(self, ids: mx.array) -> mx.array:
         state = load()
-        dequantize = getattr(state.module, BLOCK_KERNELS[self.type_id].replace("_matmul", "_dequantize"))
         rows = self["weight"][ids.reshape(-1)]
+        if self.type_id in gguf_rows.BLOCK_ROWS:  # dequantized in MLX operations
+            return gguf_rows.BLOCK_ROWS[self.type_id](rows).reshape(*ids.shape, -1)
+        dequantize = getattr(state.module, BLOCK_KERNELS[self.type_id].replace("_matmul", "_dequantize"))
         return dequantize(rows, self.type_id).reshape(*ids.shape, -1)
 
     def as_linear(self, x: mx.array) -> mx.array:
@@ -305,8 +308,16 @@ class GGUFEmbedding(nn.Module):
 
 def rows_product(module: nn.Module, x: mx.array, begin: int = 0, end: int | None = None) -> mx.array:
     """x @ rows [begin, end) of a quantized Linear's (or Embedding's) weight, transposed: in the int8
-    layout where the int8 repack (checkpoints/int8_repack.py) made one (an embedding keeps its own for
-    lookups beside it; begin and end are then multiples of 16, whole blocks), else MLX's."""
+    layout where the int8 repack (checkpoints/int8_repack.py) made one (a 4-bit embedding keeps its own for
+    lookups beside it; begin and end are then multiples of 16, whole blocks), else MLX's; an 8-bit tied
+    embedding marked `int8_rows` in its own layout, with the int8 products' bits (int8_rows_matmul)."""
+    if getattr(module, "int8_rows", False):  # a tied 8-bit embedding as the head, read in place (int8_repack)
+        weight, scales, biases = module["weight"], module["scales"], module["biases"]
+        if begin or end is not None:
+            weight, scales, biases = weight[begin:end], scales[begin:end], biases[begin:end]
+        state = load()
+        state.used["int8"] += 1
+        return _in_dtype_of(x, state.module.int8_rows_matmul(_float32(x), weight, scales, biases, module.group_size))
     int8 = getattr(module, "int8", False)
     assert not int8 or begin % INT8_BLOCK == 0 and (end is None or end % INT8_BLOCK == 0), (begin, end)
     prefix = "int8_" if int8 and "int8_weight" in module else ""

@@ -135,8 +135,8 @@ class Precision:
             parts.append(f"FP8 weights dequantized to {name} at load (MLX has no FP8 matmul)")
         if self.int8:
             parts.append("--int8-activations: 4- and 8-bit matrices repacked (scales and biases float16 where "
-                         "stored so, no biases for GGUF's Q4_0 and Q8_0), a tied embedding held twice on rank 0 "
-                         "(its int8 copy is the head)")
+                         "stored so, no biases for GGUF's Q4_0 and Q8_0), a tied 4-bit embedding held twice on rank 0 "
+                         "(its int8 copy is the head; an 8-bit one is the head as it is)")
         parts.append(f"other tensors {name} ({d} B)")
         return "; ".join(parts)
 
