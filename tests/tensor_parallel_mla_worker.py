@@ -1,10 +1,12 @@
 """tests/tensor_parallel_worker.py with one planted bug in the MLA split (tests/test_tensor_parallel_mla.py):
 
-    PLANT=kv_b|o_proj|expert mpiexec -n T python tests/tensor_parallel_mla_worker.py FOLDER OUT.npy ID,ID,...
+    PLANT=kv_b|o_proj|expert|indexer mpiexec -n T python tests/tensor_parallel_mla_worker.py FOLDER OUT.npy ID,ID,...
 
 kv_b: each member's kv_b_proj rows one head off (the next head's, the last member's the previous one's);
 o_proj: its o_proj input columns one head off likewise; expert: member 1's slice of every routed
-expert's intermediate features 16 features early (as long as the right one, so it loads)."""
+expert's intermediate features 16 features early (as long as the right one, so it loads); indexer
+(V3.2): each member's indexer scores with its own share of the indexer's heads only (the others'
+weights zero), as if the indexer were split by heads and never summed."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import sys
 from pathlib import Path
 
 import pipeline  # noqa: F401 -- first, as a real run (BLAS binding)
+
+import mlx.core as mx
 
 from pipeline.models import tensor_parallel_mla as mla
 
@@ -41,6 +45,11 @@ def planted(module, part, array, config, shard, tools):
         if module.endswith("down_proj"):
             return [(module, cut_columns(module, array, part, wrong, moe))]
         return [(module, cut_rows(array, part, wrong))]
+    if plant == "indexer" and module == "self_attn.indexer.weights_proj":  # the indexer's heads split, never summed
+        heads = int(config.raw["index_n_heads"])
+        h0, h1 = tools.even_split(heads, shard.size, shard.member)
+        keep = mx.zeros((heads, 1)).at[h0:h1].add(1.0)
+        return [(module, array * keep.astype(array.dtype))]
     return right(module, part, array, config, shard, tools)
 
 

@@ -118,13 +118,14 @@ def test_logits_match_transformers_for_1_2_3_ranks(models, kind, tmp_path):
 
 
 # each planted bug moves the logits by far more than the tolerance (measured: kv_b 10.4, o_proj 9.9,
-# expert 6.5; tests/tensor_parallel_mla_worker.py plants them)
-@pytest.mark.parametrize("plant", ["kv_b", "o_proj", "expert"])
+# expert 6.5, indexer 7.6; tests/tensor_parallel_mla_worker.py plants them)
+@pytest.mark.parametrize("plant", ["kv_b", "o_proj", "expert", "indexer"])
 def test_a_wrong_split_is_caught(models, plant, tmp_path):
-    expected = reference(models["deepseek_v3"])
-    whole, _ = worker_logits(models["deepseek_v3"], 2, tmp_path, plant)
+    kind = "deepseek_v32" if plant == "indexer" else "deepseek_v3"
+    expected = reference(models[kind])
+    whole, _ = worker_logits(models[kind], 2, tmp_path, plant)
     print(plant, np.abs(whole - expected).max())
-    assert np.abs(whole - expected).max() > 100 * TOLERANCE["deepseek_v3"]
+    assert np.abs(whole - expected).max() > 100 * TOLERANCE[kind]
 
 
 def generate(ranks: int, folder, *flags: str, prompt: str = "The capital of France") -> subprocess.CompletedProcess:
