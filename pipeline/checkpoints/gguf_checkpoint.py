@@ -277,7 +277,8 @@ class GGUFCheckpoint(Checkpoint):
             mapped = self._maps.get(t.file)
             if mapped is not None and hasattr(mmap, "MADV_DONTNEED"):
                 first = -(-t.begin // mmap.PAGESIZE) * mmap.PAGESIZE
-                last = (t.begin + t.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+                extent = (t.rows - 1) * t.stride + t.nbytes // t.rows if getattr(t, "stride", 0) else t.nbytes
+                last = (t.begin + extent) // mmap.PAGESIZE * mmap.PAGESIZE
                 if last > first:
                     mapped.madvise(mmap.MADV_DONTNEED, first, last - first)
 
@@ -304,13 +305,13 @@ class GGUFCheckpoint(Checkpoint):
         from ..kernels import mapped_files  # loads mlx.core: indexing a GGUF (`pipeline plan`) must not
 
         row_bytes = tensor.nbytes // tensor.rows
-        begin, size = tensor.begin + row * row_bytes, rows * row_bytes
+        step = getattr(tensor, "stride", 0) or row_bytes  # a column share (share_reads.StridedTensor): rows apart
+        begin, size = tensor.begin + row * step, (rows - 1) * step + row_bytes
+        if step != row_bytes:
+            return self._read_strided(tensor, begin, rows, row_bytes, step)
         if not turned_off(mapped_files.ENV):
             with self._maps_lock:
-                if tensor.file not in self._maps:
-                    with open(tensor.file, "rb") as f:
-                        self._maps[tensor.file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-                mapped = self._maps[tensor.file]
+                mapped = self._map(tensor.file)
             if begin + size > len(mapped):
                 raise UserError(f"{tensor.file} is truncated or corrupt (tensor {tensor.name}): download it again")
             return np.frombuffer(mapped, np.uint8, size, begin).reshape(rows, row_bytes)
@@ -320,6 +321,44 @@ class GGUFCheckpoint(Checkpoint):
             got = f.readinto(memoryview(buffer).cast("B"))
         if got != buffer.nbytes:
             raise UserError(f"{tensor.file} is truncated or corrupt (tensor {tensor.name}): download it again")
+        return buffer
+
+    def random_access(self) -> None:
+        """No read-ahead on faults in the file mappings from now on (MADV_RANDOM): a --tensor-parallel rank
+        reading only its shares (share_reads.py), whose spans the loader's prefetch asks for; the kernel's
+        read-ahead (8 MiB a fault on some disks) would read the other ranks' rows around them too."""
+        self.no_read_ahead = True
+        for mapped in self._maps.values():
+            mapped.madvise(mmap.MADV_RANDOM)
+
+    def _map(self, path: Path) -> mmap.mmap:
+        """The file mapped, once (under _maps_lock)."""
+        if path not in self._maps:
+            with open(path, "rb") as f:
+                self._maps[path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            if getattr(self, "no_read_ahead", False):
+                self._maps[path].madvise(mmap.MADV_RANDOM)
+        return self._maps[path]
+
+    def _read_strided(self, tensor: GGUFTensor, begin: int, rows: int, row_bytes: int, step: int) -> np.ndarray:
+        """`rows` runs of `row_bytes` bytes, `step` apart from `begin` (a column share), copied out contiguous:
+        only the pages holding them are read (through the mapping), or each run read alone (PIPELINE_MMAP=0)."""
+        from ..kernels import mapped_files  # as in _read_bytes
+
+        end = begin + (rows - 1) * step + row_bytes
+        if not turned_off(mapped_files.ENV):
+            with self._maps_lock:
+                mapped = self._map(tensor.file)
+            if end > len(mapped):
+                raise UserError(f"{tensor.file} is truncated or corrupt (tensor {tensor.name}): download it again")
+            span = np.frombuffer(mapped, np.uint8, end - begin, begin)
+            return np.ascontiguousarray(np.lib.stride_tricks.as_strided(span, (rows, row_bytes), (step, 1)))
+        buffer = np.empty((rows, row_bytes), np.uint8)
+        with open(tensor.file, "rb") as f:
+            for i in range(rows):
+                f.seek(begin + i * step)
+                if f.readinto(memoryview(buffer[i])) != row_bytes:
+                    raise UserError(f"{tensor.file} is truncated or corrupt (tensor {tensor.name}): download it again")
         return buffer
 
     def _pieces(self, tensor: GGUFTensor, workers: int = 1) -> list[tuple[int, int]]:

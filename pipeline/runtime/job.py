@@ -34,6 +34,7 @@ from ..planner.shapes import architecture
 from ..planner.weights_bytes import held_and_dense, with_mtp
 from ..util import cores, huge_pages
 from ..util.errors import UserError
+from ..util.switches import turned_off
 from .head_share import HeadSplit, head_share_fraction, head_share_rows
 from .prefix_cache import StoredIndex
 from .prefix_cache import for_job as prefix_cache_for
@@ -158,7 +159,7 @@ def load_stage(settings: WeightSettings, plan: Plan, rank: int, progress: bool, 
     if group is not None and group.size > 1:
         index, shard, group_sum = group.stage, group.shard, group.group_sum
         stage_class = LeaderStage if group.leads else Stage
-        if group.stage == 0:  # stage 0's group splits the LM head by vocabulary (models/vocab_split.py)
+        if group.stage == 0 and not turned_off(VOCAB_SPLIT):  # stage 0's group splits the LM head by vocabulary
             vocab_slice = vocab_share(plan.config.vocab_size, group.size, group.member)
     dense = bool(plan.dense and plan.dense[index])
     int8 = plan.int8
@@ -191,6 +192,9 @@ def load_stage(settings: WeightSettings, plan: Plan, rank: int, progress: bool, 
     if vocab_slice is not None and rank == 0:
         keep_own_head_rows(stage.model, vocab_slice[1])
     return stage
+
+
+VOCAB_SPLIT = "PIPELINE_VOCAB_SPLIT"  # =0: the LM head stays whole on rank 0 under --tensor-parallel (A/B)
 
 
 def keep_own_head_rows(model, rows: int) -> None:

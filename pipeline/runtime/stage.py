@@ -7,6 +7,7 @@ their layers, send the result to the next rank, until a STOP comes round.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -17,13 +18,17 @@ from mlx.utils import tree_flatten
 
 from ..checkpoints.format_adapters import Requantize
 from ..checkpoints.safetensors_checkpoint import Checkpoint
+from ..checkpoints.share_reads import narrowed, read_shares, widen
 from ..checkpoints.weights import dequantize_slice, load_slice
 from ..cluster.transport import Kind, Transport
 from ..models.config import ModelConfig
 from ..models.registry import family_for
 from ..models.stage_slice import TransformerSlice
 from ..models.tensor_parallel import Shard, set_group_sum, shard_modules, shard_weights
+from ..util.switches import turned_off
 from .prompt_cache_store import StateArray
+
+SHARE_READS = "PIPELINE_SHARE_READS"  # =0: a --tensor-parallel rank reads whole tensors and cuts them (A/B)
 
 
 @dataclass
@@ -60,12 +65,21 @@ class Stage:
             model.head_begin = vocab_slice[0]
         elif vocab_slice is not None and "lm_head" in model:
             model.lm_head = nn.Linear(config.hidden_size, vocab_slice[1], bias=False)
-        cut = None
+        cut, shares, placed = None, {}, {}
         if shard is not None and shard.size > 1:
             shard_modules(model, config, shard)
-            cut, int8_in_place = (lambda weights, names: shard_weights(weights, config, shard, names)), None  # int8 after
-        names = load_slice(model, checkpoint, dtype, requantize, progress=progress,
-                           int8_in_place=None if dense else int8_in_place, cut=cut)
+            if not turned_off(SHARE_READS) and family_for(config).module_name in ("llama", "qwen3_moe"):
+                # only the share's bytes of each tensor read (checkpoints/share_reads.py)
+                shares = read_shares(checkpoint.tensors, config, shard, vocab_slice, has_ends)
+
+            def cut(weights: dict, names: list[str]) -> None:
+                widen(weights, names, placed)
+                shard_weights(weights, config, shard, names)
+
+            int8_in_place = None  # int8 after
+        with narrowed(checkpoint, shares) if shares else nullcontext({}) as placed:
+            names = load_slice(model, checkpoint, dtype, requantize, progress=progress,
+                               int8_in_place=None if dense else int8_in_place, cut=cut)
         if cut is not None:
             set_group_sum(model, group_sum, group_choice)
         if dense:
