@@ -157,3 +157,21 @@ def test_stats_and_preflight_count_the_head_slices(tmp_path):
     half = 4096 * 144 * 4 / 2**20  # 2.25 MiB: half the head's rows
     assert shares == [("1", f"{half:.1f}")], job.stderr  # rank 1 only
     assert abs((needs[1] - needs[3]) - 1.1 * half) <= 0.15, needs  # stage 0's mate needs its share more
+
+
+def test_default_model_head_share_in_preflight():
+    """The default model (tied 8-bit embedding, int8 head): rank 1's slice as the stats line measures it
+    (repacked for the int8 products) is what preflight adds to its need; rank 0's weights alike."""
+    pre = mpiexec(2, "preflight", "--tensor-parallel", "2")
+    assert pre.returncode == 0, pre.stderr
+    rows = [line.split() for line in pre.stdout.splitlines()[1:] if line.strip() and line.split()[0].isdigit()]
+    weights = [float(row[row.index("MiB", 12) - 1]) for row in rows]
+    kv = [float(row[row.index("MiB", 12) + 2]) for row in rows]  # weights ("MiB quantized"), KV cache, the need
+    needs = [float(row[row.index("MiB", 12) + 4]) for row in rows]
+    job = mpiexec(2, "generate", "--tensor-parallel", "2", "--prompt", "What is the capital of France?",
+                  "--max-tokens", "2")
+    assert job.returncode == 0, job.stderr
+    measured = [float(m) for m in re.findall(r"\(weights ([0-9.]+) MiB", job.stderr)]
+    share = re.findall(r"LM head share ([0-9.]+) MiB", job.stderr)
+    assert weights[0] == measured[0] and len(share) == 1, (weights, measured, job.stderr)
+    assert abs(needs[1] / 1.1 - weights[1] - kv[1] - float(share[0])) <= 0.15, (needs, weights, kv, share)

@@ -85,6 +85,7 @@ class RankReport:
     vocab_rows: int = 0
     vocab_size: int = 0
     head_trimmed: tuple[bool, bool] = (False, False)
+    slice_bytes: tuple[int, int] = (0, 0)  # (packed, dense): a mate's slice as held (a Linear: int8-repacked where it can be)
 
 
 def add_parser(commands) -> None:
@@ -289,8 +290,25 @@ def head_split_bytes(report: RankReport, config, folder: Path, args: argparse.Na
         return
     stored = checkpoint_format(config, find(folder), args.quantize, args.group_size)
     embedding = next(p for p in architecture(config).ends if p.is_embedding)
-    report.head_trimmed = tuple(Precision(stored, args.dtype, args.quantize, args.group_size, dense, int8)
-                                .int8_head_copy(embedding) > 0 for dense in (False, True))
+    precisions = [Precision(stored, args.dtype, args.quantize, args.group_size, dense, int8) for dense in (False, True)]
+    report.head_trimmed = tuple(p.int8_head_copy(embedding) > 0 for p in precisions)
+    if report.rank % t:  # a mate holds its rows of the tied embedding as a Linear, repacked as one is
+        report.slice_bytes = tuple(tied_slice_bytes(p, stored, embedding, end - begin) for p in precisions)
+
+
+def tied_slice_bytes(precision, stored, embedding, rows: int) -> int:
+    """Bytes of `rows` rows of a tied embedding held as a Linear (a mate's head slice): as the embedding's,
+    but int8-repacked (float16 scales where stored so, no biases where symmetric) where --int8-activations
+    repacks a matrix of its bits."""
+    from ..planner.stored_formats import affine_bytes  # as the imports above: where used
+
+    native = stored.native(embedding)
+    if not native or precision.dense or stored.held_in_blocks(embedding):
+        return precision.resident_bytes(embedding) // embedding.shape[0] * rows
+    repacked = precision.int8_repacked(embedding, native[0])
+    half = repacked and stored.half_scales(embedding)
+    return affine_bytes((rows, embedding.shape[1]), *native, 2 if half else precision.dtype_bytes,
+                        biases=not (repacked and stored.symmetric(embedding)))
 
 
 @dataclass
@@ -339,7 +357,7 @@ def plan_slices(reports: list[RankReport], ref: RankReport, split: str | None, w
                 trimmed = per_row * (r.vocab_size - r.vocab_rows) if r.head_trimmed[bool(dense[stage])] else 0
                 held = replace(held, weights=held.weights - trimmed)
             else:  # its slice, as the stats line's "LM head share"
-                held = replace(held, head_share=per_row * r.vocab_rows)
+                held = replace(held, head_share=r.slice_bytes[bool(dense[stage])] or per_row * r.vocab_rows)
         slices.append(Slice(start, end, held, int(held.total * HEADROOM)))
     return slices
 
