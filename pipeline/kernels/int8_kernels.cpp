@@ -843,6 +843,63 @@ inline void q8_repack_chunk(const uint8_t *const *cols, int64_t at, uint8_t *dst
 #endif
 }
 
+/* n 16-bit floats (fp16, or bf16's top halves) as float32, exactly. */
+inline void halves_to_floats(const uint16_t *h, float *f, int64_t n, bool bf16) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(h + i));
+        _mm512_storeu_ps(f + i, bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)) : _mm512_cvtph_ps(v));
+    }
+#elif defined(__F16C__) && defined(__AVX2__)
+    for (; i + 8 <= n; i += 8) {
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i *>(h + i));
+        _mm256_storeu_ps(f + i, bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16)) : _mm256_cvtph_ps(v));
+    }
+#endif
+    for (; i < n; i++) f[i] = scale_at(h + i, bf16 ? SCALE_BF16 : SCALE_F16, 0);
+}
+
+/* The scales and biases of column block cb, 16 a chunk (s, b [chunks * 16]), as floats (exact); bits16: room for
+   2 chunks * 16 16-bit values. */
+template <bool gguf>
+void q8_tables(const RowMajor8 &m, int64_t cb, int64_t valid, const uint8_t *const *cols, float *s, float *b,
+               uint16_t *bits16) {
+    const int64_t chunks = m.k / CHUNK, groups = chunks / m.per_group;
+    if constexpr (gguf) {
+        for (int i = 0; i < BLOCK; i++)
+            for (int64_t c = 0; c < chunks; c++) std::memcpy(bits16 + c * BLOCK + i, cols[i] + c * Q8_BYTES, 2);
+        halves_to_floats(bits16, s, chunks * BLOCK, false);
+        for (int64_t j = 0; j < chunks * BLOCK; j++) b[j] = s[j] * symmetric_offset(8);  // exact: a power of two
+        return;
+    }
+    for (int half = 0; half < 2; half++) {
+        const void *from = half ? m.biases : m.scales;
+        float *to = half ? b : s;
+        if (from == nullptr) {  // symmetric
+            for (int64_t j = 0; j < chunks * BLOCK; j++) b[j] = s[j] * symmetric_offset(8);  // exact: a power of two
+            continue;
+        }
+        auto fill = [&](auto *dst, const auto *src) {  // dst[c * 16 + i] = column i's value for chunk c
+            for (int i = 0; i < BLOCK; i++) {
+                const auto *row = src + (cb * BLOCK + std::min<int64_t>(i, valid - 1)) * groups;
+                if (m.per_group == 1) {
+                    for (int64_t c = 0; c < chunks; c++) dst[c * BLOCK + i] = row[c];
+                } else {
+                    for (int64_t g = 0, c = 0; g < groups; g++)
+                        for (int64_t j = 0; j < m.per_group; j++, c++) dst[c * BLOCK + i] = row[g];
+                }
+            }
+        };
+        if (m.scale_type == SCALE_F32) {
+            fill(to, static_cast<const float *>(from));
+        } else {
+            fill(bits16, static_cast<const uint16_t *>(from));
+            halves_to_floats(bits16, to, chunks * BLOCK, m.scale_type == SCALE_BF16);
+        }
+    }
+}
+
 constexpr int64_t Q8_REPACK_ROWS = 4;  // from this many rows, a column block is rearranged for block_tile first
 
 template <bool gguf>
@@ -851,6 +908,7 @@ void q8_int8_product(const RowMajor8 &m, const QuantizedRows &xq, int64_t rows, 
 #pragma omp parallel num_threads(g_threads) if (threaded)
     {
     std::vector<float> s(chunks * BLOCK), b(chunks * BLOCK);  // the 16 columns' scales and biases, chunk by chunk
+    std::vector<uint16_t> bits16(2 * chunks * BLOCK);
     std::vector<uint8_t> packed(rows >= Q8_REPACK_ROWS ? chunks * chunk_bytes(8) : 0);
     std::vector<int64_t> order(rows >= Q8_REPACK_ROWS ? rows : 0);
     std::vector<float *> outs(order.size());
@@ -862,22 +920,8 @@ void q8_int8_product(const RowMajor8 &m, const QuantizedRows &xq, int64_t rows, 
         for (int i = 0; i < BLOCK; i++) {
             const int64_t col = cb * BLOCK + std::min<int64_t>(i, valid - 1);  // past n: the last column again
             cols[i] = m.codes + col * row_bytes;
-            for (int64_t c = 0; c < chunks; c++) {
-                float sc, bc;
-                if constexpr (gguf) {
-                    mx::float16_t h;
-                    std::memcpy(&h, cols[i] + c * Q8_BYTES, 2);
-                    sc = static_cast<float>(h);
-                    bc = sc * symmetric_offset(8);  // exact: a power of two
-                } else {
-                    const int64_t g = col * (chunks / m.per_group) + c / m.per_group;
-                    sc = scale_at(m.scales, m.scale_type, g);
-                    bc = m.biases ? scale_at(m.biases, m.scale_type, g) : sc * symmetric_offset(8);
-                }
-                s[c * BLOCK + i] = sc;
-                b[c * BLOCK + i] = bc;
-            }
         }
+        q8_tables<gguf>(m, cb, valid, cols, s.data(), b.data(), bits16.data());
 #if defined(__SSE__)
         if (cb + 1 < column_blocks) {  // the next column block's bytes on their way while these are multiplied
             const uint8_t *next = m.codes + (cb + 1) * BLOCK * row_bytes;
