@@ -35,7 +35,9 @@ from test_scheduler import Collect, scheduler
 
 # Measured (load 15-20, 2 cores): Qwen3.5 0 (the BLAS shim's batch-invariant products), V4 below 1e-5; a
 # prefix-cache hit's bound elsewhere (test_scheduler.py, test_deepseek_v4_features.py: a fork's logits 1.9e-5).
-REUSE_TOLERANCE = 2e-5
+# The cold turn's 70-token prefill goes to OpenBLAS (over the shim's 64 rows), whose kernel is the CPU's: on a
+# Sapphire Rapids Xeon (AMX, AVX-512 FP16; 2026-12-06) Qwen3.5 measured 2.48e-5.
+REUSE_TOLERANCE = 3e-5
 # Through a 2-rank server the answer's logprobs and the top alternatives' (test_prompt_cache_dir's check):
 # measured 2.0e-5 for Qwen3.5 (the cold prompt's 96 positions in one chunk, the warm one's last 6 alone).
 SERVER_TOLERANCE = 4e-5
