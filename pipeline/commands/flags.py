@@ -95,6 +95,12 @@ def add_tensor_parallel_arg(parser: argparse.ArgumentParser) -> None:
                              "twice a layer; --split and --host-memory then speak of stages (a stage's memory is "
                              "its group's smallest host times T). Llama-family models, --transport mpi; "
                              "see docs/tensor-parallel.md")
+    parser.add_argument("--expert-parallel", action=argparse.BooleanOptionalAction,
+                        default=WeightSettings.expert_parallel,
+                        help="with --tensor-parallel T > 1, Qwen3-MoE's routed experts divided among the stage's T "
+                             "ranks, each holding E/T whole experts and running those a token chose, rather than "
+                             "every expert sliced across them (--no-expert-parallel, the default); "
+                             "see docs/tensor-parallel.md")
 
 
 def validated_tensor_parallel_arg(args: argparse.Namespace) -> None:

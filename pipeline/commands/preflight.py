@@ -216,7 +216,8 @@ def measure_model(report: RankReport, folder: Path, args: argparse.Namespace, in
         from ..models import tensor_parallel_mla as mla  # as the line above
 
         check_family(config, family_for(config).module_name, t)
-        report.layer_fraction, report.kv_fraction = share_fractions(config, Shard(report.rank % t, t))
+        report.layer_fraction, report.kv_fraction = share_fractions(config, Shard(report.rank % t, t,
+                                                                          args.expert_parallel))
         if mla.is_mla_family(config):  # MLA's layers: the replicated latents weigh differently in dense and MoE ones
             report.layer_fractions = mla.layer_fractions(config, Shard(report.rank % t, t), MLA_TOOLS)
 

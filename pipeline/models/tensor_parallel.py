@@ -15,7 +15,8 @@ Per layer, member m of a group of T holds:
 - MLP: gate/up rows (output features) and down's columns (input features) [i0, i1), cut on units of
   up to 256 features so that a quantized row's groups (32/64/128) and int8 blocks are never cut.
 - Qwen3-MoE: the router whole on every member, its top-k choices the first member's (`group_choice`);
-  every expert's gate/up rows and down columns [e0, e1) of its intermediate features, as a dense MLP's.
+  every expert's gate/up rows and down columns [e0, e1) of its intermediate features, as a dense MLP's;
+  or, with `Shard.experts` (--expert-parallel), whole experts [e0, e1) of the E (expert_parallel.py).
 - biases of o_proj and down_proj on member 0 only (added once, before the sum, in rank order).
 Each layer's attention and MLP output is then that member's partial sum; `group_sum` (a callable the
 runtime injects: models never talk to other ranks) returns the group's total, the same bits on every
@@ -42,7 +43,8 @@ from .cache import KVCache
 from .config import ModelConfig
 from .experts import SwitchGLU
 from .layers import MLP, Attention, summed
-from .qwen3_moe import SparseMoeBlock
+from .qwen3_moe import SparseMoeBlock, num_experts
+from .expert_parallel import ExpertParallelMoeBlock, expert_share
 from . import tensor_parallel_mla as mla
 
 SUPPORTED_FAMILIES = ("llama", "qwen3_moe", "deepseek_v3", "deepseek_v32")  # registry module names sharded here
@@ -52,9 +54,11 @@ MLP_UNITS = (256, 128, 64, 32, 16)  # the widest unit of intermediate features t
 
 @dataclass(frozen=True)
 class Shard:
-    """Member `member` of a group of `size` ranks."""
+    """Member `member` of a group of `size` ranks; experts: MoE layers' routed experts divided among the group
+    whole (--expert-parallel, expert_parallel.py) rather than each sliced by its intermediate features."""
     member: int
     size: int
+    experts: bool = False
 
 
 def check_family(config: ModelConfig, module_name: str, size: int) -> None:
@@ -62,6 +66,13 @@ def check_family(config: ModelConfig, module_name: str, size: int) -> None:
     if size > 1 and module_name not in SUPPORTED_FAMILIES:
         raise UserError(f"--tensor-parallel is not supported for {config.model_type} yet; "
                         f"run with --tensor-parallel 1")
+
+
+def check_expert_parallel(config: ModelConfig, shard: Shard) -> None:
+    """One line refusing --expert-parallel where its MoE layers cannot divide their experts yet (MLA families)."""
+    if shard.experts and mla.is_mla_family(config):
+        raise UserError(f"--expert-parallel is not supported for {config.model_type} yet (Qwen3-MoE only); "
+                        f"run without it (every expert sliced across the group)")
 
 
 def even_split(count: int, parts: int, member: int) -> tuple[int, int]:
@@ -119,6 +130,7 @@ def shard_modules(model: nn.Module, config: ModelConfig, shard: Shard) -> None:
     """Replace each layer's attention and MLP projections of `model` (a TransformerSlice, not yet
     loaded) with ones of the member's shapes, so its share's arrays load into it."""
     if mla.is_mla_family(config):  # DeepSeek V3/V3.2, Kimi K2: MLA and DeepSeekMoE
+        check_expert_parallel(config, shard)
         return mla.shard_modules(model, config, shard, MLA_TOOLS)
     hd, hidden = config.head_dim, config.hidden_size
     heads = head_share(config.num_attention_heads, config.num_key_value_heads, shard)
@@ -139,6 +151,12 @@ def shard_modules(model: nn.Module, config: ModelConfig, shard: Shard) -> None:
             part.o_proj = nn.Linear(nq * hd, hidden, bias="bias" in part.o_proj and shard.member == 0 and j == 0)
         if len(parts) > 1:
             layer.self_attn = SegmentedAttention(parts)
+        if type(mlp) is SparseMoeBlock and shard.experts:  # whole experts [e0, e1) here, the router whole
+            e0, e1 = expert_share(num_experts(config), shard.size, shard.member)
+            mlp.switch_mlp = SwitchGLU(hidden, int(config.raw["moe_intermediate_size"]), e1 - e0)
+            mlp.__class__ = ExpertParallelMoeBlock
+            mlp.expert_begin, mlp.expert_end = e0, e1
+            continue
         if type(mlp) is SparseMoeBlock:  # every expert sliced by its intermediate features, the router whole
             e0, e1 = mlp_share(int(config.raw["moe_intermediate_size"]), shard)
             mlp.switch_mlp = SwitchGLU(hidden, e1 - e0, mlp.gate.weight.shape[0])
@@ -234,7 +252,7 @@ def set_group_sum(model: nn.Module, group_sum: Callable[[mx.array], mx.array] | 
     for layer in model.layers:
         layer.self_attn.group_sum = group_sum
         layer.mlp.group_sum = group_sum
-        if isinstance(layer.mlp, ShardedMoeBlock):
+        if isinstance(layer.mlp, (ShardedMoeBlock, ExpertParallelMoeBlock)):
             layer.mlp.group_choice = group_choice
         for module in (layer.self_attn, layer.mlp):  # MLA's router and indexer (tensor_parallel_mla.py)
             if hasattr(module, "take_choices_from"):
@@ -279,6 +297,9 @@ def _cut(module: str, part: str, array: mx.array, config: ModelConfig, shard: Sh
         keep = part != "bias" or first
         return [(module, _columns(module, array, part, mlp_share(config.intermediate_size, shard),
                                   config.intermediate_size))] if keep else []
+    if shard.experts and module.startswith("mlp.switch_mlp."):  # whole experts [e0, e1): the stack's first axis
+        e0, e1 = expert_share(num_experts(config), shard.size, shard.member)
+        return [(module, array if part == "ggml_type" else mx.array(array[e0:e1]))]
     if module in ("mlp.switch_mlp.gate_proj", "mlp.switch_mlp.up_proj"):  # [experts, out, in]
         return [(module, _rows(array, part, mlp_share(moe, shard)))]
     if module == "mlp.switch_mlp.down_proj":
@@ -344,6 +365,7 @@ def share_fractions(config: ModelConfig, shard: Shard) -> tuple[float, float]:
     if shard.size == 1:
         return 1.0, 1.0
     if mla.is_mla_family(config):
+        check_expert_parallel(config, shard)
         return mla.share_fractions(config, shard, MLA_TOOLS)
     hd, hidden = config.head_dim, config.hidden_size
     heads = head_share(config.num_attention_heads, config.num_key_value_heads, shard)
@@ -351,8 +373,12 @@ def share_fractions(config: ModelConfig, shard: Shard) -> tuple[float, float]:
     nq, nkv = heads.q[1] - heads.q[0], heads.kv[1] - heads.kv[0]
     whole = 2 * hidden * hd * (config.num_attention_heads + config.num_key_value_heads) + 2 * hidden
     held = 2 * hidden * hd * (nq + nkv) + 2 * hidden
-    experts = int(config.raw.get("num_experts") or 0)
-    if experts:  # Qwen3-MoE (every layer sparse, as published): the router whole, each expert sliced
+    experts = num_experts(config)  # (transformers 5 writes num_local_experts)
+    if experts and shard.experts:  # the router whole, whole experts [e0, e1) (expert_parallel.py)
+        moe = int(config.raw["moe_intermediate_size"])
+        e0, e1 = expert_share(experts, shard.size, shard.member)
+        whole, held = whole + hidden * experts * (1 + 3 * moe), held + hidden * (experts + 3 * moe * (e1 - e0))
+    elif experts:  # Qwen3-MoE (every layer sparse, as published): the router whole, each expert sliced
         moe = int(config.raw["moe_intermediate_size"])
         e0, e1 = mlp_share(moe, shard)
         whole, held = whole + hidden * experts * (1 + 3 * moe), held + hidden * experts * (1 + 3 * (e1 - e0))

@@ -6,7 +6,7 @@ input runs as a collective checkpoint, so every rank learns of a failure anywher
 from __future__ import annotations
 
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -158,6 +158,7 @@ def load_stage(settings: WeightSettings, plan: Plan, rank: int, progress: bool, 
     index, shard, group_sum, stage_class, vocab_slice = rank, None, None, Stage, None
     if group is not None and group.size > 1:
         index, shard, group_sum = group.stage, group.shard, group.group_sum
+        shard = replace(shard, experts=settings.expert_parallel)  # --expert-parallel (models/expert_parallel.py)
         stage_class = LeaderStage if group.leads else Stage
         if group.stage == 0 and not turned_off(VOCAB_SPLIT):  # stage 0's group splits the LM head by vocabulary
             vocab_slice = vocab_share(plan.config.vocab_size, group.size, group.member)

@@ -32,6 +32,7 @@ class WeightSettings:
     int8_activations: bool | None = None  # --[no-]int8-activations; None: on where every rank can (job.resolve_int8)
     draft: str = "none"  # --draft: with "mtp", rank 0 holds DeepSeek's MTP module too
     tensor_parallel: int = 1  # --tensor-parallel T: stages of T consecutive ranks, each a share of its layers
+    expert_parallel: bool = False  # --expert-parallel: MoE layers' experts divided among a stage's group, whole
 
     @property
     def requantize(self) -> Requantize | None:
