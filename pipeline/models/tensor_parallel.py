@@ -9,9 +9,9 @@ Per layer, member m of a group of T holds:
 - attention: query heads [q0, q1), split as evenly as the count allows (9 heads over 2: 5 and 4), and
   the key/value heads those query heads read, each once. Where they read them unevenly (SmolLM2's 9
   query / 3 KV heads over 2 ranks: member 0's heads 0-2 read KV head 0, its heads 3-4 KV head 1), the
-  attention runs in segments (`SegmentedAttention`), each a uniform grouped-query attention over its
-  own KV heads and cache. q/k norms are per head, held whole. o_proj: the input columns of the
-  member's heads.
+  query heads are padded to a uniform grouped-query attention (`PaddedAttention`: copies of a head
+  fill the slots, their outputs dropped before o_proj), one attention and one cache a layer. q/k norms
+  are per head, held whole. o_proj: the input columns of the member's heads.
 - MLP: gate/up rows (output features) and down's columns (input features) [i0, i1), cut on units of
   up to 256 features so that a quantized row's groups (32/64/128) and int8 blocks are never cut.
 - Qwen3-MoE: the router whole on every member, its top-k choices the first member's (`group_choice`);
@@ -42,7 +42,9 @@ from ..util.errors import UserError
 from .cache import KVCache
 from .config import ModelConfig
 from .experts import SwitchGLU
-from .layers import MLP, Attention, summed
+from ..kernels import attention, qmm
+from .layers import MLP, Attention, attend, summed
+from .packing import kept_rows, positions, segments
 from .qwen3_moe import SparseMoeBlock, num_experts
 from .expert_parallel import ExpertParallelMoeBlock, expert_share
 from . import tensor_parallel_mla as mla
@@ -140,17 +142,16 @@ def shard_modules(model: nn.Module, config: ModelConfig, shard: Shard) -> None:
         if type(attn) is not Attention or type(mlp) not in (MLP, SparseMoeBlock):
             raise UserError(f"--tensor-parallel is not supported for {config.model_type} yet; "
                             f"run with --tensor-parallel 1")
-        parts = [attn] + [Attention(config) for _ in heads.segments[1:]]
-        for j, (part, segment) in enumerate(zip(parts, heads.segments)):
-            nq, nkv = segment.q[1] - segment.q[0], segment.kv[1] - segment.kv[0]
-            part.n_heads, part.n_kv_heads = nq, nkv
-            qkv_bias = "bias" in part.q_proj
-            part.q_proj = nn.Linear(hidden, nq * hd, bias=qkv_bias)
-            part.k_proj = nn.Linear(hidden, nkv * hd, bias=qkv_bias)
-            part.v_proj = nn.Linear(hidden, nkv * hd, bias=qkv_bias)
-            part.o_proj = nn.Linear(nq * hd, hidden, bias="bias" in part.o_proj and shard.member == 0 and j == 0)
-        if len(parts) > 1:
-            layer.self_attn = SegmentedAttention(parts)
+        nq, nkv = heads.q[1] - heads.q[0], heads.kv[1] - heads.kv[0]
+        attn.n_heads, attn.n_kv_heads = nq, nkv
+        qkv_bias = "bias" in attn.q_proj
+        attn.q_proj = nn.Linear(hidden, nq * hd, bias=qkv_bias)
+        attn.k_proj = nn.Linear(hidden, nkv * hd, bias=qkv_bias)
+        attn.v_proj = nn.Linear(hidden, nkv * hd, bias=qkv_bias)
+        attn.o_proj = nn.Linear(nq * hd, hidden, bias="bias" in attn.o_proj and shard.member == 0)
+        if len(heads.segments) > 1:  # its query heads read their key/value heads unevenly
+            attn.__class__ = PaddedAttention
+            attn.pad(heads, config.num_attention_heads // config.num_key_value_heads)
         if type(mlp) is SparseMoeBlock and shard.experts:  # whole experts [e0, e1) here, the router whole
             e0, e1 = expert_share(num_experts(config), shard.size, shard.member)
             mlp.switch_mlp = SwitchGLU(hidden, int(config.raw["moe_intermediate_size"]), e1 - e0)
@@ -168,58 +169,68 @@ def shard_modules(model: nn.Module, config: ModelConfig, shard: Shard) -> None:
         mlp.down_proj = nn.Linear(i1 - i0, hidden, bias="bias" in mlp.down_proj and shard.member == 0)
 
 
-class SegmentCaches:
-    """One sequence's caches of a SegmentedAttention layer: a KVCache per segment, moved together."""
+class PaddedAttention(Attention):
+    """A member's attention whose query heads read their key/value heads unevenly (head_share: 9 query /
+    3 KV heads over 2, member 0's heads 0-2 read KV head 0, its heads 3-4 KV head 1), run as one uniform
+    grouped-query attention: its query heads laid out `per` to a key/value head (the most any of its KV
+    heads is read by), the slots a KV head's own query heads leave filled with copies of one of them
+    (one take), the copies' outputs dropped before o_proj (a slice or a take). Each real head's
+    attention is the bits it had alone (the kernel rounds each head on its own, attention_kernels.cpp),
+    its projections' rows too; o_proj is one product over the member's heads. One attention, one set
+    of projections, one KV cache a layer, where segments ran one each per segment."""
 
-    def __init__(self, parts: list[KVCache]):
-        self.parts = parts
+    def pad(self, heads: HeadShare, per_kv: int) -> None:
+        (q0, q1), (kv0, kv1) = heads.q, heads.kv
+        reads = {kv: [h - q0 for h in range(max(q0, kv * per_kv), min(q1, (kv + 1) * per_kv))]
+                 for kv in range(kv0, kv1)}
+        self.per = max(len(own) for own in reads.values())
+        slots = [own[i] if i < len(own) else own[0] for own in reads.values() for i in range(self.per)]
+        real = [kv * self.per + i for kv, own in enumerate(reads.values()) for i in range(len(own))]
+        self._slots = mx.array(slots, dtype=mx.uint32)  # underscores: not parameters
+        self._real = None if real == list(range(len(real))) else mx.array(real, dtype=mx.uint32)
 
-    @property
-    def offset(self) -> int:
-        return self.parts[0].offset
-
-    @offset.setter
-    def offset(self, value: int) -> None:  # Stage.rewind drops positions through it
-        for part in self.parts:
-            part.offset = value
-
-    def prefix(self, length: int) -> "SegmentCaches":
-        return SegmentCaches([part.prefix(length) for part in self.parts])
-
-    @property
-    def nbytes(self) -> int:
-        return sum(part.nbytes for part in self.parts)
-
-    @property
-    def bytes_per_token(self) -> int:
-        return sum(part.bytes_per_token for part in self.parts)
-
-
-class SegmentedAttention(nn.Module):
-    """A member's attention whose query heads read their key/value heads unevenly (head_share): one
-    Attention per segment, over caches of its own key/value heads, their outputs (o_proj of their heads'
-    columns) added in segment order: this member's partial output."""
-
-    group_sum = None  # as Attention's
-
-    def __init__(self, parts: list[Attention]):
-        super().__init__()
-        self.parts = parts
-
-    def make_cache(self) -> SegmentCaches:
-        return SegmentCaches([KVCache() for _ in self.parts])
-
-    def __call__(self, x: mx.array, caches: list, lengths: list[int], last_only: bool = False,
+    def __call__(self, x: mx.array, caches: list[KVCache], lengths: list[int], last_only: bool = False,
                  full: list[bool] | None = None) -> mx.array:
-        out = None
-        for j, part in enumerate(self.parts):
-            seg_caches = [cache.parts[j] for cache in caches]
-            if full is not None and any(full):
-                y = part(x, seg_caches, lengths, last_only=last_only, full=full)
-            else:
-                y = part(x, seg_caches, lengths, last_only=last_only)
-            out = y if out is None else out + y
-        return summed(self, out[0])[None]
+        """As Attention's, over the padded query heads (see the class)."""
+        _, T, H = x.shape
+        x = x.reshape(T, H)
+        offsets = positions(lengths, caches)
+        if last_only:
+            last, kept = kept_rows(lengths, full)
+        if last_only and kept[-1][1] < T:
+            k, v = self.k_proj(x), self.v_proj(x)
+            q = self.q_proj(x[last])
+        else:
+            q, k, v = qmm.products([self.q_proj, self.k_proj, self.v_proj], x)
+        heads, hd = self.n_kv_heads * self.per, self.head_dim
+        q = mx.take(q.reshape(q.shape[0], self.n_heads, hd), self._slots, axis=1)
+        k, v = k.reshape(T, self.n_kv_heads, hd), v.reshape(T, self.n_kv_heads, hd)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if last_only:
+            q, k = self.rope.rotate([q], offsets[last]), self.rope.rotate([k], offsets)
+        else:
+            qk = self.rope.rotate([q, k], offsets)
+            q, k = qk[:, :heads], qk[:, heads:]
+        rows = [e - b for b, e in kept] if last_only else list(lengths)
+        kernel = attention.kernel(q, (hd,))
+        if kernel is not None:
+            out = attention.attend_and_append(kernel, q, k, v, caches, rows, lengths, self.scale)
+        else:
+            attention.note_fallback()
+            k, v, q = k.transpose(1, 0, 2), v.transpose(1, 0, 2), q.transpose(1, 0, 2)
+            outputs, qb = [], 0
+            for (begin, end), cache, t in zip(segments(lengths), caches, rows):
+                ks, vs = cache.update_and_fetch(k[None, :, begin:end], v[None, :, begin:end])
+                outputs.append(attend(q[None, :, qb:qb + t], ks, vs, self.scale, cache.offset - t).squeeze(0))
+                qb += t
+            out = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=1)
+            out = out.transpose(1, 0, 2).reshape(out.shape[1], -1)
+        if self._real is None:  # the real heads first: the copies' columns cut off
+            out = out[:, :self.n_heads * hd]
+        else:
+            out = mx.take(out.reshape(out.shape[0], heads, hd), self._real, axis=1).reshape(out.shape[0], -1)
+        return summed(self, self.o_proj(out))[None]
 
 
 class ShardedMoeBlock(SparseMoeBlock):
@@ -283,8 +294,8 @@ def shard_weights(weights: dict[str, mx.array], config: ModelConfig, shard: Shar
 
 
 _PARAMETER = re.compile(r"^(.*layers\.\d+)\.(.+)\.([^.]+)$")  # (layer prefix, module, parameter)
-_SEGMENTED = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-              "self_attn.q_norm", "self_attn.k_norm")  # parts.j.* where a member's attention is segmented
+_HEADS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "self_attn.q_norm", "self_attn.k_norm")  # cut by heads
 
 
 def _cut(module: str, part: str, array: mx.array, config: ModelConfig, shard: Shard, heads: HeadShare):
@@ -304,22 +315,17 @@ def _cut(module: str, part: str, array: mx.array, config: ModelConfig, shard: Sh
         return [(module, _rows(array, part, mlp_share(moe, shard)))]
     if module == "mlp.switch_mlp.down_proj":
         return [(module, _columns(module, array, part, mlp_share(moe, shard), moe))]
-    if module not in _SEGMENTED:
+    if module not in _HEADS:
         return [(module, array)]  # held whole
-    segmented = len(heads.segments) > 1
-    out = []
-    for j, segment in enumerate(heads.segments):
-        target = module.replace("self_attn.", f"self_attn.parts.{j}.", 1) if segmented else module
-        if module in ("self_attn.q_norm", "self_attn.k_norm"):  # per head: every segment the same
-            out.append((target, array))
-            continue
-        heads_of = segment.kv if module in ("self_attn.k_proj", "self_attn.v_proj") else segment.q
-        rows = (heads_of[0] * hd, heads_of[1] * hd)
-        if module != "self_attn.o_proj":
-            out.append((target, _rows(array, part, rows)))
-        elif part != "bias" or (first and j == 0):
-            out.append((target, _columns(module, array, part, rows, config.num_attention_heads * hd)))
-    return out
+    if module in ("self_attn.q_norm", "self_attn.k_norm"):  # per head: held whole
+        return [(module, array)]
+    heads_of = heads.kv if module in ("self_attn.k_proj", "self_attn.v_proj") else heads.q
+    rows = (heads_of[0] * hd, heads_of[1] * hd)
+    if module != "self_attn.o_proj":
+        return [(module, _rows(array, part, rows))]
+    if part != "bias" or first:
+        return [(module, _columns(module, array, part, rows, config.num_attention_heads * hd))]
+    return []
 
 
 def _rows(array: mx.array, part: str, rows: tuple[int, int]) -> mx.array:
