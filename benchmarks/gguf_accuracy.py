@@ -34,6 +34,14 @@ Never in CI: nothing here is imported by a test.
 
 Each invocation adds its runs to benchmarks/results/gguf_accuracy.json (every run kept, with its date,
 commit and load); the table is the latest run of each (type, contender).
+
+--model padded (before --plot / --table too): the same for a function-preserving copy of the default model
+with its hidden size padded 576 -> 768 with zeros (benchmarks/padded_model.py; written as F32 once): SmolLM2's
+576 is not a multiple of 256, so llama-quantize falls back to Q4_0/Q5_0/IQ4_NL on every matrix 576 wide and a
+K-quant or i-quant type lands only on ffn_down; in the padded copy every type lands on every matrix. Its source
+is the padded F32 file (the F32 type itself; Q4_1 is requantized from it like any type), its files and
+importance matrix under $PIPELINE_CACHE/gguf_types/padded/, its runs in benchmarks/results/gguf_accuracy_padded.json
+(+ .png): the two models' tables never mix.
 """
 
 from __future__ import annotations
@@ -53,6 +61,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import llamacpp_build  # noqa: E402
+import padded_model  # noqa: E402
 import vs_llamacpp  # noqa: E402
 
 SOURCE = "Q4_1"  # the default model's own file: scored as it is, not requantized
@@ -69,6 +78,18 @@ OURS = re.compile(r"\[pipeline\] perplexity: .*? in ([\d.]+) s: ([\d.]+) tok/s .
                   r"r0 (\d+) MiB \(weights ([\d.]+) MiB")
 CONTENDERS = {"pipeline int8": ["--int8-activations"], "pipeline float": ["--no-int8-activations"]}
 JSON = common.RESULTS / "gguf_accuracy.json"
+MODELS = ("default", "padded")
+MODEL = "default"  # select_model() sets it, and the JSON, for --model padded
+
+
+def select_model(name: str) -> None:
+    global MODEL, SOURCE, JSON
+    if name not in MODELS:
+        raise SystemExit(f"error: unknown model {name!r}; choose from {', '.join(MODELS)}")
+    MODEL = name
+    if name == "padded":
+        SOURCE = REFERENCE  # the padded file is F32 itself; Q4_1 is requantized from it
+        JSON = common.RESULTS / "gguf_accuracy_padded.json"
 
 
 def scored_text() -> Path:
@@ -80,15 +101,18 @@ def imatrix_text() -> Path:
 
 
 def files_dir() -> Path:
-    return common.cache_dir() / "gguf_types"
+    return common.cache_dir() / "gguf_types" / ("padded" if MODEL == "padded" else "")
 
 
 def source_gguf() -> Path:
+    if MODEL == "padded":
+        return padded_model.write_padded(files_dir() / f"{padded_model.NAME}.F32.gguf")
     return vs_llamacpp.smollm2_gguf()
 
 
 def gguf_path(qtype: str) -> Path:
-    return source_gguf() if qtype == SOURCE else files_dir() / f"SmolLM2-135M-Instruct.{qtype}.gguf"
+    name = "SmolLM2-135M-Instruct" if MODEL == "default" else padded_model.NAME
+    return source_gguf() if qtype == SOURCE else files_dir() / f"{name}.{qtype}.gguf"
 
 
 def uptime() -> str:
@@ -343,7 +367,8 @@ def plot(data: dict) -> Path:
         a.set_xticklabels(types, rotation=60, fontsize=7)
         a.legend(fontsize=6)
     git = data.get("git", {})
-    fig.suptitle(f"GGUF types by llama-quantize from SmolLM2-135M Q4_1: pipeline vs llama.cpp "
+    source = "SmolLM2-135M Q4_1" if MODEL == "default" else "SmolLM2-135M padded to hidden 768 (F32)"
+    fig.suptitle(f"GGUF types by llama-quantize from {source}: pipeline vs llama.cpp "
                  f"({data.get('llama_cpp', {}).get('build', '')}); commit {git.get('commit', '')[:8]}", fontsize=9)
     return common.save(fig, JSON.with_suffix(".png"))
 
@@ -353,6 +378,8 @@ def plot(data: dict) -> Path:
 def main() -> int:
     parser = common.arguments(__doc__, warmup=False)
     parser.set_defaults(runs=1)
+    parser.add_argument("--model", choices=MODELS, default="default",
+                        help="padded: the default model padded to hidden size 768 (benchmarks/padded_model.py)")
     parser.add_argument("--types", default=",".join(TYPES))
     parser.add_argument("--parts", default="files,perplexity,speed", help="any of files, perplexity, speed")
     parser.add_argument("--contenders", default="llama.cpp," + ",".join(CONTENDERS),
@@ -366,6 +393,7 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=1,
                         help="perplexity runs at once (their figures do not depend on it; their wall times do)")
     args = parser.parse_args()
+    select_model(args.model)
     parts = set(args.parts.split(","))
     types = args.types.split(",")
     unknown = [t for t in types if t not in TYPES]
@@ -375,11 +403,13 @@ def main() -> int:
     build = llamacpp_build.commit_of(bins["llama-perplexity"])
     print(f"llama.cpp {build} (llama-cpp-python {bins['version']} sdist): {bins['llama-perplexity'].parent}", flush=True)
     data = load_json()
-    data.update(common.record("gguf_accuracy", "issue 37: GGUF types requantized by llama-quantize, perplexity, memory "
-                              "and speed vs llama.cpp on the same file", settings={
+    title = "issue 37: GGUF types requantized by llama-quantize, perplexity, memory and speed vs llama.cpp on the same file"
+    data.update(common.record(JSON.stem, title + (" (the default model padded to hidden 768)" if MODEL == "padded" else ""),
+                              settings={
                                   k: getattr(args, k) for k in ("prompt_tokens", "new_tokens", "batch", "batch_prompt",
                                                                 "batch_new")},
                               text=str(scored_text()), imatrix_text=str(imatrix_text()), chunk=CHUNK, goals=GOALS,
+                              model=MODEL, source=str(source_gguf()),
                               llama_cpp={"build": build, "llama_cpp_python_sdist": bins["version"],
                                          "bin": str(bins["llama-perplexity"].parent),
                                          "cmake_options": list(llamacpp_build.CMAKE_OPTIONS)}))
@@ -399,7 +429,7 @@ def main() -> int:
             fresh.clear()
             disk["table"] = table(disk)
             disk["load_after"] = common.load_average()
-            common.write_json("gguf_accuracy", disk)
+            common.write_json(JSON.stem, disk)
             data["types"], data["runs"] = disk["types"], disk["runs"]
         plot(disk)
 
@@ -468,9 +498,13 @@ def print_goals(rows: dict) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--plot"]:
+    rest = sys.argv[1:]
+    if rest[:1] == ["--model"] and rest[2:] in (["--plot"], ["--table"]):
+        select_model(rest[1])
+        rest = rest[2:]
+    if rest == ["--plot"]:
         plot(load_json())
-    elif sys.argv[1:] == ["--table"]:
+    elif rest == ["--table"]:
         print_goals(table(load_json()))
     else:
         sys.exit(main())
