@@ -95,11 +95,60 @@ def balance(model: Path, prompt_ids: list[int], tokens: int, sizes=(2, 3)) -> di
     return out
 
 
+def compute(model: Path, prompt_ids: list[int], tokens: int, rounds: int) -> dict:
+    """One member's own work per decoded token, in-process on this one core, no group sums (they are what the
+    shared machine's load makes noisy): member 0 of T = 2 sliced, member 0 of T = 2 expert-parallel (its
+    choices evaluated at each MoE layer), and the whole model; interleaved round by round, ms per token."""
+    import mlx.core as mx
+
+    from pipeline.checkpoints.int8_repack import use_int8
+    from pipeline.checkpoints.model_files import locate
+    from pipeline.models.tensor_parallel import Shard
+    from pipeline.runtime.stage import Stage
+
+    checkpoint = locate(model).open(None)
+    config = checkpoint.model_config()
+    layers = (0, config.num_hidden_layers)
+    stages = {name: Stage.load(config, checkpoint, layers, has_ends=True, dtype=mx.float32, shard=shard)
+              for name, shard in (("1 rank", None), ("member 0 of 2 sliced", Shard(0, 2)),
+                                  ("member 0 of 2 experts", Shard(0, 2, True)))}
+    for stage in stages.values():  # int8 activations, as generate holds them on an AVX2/AVX-512 CPU
+        use_int8(stage.model, tied_head=bool(config.tie_word_embeddings))
+    embed = stages["1 rank"].model.embed
+    hidden = embed(mx.array([prompt_ids[:16]]))
+    step = embed(mx.array([[prompt_ids[16]]]))
+    mx.eval(hidden, step)
+    out: dict[str, list[float]] = {name: [] for name in stages}
+    for round_ in range(rounds + 1):
+        for name, stage in stages.items():
+            stage.run_layers(hidden, [round_])
+            start = time.perf_counter()
+            for _ in range(tokens):
+                stage.run_layers(step, [round_])
+            if round_:
+                out[name].append(1000 * (time.perf_counter() - start) / tokens)
+            stage.release([round_])
+    return {name: common.summary(v) for name, v in out.items()}
+
+
 def main() -> None:
     parser = common.arguments(__doc__)
     parser.set_defaults(runs=3)
     parser.add_argument("--balance-only", action="store_true")
+    parser.add_argument("--compute-only", action="store_true",
+                        help="only one member's work per token, in-process (run it under taskset -c 0)")
     args = parser.parse_args()
+    if args.compute_only:
+        model = tp.qwen3_moe_2b()
+        _, ids = common.prompt_of(model, tp.PROMPT_TOKENS)
+        print(f"load: {tp.uptime()}", flush=True)
+        result = compute(model, ids, tp.NEW_TOKENS, args.runs)
+        for name, stats in result.items():
+            print(f"{name:<24} {stats['median']:.1f} ms/token (min {stats['min']:.1f}, max {stats['max']:.1f})")
+        print(f"load: {tp.uptime()}", flush=True)
+        common.write_json(NAME + "_compute", common.record(NAME + "_compute", compute.__doc__.split("\n")[0],
+                                                           compute=result, uptime=tp.uptime()))
+        return
     model = tp.qwen3_moe_2b()
     text, ids = common.prompt_of(model, tp.PROMPT_TOKENS)
     print(f"load: {tp.uptime()}", flush=True)

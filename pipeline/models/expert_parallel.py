@@ -10,18 +10,18 @@ The group's one sum after the MoE (rank-ordered float32) adds the members' parti
 bits are the same run after run, but they differ from slicing's (each expert's output is whole on one
 member, where slicing adds T partial products of it).
 
-No data-dependent shapes (the token's graph, group sums included, is still evaluated at once): a chosen
-expert held elsewhere is replaced by one of the token's own chosen experts (the first; expert e0 where it
-chose none of this member's) at weight 0. The gathered products group a token's rows by expert, so a
-member reads only the matrices of the experts it holds and was chosen for (at least one per token), and
-multiplies k rows through them where it would need only its own: in decode (one token, reading weights
-dominates) nearly the cost of its own experts; in a long prefill each member still multiplies all k rows
-a token (no saving of arithmetic there, only of weights read).
+Only a member's own (token, expert) pairs are computed: the choices are evaluated at each MoE layer (one
+cut of the token's graph a layer, where the in-graph sums otherwise let a token evaluate at once), the pairs
+this member holds picked out, run through its experts, and put back at their places among the token's k
+(the others zero), then summed over k in the same order as the whole layer sums them. (Keeping the graph
+whole by running a choice held elsewhere as one of the token's own at weight 0 reads no more weights, but
+the gathered products cost per row: measured 5.7 tok/s against slicing's 7.0 on the MoE benchmark.)
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 from .layers import summed
 from .qwen3_moe import SparseMoeBlock
@@ -35,15 +35,12 @@ def expert_share(experts: int, size: int, member: int) -> tuple[int, int]:
     return begin, begin + base + (member < extra)
 
 
-def own_choices(indices: mx.array, weights: mx.array, begin: int, end: int) -> tuple[mx.array, mx.array]:
-    """(local expert indices, weights) of a member holding experts [begin, end) for the group's top-k choices
-    `indices` [tokens, k] and their weights: a choice held elsewhere becomes the token's first own choice
-    (local 0 where it has none) at weight 0, so the gathered product reads no expert this member lacks."""
-    local = indices.astype(mx.int32) - begin
-    mine = (local >= 0) & (local < end - begin)
-    first = mx.argmax(mine.astype(mx.int32), axis=-1, keepdims=True)  # the first own choice (0 where none)
-    fallback = mx.where(mx.take_along_axis(mine, first, axis=-1), mx.take_along_axis(local, first, axis=-1), 0)
-    return mx.where(mine, local, fallback), mx.where(mine, weights, mx.zeros_like(weights))
+def own_pairs(indices: np.ndarray, begin: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+    """(flat positions among the [tokens, k] choices, local expert indices) of the choices `indices` that a
+    member holding experts [begin, end) runs, in token then k order."""
+    flat = indices.reshape(-1).astype(np.int64)
+    positions = np.flatnonzero((flat >= begin) & (flat < end))
+    return positions, flat[positions] - begin
 
 
 class ExpertParallelMoeBlock(SparseMoeBlock):
@@ -64,7 +61,14 @@ class ExpertParallelMoeBlock(SparseMoeBlock):
         weights = mx.take_along_axis(probs, indices, axis=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(axis=-1, keepdims=True)
-        local, weights = own_choices(indices, weights, self.expert_begin, self.expert_end)
-        routed = self.switch_mlp(tokens, local)  # [tokens, k, hidden]
+        mx.eval(indices)  # the pairs this member runs: a shape known only now
+        positions, local = own_pairs(np.array(indices), self.expert_begin, self.expert_end)
+        k = indices.shape[-1]
+        routed = mx.zeros((tokens.shape[0] * k, tokens.shape[-1]), tokens.dtype)
+        if positions.size:
+            rows = mx.array(positions // k)
+            own = self.switch_mlp(tokens[rows], mx.array(local[:, None], mx.uint32))[:, 0]  # [pairs, hidden]
+            routed[mx.array(positions)] = own
+        routed = routed.reshape(tokens.shape[0], k, -1)
         out = (routed * weights[..., None].astype(routed.dtype)).sum(axis=1)
         return summed(self, out).reshape(x.shape)
