@@ -139,3 +139,18 @@ def test_preflight_counts_whole_experts_per_member(moe):
     measured = [float(m) for m in re.findall(r"\(weights ([0-9.]+) MiB", job.stderr)]
     assert len(planned) == len(measured) == 3 and planned == measured, (planned, measured)
     assert measured[1] > measured[2]  # 3 experts vs 2 (rank 0 holds the ends too)
+
+
+def test_mla_families_refuse_expert_parallel(tmp_path):
+    """DeepSeek V3's MoE cannot divide its experts yet: one line naming the family, slicing still allowed."""
+    from test_tensor_parallel_mla import make
+
+    from pipeline.checkpoints.model_files import locate
+    from pipeline.models.tensor_parallel import Shard, share_fractions
+    from pipeline.util.errors import UserError
+
+    make("deepseek_v3", tmp_path / "v3")
+    config = locate(tmp_path / "v3").open(None).model_config()
+    with pytest.raises(UserError, match="--expert-parallel is not supported for deepseek_v3 yet"):
+        share_fractions(config, Shard(0, 2, True))
+    share_fractions(config, Shard(0, 2))
