@@ -317,14 +317,15 @@ def test_default_model_holds_these_types_in_blocks(smol_file, kernels):
             held = [stage.model.layers[i].mlp.down_proj for i in range(len(SMOL_TYPES))]
             assert all(type(m) is qmm.GGUFBlocksLinear for m in held)
             logits[int8] = np.array(forward([stage], prompt))
+        state.gguf_int8 = False  # the reference in float products throughout (its tied Q8_0 head is held in blocks too)
+        reference = Stage.load(config, checkpoint, layers, has_ends=True, dtype=mx.float32)
+        for i, (module, qtype) in enumerate(zip(held, SMOL_TYPES)):  # float32 Linears of gguf's dequantization
+            linear = nn.Linear(1536, 576, bias=False)
+            linear.weight = mx.array(gguf.quants.dequantize(np.array(module["weight"]), qtype).astype(np.float32))
+            reference.model.layers[i].mlp.down_proj = linear
+        truth = np.array(forward([reference], prompt))
     finally:
         state.gguf_int8 = saved
-    reference = Stage.load(config, checkpoint, layers, has_ends=True, dtype=mx.float32)
-    for i, (module, qtype) in enumerate(zip(held, SMOL_TYPES)):  # float32 Linears of gguf's dequantization
-        linear = nn.Linear(1536, 576, bias=False)
-        linear.weight = mx.array(gguf.quants.dequantize(np.array(module["weight"]), qtype).astype(np.float32))
-        reference.model.layers[i].mlp.down_proj = linear
-    truth = np.array(forward([reference], prompt))
     assert_far_from_uniform(truth)
     # measured: float 2.7e-5, int8 1.17 / 96% top-1 (logits up to |67|)
     assert np.abs(logits[False] - truth).max() < 1e-4

