@@ -137,7 +137,7 @@ def format_layouts(layouts: list[Layout], host: HostTerms, link: LinkTerms, cont
         lines.append(f"  best single stream: {single.name}; best {batch}-stream throughput: {batched.name}"
                      + ("" if single.tensor_parallel == 1 else
                         " (the runtime runs --tensor-parallel for the Llama family, Qwen3-MoE, DeepSeek V3/V3.2 "
-                        "and Kimi K2, and refuses it for the others by name; on CPUs it does not yet speed one stream: docs/tensor-parallel.md)"))
+                        "and Kimi K2, and refuses it for the others by name; measured on CPUs: docs/tensor-parallel.md)"))
     if measured:
         lay = next(lay for lay in rows if lay.tensor_parallel == measured.tensor_parallel)
         lines.append(f"  measured by {measured.who}: {measured.tps:g} tok/s for this model and cluster "
