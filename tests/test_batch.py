@@ -272,9 +272,12 @@ def rank_pids(marker: str, ranks: int, timeout: float = 60) -> dict[int, int]:
             try:
                 env = dict(item.split("=", 1) for item in (entry / "environ").read_bytes().decode(errors="replace")
                            .split("\0") if "=" in item)
+                # the rank itself, not a child it started with its environment (the compiler building the
+                # kernels at first use: a fresh-clone CI once killed a finished g++ here, ProcessLookupError)
+                is_rank = b"-m\0pipeline\0" in (entry / "cmdline").read_bytes()
             except OSError:
                 continue
-            if env.get("BATCH_TEST_MARKER") == marker and "PIPELINE_SUPERVISED" in env and "PMI_RANK" in env:
+            if env.get("BATCH_TEST_MARKER") == marker and "PIPELINE_SUPERVISED" in env and "PMI_RANK" in env and is_rank:
                 pids[int(env["PMI_RANK"])] = int(entry.name)
         if len(pids) == ranks:
             return pids
