@@ -54,13 +54,7 @@ class ExpertParallelMoeBlock(SparseMoeBlock):
 
     def __call__(self, x: mx.array) -> mx.array:
         tokens = x.reshape(-1, x.shape[-1])
-        probs = mx.softmax(self.gate(tokens).astype(mx.float32), axis=-1)
-        indices = mx.argpartition(-probs, kth=self.top_k - 1, axis=-1)[:, : self.top_k]
-        if self.group_choice is not None:
-            indices = self.group_choice(indices)
-        weights = mx.take_along_axis(probs, indices, axis=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(axis=-1, keepdims=True)
+        indices, weights = self.route(tokens, self.group_choice)
         mx.eval(indices)  # the pairs this member runs: a shape known only now
         positions, local = own_pairs(np.array(indices), self.expert_begin, self.expert_end)
         k = indices.shape[-1]

@@ -25,13 +25,21 @@ class SparseMoeBlock(nn.Module):
         self.gate = nn.Linear(config.hidden_size, num_experts(config), bias=False)
         self.switch_mlp = SwitchGLU(config.hidden_size, int(r["moe_intermediate_size"]), num_experts(config))
 
-    def __call__(self, x: mx.array) -> mx.array:
-        tokens = x.reshape(-1, x.shape[-1])
+    def route(self, tokens: mx.array, choice=None) -> tuple[mx.array, mx.array]:
+        """Each token's top-k experts and their weights. `choice`: what makes the indices final (under
+        tensor parallelism, the group's first member's choices on every member)."""
         probs = mx.softmax(self.gate(tokens).astype(mx.float32), axis=-1)
         indices = mx.argpartition(-probs, kth=self.top_k - 1, axis=-1)[:, : self.top_k]
+        if choice is not None:
+            indices = choice(indices)
         weights = mx.take_along_axis(probs, indices, axis=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(axis=-1, keepdims=True)
+        return indices, weights
+
+    def __call__(self, x: mx.array) -> mx.array:
+        tokens = x.reshape(-1, x.shape[-1])
+        indices, weights = self.route(tokens)
         routed = self.switch_mlp(tokens, indices)  # [tokens, k, hidden]
         return (routed * weights[..., None].astype(routed.dtype)).sum(axis=1).reshape(x.shape)
 
