@@ -1,9 +1,11 @@
 """Two hosts on one machine: two network namespaces joined by a veth pair, one MPI rank in each,
 MPI over TCP across the veth (issue 34's check of the planner's TCP terms on a link we can measure).
 
-    ip netns add tpbench-a / tpbench-b; a veth pair, one end in each, both renamed tpveth0;
-    10.99.0.1/24 in tpbench-a, 10.99.0.2/24 in tpbench-b (addresses exist only inside the namespaces:
-    the pair has no route out, nothing leaves the machine); lo up in each.
+    ip netns add tpbench<PID>-a / tpbench<PID>-b (PID: this process's, so that two runs at once do not
+    collide); a veth pair, one end in each, both renamed tpveth0; 10.99.0.1/24 in -a, 10.99.0.2/24 in -b
+    (addresses exist only inside the namespaces: the pair has no route out, nothing leaves the machine);
+    lo up in each. Torn down on leaving the `with` block, on SIGTERM / SIGHUP / SIGINT, at exit; a
+    later run removes what a killed one (SIGKILL) left: tpbench<PID>-* whose PID is no longer running.
 
 MPICH's Hydra starts the job from inside tpbench-a (`ip netns exec tpbench-a mpiexec -f HOSTFILE
 -iface tpveth0 -launcher ssh -launcher-exec LAUNCH`), where 10.99.0.1 is local (forked there) and
@@ -26,17 +28,20 @@ Under mpiexec, `--worker pingpong` is that ping-pong's rank code.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
-import shlex
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-NAMESPACES = ("tpbench-a", "tpbench-b")
+PREFIX_NS = "tpbench"
+NAMESPACES = (f"{PREFIX_NS}{os.getpid()}-a", f"{PREFIX_NS}{os.getpid()}-b")  # this process's two hosts
 ADDRESSES = ("10.99.0.1", "10.99.0.2")
 IFACE = "tpveth0"
 PREFIX = 24
@@ -63,6 +68,30 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
 
 
+def _stale_namespaces() -> list[str]:
+    """tpbench<PID>-a/-b namespaces whose PID is not a running process (a run killed by SIGKILL)."""
+    out = []
+    for line in _ip("netns", "list", check=False).stdout.splitlines():
+        m = re.match(rf"({PREFIX_NS}(\d+)-[ab])\b", line.strip())
+        if m and not Path(f"/proc/{m[2]}").exists():
+            out.append(m[1])
+    return out
+
+
+def _end_processes(ns: str) -> None:
+    """SIGTERM the processes still in namespace ns (a job this run started there and left, e.g. on Ctrl-C):
+    only ours are in it, the namespace being this run's own."""
+    for pid in _ip("netns", "pids", ns, check=False).stdout.split():
+        try:
+            os.kill(int(pid), signal.SIGTERM)
+        except (ProcessLookupError, ValueError):
+            pass
+
+
+def _raise_exit(signum, frame):  # SIGTERM / SIGHUP: leave the `with` block (and so tear down) as Ctrl-C does
+    raise SystemExit(128 + signum)
+
+
 class TwoHosts:
     """Context manager: the two namespaces and the veth exist inside `with`, and are gone after it
     (also on an exception). `mpiexec(argv)` is the command that runs argv as 2 ranks, one per host."""
@@ -70,18 +99,30 @@ class TwoHosts:
     def __init__(self, cpus: tuple[int, int] = (0, 1)):
         self.cpus = cpus
         self.tmp: Path | None = None
+        self.ends = (f"tp{os.getpid()}a", f"tp{os.getpid()}b")  # the veth's ends before the move (<= 15 chars)
+        self._signals: dict = {}
 
     def __enter__(self) -> "TwoHosts":
         if os.geteuid() != 0:
             raise SystemExit("error: two hosts in network namespaces need root (ip netns add); run as root")
         if not shutil.which("ip"):
             raise SystemExit("error: no `ip` command (iproute2) to make network namespaces")
-        self.teardown()  # what a killed run may have left
+        for ns in _stale_namespaces():  # what a killed run left
+            _end_processes(ns)
+            _ip("netns", "del", ns, check=False)
+        self.teardown()
+        atexit.register(self.teardown)
+        self._signals = {}
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            try:
+                self._signals[sig] = signal.signal(sig, _raise_exit)
+            except ValueError:  # not the main thread: atexit and `with` still tear down
+                pass
         try:
             for ns in NAMESPACES:
                 _ip("netns", "add", ns)
-            _ip("link", "add", "tpbench0a", "type", "veth", "peer", "name", "tpbench0b")
-            for ns, end, address in zip(NAMESPACES, ("tpbench0a", "tpbench0b"), ADDRESSES):
+            _ip("link", "add", self.ends[0], "type", "veth", "peer", "name", self.ends[1])
+            for ns, end, address in zip(NAMESPACES, self.ends, ADDRESSES):
                 _ip("link", "set", end, "netns", ns)
                 _ip("-n", ns, "link", "set", end, "name", IFACE)
                 _ip("-n", ns, "addr", "add", f"{address}/{PREFIX}", "dev", IFACE)
@@ -100,11 +141,18 @@ class TwoHosts:
 
     def __exit__(self, *exc) -> None:
         self.teardown()
+        for sig, handler in self._signals.items():
+            signal.signal(sig, handler)
+        self._signals = {}
+        atexit.unregister(self.teardown)
 
     def teardown(self) -> None:
         for ns in NAMESPACES:  # deleting a namespace deletes the veth end in it, and so the pair
-            _ip("netns", "del", ns, check=False)
-        _ip("link", "del", "tpbench0a", check=False)  # a pair made but not yet moved
+            if ns in _ip("netns", "list", check=False).stdout:
+                _end_processes(ns)
+                _ip("netns", "del", ns, check=False)
+        if Path(f"/sys/class/net/{self.ends[0]}").exists():  # a pair made but not yet moved
+            _ip("link", "del", self.ends[0], check=False)
         if self.tmp is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             self.tmp = None
@@ -144,8 +192,21 @@ class TwoHosts:
         return [" ".join(line.split()) for line in text.splitlines() if line.strip()]
 
 
+def ping_rtt(hosts: TwoHosts, count: int = 50, interval: float = 0.01) -> dict:
+    """ICMP round trip across the veth (kernel to kernel, no MPI): `ping` from the first namespace to the
+    second's address; min / avg / max / mdev in us (None where there is no `ping`)."""
+    if not shutil.which("ping"):
+        return {"rtt_us": None, "why": "no ping command"}
+    proc = subprocess.run(["ip", "netns", "exec", NAMESPACES[0], "ping", "-q", "-c", str(count), "-i", str(interval),
+                           ADDRESSES[1]], capture_output=True, text=True)
+    m = re.search(r"= ([\d.]+)/([\d.]+)/([\d.]+)/([\d.]+) ms", proc.stdout)
+    if not m:
+        return {"rtt_us": None, "why": (proc.stdout + proc.stderr)[-300:]}
+    return {"count": count, **{k: 1e3 * float(v) for k, v in zip(("min_us", "avg_us", "max_us", "mdev_us"), m.groups())}}
+
+
 def pingpong(hosts: TwoHosts, sizes: list[int], python: str = sys.executable, timeout: float = 120) -> dict:
-    """One-way seconds per message size across the two hosts (rank 0 -> 1 -> 0, halved), the veth's
+    """One-way seconds per message size across the two hosts (rank 0 -> 1 -> 0, the median trip halved), the veth's
     received bytes over the run, and the fitted latency (smallest message) and bandwidth (largest)."""
     before = hosts.traffic()
     cmd = hosts.mpiexec([python, str(Path(__file__).resolve()), "--worker", "pingpong",
@@ -159,7 +220,8 @@ def pingpong(hosts: TwoHosts, sizes: list[int], python: str = sys.executable, ti
     small, large = min(seconds), max(seconds)
     latency = seconds[small]
     gbs = (large - small) / (seconds[large] - seconds[small]) / 1e9 if seconds[large] > seconds[small] else None
-    return {"one_way_s": seconds, "latency_us": latency * 1e6, "gbs": gbs,
+    return {"one_way_s": seconds, "mean_one_way_s": {int(k): v for k, v in result["mean_one_way_s"].items()},
+            "latency_us": latency * 1e6, "gbs": gbs,
             "namespaces": result["namespaces"], "veth_rx_bytes": {ns: after[ns] - before.get(ns, 0) for ns in after},
             "payload_bytes": result["payload_bytes"]}
 
@@ -171,25 +233,30 @@ def _pingpong_worker(sizes: list[int]) -> None:
     comm = MPI.COMM_WORLD
     rank, peer = comm.Get_rank(), 1 - comm.Get_rank()
     namespaces = comm.gather(os.readlink("/proc/self/ns/net"), root=0)
-    out, payload = {}, 0
+    out, mean, payload = {}, {}, 0
     for size in sizes:
         buf = np.zeros(size, np.uint8)
         iters = max(20, min(2000, int(2e8 // max(size, 1) // 100)))
         for timed in (False, True):  # a warm-up pass, then the timed one
             comm.Barrier()
-            start = time.perf_counter()
+            trips = []
             for _ in range(iters if timed else max(5, iters // 10)):
+                start = time.perf_counter()
                 if rank == 0:
                     comm.Send(buf, dest=peer)
                     comm.Recv(buf, source=peer)
                 else:
                     comm.Recv(buf, source=peer)
                     comm.Send(buf, dest=peer)
-            elapsed = time.perf_counter() - start
-        out[size] = elapsed / iters / 2
+                trips.append(time.perf_counter() - start)
+        # the median round trip, halved: a loaded machine's descheduled trips (a rank off its core for
+        # milliseconds) are the machine's, not the link's; the mean is kept beside it
+        out[size] = sorted(trips)[len(trips) // 2] / 2
+        mean[size] = sum(trips) / len(trips) / 2
         payload += 2 * size * (iters + max(5, iters // 10))
     if rank == 0:
-        print(json.dumps({"one_way_s": out, "namespaces": namespaces, "payload_bytes": payload}), flush=True)
+        print(json.dumps({"one_way_s": out, "mean_one_way_s": mean, "namespaces": namespaces,
+                          "payload_bytes": payload}), flush=True)
 
 
 def main() -> int:
@@ -203,6 +270,8 @@ def main() -> int:
         _pingpong_worker(sizes)
         return 0
     with TwoHosts() as hosts:
+        rtt = ping_rtt(hosts)
+        print("ping round trip (us):", {k: round(v, 1) for k, v in rtt.items() if isinstance(v, float)})
         result = pingpong(hosts, sizes)
         for size, s in result["one_way_s"].items():
             print(f"{size:>9} B one way {s * 1e6:9.1f} us  {size / s / 1e9:7.3f} GB/s")

@@ -20,19 +20,24 @@ line; batch: `pipeline batch` of 16 prompts x 64 new tokens, tensor 1 x 2 vs pip
 A contender the runtime refuses (e.g. a family without tensor parallelism) is recorded with its
 error line and the rest go on.
 
-Two hosts (`--hosts-runs`, default on where we are root): the two ranks in two network namespaces
-joined by a veth pair (netns_hosts.py), MPI over TCP across it, so that every group sum and every
-hop crosses a real TCP stack: single-stream decode of tensor 1 x 2 and pipeline 2 x 1 (llama-1b),
-the veth's byte counters per run, a ping-pong's one-way latency and bandwidth across it, and the
-planner's prediction of that run (planner/layouts.py) with its linux-tcp terms
-(planner/cluster_costs.py) and with the measured link terms, beside the measured tok/s. The host's
-memory bandwidth the planner is given is measured here too (numpy sum, one process per core at once).
+Two hosts (part `hosts`, on where we are root): the two ranks in two network namespaces joined by a
+veth pair (netns_hosts.py, names unique to the run, removed at the end also on failure), MPI over TCP
+across it, so that every group sum and every hop crosses a real TCP stack: single-stream decode of
+tensor 1 x 2 and pipeline 2 x 1 (llama-1b), interleaved with 1 rank on this machine; the link measured
+before and after the runs (ping's round trip, an MPI ping-pong's one-way median of 8 B, one sum's
+8 KB and 1 MiB, the bandwidth from those), the veth's byte counters per run; and one line per layout
+("TWO HOSTS ..."): the measured decode tok/s, the planner's prediction of that run (layouts.plan_layout:
+the model, its split, the measured link's latency and bandwidth, cluster_costs.LINUX_CPU's host terms,
+the host's bandwidth fitted so that its 1-rank figure is the 1 rank measured in the same rounds), and
+predicted / measured; the same with the linux-tcp link terms and other host bandwidths below it.
 
 Goals (issue 34): single-stream decode with T = 2 >= 1.6x one rank (dense), >= 1.5x (MoE); the
 planner's TCP terms within 25% of the two-host single-stream figure.
 
     python benchmarks/tensor_parallel.py [--runs 2] [--warmup 1] [--models llama-1b,qwen3-moe-2b]
-        [--no-batch] [--no-hosts] [--batch-runs 1]
+        [--no-batch] [--no-hosts] [--batch-runs 1] [--parts single,batch,hosts] [--name NAME]
+    python benchmarks/tensor_parallel.py --models llama-1b --parts hosts --runs 3 --name tensor_parallel_hosts
+        # the planner's TCP check alone (as root; a few minutes)
     python benchmarks/tensor_parallel.py --plot     # redraw the PNG from the JSON
 """
 
@@ -57,6 +62,7 @@ NAME = "tensor_parallel"
 GOALS = {"llama-1b": 1.6, "qwen3-moe-2b": 1.5}
 PLANNER_GOAL = 0.25  # |predicted / measured - 1| on the two-host run
 PROMPT_TOKENS, NEW_TOKENS = 128, 32
+LINK_SIZES = [8, 2048 * 4, 1 << 20]  # ping-pong: latency, llama-1b's group sum (hidden 2048 x 4 B), bandwidth
 BATCH_REQUESTS, BATCH_TOKENS = 16, 64
 KEYS = ["prefill_tps", "decode_tps", "ttft_s", "sum_ms_per_token", "peak_rss_mib"]
 
@@ -478,52 +484,90 @@ def batch(model: Path, runs: int, warmup: int) -> dict:
             "refused": {lay: s["refused"] for lay, s in stats.items() if "refused" in s}, "runs": runs_}
 
 
-def two_hosts(model: Path, prompt: str, runs: int, warmup: int, bandwidth: dict,
-              one_rank_tps: float | None) -> dict:
+def two_hosts(model: Path, name: str, prompt: str, runs: int, warmup: int, bandwidth: dict) -> dict:
+    """Single-stream decode of pipeline 2 x 1 and tensor 1 x 2 with the two ranks in two network namespaces
+    (MPI over TCP on the veth), interleaved with 1 rank on this machine (outside the namespaces: the host
+    term of the headline prediction is fitted on it, so that what the prediction checks is the link's and
+    the sums' terms); the link measured before and after (ping, MPI ping-pong); one line per layout:
+    measured tok/s, the planner's prediction of that run, their ratio."""
     layouts = ["pipeline 2 x 1", "tensor 1 x 2"]
     with netns_hosts.TwoHosts() as hosts:
-        link = netns_hosts.pingpong(hosts, [8, 2048 * 4, 1 << 20])
-        print(f"  veth: one-way latency {link['latency_us']:.1f} us, bandwidth {link['gbs']:.2f} GB/s "
-              f"(ping-pong of 8 B / 8 KB / 1 MB; veth received {link['veth_rx_bytes']})", flush=True)
-        runs_ = interleave({lay: (lambda lay=lay: run_generate(model, lay, prompt, hosts)) for lay in layouts},
-                           runs, warmup)  # no warm-up round by default: the same runs just ran on one machine
-        link_after = netns_hosts.pingpong(hosts, [8, 2048 * 4, 1 << 20])
+        rtt = netns_hosts.ping_rtt(hosts)
+        link = netns_hosts.pingpong(hosts, LINK_SIZES)
+        print(f"  veth ({uptime()}): ping round trip min/avg {rtt.get('min_us', 0):.0f}/{rtt.get('avg_us', 0):.0f} us; "
+              f"MPI ping-pong one way (median trip) " + ", ".join(
+                  f"{size} B {1e6 * s:.1f} us" for size, s in link["one_way_s"].items())
+              + f"; {link['gbs']:.2f} GB/s (1 MiB); veth received {link['veth_rx_bytes']}", flush=True)
+        contenders = {"1 rank": lambda: run_generate(model, "1 rank", prompt)}  # this machine, no namespaces
+        contenders.update({lay: (lambda lay=lay: run_generate(model, lay, prompt, hosts)) for lay in layouts})
+        runs_ = interleave(contenders, runs, warmup)
+        rtt_after = netns_hosts.ping_rtt(hosts)
+        link_after = netns_hosts.pingpong(hosts, LINK_SIZES)
+        namespaces = netns_hosts.NAMESPACES
+    print(f"  namespaces {', '.join(namespaces)} removed: "
+          f"{not any(ns in netns_hosts._ip('netns', 'list', check=False).stdout for ns in namespaces)}", flush=True)
     stats = {lay: stats_of(rs, KEYS) for lay, rs in runs_.items()}
+    one_rank_tps = median(stats["1 rank"], "decode_tps")
     context = PROMPT_TOKENS + NEW_TOKENS
+    sum_bytes = 4 * int(json.loads((model / "config.json").read_text())["hidden_size"])
     measured_link = {"latency_us": (link["latency_us"] + link_after["latency_us"]) / 2,
-                     "gbs": (link["gbs"] + link_after["gbs"]) / 2}
-    # The host's bandwidth the planner is given, three ways: the probe's (numpy sum on each core, now);
-    # fitted, so that the planner's one-rank figure equals the one-rank decode measured minutes before on
-    # the same machine (the planner's single stream on one host is linear in the bandwidth: this removes
-    # the host term and leaves the link's and the sums' to be checked); the idle machine's (roofline.json).
-    bases = {"probe": bandwidth["per_rank_gbs"]}
+                     "gbs": (link["gbs"] + link_after["gbs"]) / 2,
+                     "sum_message_one_way_us": 1e6 * (link["one_way_s"][sum_bytes] + link_after["one_way_s"][sum_bytes]) / 2,
+                     "ping_rtt_min_us": [r.get("min_us") for r in (rtt, rtt_after)],
+                     "ping_rtt_avg_us": [r.get("avg_us") for r in (rtt, rtt_after)]}
+    # The host's bandwidth the planner is given, three ways: fitted, so that the planner's one-rank figure
+    # equals the one-rank decode measured in these rounds on this machine (the planner's single stream on one
+    # host is linear in the bandwidth: this removes the host term and leaves the link's and the sums' to be
+    # checked; the headline); the probe's (numpy sum on each core, at the start); the idle machine's
+    # (roofline.json).
+    bases = {}
     if one_rank_tps:
         bases["fitted to 1 rank"] = bandwidth["per_rank_gbs"] * one_rank_tps / predict(
             model, 1, bandwidth["per_rank_gbs"], None, context, hosts=1)["single_tps"]
+    bases["probe"] = bandwidth["per_rank_gbs"]
     if bandwidth.get("idle_one_process_gbs"):
         bases["idle machine"] = bandwidth["idle_one_process_gbs"]
-    comparison = {}
+    comparison, headline = {}, {}
     for lay in layouts:
         t = 2 if lay.startswith("tensor") else 1
         got = median(stats[lay], "decode_tps")
-        table = {base: {"linux-tcp": predict(model, t, gbs, None, context),
-                        "measured link": predict(model, t, gbs, measured_link, context)}
+        table = {base: {"measured link": predict(model, t, gbs, measured_link, context),
+                        "linux-tcp": predict(model, t, gbs, None, context)}
                  for base, gbs in bases.items()}
         comparison[lay] = {"measured_decode_tps": got, "measured_sum_ms_per_token": median(stats[lay], "sum_ms_per_token"),
                            "host_bandwidth_gbs": bases, "predicted": table,
                            "ratio": {base: {k: v["single_tps"] / got for k, v in row.items()} if got else None
                                      for base, row in table.items()}}
+        base = next(iter(bases))
+        p = table[base]["measured link"]
+        loads = [r.get("load_before") for r in runs_[lay] if "refused" not in r]
+        headline[lay] = {
+            "model": name, "layout": p["layout"], "measured_decode_tps": got, "predicted_tps": p["single_tps"],
+            "ratio_predicted_over_measured": p["single_tps"] / got if got else None,
+            "within_goal": abs(p["single_tps"] / got - 1) <= PLANNER_GOAL if got else None,
+            "predicted_sums_ms_per_token": p["sums_ms_per_token"],
+            "measured_sums_ms_per_token": comparison[lay]["measured_sum_ms_per_token"],
+            "host_bandwidth": f"{base}: {bases[base]:.2f} GB/s" + (f" (1 rank {one_rank_tps:.2f} tok/s)" if one_rank_tps else ""),
+            "link": {"latency_us": measured_link["latency_us"], "gbs": measured_link["gbs"]},
+            "host_terms": p["host_terms"], "load_before_runs": loads}
         if got:
-            print(f"  {lay}: measured {got:.2f} tok/s (group sums {comparison[lay]['measured_sum_ms_per_token']} "
-                  f"ms/token); planner:", flush=True)
-            for base, row in table.items():
-                print(f"    host bandwidth {base} ({bases[base]:.1f} GB/s): " + "; ".join(
+            h = headline[lay]
+            print(f"  TWO HOSTS {lay}: measured {got:.2f} tok/s, planner {h['predicted_tps']:.2f} tok/s "
+                  f"(model {name}, {lay}, link {measured_link['latency_us']:.1f} us + {measured_link['gbs']:.2f} GB/s "
+                  f"measured, sum overhead {p['host_terms']['sum_overhead_us']:g} us, host bw {h['host_bandwidth']}), "
+                  f"predicted/measured {h['ratio_predicted_over_measured']:.2f} "
+                  f"({'within' if h['within_goal'] else 'NOT within'} {PLANNER_GOAL:.0%}); sums measured "
+                  f"{h['measured_sums_ms_per_token']} / predicted {h['predicted_sums_ms_per_token']:.2f} ms/token; "
+                  f"load {', '.join(f'{x:.1f}' for x in loads)}", flush=True)
+            for base_, row in table.items():
+                print(f"    host bandwidth {base_} ({bases[base_]:.1f} GB/s): " + "; ".join(
                     f"{k} terms {v['single_tps']:.2f} tok/s ({v['single_tps'] / got - 1:+.0%}, sums "
                     f"{v['sums_ms_per_token']:.2f} ms/token)" for k, v in row.items()), flush=True)
     ratios = comparison["tensor 1 x 2"]["ratio"]
     within = {base: abs(r["linux-tcp"] - 1) <= PLANNER_GOAL for base, r in ratios.items() if r}
-    return {"namespaces": netns_hosts.NAMESPACES, "addresses": netns_hosts.ADDRESSES, "mpi_env": netns_hosts.MPI_ENV,
-            "link_before": link, "link_after": link_after, "measured_link": measured_link,
+    return {"namespaces": namespaces, "addresses": netns_hosts.ADDRESSES, "mpi_env": netns_hosts.MPI_ENV,
+            "ping_before": rtt, "ping_after": rtt_after, "link_before": link, "link_after": link_after,
+            "measured_link": measured_link, "headline": headline,
             "stats": stats, "planner": comparison, "planner_goal": PLANNER_GOAL,
             "planner_linux_tcp_within_goal": within,  # per host bandwidth basis
             "refused": {lay: s["refused"] for lay, s in stats.items() if "refused" in s}, "runs": runs_}
@@ -545,6 +589,10 @@ def main() -> None:
     parser.add_argument("--no-hosts", dest="hosts", action="store_false",
                         help="skip the two-host run (network namespaces; needs root)")
     parser.add_argument("--hosts-model", default="llama-1b", help="the model of the two-host run (default llama-1b)")
+    parser.add_argument("--parts", default="single,batch,hosts",
+                        help="which parts to run, of single (1 rank / pipeline / tensor on one machine), batch "
+                        "(16 x 64) and hosts (two network namespaces); default all. A short check of the planner's "
+                        "TCP terms: --models llama-1b --parts hosts --runs 3")
     parser.add_argument("--name", default=NAME, help=f"results/NAME.json and .png (default {NAME})")
     parser.add_argument("--plot", action="store_true", help="only redraw the PNG from results/NAME.json")
     parser.add_argument("--worker", choices=["sums"], default=None, help="run as one rank of the sums probe "
@@ -552,6 +600,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=15, help=argparse.SUPPRESS)
     parser.add_argument("--layers", type=int, default=16, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
+    if parts - {"single", "batch", "hosts"}:
+        parser.error(f"--parts {args.parts}: each part is one of single, batch, hosts")
+    if not args.batch:
+        parts.discard("batch")
+    if not args.hosts:
+        parts.discard("hosts")
     if args.worker == "sums":
         sums_worker(args.tokens, args.layers)
         return
@@ -559,10 +614,13 @@ def main() -> None:
         plot(json.loads((common.RESULTS / f"{args.name}.json").read_text()))
         return
     started = time.time()
-    print(f"load: {uptime()}", flush=True)
-    bandwidth = host_bandwidth_gbs()
-    print(f"memory bandwidth per one-core rank (numpy sum, 2 at once): {bandwidth['per_rank_gbs']:.1f} GB/s", flush=True)
-    probes = [sums_probe()]
+    uptime_before = uptime()
+    print(f"load: {uptime_before}", flush=True)
+    bandwidth = host_bandwidth_gbs() if "hosts" in parts else None  # the planner's input, for the hosts part
+    if bandwidth:
+        print(f"memory bandwidth per one-core rank (numpy sum, 2 at once): {bandwidth['per_rank_gbs']:.1f} GB/s",
+              flush=True)
+    probes = [sums_probe()] if "single" in parts else []
     models = {}
     for name in args.models.split(","):
         model = MODELS[name]()
@@ -571,29 +629,31 @@ def main() -> None:
               f"{NEW_TOKENS} new; {uptime()}", flush=True)
         entry = {"folder": str(model), "parameters": common.param_count(model), "prompt_tokens": len(ids),
                  "new_tokens": NEW_TOKENS}
-        entry["single"] = single_stream(model, name, text, args.runs, args.warmup)
-        for key, value in entry["single"]["ratios"].items():
-            print(f"  {key}: {value:.2f}x", flush=True)
-        if args.batch:
+        if "single" in parts:
+            entry["single"] = single_stream(model, name, text, args.runs, args.warmup)
+            for key, value in entry["single"]["ratios"].items():
+                print(f"  {key}: {value:.2f}x", flush=True)
+        if "batch" in parts:
             print(f"{name}: batch {BATCH_REQUESTS} x {BATCH_TOKENS}; {uptime()}", flush=True)
             entry["batch"] = batch(model, args.batch_runs, 0)
             if entry["batch"]["ratio_tensor_over_pipeline"]:
                 print(f"  batch tensor 1 x 2 / pipeline 2 x 1: {entry['batch']['ratio_tensor_over_pipeline']:.2f}x",
                       flush=True)
-        if args.hosts and name == args.hosts_model:
+        if "hosts" in parts and name == args.hosts_model:
             if os.geteuid() != 0:
                 entry["two_hosts"] = {"skipped": "not root: ip netns needs root"}
             else:
                 print(f"{name}: two hosts (network namespaces, MPI over TCP on a veth); {uptime()}", flush=True)
-                entry["two_hosts"] = two_hosts(model, text, args.runs, 0, bandwidth,
-                                               median(entry["single"]["stats"].get("1 rank", {}), "decode_tps"))
+                entry["two_hosts"] = two_hosts(model, name, text, args.runs, 0 if "single" in parts else args.warmup,
+                                               bandwidth)
         for section in ("single", "two_hosts"):
             strip_texts(entry.get(section, {}))
         models[name] = entry
     payload = common.record(args.name, "issue 34: --tensor-parallel 2 vs 1 rank vs a 2-stage pipeline, one core per rank; "
                             "and across two network namespaces (MPI over TCP on a veth)",
-                            runs=args.runs, warmup=args.warmup, load_after=common.load_average(),
-                            uptime_after=uptime(), sums_probe=probes + [sums_probe()], minutes=(time.time() - started) / 60, bandwidth=bandwidth,
+                            runs=args.runs, warmup=args.warmup, parts=sorted(parts), uptime_before=uptime_before,
+                            load_after=common.load_average(), uptime_after=uptime(),
+                            sums_probe=probes + ([sums_probe()] if "single" in parts else []), minutes=(time.time() - started) / 60, bandwidth=bandwidth,
                             goals=GOALS, models=models)
     path = common.write_json(args.name, payload)
     plot(payload)

@@ -15,11 +15,18 @@ table (layouts.py) predicts every layout with these terms:
   rank ends with the same bits and no broadcast follows (one latency; the T - 1 sends go out together
   but leave through one port, so their bytes add up). Two per layer (after attention, after the MLP or
   MoE) and one for the LM head's split vocabulary (argmax / sampling combined on rank 0);
-- plus the host's `sum_overhead_us` per sum, whatever its bytes: the runtime's own work around a sum
-  (evaluating the partial, copies in and out of MPI, MPI's progress) and the wait for the partner rank
-  (the slower one: rank 0's extra work, a rank not on a CPU when the sum comes). Fitted for Linux CPU
-  ranks over TCP on the two-host runs of benchmarks/tensor_parallel.py (TCP_SUMS); 0 on the M3 Ultra
-  terms, whose `link_fraction` was fitted with it folded in.
+- plus the host's `sum_overhead_us` per sum, whatever its bytes and whatever the link: the runtime's own
+  work around a sum (the in-graph primitive's MPI calls and its add, MPI's progress) and the wait for the
+  partner rank (the slower one: rank 0's extra work). Rule: the runtime's own per-sum time measured where
+  the link costs next to nothing (2 ranks on one machine, MPI over shared memory, an idle machine), less
+  that link's own latency and bytes (an MPI ping-pong beside it); the link's latency and bytes are then
+  added for the link at hand (GROUP_SUMS: fit and checks). 0 on the M3 Ultra terms, whose `link_fraction`
+  was fitted with it folded in;
+- a pipeline hop costs the link's latency + its bytes / bandwidth + the host's `hop_overhead_us`: the
+  runtime's own work per hop (per stage of the ring: the send and receive of the hidden state or the
+  token, waking the waiting rank, a stage's per-step work). Same rule: pipeline 2 x 1 against 1 rank on
+  one idle machine over shared memory (HOP_RUNS), less that link's latency and bytes. 0 on the M3 Ultra
+  terms (no pipeline figure to fit it on).
 
 Sources (figures as published; bit widths as we assume them, see MEASUREMENTS):
 - exo 1.0 on 4 x M3 Ultra (2 x 512 + 2 x 256 GB), RDMA over Thunderbolt 5, tensor parallel: Jeff Geerling,
@@ -36,11 +43,10 @@ Sources (figures as published; bit widths as we assume them, see MEASUREMENTS):
   on zingnex.cn: 7.4 GB/s). Geerling: RDMA took the latency "from 300us down to < 50us".
 - TCP: 10 Gigabit Ethernet carries at most 1.25 GB/s (about 1.1 GB/s of payload); MPI over TCP on a
   switched LAN answers a small message in tens of microseconds (50 us assumed); over a Thunderbolt IP
-  bridge Geerling's ~300 us. Checked by the TCP runs of issue 34's benchmark (benchmarks/tensor_parallel.py:
-  two network namespaces joined by a veth pair, MPI over UCX's TCP, llama-1b at T = 2, 33 sums of 8 KB a
-  token; TCP_SUMS): the veth answers in 30-43 us at 0.61-0.64 GB/s (the link terms' figures are of that
-  order), but a token's sums took 60-65 ms, 1.8-1.96 ms a sum where latency and bytes give 43-56 us:
-  the term the link figures lack is per sum, not per byte (`sum_overhead_us`).
+  bridge Geerling's ~300 us. Checked by the TCP runs of issue 34's benchmark (benchmarks/tensor_parallel.py
+  --parts hosts: two network namespaces joined by a veth pair, MPI over UCX's TCP, llama-1b at T = 2, 33
+  sums of 8 KB a token), whose measured link (ping-pong medians: 8 B ~5 us one way, 8 KB ~7 us, 0.25-2 GB/s)
+  is what the prediction of that run is given (GROUP_SUMS' "check" rows).
 """
 
 from __future__ import annotations
@@ -58,6 +64,8 @@ class HostTerms(NamedTuple):
     link_fraction: float  # of the link's bandwidth a token's group sums reach
     sum_overhead_us: float = 0.0  # per group sum besides the link's latency and bytes: the runtime's own work
     # around it and the wait for the partner rank (see the module docstring)
+    hop_overhead_us: float = 0.0  # per pipeline hop besides the link's latency and bytes: the runtime's own
+    # work per hop (see the module docstring)
 
 
 class LinkTerms(NamedTuple):
@@ -73,8 +81,9 @@ class LinkTerms(NamedTuple):
                 + (ranks - 1) * values * PARTIAL_BYTES / (self.gbs * 1e9 * host.link_fraction))
 
     def hop_seconds(self, host: HostTerms, bytes_: float) -> float:
-        """A pipeline hop between stages: one message, as a group sum's bytes fare."""
-        return self.latency_us * 1e-6 + bytes_ / (self.gbs * 1e9 * host.link_fraction)
+        """A pipeline hop between stages: one message, as a group sum's bytes fare, + the host's own per hop."""
+        return ((self.latency_us + host.hop_overhead_us) * 1e-6
+                + bytes_ / (self.gbs * 1e9 * host.link_fraction))
 
 
 # M3 Ultra running MLX: bandwidth_fraction is the geometric mean of measured / roofline tok/s over the three
@@ -89,39 +98,65 @@ APPLE_MLX = HostTerms("M3 Ultra, MLX", bandwidth_fraction=0.5525, link_fraction=
 
 
 class SumMeasurement(NamedTuple):
-    """A two-host tensor-parallel run's group sums (benchmarks/tensor_parallel.py, llama-1b at T = 2 in two
-    network namespaces joined by a veth, MPI over UCX's TCP, one core per rank on a 2-core machine)."""
+    """A run's group sums as the runtime measured them (benchmarks/tensor_parallel.py, tensor 1 x 2 of llama-1b,
+    2 one-core ranks on a 2-core machine, one stream: the stats line's 'group sums X ms/token', the most of any
+    rank), and the link it ran on as an MPI ping-pong beside it measured it (one way, median trip)."""
     source: str  # benchmarks/results/<name>.json, and its "date"
     date: str
     load: str  # the machine's load average during the runs
+    link: str  # "shared memory" (2 ranks on one machine) or "veth, TCP" (two network namespaces)
     sums_per_token: int  # 2 per layer + the LM head's
-    sum_ms_per_token: float  # measured (median of the runs; the stats line's, the most of any rank)
-    latency_us: float  # the veth, measured beside the runs (the benchmark's mpi4py ping-pong, one way)
-    gbs: float
-    partial_bytes: int  # hidden_size x 4 B
-    role: str  # "fit": fits LINUX_CPU's sum_overhead_us; "check"
+    sum_ms_per_token: float  # measured (median of the runs)
+    message_us: float  # one sum's message (hidden_size x 4 B) one way on that link, measured (ping-pong median)
+    role: str  # "fit": sum_overhead_us is this run's; "check": predicted from it; "loaded": recorded only
+
+    @property
+    def per_sum_us(self) -> float:
+        return 1e3 * self.sum_ms_per_token / self.sums_per_token
 
     @property
     def overhead_us(self) -> float:
-        """What a sum took beyond the link's latency and its bytes."""
-        return (1e3 * self.sum_ms_per_token / self.sums_per_token - self.latency_us
-                - self.partial_bytes / (self.gbs * 1e3))
+        """What a sum took beyond its message on the link."""
+        return self.per_sum_us - self.message_us
 
 
-TCP_SUMS = [
-    SumMeasurement("tensor_parallel_rerun", "2026-12-06T04:55:19+0000", "4-7", 33, 64.55, 42.70, 0.6145, 8192,
-                   "fit"),  # 1900 us a sum
-    SumMeasurement("tensor_parallel_llama", "2026-12-06T04:46:12+0000", "11-13", 33, 60.52, 30.35, 0.6421, 8192,
-                   "check"),  # 1791 us (-6%)
-    # (the first run, tensor_parallel.json at load 16-24: 201 ms a token, 5.8 ms a sum over a veth answering in
-    # 286 us: the wait grows with the load, and an oversubscribed host is outside what these terms predict)
+# Shared memory: the 8 KB message one way 3.8-3.9 us, 8 B 1.1 us, 1 MiB 122-479 us (`mpiexec -n 2 -bind-to core
+# python benchmarks/netns_hosts.py --worker pingpong --sizes 8,8192,1048576`, 2026-12-06 09:43 UTC, load 12: the
+# median trip barely moves with the load, its mean does).
+SHARED_MEMORY_8KB_US = 3.85
+GROUP_SUMS = [
+    # The idle machine's run (load 1.1-1.3, at 54f3fc1, the sum in MLX's graph): T = 2 decoded 26.4 and 24.8 tok/s
+    # with 3.37 and 2.93 ms a token of sums: 95.5 us a sum, of which the link's 8 KB take 3.9 us.
+    SumMeasurement("tensor_parallel_quiet", "2026-12-06T08:35:50+0000", "1.1-1.3", "shared memory", 33, 3.15,
+                   SHARED_MEMORY_8KB_US, "fit"),  # 91.6 us a sum beyond the link
+    # Two hosts (veth, MPI over UCX's TCP; a23f195), loaded: load 13.6-15.2 throughout, 7.5 ms a sum against a
+    # link whose 8 KB message takes 6.5 us one way (ping-pong median; ping's round trip 28-35 us at best): nearly
+    # all of it the wait for the partner rank to be on a core, which no link or host term holds (its 1 rank
+    # decoded 3.5 tok/s, 15.9 idle). Recorded, not fitted on: the idle rerun is the check.
+    SumMeasurement("tensor_parallel_hosts", "2026-12-06T09:50:01+0000", "13.6-15.2", "veth, TCP", 33, 248.79,
+                   6.47, "loaded"),
+    # (The TCP runs of b862d90's Python sum, tensor_parallel_rerun / _llama: 1.8-1.96 ms a sum, the sum this
+    # term was fitted on before the sum moved into the graph; not this runtime's any more.)
 ]
+
+# Pipeline 2 x 1 against 1 rank, decode tok/s, in the same rounds on the idle machine (tensor_parallel_quiet,
+# load 1.1-1.3): 1 rank 15.8, 16.0; pipeline 2 x 1 14.7, 15.0 (medians 15.9, 14.85). The pipeline reads the
+# same weights in two halves and adds 2 hops a token (to the second stage, back to the first).
+HOP_RUNS = {"source": "tensor_parallel_quiet", "one_rank_tps": 15.9, "pipeline_tps": 14.85, "hops": 2,
+            "message_us": SHARED_MEMORY_8KB_US}
+
+
+def hop_overhead_us(run: dict = HOP_RUNS) -> float:
+    """Per hop, what the pipeline's token took beyond the one rank's, less the link's message."""
+    return 1e6 * (1 / run["pipeline_tps"] - 1 / run["one_rank_tps"]) / run["hops"] - run["message_us"]
+
 
 # Linux CPU ranks (this runtime): quantized products read 16-23 GB/s of the ~31 GB/s two threads read on the
 # development machine (docs/speed.md), about 0.6; a CPU rank ends no GPU command buffer, so the group sums reach
-# the link's figures (link_fraction 1), plus 1.9 ms a sum (TCP_SUMS' fit): the sums as the runtime ran them at
-# b862d90 (an Iallgather of the evaluated float32 partial per sum); a faster sum is to be refitted on its own runs.
-LINUX_CPU = HostTerms("Linux CPU", bandwidth_fraction=0.6, link_fraction=1.0, sum_overhead_us=1900.0)
+# the link's figures (link_fraction 1), plus the runtime's own 91.6 us a sum (GROUP_SUMS' fit, the sum in MLX's
+# graph since e53a7d1; was 1900 us fitted on the Python sum's TCP runs) and 2220 us a hop (HOP_RUNS).
+LINUX_CPU = HostTerms("Linux CPU", bandwidth_fraction=0.6, link_fraction=1.0, sum_overhead_us=91.6,
+                      hop_overhead_us=2220.0)
 
 THUNDERBOLT5_RDMA = LinkTerms("Thunderbolt 5 RDMA", latency_us=8.0, gbs=7.5)
 TCP_ETHERNET = LinkTerms("TCP, 10 Gigabit Ethernet", latency_us=50.0, gbs=1.1)
