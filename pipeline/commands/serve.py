@@ -153,7 +153,7 @@ def run(args: argparse.Namespace, comm) -> int:
             follow(stage, job.transport, timeline, job.group_rows, store=stored and stored.store)
             stop_mates(job.group)
         else:
-            follow_leader(stage, job.group)
+            follow_leader(stage, job.group, store=stored and stored.store)
     if stored is not None:
         stored.store.close()  # the writes still queued
     timeline.finish()

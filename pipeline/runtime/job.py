@@ -25,7 +25,8 @@ from ..kernels.int8_layout import INT8_BLOCK
 from ..models.config import ModelConfig
 from ..models.mtp import check_mtp, mtp_nbytes
 from ..models.registry import family_for
-from ..models.tensor_parallel import check_family
+from ..models.tensor_parallel import Shard, check_family, head_share, share_fractions
+from ..models.tensor_parallel_mla import is_mla_family
 from ..models.vocab_split import vocab_share
 from ..planner.host_memory import MemoryPlan
 from ..planner.layer_split import SplitWeights, split_layers
@@ -293,12 +294,12 @@ class PromptCache:
 def prompt_cache(settings: JobSettings, job: RingJob, comm) -> PromptCache | None:
     """Collective: each rank opens its files in --prompt-cache-dir (a folder others may write to is
     refused), reads their headers, and rank 0 indexes the entries that every rank holds with a valid
-    header; the other files of this model and split go. None without the flag."""
+    header; the other files of this model and split go. None without the flag. Under --tensor-parallel
+    each member of a stage's group keeps its own share of every entry (its shard in its files' names and
+    its identity), and the bound counts every member's files."""
     ring, plan = settings.ring, job.plan
     if ring.prompt_cache_dir is None:
         return None
-    if job.group.size > 1:
-        raise UserError("--prompt-cache-dir does not hold --tensor-parallel shards yet: run without one of them")
     family = family_for(plan.config)
     if not family.prefix_cache:
         raise UserError(f"--prompt-cache-dir: {plan.config.model_type} keeps {family.kept_state} that the prefix "
@@ -313,16 +314,20 @@ def prompt_cache(settings: JobSettings, job: RingJob, comm) -> PromptCache | Non
                             f"memory serves it)")
         identity = model_identity(model_files(plan.folder), {
             "dtype": weights.dtype, "quantize": weights.quantize, "group_size": weights.group_size,
-            "int8_activations": plan.int8})
-        return PromptCacheStore(ring.prompt_cache_dir, identity, plan.ranges[rank])
+            "int8_activations": plan.int8, **shard_identity(plan.config, job.group)})
+        index = job.group.stage if job.group.size > 1 else rank  # the split speaks of stages
+        return PromptCacheStore(ring.prompt_cache_dir, identity, plan.ranges[index],
+                                (job.group.member, job.group.size))
 
     store = mpi.checkpoint(comm, open_store)
+    held_share = mpi.checkpoint(comm, lambda: kv_held_share(plan.config, job.group.size))
     found = store.scan()
     held = comm.gather({key: entry.positions for key, entry in found.items()}, root=0)
     index, keep = None, None
     if rank == 0:
         arch = architecture(plan.config)
         per_position = arch.kv_values * getattr(mx, weights.dtype).size * plan.config.num_hidden_layers  # all ranks'
+        per_position *= held_share  # under --tensor-parallel: every member's share (KV heads held twice, MLA's latent)
         capacity = int(ring.prompt_cache_dir_gb * 1e9 // per_position) if per_position else 0
         per_entry = 4 * sum(c.per_sequence for c in arch.kv_layers or [])  # fixed-size states, float32 at most
         index = StoredIndex(capacity, entry_key, min_positions=STORED_MIN_POSITIONS,
@@ -337,6 +342,26 @@ def prompt_cache(settings: JobSettings, job: RingJob, comm) -> PromptCache | Non
     store.remove(removed)
     store.flush()
     return PromptCache(store, index, len(removed))
+
+
+def shard_identity(config: ModelConfig, group: Group) -> dict:
+    """What a member's share of an entry depends on beyond the model (its tensor-parallel shard, the KV
+    heads it holds), for its files' identity: none at T = 1, so that today's files keep their names."""
+    if group.size == 1:
+        return {}
+    shard = Shard(group.member, group.size)
+    if is_mla_family(config):  # the latent cache is whole on every member
+        return {"tensor_parallel": [shard.member, shard.size]}
+    heads = head_share(config.num_attention_heads, config.num_key_value_heads, shard)
+    return {"tensor_parallel": [shard.member, shard.size], "kv_heads": list(heads.kv)}
+
+
+def kv_held_share(config: ModelConfig, t: int) -> float:
+    """The KV cache a stage's group holds over the whole stage's: the sum of its members' fractions (1 at
+    T = 1; more where KV heads are held by several members, T where each holds it whole, as MLA's latent)."""
+    if t == 1:
+        return 1.0
+    return sum(share_fractions(config, Shard(member, t))[1] for member in range(t))
 
 
 def model_files(path: Path) -> list[Path]:

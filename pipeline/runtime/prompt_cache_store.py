@@ -6,7 +6,8 @@ caches name it (their `state_arrays`: a KV cache's keys and values, which grow w
 linear-attention layer's convolution window and recurrent memory, or DeepSeek V4's window of keys and
 compressed series, fixed or not, each array with its own dtype: Stage.stored_arrays), named by
 the model's identity, the entry's key (a hash of its token ids), the rank's layer range and its
-tensor-parallel shard (always 0 of 1 for now). Rank 0 alone decides what is written, read and
+tensor-parallel shard (member and T: under --tensor-parallel each member of a stage's group stores its
+own share, on its leader's word, tensor_group.py). Rank 0 alone decides what is written, read and
 removed, and tells the ring in order (scheduler.py); this module is what one rank does with its
 files: the format, the checks, and a writer thread, with no MPI.
 

@@ -349,8 +349,7 @@ class Scheduler:
                                                            prefix=[positions]))
         started = time.perf_counter()
         with self.timeline.span(COMPUTE, "load stored entry"):
-            stored = self.store.load(key, positions)
-            own = stored is not None and self.stage.load_stored(seq.seq_id, stored, positions)
+            own = self.stage.load_from_store(self.store, seq.seq_id, key, positions)
         self.stored.load_s += time.perf_counter() - started
         if self.transport.size > 1:
             self.in_flight.append(PendingLoad(seq, key, positions, own))
@@ -391,7 +390,7 @@ class Scheduler:
         for key in keys:
             self.stored.forget(key)
         self.stored.failed += failed
-        self.store.remove(keys)
+        self.stage.remove_stored(self.store, keys)
         if self.transport.size > 1:
             self.sends.append(self.transport.isend_message(1, Kind.DROP, entries=keys))
 
@@ -558,7 +557,7 @@ class Scheduler:
             return
         started = time.perf_counter()
         with self.timeline.span(COMPUTE, "save stored entry"):
-            self.store.save(key, len(tokens), self.stage.stored_arrays(seq_id, len(tokens)), tokens=tokens)
+            self.stage.save_stored(self.store, seq_id, key, len(tokens), tokens=tokens)
         self.stored.save_s += time.perf_counter() - started
         if self.transport.size > 1:
             self.sends.append(self.transport.isend_message(1, Kind.SAVE, [seq_id], entries=[key],
@@ -744,17 +743,16 @@ def follow_stored(stage: Stage, store: PromptCacheStore | None, message) -> list
     """A follower's part of SAVE, LOAD or DROP (prompt cache on disk); returns the positions to pass
     on: a LOAD this rank could not serve (or an earlier rank could not) goes on as -positions."""
     if message.kind == Kind.DROP:
-        store.remove(message.entries)
+        stage.remove_stored(store, message.entries)
         return []
     if message.kind == Kind.SAVE:
         for seq_id, key, positions in zip(message.seq_ids, message.entries, message.prefix):
-            store.save(key, positions, stage.stored_arrays(seq_id, positions))
+            stage.save_stored(store, seq_id, key, positions)
         return message.prefix
     answers = []
     for seq_id, key, positions in zip(message.seq_ids, message.entries, message.prefix):
         if positions > 0:
-            stored = store.load(key, positions)
-            if stored is None or not stage.load_stored(seq_id, stored, positions):
+            if not stage.load_from_store(store, seq_id, key, positions):
                 positions = -positions
         answers.append(positions)
     return answers

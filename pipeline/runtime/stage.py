@@ -160,6 +160,22 @@ class Stage:
         self.caches[seq_id] = caches
         return True
 
+    def save_stored(self, store, seq_id: int, key: int, positions: int, tokens=None) -> None:
+        """Queue this rank's file of a finished sequence's first `positions` positions as the stored entry
+        `key` (store: its prompt_cache_store.PromptCacheStore; tokens: rank 0's token ids). A tensor-parallel
+        leader (tensor_group.LeaderStage) tells its mates to store theirs first."""
+        store.save(key, positions, self.stored_arrays(seq_id, positions), tokens=tokens)
+
+    def load_from_store(self, store, seq_id: int, key: int, positions: int) -> bool:
+        """Start a sequence from this rank's file of the stored entry `key` (`load_stored`); False, leaving
+        nothing behind, where it cannot be read or does not fit (its one warning said why)."""
+        stored = store.load(key, positions)
+        return stored is not None and self.load_stored(seq_id, stored, positions)
+
+    def remove_stored(self, store, keys: list[int]) -> None:
+        """Remove this rank's files of these stored entries."""
+        store.remove(keys)
+
     @property
     def cache_nbytes(self) -> int:
         return sum(c.nbytes for caches in self.caches.values() for c in caches)

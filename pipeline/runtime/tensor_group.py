@@ -19,8 +19,13 @@ logits with a HEAD command (`SplitHead`): every logit where the caller reads the
 (sampling, drafts, perplexity), or only a summary of each slice (max, argmax, logsumexp, top entries)
 where greedy tokens and their logprobs are all it needs.
 
-Not yet: --transport mlx (MLX 0.32 cannot split its group), the prompt cache on disk, and families other
-than Llama's, Qwen3-MoE and the MLA families (DeepSeek V3/V3.2, Kimi K2; models/tensor_parallel.py
+The prompt cache on disk (serve --prompt-cache-dir): each member stores and loads its own share of an
+entry in files of its own (prompt_cache_store.py, named by its shard); a leader's `save_stored`,
+`load_from_store` and `remove_stored` send SAVE, LOAD and DROP to its mates first, and a LOAD waits
+for every mate's answer: the entry starts the sequence only where every member loaded its share, else
+the whole group releases it and the request runs cold.
+
+Not yet: --transport mlx (MLX 0.32 cannot split its group), and families other than Llama's, Qwen3-MoE and the MLA families (DeepSeek V3/V3.2, Kimi K2; models/tensor_parallel.py
 check_family).
 """
 
@@ -44,6 +49,7 @@ from ..util.errors import UserError
 from .stage import Stage
 
 RUN, RELEASE, REWIND, FORK, STOP, HEAD = 1, 2, 3, 4, 5, 6
+SAVE, LOAD, DROP = 7, 8, 9  # the prompt cache on disk: each member its own share (module docstring)
 FULL, SUMMARY = 0, 1  # what a member returns of its head slice for a HEAD command
 _HEADER = 12  # command, sequences, last_only, full given, dtype code, ndim, 4 dims, positions (REWIND), spare
 _WIRE = {mx.float32: (0, np.float32), mx.float16: (1, np.float16), mx.bfloat16: (2, np.uint16)}
@@ -132,8 +138,25 @@ class LeaderStage(Stage):
         send(self.group, FORK, len(new_ids), [*new_ids, *kept_ids, *lengths])
         super().fork(new_ids, kept_ids, lengths)
 
-    def load_stored(self, seq_id: int, arrays: list, *layout) -> bool:
-        return False  # the prompt cache on disk is refused with --tensor-parallel (job.prompt_cache)
+    def save_stored(self, store, seq_id: int, key: int, positions: int, tokens=None) -> None:
+        send(self.group, SAVE, 1, [seq_id, key, positions])
+        super().save_stored(store, seq_id, key, positions, tokens)
+
+    def load_from_store(self, store, seq_id: int, key: int, positions: int) -> bool:
+        """The mates read theirs while the leader reads its own; True where every member loaded its share,
+        else the group releases whatever some loaded (the request runs cold)."""
+        send(self.group, LOAD, 1, [seq_id, key, positions])
+        own = super().load_from_store(store, seq_id, key, positions)
+        answers = mates_answers(self.group, 1)
+        if own and all(a[0] > 0 for a in answers):
+            return True
+        self.release([seq_id])  # (a member that loaded nothing holds nothing to release)
+        return False
+
+    def remove_stored(self, store, keys: list[int]) -> None:
+        if keys:
+            send(self.group, DROP, len(keys), list(keys))
+        super().remove_stored(store, keys)
 
 
 class SplitHead:
@@ -204,8 +227,37 @@ def stop_mates(group: Group) -> None:
         send(group, STOP, 0)
 
 
-def follow_leader(stage: Stage, group: Group) -> None:
-    """A mate (member > 0): run its leader's commands on its own shard until STOP."""
+def mates_answers(group: Group, count: int) -> list[list[int]]:
+    """Leader: each mate's answer to a LOAD of `count` entries (positions loaded, or -positions)."""
+    answers = []
+    for mate in range(1, group.size):
+        buf = np.empty(count, dtype=np.int64)
+        group.link.recv(buf, mate)
+        answers.append(buf.tolist())
+    return answers
+
+
+def follow_stored_command(stage: Stage, group: Group, store, command: int, layout: list[int]) -> None:
+    """A mate's part of SAVE, LOAD or DROP: its own share's files (`store`: its PromptCacheStore); a LOAD
+    is answered to the leader (positions, or -positions where this member could not load its share)."""
+    if command == DROP:
+        stage.remove_stored(store, layout)
+        return
+    count = len(layout) // 3
+    entries = zip(layout[:count], layout[count:2 * count], layout[2 * count:])
+    if command == SAVE:
+        for seq_id, key, positions in entries:
+            stage.save_stored(store, seq_id, key, positions)
+        return
+    answers = np.array([p if stage.load_from_store(store, s, k, p) else -p
+                        for s, k, p in entries], dtype=np.int64)
+    link = group.link
+    link.wait_for(link.isend(answers, 0), 0, sending=True)
+
+
+def follow_leader(stage: Stage, group: Group, store=None) -> None:
+    """A mate (member > 0): run its leader's commands on its own shard until STOP. store: its own files
+    of the prompt cache on disk (SAVE, LOAD, DROP), where the job has one."""
     waiting, link = group.waiting, group.link
     header = np.empty(_HEADER, dtype=np.int64)
     while True:
@@ -214,7 +266,7 @@ def follow_leader(stage: Stage, group: Group) -> None:
         if command == STOP:
             return
         words = {RUN: 2 * count + (count if header[3] else 0), RELEASE: count, REWIND: count, FORK: 3 * count,
-                 HEAD: 2}[command]
+                 HEAD: 2, SAVE: 3 * count, LOAD: 3 * count, DROP: count}[command]
         layout = np.empty(words, dtype=np.int64)
         if words:
             link.recv(layout, 0)
@@ -237,3 +289,5 @@ def follow_leader(stage: Stage, group: Group) -> None:
             stage.rewind(layout, int(header[10]))
         elif command == FORK:
             stage.fork(layout[:count], layout[count:2 * count], layout[2 * count:])
+        elif command in (SAVE, LOAD, DROP):
+            follow_stored_command(stage, group, store, command, layout)
