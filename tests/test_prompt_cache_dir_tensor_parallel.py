@@ -4,8 +4,8 @@ its own share of every entry (runtime/tensor_group.py SAVE, LOAD, DROP; job.prom
 On a tiny Llama whose 9 query / 3 KV heads T = 2 splits unevenly (member 0 reads KV heads 0-1, member 1
 KV heads 1-2): the two members' files hold those heads (KV head 1 in both, bit for bit: the independent
 truth that each holds its own share, not its leader's), their payloads add up to what the bound counts
-per position (every member's files, as --prompt-cache-dir-gb counts them); a restarted T = 2 server starts the next turn from disk with the
-logprobs of a cold T = 2 server; a hybrid of 2 stages x 2 on 4 ranks restarts from its own files alike,
+per position (every member's files: a bound they exceed only so counted empties the folder at start-up);
+a restarted T = 2 server starts the next turn from disk with the logprobs of a cold T = 2 server; a hybrid of 2 stages x 2 on 4 ranks restarts from its own files alike,
 and a restart of the same layer ranges at T = 1 finds no entry of its own (a cold start, the T = 2 files
 left alone)."""
 
