@@ -74,6 +74,7 @@ _LAYER = re.compile(r"^blk\.(\d+)\.(.+)\.(weight|bias)$")
 _FLOAT_ONLY = ("ffn_gate_inp",)
 
 MIN_PIECE_VALUES = 1 << 20  # the smallest piece worth a decoder thread
+STRIDED_RUN_SPAN = 16 << 10  # a share's runs this long are prefetched each alone (shorter: its whole extent)
 
 
 @dataclass(frozen=True)
@@ -295,8 +296,16 @@ class GGUFCheckpoint(Checkpoint):
                 and hasattr(kernels, "huge_page_array"))
 
     def spans(self, name: str) -> list[tuple[Path, int, int]]:
-        """The byte ranges (file, begin, end) reading `name` reads: its GGUF tensors'."""
-        return [(t.file, t.begin, t.begin + t.nbytes) for t in self.tensors[name].source]
+        """The byte ranges (file, begin, end) reading `name` reads: its GGUF tensors' (a share read in runs
+        `stride` apart, share_reads.StridedTensor: each run of 16 KiB or more, else first to last byte)."""
+        spans = []
+        for t in self.tensors[name].source:
+            stride, run = getattr(t, "stride", 0), t.nbytes // max(1, t.rows)
+            if stride and run >= STRIDED_RUN_SPAN:
+                spans.extend((t.file, t.begin + i * stride, t.begin + i * stride + run) for i in range(t.rows))
+            else:
+                spans.append((t.file, t.begin, t.begin + ((t.rows - 1) * stride + run if stride else t.nbytes)))
+        return spans
 
     def _read_bytes(self, tensor: GGUFTensor, row: int, rows: int) -> np.ndarray:
         """Rows [row, row + rows) of `tensor` as raw bytes, uint8 [rows, bytes per row] (any thread:

@@ -3,7 +3,10 @@
 A member's share of a matrix (models/tensor_parallel.py) is a range of its rows (output features:
 q/k/v, gate/up, the LM head's vocabulary slice) or of its columns (input features: o_proj, down_proj).
 Rows are contiguous in the file; a column share is a run of bytes in every row, `stride` bytes apart,
-cut on the type's blocks (Q4_1: 32 values in 20 bytes), so it is read row by row (`StridedTensor`).
+cut on the type's blocks (Q4_1: 32 values in 20 bytes; Q4_K, Q6_K, IQ4_XS and the i-quants: 256 values), so
+it is read row by row (`StridedTensor`), whatever the rank then holds (MLX's layout, or the file's blocks).
+A Qwen3-MoE expert stack [experts, rows, columns]: each expert's share of rows (gate/up) is a run of bytes an
+expert, its share of columns (down) a run of every row, whole experts (--expert-parallel) one run.
 `narrowed` swaps the index entries of the shared tensors for entries of their shares while a rank
 loads (the decoders then read, decode and hold the share only); `widen` pads each share back to its
 tensor's shape with zeros (untouched memory, never read from the file) so that the cut
@@ -11,8 +14,9 @@ tensor's shape with zeros (untouched memory, never read from the file) so that t
 
 Where a share of a row is smaller than a page (4 KiB on Linux, 16 KiB on macOS), a column share still
 touches every page of the tensor: the pages hold several rows, or the share's bytes of one row straddle
-them. Stacked experts, tensors in their own blocks cut by columns and other readers (safetensors: its
-tensors are mapped, and the cut's copy reads the share's pages only) are read as before.
+them (`pages_read` counts them; benchmarks/share_read_bytes.py reports them per rank). Other readers
+(safetensors: its tensors are mapped, and the cut's copy reads the share's pages only) are read as before;
+MLA families (DeepSeek, Kimi) read whole tensors and cut them.
 """
 
 from __future__ import annotations
@@ -26,11 +30,14 @@ import re
 import mlx.core as mx
 import numpy as np
 
+from ..models.expert_parallel import expert_share
+from ..models.qwen3_moe import num_experts
 from ..models.tensor_parallel import Shard, head_share, mlp_share
 from .gguf_file import GGUFTensor
 from .safetensors_checkpoint import Checkpoint
 
 _LAYER = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)\.(weight|scales|biases|bias)$")
+_EXPERTS = re.compile(r"^model\.layers\.\d+\.mlp\.switch_mlp\.(gate|up|down)_proj\.(weight|scales|biases)$")
 
 
 def read_shares(names, config, shard: Shard, vocab_slice: tuple[int, int] | None = None,
@@ -43,9 +50,15 @@ def read_shares(names, config, shard: Shard, vocab_slice: tuple[int, int] | None
     heads = head_share(config.num_attention_heads, config.num_key_value_heads, shard)
     i0, i1 = mlp_share(config.intermediate_size, shard)
     shares = {}
+    experts = num_experts(config)
+    moe = int(config.raw.get("moe_intermediate_size") or 0)
     for name in names:
-        m = _LAYER.match(name)
-        if m:
+        m, stack = _LAYER.match(name), _EXPERTS.match(name)
+        if stack and experts and shard.experts:  # whole experts [e0, e1) (--expert-parallel): one run of bytes
+            shares[name] = (-3, *expert_share(experts, shard.size, shard.member), experts)
+        elif stack and moe:  # each expert's rows (gate/up) or columns (down) of its intermediate features
+            shares[name] = (-1 if stack.group(1) == "down" else -2, *mlp_share(moe, shard), moe)
+        elif m:
             module, part = m.groups()
             if module in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
                 q = module == "self_attn.q_proj"
@@ -66,17 +79,22 @@ def read_shares(names, config, shard: Shard, vocab_slice: tuple[int, int] | None
 
 @dataclass(frozen=True)
 class StridedTensor(GGUFTensor):
-    """A column share of a GGUF tensor: `shape`'s rows of `nbytes // rows` bytes each, `stride` bytes apart."""
+    """A share of a GGUF tensor that is not one run of bytes: `shape`'s rows of `nbytes // rows` bytes each,
+    `stride` bytes apart (a column share: a run of each row; a share of each expert's rows in a stack: each
+    expert's run of rows read as one long row, `shape` (experts, 1, rows x columns): `Narrowed.shape` gives the
+    held arrays their rows back)."""
     stride: int = 0
 
 
 @dataclass(frozen=True)
 class Narrowed:
-    """How a read share sits in its tensor: along `axis` (-2: rows, -1: columns, 0: a vector), `before` and
-    `after` entries of the held array's axis were not read."""
+    """How a read share sits in its tensor: along `axis` (-3: a stack's experts, -2: rows, -1: columns, 0: a
+    vector), `before` and `after` entries of the held array's axis were not read; shape: the held share's shape
+    where the arrays read have another (a stack's rows read as one row an expert)."""
     axis: int
     before: int
     after: int
+    shape: tuple[int, ...] | None = None
 
 
 def _block(ggml_type: str) -> tuple[int, int]:
@@ -86,11 +104,10 @@ def _block(ggml_type: str) -> tuple[int, int]:
     return GGML_QUANT_SIZES[GGMLQuantizationType[ggml_type]]
 
 
-def _narrow_tensor(tensor: GGUFTensor, axis: int, begin: int, end: int) -> GGUFTensor | None:
-    """The share [begin, end) of a 2-D (or 1-D) GGUF tensor's rows (axis -2 / 0) or columns (-1), or None
-    where it cannot be read narrowed (columns not on whole blocks)."""
-    if len(tensor.shape) > 2:
-        return None
+def narrow_tensor(tensor: GGUFTensor, axis: int, begin: int, end: int) -> GGUFTensor | None:
+    """The share [begin, end) of a GGUF tensor's rows (axis -2; of each expert's in a stack [experts, rows,
+    columns]), of its columns (-1: of every row, on whole blocks), of a stack's experts (-3) or of a vector (0),
+    or None where it cannot be read narrowed (columns not on whole blocks)."""
     row_bytes = tensor.nbytes // tensor.rows
     if len(tensor.shape) == 1:  # a vector: bytes [begin, end) of its one row
         values, size = _block(tensor.ggml_type)
@@ -98,14 +115,25 @@ def _narrow_tensor(tensor: GGUFTensor, axis: int, begin: int, end: int) -> GGUFT
             return None
         return replace(tensor, shape=(end - begin,), begin=tensor.begin + begin // values * size,
                        nbytes=(end - begin) // values * size)
-    if axis == -2:
+    if axis == -3 and len(tensor.shape) == 3:  # whole experts: one run of bytes
+        per = tensor.shape[1] * row_bytes
+        return replace(tensor, shape=(end - begin, *tensor.shape[1:]), begin=tensor.begin + begin * per,
+                       nbytes=(end - begin) * per)
+    if axis == -2 and len(tensor.shape) == 2:
         return replace(tensor, shape=(end - begin, tensor.cols), begin=tensor.begin + begin * row_bytes,
                        nbytes=(end - begin) * row_bytes)
+    if axis == -2 and len(tensor.shape) == 3:  # rows [begin, end) of each expert: a run of bytes an expert
+        experts, rows = tensor.shape[:2]
+        return StridedTensor(tensor.name, tensor.ggml_type, (experts, 1, (end - begin) * tensor.cols), tensor.file,
+                             tensor.begin + begin * row_bytes, experts * (end - begin) * row_bytes,
+                             stride=rows * row_bytes)
+    if axis != -1 or len(tensor.shape) > 3:
+        return None
     values, size = _block(tensor.ggml_type)
     if begin % values or end % values:
         return None
     share = (end - begin) // values * size
-    return StridedTensor(tensor.name, tensor.ggml_type, (tensor.rows, end - begin), tensor.file,
+    return StridedTensor(tensor.name, tensor.ggml_type, (*tensor.shape[:-1], end - begin), tensor.file,
                          tensor.begin + begin // values * size, tensor.rows * share, stride=row_bytes)
 
 
@@ -127,19 +155,21 @@ def narrowed(checkpoint, shares: dict[str, tuple[int, int, int, int]]):
         if entry is None or entry.part == "ggml_type" or len(entry.source) != 1 or entry.how not in ("exact", "requantized", "native", "float",
                                                                          "dequantized") or entry.transform:
             continue
-        if axis == -1 and entry.layout is not None and entry.layout.mode == "blocks":
-            continue  # the file's row bytes held as they are: no column cut (tensor_parallel refuses it too)
         tensor = entry.source[0]
         vector = len(tensor.shape) == 1
-        share = _narrow_tensor(tensor, 0 if vector else axis, begin, end)
+        if len(tensor.shape) != len(entry.shape) or (axis == -3 and len(tensor.shape) != 3):
+            continue
+        share = narrow_tensor(tensor, 0 if vector else axis, begin, end)
         if share is None:
             continue
-        full = entry.shape
-        if vector or axis == -2:
-            held_axis = 0 if vector else len(full) - 2
+        full, held = entry.shape, None
+        if vector or axis in (-2, -3):
+            held_axis = 0 if vector else len(full) + axis
             shape = tuple(end - begin if i == held_axis else d for i, d in enumerate(full))
             before, after = begin, (full[held_axis] - end)
-        else:  # columns: the held array's last axis (packed words, groups, or values) in proportion
+            if axis == -2 and len(full) == 3:
+                held = shape  # read as (experts, 1, a row per expert)
+        else:  # columns: the held array's last axis (packed words, groups, blocks' bytes, or values) in proportion
             width = full[-1] * (end - begin) // tensor.cols
             before = full[-1] * begin // tensor.cols
             shape, after = (*full[:-1], width), full[-1] - before - width
@@ -151,7 +181,7 @@ def narrowed(checkpoint, shares: dict[str, tuple[int, int, int, int]]):
             heads = (end - begin) // per
         originals[name] = entry
         tensors[name] = replace(entry, shape=shape, source=(share,), unpermute_heads=heads)
-        placed[name] = Narrowed(-1 if axis == -1 and not vector else (0 if vector else -2), before, after)
+        placed[name] = Narrowed(0 if vector else axis, before, after, held)
     # a GGUF tensor decodes into all its parts at once (the others wait in the reader): its parts are read
     # narrowed all together or not at all, its type id (native blocks) from the narrowed source too
     for name in list(originals):
@@ -259,7 +289,29 @@ def widen(weights: dict[str, mx.array], names: list[str], placed: dict[str, Narr
         array = weights[name]
         if array.ndim < 1 or (array.size == 1 and array.ndim == 1 and name.endswith(".ggml_type")):
             continue
+        if where.shape is not None:  # a stack's rows read as one row an expert
+            array = array.reshape(where.shape)
         axis = where.axis % array.ndim
         pads = [(0, 0)] * array.ndim
         pads[axis] = (where.before, where.after)
         weights[name] = mx.pad(array, pads)
+
+
+def pages_read(tensors, page: int) -> int:
+    """Bytes of the distinct `page`-sized pages that reading `tensors` (GGUF tensors, or shares of them:
+    `narrow_tensor`'s, a strided share's runs each) touches: what a mapping faults in, at the least."""
+    firsts, lasts = {}, {}
+    for t in tensors:
+        stride = getattr(t, "stride", 0)
+        run = t.nbytes // t.rows if stride else t.nbytes
+        starts = t.begin + np.arange(t.rows if stride else 1, dtype=np.int64) * stride
+        firsts.setdefault(t.file, []).append(starts // page)
+        lasts.setdefault(t.file, []).append((starts + run - 1) // page)
+    pages = 0
+    for file in firsts:
+        first, last = np.concatenate(firsts[file]), np.concatenate(lasts[file])
+        order = np.argsort(first, kind="stable")
+        first, last = first[order], last[order]
+        covered = np.concatenate([[-1], np.maximum.accumulate(last)[:-1]])  # the furthest page counted before
+        pages += int(np.clip(last - np.maximum(first, covered + 1) + 1, 0, None).sum())
+    return pages * page

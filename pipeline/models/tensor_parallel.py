@@ -25,8 +25,13 @@ member. Norms, RoPE and everything else stay whole on every member.
 The weights are cut after the format adapters, each group of tensors as soon as it is read
 (checkpoints/weights.py load_slice's `cut`), on the arrays MLX holds: an affine-quantized row is `bits`
 bits a value and one scale/bias per group, so columns [b, e) are words [b*bits/32, e*bits/32) and groups
-[b/g, e/g). Only the cut arrays are kept (copies), so a rank holds its share and a group; the whole
-tensor is still read and converted (the read is not yet narrowed to the share's bytes).
+[b/g, e/g). A matrix held in its GGUF blocks (checkpoints/quants.py: the file's row bytes, or IQ4_NL/IQ4_XS/
+Q6_K's codes, scales and d arrays; expert stacks alike) is cut on whole blocks (32 or 256 values), each of its
+arrays' last axis in proportion: a byte range of every row. Where a member's share would end inside a block,
+the load stops in one line on every member naming the tensor and a --tensor-parallel that works
+(`check_block_cuts`): the edge cannot move to the block's, as a member's input columns are its own heads'
+outputs or MLP features. Only the cut arrays are kept (copies), so a rank holds its share and a group; a
+GGUF's ranks read only their shares' bytes (checkpoints/share_reads.py).
 """
 
 from __future__ import annotations
@@ -279,6 +284,7 @@ def shard_weights(weights: dict[str, mx.array], config: ModelConfig, shard: Shar
             continue
         layer, module, part = match.groups()
         whole = weights.pop(name)
+        check_block_cuts(module, part, whole, config, shard)
         pieces = mla.cut(module, part, whole, config, shard, MLA_TOOLS) if mla_cut else \
             _cut(module, part, whole, config, shard, heads)
         for new_module, array in pieces:  # none: a bias held once
@@ -332,28 +338,101 @@ def _rows(array: mx.array, part: str, rows: tuple[int, int]) -> mx.array:
 
 
 def _columns(module: str, array: mx.array, part: str, columns: tuple[int, int], in_features: int) -> mx.array:
-    """Input columns [begin, end) of one array of a matrix split by its inputs: float as they are, MLX's
-    packed words and per-group scales/biases on whole groups; a bias (the outputs') whole."""
+    """Input columns [begin, end) of one array of a matrix (or of each expert's) split by its inputs: float as
+    they are; every quantized layout on its own units, its last axis in proportion to the columns: MLX's packed
+    words and per-group scales/biases on whole groups, and a tensor held in its GGUF blocks (the file's row
+    bytes, or a native type's codes/scales/d arrays: `block_values`) on whole blocks, a byte range of every row;
+    a bias (the outputs') whole."""
     begin, end = columns
     if part in ("bias", "ggml_type"):
         return array
     floating = array.dtype in (mx.float32, mx.float16, mx.bfloat16)
     if part == "weight" and floating:
         return mx.array(array[..., begin:end])
-    if (part == "weight" and array.dtype != mx.uint32) or (part != "weight" and not floating):
-        raise UserError(f"--tensor-parallel: {module} is held in GGUF blocks that cannot be cut by input "
-                        f"features yet; run with --tensor-parallel 1")
-    per = in_features // array.shape[-1] if part != "weight" else 0  # scales/biases: inputs per group
-    if part == "weight":
-        bits = array.shape[-1] * 32 // in_features
+    width = array.shape[-1]
+    block = block_values(array, part, in_features)
+    if block is None:  # MLX's packed words: whole words (the scales' groups are checked with them)
+        bits = width * 32 // in_features
         if (begin * bits) % 32 or (end * bits) % 32:
             raise UserError(f"--tensor-parallel: the shares of {module}'s {in_features} inputs cut its packed "
                             f"words; use another --tensor-parallel")
-        return mx.array(array[..., begin * bits // 32:end * bits // 32])
-    if begin % per or end % per:  # the same line on every rank it fails on
+    elif begin % block or end % block:  # (shard_weights' check_block_cuts says so first, on every member)
         raise UserError(f"--tensor-parallel: the shares of {module}'s {in_features} inputs cut its quantization "
-                        f"groups of {per}; use a smaller --tensor-parallel or --group-size")
-    return mx.array(array[..., begin // per:end // per])
+                        f"groups or blocks of {block}; use a smaller --tensor-parallel or --group-size")
+    if (begin * width) % in_features or (end * width) % in_features:
+        raise UserError(f"--tensor-parallel: {module}'s {part} ({width} per row) cannot be cut at inputs "
+                        f"{begin}-{end} of {in_features}; run with --tensor-parallel 1")
+    return mx.array(array[..., begin * width // in_features:end * width // in_features])
+
+
+# GGUF types held in their own blocks (checkpoints/quants.py), told apart by their arrays: part -> dtype -> values
+# per block. The file's row bytes (uint8 weights: the K-quants, ternary and grid i-quants, 256 values a block; the
+# tied Q8_0's 34 bytes per 32); IQ4_NL's fp16 d per 32 (uint16 scales), IQ4_XS's 8 header bytes per 256 (int8
+# scales), Q6_K's int8 scales (two int64 per 256) and d bytes (uint8 biases, two per 256); MLX mxfp4's uint8
+# scale per 32 values. Their codes (uint32 weights) are cut with them.
+_HELD_BLOCKS = {"scales": {mx.uint16: 32, mx.int8: 256, mx.int64: 256, mx.uint8: 32}, "biases": {mx.uint8: 256}}
+
+
+def block_values(array: mx.array, part: str, in_features: int) -> int | None:
+    """The values per block of one array of a quantized matrix with `in_features` inputs: its columns are cut on
+    multiples of it; None: MLX's packed codes (uint32), cut with their scales."""
+    if part == "weight" and array.dtype == mx.uint8:  # the file's row bytes: Q8_0's 34 per 32, else per 256
+        return 32 if array.shape[-1] * 32 == in_features * 34 else 256
+    if part == "weight":
+        return None
+    held = _HELD_BLOCKS.get(part, {}).get(array.dtype)
+    if held is not None:
+        return held
+    return in_features // array.shape[-1]  # MLX's float scales/biases: one per group
+
+
+def column_cuts(module: str, config: ModelConfig, size: int, experts: bool = False) -> tuple[int, list] | None:
+    """(input features, [begin, end) of each member of a group of `size`) of a matrix `module` cut by its input
+    columns (o_proj, down_proj, the sliced experts' down_proj; MLA's too), or None: not cut by columns."""
+    if mla.is_mla_family(config):
+        shares = [mla.share_of(module, "weight", config, Shard(m, size), MLA_TOOLS) for m in range(size)]
+        if shares[0] is None or shares[0][0] != -1:
+            return None
+        return mla.in_features_of(module, config), [(b, e) for _, b, e in shares]
+    if module == "self_attn.o_proj":
+        hd = config.head_dim
+        cuts = [head_share(config.num_attention_heads, config.num_key_value_heads, Shard(m, size)).q for m in range(size)]
+        return config.num_attention_heads * hd, [(b * hd, e * hd) for b, e in cuts]
+    if module == "mlp.down_proj":
+        return config.intermediate_size, [mlp_share(config.intermediate_size, Shard(m, size)) for m in range(size)]
+    if module == "mlp.switch_mlp.down_proj" and not experts:
+        moe = int(config.raw["moe_intermediate_size"])
+        return moe, [mlp_share(moe, Shard(m, size)) for m in range(size)]
+    return None
+
+
+def check_block_cuts(module: str, part: str, array: mx.array, config: ModelConfig, shard: Shard) -> None:
+    """One line, on every member alike, where a member's share of `module`'s input columns would cut a block of
+    its held layout (the whole group's shares checked, not just this member's): it names the tensor and the
+    largest smaller --tensor-parallel whose shares fall on block edges. The edges cannot move to the nearest block
+    edge: a member's columns of o_proj are its attention heads' outputs (which it alone computes), of down_proj
+    the MLP features its gate/up rows make, so the shares of every projection of a layer must agree."""
+    if part in ("bias", "ggml_type") or array.dtype in (mx.float32, mx.float16, mx.bfloat16):
+        return
+    cuts = column_cuts(module, config, shard.size, shard.experts)
+    if cuts is None:
+        return
+    in_features, shares = cuts
+    block = block_values(array, part, in_features)
+    if block is None or all(b % block == 0 and e % block == 0 for b, e in shares):
+        return
+    works = 1
+    for size in range(shard.size - 1, 1, -1):
+        try:
+            smaller = column_cuts(module, config, size, shard.experts)
+        except UserError:
+            continue
+        if all(b % block == 0 and e % block == 0 for b, e in smaller[1]):
+            works = size
+            break
+    edges = ", ".join(f"{b}-{e}" for b, e in shares)
+    raise UserError(f"--tensor-parallel {shard.size}: the shares of {module} ({edges} of its {in_features} inputs) "
+                    f"cut its GGUF blocks of {block} values; use --tensor-parallel {works}")
 
 
 MLA_TOOLS = mla.Tools(even_split, mlp_share, _rows, _columns)  # what tensor_parallel_mla.py borrows from here

@@ -244,6 +244,9 @@ def _in_features(module: str, config: ModelConfig) -> int:
             "mlp.switch_mlp.down_proj": d["moe"], "mlp.shared_experts.down_proj": d["moe"] * d["shared"]}[module]
 
 
+in_features_of = _in_features  # (tensor_parallel.column_cuts)
+
+
 def cut(module: str, part: str, array: mx.array, config: ModelConfig, shard,
         tools: Tools) -> list[tuple[str, mx.array]]:
     """(module, array) pairs the member holds of one loaded array of `module` (a parameter `part`);
