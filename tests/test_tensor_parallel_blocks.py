@@ -37,6 +37,12 @@ MOE_TYPES = {"attn": [QT.Q8_0] * 4, "ffn_gate_exps": [QT.Q2_K, QT.IQ4_XS, QT.Q6_
              "ffn_up_exps": [QT.Q5_K, QT.Q6_K, QT.IQ4_NL, QT.Q3_K],
              "ffn_down_exps": [QT.Q6_K, QT.Q3_K, QT.IQ4_NL, QT.IQ2_XXS], "token_embd": [QT.Q8_0],
              "output.": [QT.Q6_K]}
+# DeepSeek V3 (MLA, 8 heads of v 64: o_proj's 512 inputs, 256 a member at T = 2; layer 0 dense, then 8 routed experts
+# of 512 features and a shared expert), as llama.cpp's deepseek2 (kv_b split into attn_k_b / attn_v_b)
+MLA_TYPES = {"attn_output": [QT.Q6_K, QT.Q3_K, QT.IQ4_XS, QT.Q2_K], "ffn_gate_exps": [QT.IQ4_XS, QT.Q2_K, QT.Q6_K],
+             "ffn_up_exps": [QT.Q5_K, QT.IQ4_NL, QT.Q3_K], "ffn_down_exps": [QT.Q6_K, QT.Q3_K, QT.IQ4_XS, QT.IQ2_XXS],
+             "shexp": [QT.Q5_K], "ffn_down": [QT.Q6_K], "ffn_": [QT.IQ4_XS], "attn": [QT.Q8_0],
+             "token_embd": [QT.Q8_0], "output.": [QT.Q6_K]}
 GRID = (QT.IQ2_XXS, QT.IQ2_XS, QT.IQ2_S, QT.IQ3_XXS, QT.IQ3_S, QT.IQ1_S, QT.IQ1_M)
 
 
@@ -89,6 +95,12 @@ def files(tmp_path_factory):
                              head_dim=64, norm_topk_prob=True)
         written = write_model(root / "moe.gguf", moe, "qwen3moe", choose(MOE_TYPES), vocab=vocab)
         out["moe"] = (written["files"][0], reference(moe, written["state"]))
+        from test_gguf_inplace import _deepseek
+
+        mla = _deepseek(root / "mla_hf", num_attention_heads=8, num_key_value_heads=8, v_head_dim=64,
+                        moe_intermediate_size=512, intermediate_size=512)
+        written = write_model(root / "mla.gguf", mla, "deepseek2", choose(MLA_TYPES), vocab=vocab)
+        out["mla"] = (written["files"][0], reference(mla, written["state"]))
     finally:
         test_gguf_inplace.encode = saved
     for _, truth in out.values():
@@ -118,7 +130,7 @@ def near_ties(logits: np.ndarray, margin: float) -> np.ndarray:
     return top[..., -1] - top[..., -2] < margin
 
 
-@pytest.mark.parametrize("kind, ranks", [("dense", (1, 2)), ("dense3", (1, 3)), ("moe", (1, 2))])
+@pytest.mark.parametrize("kind, ranks", [("dense", (1, 2)), ("dense3", (1, 3)), ("moe", (1, 2)), ("mla", (1, 2))])
 def test_block_held_matrices_split_by_input_features(files, kind, ranks, tmp_path):
     """Logits of T = 2 (3) within float32 rounding of transformers' on the file's values, as T = 1's (float
     products); int8 products within what int8 rounding costs T = 1; the greedy choice of T = 1 at every position
@@ -137,7 +149,7 @@ def test_block_held_matrices_split_by_input_features(files, kind, ranks, tmp_pat
         print(f"{kind} int8={int8}: T={one} {max1:.3g} (median {median1:.3g}), T={many} {err:.3g} (median {median:.3g},"
               f" token by token {err_inc:.3g}), |T={many} - T={one}| {apart:.3g}, logits up to {np.abs(truth).max():.3g}")
         bound, near = TOLERANCE[kind, int8]
-        if int8 and kind == "moe":  # a routing flip moves a few positions far: the median, as on one rank
+        if int8 and kind in ("moe", "mla"):  # a routing flip moves a few positions far: the median, as on one rank
             assert max(median, median_inc, median1) <= bound, (median, median_inc, median1)
         else:
             assert max(err, err_inc, max1) <= bound, (err, err_inc, max1)
@@ -152,9 +164,11 @@ def test_block_held_matrices_split_by_input_features(files, kind, ranks, tmp_pat
 # and T > 1 (int8 MoE: the median over positions), max |T > 1 - T = 1|), just above the measured (T = 1 / T > 1; apart):
 # dense float 3.33e-4 / 3.35e-4 (T = 2), 3.06e-4 / 3.22e-4 (T = 3); apart 3.6e-5, 6.3e-5; int8 3.23 / 3.27, 3.23 /
 # 3.23, apart 0.35, 0.56 (int8 rounding of activations, each thresholds flipped by float rounding); MoE float
-# 1.68e-4 / 1.56e-4, apart 6.5e-5; int8 median 0.639 / 0.639 (max 11 on both: routing flips), apart 1.1e-5
+# 1.68e-4 / 1.56e-4, apart 6.5e-5; int8 median 0.639 / 0.639 (max 11 on both: routing flips), apart 1.1e-5; MLA
+# float 9.28e-5 / 9.06e-5, apart 1.4e-5; int8 median 0.749 / 0.756 (max 7.9 on both), apart 0.25
 TOLERANCE = {("dense", False): (4e-4, 1e-4), ("dense", True): (3.5, 0.6), ("dense3", False): (4e-4, 1e-4),
-             ("dense3", True): (3.5, 0.6), ("moe", False): (2e-4, 1e-4), ("moe", True): (0.7, 3e-5)}
+             ("dense3", True): (3.5, 0.6), ("moe", False): (2e-4, 1e-4), ("moe", True): (0.7, 3e-5),
+             ("mla", False): (1e-4, 3e-5), ("mla", True): (0.8, 0.3)}
 
 
 def test_a_cut_one_block_off_is_caught(files, tmp_path):
@@ -177,7 +191,7 @@ def test_a_share_inside_a_block_is_one_line(files, tmp_path):
         assert lines and module in lines[0] and "use --tensor-parallel 2" in lines[0], job.stderr[-2000:]
 
 
-@pytest.mark.parametrize("kind, t", [("dense", 2), ("dense3", 3), ("moe", 2)])
+@pytest.mark.parametrize("kind, t", [("dense", 2), ("dense3", 3), ("moe", 2), ("mla", 2)])
 def test_each_rank_reads_only_its_share(files, kind, t):
     """The GGUF reader's bytes read per member == the share of each tensor's bytes (from the file's header, by the
     gguf package): rows [b, e) of R are (e - b) / R of a tensor's bytes, columns and each expert's rows likewise."""
@@ -197,8 +211,9 @@ def test_each_rank_reads_only_its_share(files, kind, t):
         for name in stage.loaded_tensors:
             if name.rsplit(".", 1)[-1] in ("scales", "biases", "ggml_type"):
                 continue  # one GGUF tensor each, counted with its weight
-            nbytes = sizes[checkpoint.tensors[name].source[0].name]
-            if name in shares:
+            entry = checkpoint.tensors[name]
+            nbytes = sum(sizes[source.name] for source in entry.source)
+            if name in shares and entry.how != "mla_kv_b":  # (kv_b: two tensors joined, read whole)
                 _, begin, end, of = shares[name]
                 nbytes = nbytes * (end - begin) // of
             expected += nbytes

@@ -32,11 +32,13 @@ import numpy as np
 
 from ..models.expert_parallel import expert_share
 from ..models.qwen3_moe import num_experts
-from ..models.tensor_parallel import Shard, head_share, mlp_share
+from ..models import tensor_parallel_mla as mla
+from ..models.tensor_parallel import MLA_TOOLS, Shard, head_share, mlp_share
 from .gguf_file import GGUFTensor
 from .safetensors_checkpoint import Checkpoint
 
 _LAYER = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)\.(weight|scales|biases|bias)$")
+_PARAMETER = re.compile(r"^model\.layers\.\d+\.(.+)\.(weight|scales|biases)$")
 _EXPERTS = re.compile(r"^model\.layers\.\d+\.mlp\.switch_mlp\.(gate|up|down)_proj\.(weight|scales|biases)$")
 
 
@@ -45,7 +47,10 @@ def read_shares(names, config, shard: Shard, vocab_slice: tuple[int, int] | None
     """checkpoint name -> (axis, begin, end, of): the rows (-2) or columns (-1) of its matrix (HF layout, [out,
     in]: `of` rows or columns in all) that member `shard` holds, for the dense layers' projections (tensor_parallel.shard_weights' cuts,
     the union of a segmented attention's) and the LM head's vocabulary slice (vocab_slice; rank 0: an
-    untied head's rows only, its tied embedding whole)."""
+    untied head's rows only, its tied embedding whole). Qwen3-MoE's expert stacks: each expert's rows or columns
+    (-2, -1), or whole experts (-3, --expert-parallel). MLA families (DeepSeek, Kimi): tensor_parallel_mla.share_of's."""
+    if mla.is_mla_family(config):
+        return _mla_shares(names, config, shard, vocab_slice, has_ends)
     hd = config.head_dim
     heads = head_share(config.num_attention_heads, config.num_key_value_heads, shard)
     i0, i1 = mlp_share(config.intermediate_size, shard)
@@ -70,10 +75,33 @@ def read_shares(names, config, shard: Shard, vocab_slice: tuple[int, int] | None
                 shares[name] = (-2, i0, i1, config.intermediate_size)
             elif module == "mlp.down_proj" and part != "bias":
                 shares[name] = (-1, i0, i1, config.intermediate_size)
-        elif vocab_slice is not None and not (has_ends and config.tie_word_embeddings):
-            head = "model.embed_tokens." if config.tie_word_embeddings else "lm_head."
-            if name.startswith(head) and not name.endswith(".ggml_type"):
-                shares[name] = (-2, *vocab_slice, config.vocab_size)
+        else:
+            _head_share(shares, name, config, vocab_slice, has_ends)
+    return shares
+
+
+def _head_share(shares: dict, name: str, config, vocab_slice: tuple[int, int] | None, has_ends: bool) -> None:
+    """The LM head's vocabulary slice, where `name` is the head's (see read_shares)."""
+    if vocab_slice is not None and not (has_ends and config.tie_word_embeddings):
+        head = "model.embed_tokens." if config.tie_word_embeddings else "lm_head."
+        if name.startswith(head) and not name.endswith(".ggml_type"):
+            shares[name] = (-2, *vocab_slice, config.vocab_size)
+
+
+def _mla_shares(names, config, shard: Shard, vocab_slice: tuple[int, int] | None, has_ends: bool) -> dict:
+    """read_shares for the MLA families: each layer's arrays as tensor_parallel_mla.share_of cuts them (the
+    heads' rows of q_b_proj / q_proj, o_proj's columns, the MLPs' and experts' features), `of` its last member's end."""
+    shares = {}
+    last = Shard(shard.size - 1, shard.size, shard.experts)
+    for name in names:
+        m = _PARAMETER.match(name)
+        if m is None:
+            _head_share(shares, name, config, vocab_slice, has_ends)
+            continue
+        module, part = m.groups()
+        share = mla.share_of(module, part, config, shard, MLA_TOOLS)
+        if share is not None:
+            shares[name] = (*share, mla.share_of(module, part, config, last, MLA_TOOLS)[2])
     return shares
 
 

@@ -356,9 +356,12 @@ def _columns(module: str, array: mx.array, part: str, columns: tuple[int, int], 
         if (begin * bits) % 32 or (end * bits) % 32:
             raise UserError(f"--tensor-parallel: the shares of {module}'s {in_features} inputs cut its packed "
                             f"words; use another --tensor-parallel")
-    elif begin % block or end % block:  # (shard_weights' check_block_cuts says so first, on every member)
+    elif (begin % block or end % block) and not floating:  # (check_block_cuts says so first, on every member)
+        raise UserError(f"--tensor-parallel: the shares of {module}'s {in_features} inputs cut its GGUF blocks of "
+                        f"{block} values; use a smaller --tensor-parallel")
+    elif begin % block or end % block:  # the same line on every rank it fails on
         raise UserError(f"--tensor-parallel: the shares of {module}'s {in_features} inputs cut its quantization "
-                        f"groups or blocks of {block}; use a smaller --tensor-parallel or --group-size")
+                        f"groups of {block}; use a smaller --tensor-parallel or --group-size")
     if (begin * width) % in_features or (end * width) % in_features:
         raise UserError(f"--tensor-parallel: {module}'s {part} ({width} per row) cannot be cut at inputs "
                         f"{begin}-{end} of {in_features}; run with --tensor-parallel 1")

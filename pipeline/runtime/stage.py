@@ -68,7 +68,8 @@ class Stage:
         cut, shares, placed = None, {}, {}
         if shard is not None and shard.size > 1:
             shard_modules(model, config, shard)
-            if not turned_off(SHARE_READS) and family_for(config).module_name in ("llama", "qwen3_moe"):
+            if not turned_off(SHARE_READS) and family_for(config).module_name in ("llama", "qwen3_moe", "deepseek_v3",
+                                                                                 "deepseek_v32"):
                 # only the share's bytes of each tensor read (checkpoints/share_reads.py)
                 shares = read_shares(checkpoint.tensors, config, shard, vocab_slice, has_ends)
 
