@@ -375,7 +375,7 @@ def predict(model: Path, t: int, bandwidth_gbs: float, link_terms: dict | None, 
                           int8=int8_by_default(None, "float32"))
     layout = plan_layout(architecture(config), precision, t, [bandwidth_gbs] * hosts, None, host, link,
                          context, batch=BATCH_REQUESTS)
-    return {"layout": layout.name, "single_tps": layout.single_tps, "batch_tps": layout.batch_tps,
+    return {"layout": layout.name, "layers_per_stage": layout.counts, "single_tps": layout.single_tps, "batch_tps": layout.batch_tps,
             "sums_ms_per_token": layout.sums_ms, "host_terms": host._asdict(), "link_terms": link._asdict(),
             "bandwidth_gbs": bandwidth_gbs, "context": context}
 
@@ -421,6 +421,57 @@ def sums_worker(tokens: int, layers: int) -> None:
         print(json.dumps({"sums_per_token": sums, "token_ms": 1e3 * statistics.median(per_token),
                           "wait_ms_per_token": 1e3 * statistics.median(waits),
                           "work_alone_ms_per_token": 1e3 * alone}), flush=True)
+
+
+def group_sum_worker(tokens: int, layers: int) -> None:
+    """One member of the in-graph sums probe: the runtime's own group sum (form_group, as generate forms it),
+    2 x layers + 1 chained sums of 2048 float32 per graph (a token's, no compute between), evaluated once;
+    rank 0 prints the per-sum time of the best and the median graph."""
+    import statistics
+
+    import mlx.core as mx
+    import numpy as np
+    from mpi4py import MPI
+
+    sys.path.insert(0, str(common.REPO))
+    import pipeline  # noqa: F401 -- first, as a real run
+    from pipeline.runtime.tensor_group import form_group
+
+    comm = MPI.COMM_WORLD
+    group = form_group(comm, comm.Get_size(), watchdog=60.0)
+    gsum, sums = group.group_sum, 2 * layers + 1
+    base = mx.array(np.random.default_rng(comm.Get_rank()).standard_normal(2048).astype(np.float32))
+    times = []
+    for i in range(tokens + 5):
+        comm.Barrier()
+        x = base
+        for _ in range(sums):
+            x = gsum(x * 0.5)
+        start = time.perf_counter()
+        mx.eval(x)
+        if i >= 5:
+            times.append((time.perf_counter() - start) / sums)
+    if comm.Get_rank() == 0:
+        print(json.dumps({"kind": "in-graph" if getattr(gsum, "in_graph", False) else "python", "sums": sums,
+                          "best_us": 1e6 * min(times), "median_us": 1e6 * statistics.median(times),
+                          "graphs": len(times)}), flush=True)
+
+
+def group_sum_probe(hosts: netns_hosts.TwoHosts | None = None, tokens: int = 200) -> dict:
+    """The in-graph sums probe on 2 one-core ranks: on this machine (shared memory) or across the two hosts."""
+    env = common.env_with_repo(OPENBLAS_NUM_THREADS="1")
+    argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "groupsum", "--tokens", str(tokens)]
+    if hosts is None:
+        cmd = ["mpiexec", "-n", "2", "-bind-to", "core", *argv]
+    else:
+        cmd, env = hosts.mpiexec(argv), hosts.environment(env)
+    load = common.load_average()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=common.REPO, timeout=300)
+    if proc.returncode != 0:
+        return {"failed": proc.stderr[-1000:], "load_before": load[0]}
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out.update(load_before=load[0], link="veth, TCP" if hosts else "shared memory")
+    return out
 
 
 def sums_probe(tokens: int = 15, layers: int = 16) -> dict:
@@ -498,6 +549,12 @@ def two_hosts(model: Path, name: str, prompt: str, runs: int, warmup: int, bandw
               f"MPI ping-pong one way (median trip) " + ", ".join(
                   f"{size} B {1e6 * s:.1f} us" for size, s in link["one_way_s"].items())
               + f"; {link['gbs']:.2f} GB/s (1 MiB); veth received {link['veth_rx_bytes']}", flush=True)
+        probes = [group_sum_probe(None), group_sum_probe(hosts)]  # the bare in-graph sum on each link
+        for pr in probes:
+            if "failed" not in pr:
+                print(f"  bare group sum ({pr['kind']}, {pr['sums']} chained a graph, 2048 float32) over {pr['link']}: "
+                      f"{pr['best_us']:.1f} us at best, {pr['median_us']:.1f} median; load {pr['load_before']:.1f}",
+                      flush=True)
         contenders = {"1 rank": lambda: run_generate(model, "1 rank", prompt)}  # this machine, no namespaces
         contenders.update({lay: (lambda lay=lay: run_generate(model, lay, prompt, hosts)) for lay in layouts})
         runs_ = interleave(contenders, runs, warmup)
@@ -542,7 +599,7 @@ def two_hosts(model: Path, name: str, prompt: str, runs: int, warmup: int, bandw
         p = table[base]["measured link"]
         loads = [r.get("load_before") for r in runs_[lay] if "refused" not in r]
         headline[lay] = {
-            "model": name, "layout": p["layout"], "measured_decode_tps": got, "predicted_tps": p["single_tps"],
+            "model": name, "layout": p["layout"], "layers_per_stage": p["layers_per_stage"], "measured_decode_tps": got, "predicted_tps": p["single_tps"],
             "ratio_predicted_over_measured": p["single_tps"] / got if got else None,
             "within_goal": abs(p["single_tps"] / got - 1) <= PLANNER_GOAL if got else None,
             "predicted_sums_ms_per_token": p["sums_ms_per_token"],
@@ -553,7 +610,7 @@ def two_hosts(model: Path, name: str, prompt: str, runs: int, warmup: int, bandw
         if got:
             h = headline[lay]
             print(f"  TWO HOSTS {lay}: measured {got:.2f} tok/s, planner {h['predicted_tps']:.2f} tok/s "
-                  f"(model {name}, {lay}, link {measured_link['latency_us']:.1f} us + {measured_link['gbs']:.2f} GB/s "
+                  f"(model {name}, {lay}, layers {p['layers_per_stage']}, link {measured_link['latency_us']:.1f} us + {measured_link['gbs']:.2f} GB/s "
                   f"measured, sum overhead {p['host_terms']['sum_overhead_us']:g} us, host bw {h['host_bandwidth']}), "
                   f"predicted/measured {h['ratio_predicted_over_measured']:.2f} "
                   f"({'within' if h['within_goal'] else 'NOT within'} {PLANNER_GOAL:.0%}); sums measured "
@@ -567,7 +624,7 @@ def two_hosts(model: Path, name: str, prompt: str, runs: int, warmup: int, bandw
     within = {base: abs(r["linux-tcp"] - 1) <= PLANNER_GOAL for base, r in ratios.items() if r}
     return {"namespaces": namespaces, "addresses": netns_hosts.ADDRESSES, "mpi_env": netns_hosts.MPI_ENV,
             "ping_before": rtt, "ping_after": rtt_after, "link_before": link, "link_after": link_after,
-            "measured_link": measured_link, "headline": headline,
+            "measured_link": measured_link, "group_sum_probe": probes, "headline": headline,
             "stats": stats, "planner": comparison, "planner_goal": PLANNER_GOAL,
             "planner_linux_tcp_within_goal": within,  # per host bandwidth basis
             "refused": {lay: s["refused"] for lay, s in stats.items() if "refused" in s}, "runs": runs_}
@@ -595,7 +652,7 @@ def main() -> None:
                         "TCP terms: --models llama-1b --parts hosts --runs 3")
     parser.add_argument("--name", default=NAME, help=f"results/NAME.json and .png (default {NAME})")
     parser.add_argument("--plot", action="store_true", help="only redraw the PNG from results/NAME.json")
-    parser.add_argument("--worker", choices=["sums"], default=None, help="run as one rank of the sums probe "
+    parser.add_argument("--worker", choices=["sums", "groupsum"], default=None, help="run as one rank of the sums probe "
                         "(started by mpiexec, not by hand)")
     parser.add_argument("--tokens", type=int, default=15, help=argparse.SUPPRESS)
     parser.add_argument("--layers", type=int, default=16, help=argparse.SUPPRESS)
@@ -609,6 +666,9 @@ def main() -> None:
         parts.discard("hosts")
     if args.worker == "sums":
         sums_worker(args.tokens, args.layers)
+        return
+    if args.worker == "groupsum":
+        group_sum_worker(args.tokens, args.layers)
         return
     if args.plot:
         plot(json.loads((common.RESULTS / f"{args.name}.json").read_text()))
@@ -652,6 +712,7 @@ def main() -> None:
     payload = common.record(args.name, "issue 34: --tensor-parallel 2 vs 1 rank vs a 2-stage pipeline, one core per rank; "
                             "and across two network namespaces (MPI over TCP on a veth)",
                             runs=args.runs, warmup=args.warmup, parts=sorted(parts), uptime_before=uptime_before,
+                            environment={k: os.environ[k] for k in ("PIPELINE_GROUP_SUM",) if k in os.environ},
                             load_after=common.load_average(), uptime_after=uptime(),
                             sums_probe=probes + ([sums_probe()] if "single" in parts else []), minutes=(time.time() - started) / 60, bandwidth=bandwidth,
                             goals=GOALS, models=models)
