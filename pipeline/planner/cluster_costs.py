@@ -46,7 +46,8 @@ Sources (figures as published; bit widths as we assume them, see MEASUREMENTS):
   bridge Geerling's ~300 us. Checked by the TCP runs of issue 34's benchmark (benchmarks/tensor_parallel.py
   --parts hosts: two network namespaces joined by a veth pair, MPI over UCX's TCP, llama-1b at T = 2, 33
   sums of 8 KB a token), whose measured link (ping-pong medians: 8 B ~5 us one way, 8 KB ~7 us, 0.25-2 GB/s)
-  is what the prediction of that run is given (GROUP_SUMS' "check" rows).
+  is what the prediction of that run is given; GROUP_SUMS records such runs (only a loaded one so far:
+  tests/test_cluster_costs_tcp.py holds the prediction within 25% of an idle run's results file).
 """
 
 from __future__ import annotations
