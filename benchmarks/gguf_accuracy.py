@@ -36,7 +36,11 @@ Never in CI: nothing here is imported by a test.
     python benchmarks/gguf_accuracy.py --table       # print the table (markdown) and the goals from the JSON
 
 Each invocation adds its runs to benchmarks/results/gguf_accuracy.json (every run kept, with its date,
-commit and load); the table is the latest run of each (type, contender).
+commit and load, and the sha256 of the file it scored); the table is the latest run of each (type, contender)
+on the type's file as it is now: a file made again (another imatrix, another llama-quantize) leaves its
+earlier runs out of the table, never beside the new ones (runs from before the hash was kept count only where
+the type has no hashed run and its file still has the recorded size). A dequantized file older than its
+type's file is made again.
 
 --model padded (before --plot / --table too): the same for a function-preserving copy of the default model
 with its hidden size padded 576 -> 768 with zeros (benchmarks/padded_model.py; written as F32 once): SmolLM2's
@@ -50,6 +54,7 @@ importance matrix under $PIPELINE_CACHE/gguf_types/padded/, its runs in benchmar
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -168,16 +173,40 @@ def make_file(bins: dict, qtype: str) -> dict:
     return info
 
 
+def dequantized_path(qtype: str) -> Path:
+    path = gguf_path(qtype)
+    return path.with_name(path.stem + ".dequantized-F32.gguf")
+
+
 def dequantized_file(bins: dict, qtype: str) -> Path:
     """The type's file dequantized to F32 by llama-quantize: the very function the type's file computes, in
-    float; each tool's figure on it is that tool's own reference for the type (part own-f32)."""
+    float; each tool's figure on it is that tool's own reference for the type (part own-f32). Made again when
+    older than the type's file (which a new imatrix or llama.cpp makes again)."""
     path = gguf_path(qtype)
-    out = path.with_name(path.stem + ".dequantized-F32.gguf")
-    if not out.is_file():
+    out = dequantized_path(qtype)
+    if not out.is_file() or out.stat().st_mtime_ns < path.stat().st_mtime_ns:
         tmp = out.with_name(out.name + f".tmp{os.getpid()}")
         run([str(bins["llama-quantize"]), "--allow-requantize", str(path), str(tmp), "F32", "2"])
         tmp.rename(out)
     return out
+
+
+_HASHES: dict[tuple[str, int, int], str] = {}
+
+
+def file_sha256(path: Path) -> str | None:
+    """The file's content hash (None: no file), once per (path, size, mtime) in a process."""
+    if not path.is_file():
+        return None
+    st = path.stat()
+    key = (str(path), st.st_size, st.st_mtime_ns)
+    if key not in _HASHES:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 24):
+                h.update(chunk)
+        _HASHES[key] = h.hexdigest()
+    return _HASHES[key]
 
 
 def census(path: Path) -> dict:
@@ -221,7 +250,7 @@ def perplexity_of(bins: dict, path: Path, contender: str) -> dict:
     """One contender's figure, or the error as the run's record; with the commit and load as it started (the
     tree may change during a run: others commit beside us)."""
     start = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "commit_at_start": common.git_commit(),
-             "uptime_at_start": uptime()}
+             "uptime_at_start": uptime(), "file_sha256": file_sha256(path)}
     try:
         return {**start, **(llama_perplexity(bins, path) if contender == "llama.cpp"
                             else our_perplexity(path, CONTENDERS[contender]))}
@@ -263,9 +292,28 @@ def add_run(data: dict, qtype: str, part: str, contender: str, result: dict) -> 
           flush=True)
 
 
+def scored_file(qtype: str, part: str) -> Path:
+    return dequantized_path(qtype) if part == "own-f32" else gguf_path(qtype)
+
+
+def of_current_file(data: dict, row: dict) -> bool:
+    """Whether a run scored the file its type and part name now (its sha256; runs from before the hash was kept:
+    where the type has no hashed run of the part and the file has the size the JSON recorded for it)."""
+    if row["part"] not in ("perplexity", "own-f32"):
+        return True
+    path = scored_file(row["type"], row["part"])
+    if "file_sha256" in row:
+        return row["file_sha256"] == file_sha256(path)
+    hashed = any("file_sha256" in r for r in data["runs"] if r["type"] == row["type"] and r["part"] == row["part"])
+    recorded = data["types"].get(row["type"], {}).get("file_bytes")
+    return (not hashed and path.is_file() and row["part"] == "perplexity" and recorded == path.stat().st_size)
+
+
 def latest(data: dict, qtype: str, part: str, contender: str) -> dict | None:
+    """The newest run of (type, part, contender) without an error, on the type's file as it is now."""
     rows = [r for r in data["runs"] if r["type"] == qtype and r["part"] == part and r["contender"] == contender
             and "error" not in r]
+    rows = [r for r in rows if of_current_file(data, r)]
     return rows[-1] if rows else None
 
 
