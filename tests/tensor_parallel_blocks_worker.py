@@ -2,9 +2,9 @@
 (T = the ranks) on a GGUF file, a token list through it; rank 0 saves the logits of every position, of the whole
 prompt at once then token by token through the KV cache, as [2, tokens, vocab] float32.
 
-    INT8=0|1 PLANT=|block mpiexec -n T python tests/tensor_parallel_blocks_worker.py FILE OUT.npy ID,ID,...
+    INT8=0|1 PLANT=|block EXPERTS=|1 mpiexec -n T python tests/tensor_parallel_blocks_worker.py FILE OUT.npy ID,ID,...
 
-INT8: the products' activations rounded to int8 (--int8-activations) or not. PLANT=block: a planted bug, every
+INT8: the products' activations rounded to int8 (--int8-activations) or not; EXPERTS=1: --expert-parallel. PLANT=block: a planted bug, every
 member's input columns of a matrix held in its GGUF blocks one block off (the last member's one block early, the
 others' one block late), as a cut that misreads the blocks' byte offsets would take them.
 """
@@ -44,7 +44,8 @@ def main() -> None:
     comm = MPI.COMM_WORLD
     t = comm.Get_size()
     group = form_group(comm, t, watchdog=60)
-    settings = WeightSettings(model=path, tensor_parallel=t, int8_activations=os.environ.get("INT8") == "1")
+    settings = WeightSettings(model=path, tensor_parallel=t, int8_activations=os.environ.get("INT8") == "1",
+                              expert_parallel=os.environ.get("EXPERTS") == "1")
     plan = plan_job(settings, comm)
     stage = load_stage(settings, plan, comm.Get_rank(), progress=False, group=group)
     if comm.Get_rank() != 0:
