@@ -230,3 +230,35 @@ def test_each_rank_reads_only_its_share(files, kind, t, experts):
             expected += nbytes
         assert checkpoint.bytes_read == expected, (member, checkpoint.bytes_read, expected)
         print(kind, t, member, checkpoint.bytes_read, sum(sizes.values()))
+
+
+def test_pages_read_counts_the_distinct_pages():
+    """share_reads.pages_read (benchmarks/share_read_bytes.py's page figures) against a set of every page each run
+    touches, for column shares (runs shorter and longer than a page), a stack's rows per expert and whole tensors,
+    two of them on shared pages."""
+    from pathlib import Path
+
+    from pipeline.checkpoints.gguf_file import GGUFTensor
+    from pipeline.checkpoints.share_reads import narrow_tensor, pages_read
+
+    def brute(tensors, page):
+        pages = set()
+        for t in tensors:
+            stride = getattr(t, "stride", 0)
+            run = t.nbytes // t.rows if stride else t.nbytes
+            for i in range(t.rows if stride else 1):
+                start = t.begin + i * stride
+                pages.update(range(start // page, (start + run - 1) // page + 1))
+        return len(pages) * page
+
+    file = Path("f")
+    a = GGUFTensor("a", "Q4_K", (96, 2048), file, 4100, 96 * 8 * 144)
+    b = GGUFTensor("b", "Q6_K", (4, 40, 4096), file, a.begin + a.nbytes, 4 * 40 * 16 * 210)
+    c = GGUFTensor("c", "Q8_0", (16, 4096), file, b.begin + b.nbytes + 999, 16 * 128 * 34)
+    shares = [narrow_tensor(a, -1, 256, 1024), narrow_tensor(a, -1, 1024, 2048), narrow_tensor(b, -1, 0, 2048),
+              narrow_tensor(b, -2, 8, 30), narrow_tensor(c, -1, 2048, 4096), narrow_tensor(c, -2, 3, 9), c]
+    for page in (4096, 16384):
+        for t in shares:
+            assert pages_read([t], page) == brute([t], page), (t.name, page)
+        assert pages_read(shares, page) == brute(shares, page)
+        assert pages_read([shares[0]], page) > shares[0].nbytes  # runs of 432 bytes in rows of 1152: every page
