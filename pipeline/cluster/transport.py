@@ -7,6 +7,7 @@ so a second transport (e.g. MLX distributed over Thunderbolt RDMA) only implemen
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -395,6 +396,17 @@ class MlxTransport(MpiTransport):
         if self._guard:
             self._guard.disarm()
         return hidden
+
+    @contextlib.contextmanager
+    def watched(self, peer: int, sending: bool = False):
+        """Around a blocking MLX wait on `peer` (a group sum's gather): the watchdog's deadline."""
+        if self._guard:
+            self._guard.arm(peer, sending)
+        try:
+            yield
+        finally:
+            if self._guard:
+                self._guard.disarm()
 
 
 class _Deadline:

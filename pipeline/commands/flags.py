@@ -93,7 +93,7 @@ def add_tensor_parallel_arg(parser: argparse.ArgumentParser) -> None:
                              "1 (default) the pipeline): each rank of a stage holds a share of every one of its "
                              "layers' heads and MLP features, and the stage's ranks add up their partial outputs "
                              "twice a layer; --split and --host-memory then speak of stages (a stage's memory is "
-                             "its group's smallest host times T). Llama-family models, --transport mpi; "
+                             "its group's smallest host times T). Llama-family models; --transport mlx runs T = ranks only; "
                              "see docs/tensor-parallel.md")
     parser.add_argument("--expert-parallel", action=argparse.BooleanOptionalAction,
                         default=WeightSettings.expert_parallel,

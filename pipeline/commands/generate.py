@@ -51,7 +51,7 @@ def run(args: argparse.Namespace, comm) -> int:
     rank = comm.Get_rank()
     settings = flags.job_settings(args)
     group = mpi.checkpoint(comm, lambda: form_group(comm, args.tensor_parallel, settings.transport.transport,
-                                                    settings.transport.watchdog))
+                                                    settings.transport.watchdog, settings.transport.mlx_backend))
     transport = make_transport(settings.transport, group.ring) if group.leads else None  # the ring: stage leaders
     plan = mpi.checkpoint(comm, lambda: plan_job(settings.weights, comm))
 

@@ -25,7 +25,9 @@ entry in files of its own (prompt_cache_store.py, named by its shard); a leader'
 for every mate's answer: the entry starts the sequence only where every member loaded its share, else
 the whole group releases it and the request runs cold.
 
-Not yet: --transport mlx (MLX 0.32 cannot split its group), and families other than Llama's, Qwen3-MoE and the MLA families (DeepSeek V3/V3.2, Kimi K2; models/tensor_parallel.py
+Under --transport mlx (MLX 0.32 cannot split its group: T = ranks only), the sums, the router's choices,
+the commands' hidden states and the head's slices go over MLX's group (cluster/mlx_group_sum.py), the
+commands' headers over MPI. Not yet: families other than Llama's, Qwen3-MoE and the MLA families (DeepSeek V3/V3.2, Kimi K2; models/tensor_parallel.py
 check_family).
 """
 
@@ -38,9 +40,10 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from ..cluster.mlx_group_sum import open_mlx_group
 from ..cluster.tensor_group import GroupSum, split
 from .group_sums import make_group_sum
-from ..cluster.transport import MpiTransport, this_process
+from ..cluster.transport import MlxTransport, MpiTransport, this_process
 from ..models.stage_slice import head_columns
 from ..models.tensor_parallel import Shard
 from ..models.vocab_split import combine, summary, vocab_share
@@ -54,6 +57,7 @@ FULL, SUMMARY = 0, 1  # what a member returns of its head slice for a HEAD comma
 _HEADER = 12  # command, sequences, last_only, full given, dtype code, ndim, 4 dims, positions (REWIND), spare
 _WIRE = {mx.float32: (0, np.float32), mx.float16: (1, np.float16), mx.bfloat16: (2, np.uint16)}
 _FROM_CODE = {code: (mx_dtype, np_dtype) for mx_dtype, (code, np_dtype) in _WIRE.items()}
+_MX_WIRE = {np.float32: mx.float32, np.float16: mx.float16, np.uint16: mx.uint16}  # a payload's dtype on MLX's wire
 
 
 def check_tensor_parallel(t: int, ranks: int, transport: str = "mpi") -> None:
@@ -61,9 +65,10 @@ def check_tensor_parallel(t: int, ranks: int, transport: str = "mpi") -> None:
     if t < 1 or ranks % t:
         divisors = ", ".join(str(d) for d in range(1, ranks + 1) if ranks % d == 0)
         raise UserError(f"--tensor-parallel {t} must divide the {ranks} ranks (ranks = stages x T), e.g. {divisors}")
-    if t > 1 and transport == "mlx":
-        raise UserError("--tensor-parallel above 1 needs --transport mpi (MLX's distributed group cannot be split "
-                        "into stage groups, and its sums are not ours yet)")
+    if 1 < t < ranks and transport == "mlx":
+        raise UserError(f"--tensor-parallel {t} on {ranks} ranks makes {ranks // t} stages of {t}, which --transport "
+                        f"mlx cannot run (MLX's distributed group cannot be split into stage groups): use --transport "
+                        f"mpi, or --tensor-parallel {ranks} (pure tensor parallelism) or 1 with --transport mlx")
 
 
 @dataclass
@@ -93,8 +98,9 @@ class Group:
         return 1000 * self.group_sum.seconds / steps
 
 
-def form_group(comm, t: int, transport: str = "mpi", watchdog: float = 0.0) -> Group:
-    """Collective: the stage groups of --tensor-parallel t over `comm`'s ranks."""
+def form_group(comm, t: int, transport: str = "mpi", watchdog: float = 0.0, mlx_backend: str = "auto") -> Group:
+    """Collective: the stage groups of --tensor-parallel t over `comm`'s ranks (with --transport mlx, one
+    group of them all over MLX's distributed group)."""
     check_tensor_parallel(t, comm.Get_size(), transport)
     if t == 1:
         return Group(ring=comm)
@@ -106,8 +112,11 @@ def form_group(comm, t: int, transport: str = "mpi", watchdog: float = 0.0) -> G
     labels = [f"{hosts[r]}, job rank {r}" for r in members]
     own_core = cores.has_own_core(placement, comm.Get_rank())
     group_processes = [processes[r] for r in members]
-    link = MpiTransport(comms.group, watchdog, labels, own_core, group_processes)
     waiting = MpiTransport(comms.group, 0.0, labels, own_core, group_processes)
+    if transport == "mlx":
+        link, group_sum = open_mlx_group(comms.group, mlx_backend, watchdog, labels, own_core, group_processes)
+        return Group(t, comms.stage, comms.member, comms.leaders, link, waiting, group_sum)
+    link = MpiTransport(comms.group, watchdog, labels, own_core, group_processes)
     return Group(t, comms.stage, comms.member, comms.leaders, link, waiting, make_group_sum(link))
 
 
@@ -184,9 +193,7 @@ class SplitHead:
         parts = []
         for member, (begin, end) in enumerate(self.bounds[1:], start=1):
             width = end - begin if top is None else 3 + 2 * min(top, end - begin)
-            buf = np.empty((n, width), dtype=np.float32)
-            self.group.link.recv(buf, member)
-            parts.append(buf)
+            parts.append(recv_slice(self.group.link, (n, width), member))
         self.seconds += time.perf_counter() - started
         if top is None:  # in member order: the whole vocabulary's logits
             return mx.concatenate([mine] + [mx.array(p).astype(mine.dtype) for p in parts], axis=-1)
@@ -198,9 +205,21 @@ def head_slice_reply(stage: Stage, group: Group, rows: mx.array, mode: int, top:
     head = stage.model.head_share
     logits = head_columns(head, rows, 0, head.weight.shape[0])
     out = summary(logits, top) if mode == SUMMARY else logits.astype(mx.float32)
-    buf = np.ascontiguousarray(np.asarray(out))
     link = group.link
+    if isinstance(link, MlxTransport):  # over MLX's group (cluster/mlx_group_sum.py)
+        link.send_hidden(out, 0)
+        return
+    buf = np.ascontiguousarray(np.asarray(out))
     link.wait_for(link.isend(buf, 0), 0, sending=True)
+
+
+def recv_slice(link: MpiTransport, shape: tuple[int, int], member: int) -> np.ndarray:
+    """Rank 0: a mate's float32 slice of the head's logits (or its summary)."""
+    if isinstance(link, MlxTransport):
+        return np.asarray(link.recv_hidden(shape, mx.float32, member))
+    buf = np.empty(shape, dtype=np.float32)
+    link.recv(buf, member)
+    return buf
 
 
 def send(group: Group, command: int, count: int, layout: list[int] = (), payload: np.ndarray | None = None,
@@ -213,12 +232,17 @@ def send(group: Group, command: int, count: int, layout: list[int] = (), payload
         header[4], header[5] = _WIRE[dtype][0], payload.ndim
         header[6:6 + payload.ndim] = payload.shape
     buffers = [header] + ([np.array(layout, dtype=np.int64)] if len(layout) else [])
-    if payload is not None:
-        buffers.append(np.ascontiguousarray(payload))
     link = group.link
+    over_mlx = payload is not None and isinstance(link, MlxTransport)  # the payload by MLX, after the header
+    if payload is not None and not over_mlx:
+        buffers.append(np.ascontiguousarray(payload))
     pending = [(link.isend(buf, mate), mate) for mate in range(1, group.size) for buf in buffers]
     for request, mate in pending:
         link.wait_for(request, mate, sending=True)
+    if over_mlx:
+        wire = mx.array(payload)  # bfloat16 as its uint16 bits, as by MPI
+        for mate in range(1, group.size):
+            link.send_hidden(wire, mate)
 
 
 def stop_mates(group: Group) -> None:
@@ -273,9 +297,13 @@ def follow_leader(stage: Stage, group: Group, store=None) -> None:
         layout = layout.tolist()
         if command in (RUN, HEAD):
             mx_dtype, np_dtype = _FROM_CODE[int(header[4])]
-            payload = np.empty(tuple(int(d) for d in header[6:6 + int(header[5])]), dtype=np_dtype)
-            link.recv(payload, 0)
-            hidden = mx.array(payload)
+            shape = tuple(int(d) for d in header[6:6 + int(header[5])])
+            if isinstance(link, MlxTransport):
+                hidden = link.recv_hidden(shape, _MX_WIRE[np_dtype], 0)
+            else:
+                payload = np.empty(shape, dtype=np_dtype)
+                link.recv(payload, 0)
+                hidden = mx.array(payload)
             if mx_dtype == mx.bfloat16:
                 hidden = hidden.view(mx.bfloat16)
         if command == HEAD:
