@@ -1,7 +1,8 @@
 """--tensor-parallel T over MLX's distributed group (`--transport mlx`, here MLX's TCP ring on loopback,
 cluster/mlx_group_sum.py): pure tensor parallelism (T = ranks) gives the bits `--transport mpi` gives
 (the same sum: gathered, added in member order in float32), its logits (the head split by vocabulary)
-and its greedy text, as `batch` gives it; a hybrid (1 < T < ranks) is refused in one line."""
+and its greedy text, as `batch` gives it (T = 4: the ring's sends reach neighbours only, so member 2's
+payloads go by MPI); a hybrid (1 < T < ranks) is refused in one line."""
 
 from __future__ import annotations
 
@@ -104,7 +105,7 @@ def worker_logits(folder, ranks: int, transport: str, tmp_path) -> np.ndarray:
     return np.load(out)
 
 
-@pytest.mark.parametrize("kind, ranks", [("llama", 2), ("llama", 3), ("qwen3_moe", 2)])
+@pytest.mark.parametrize("kind, ranks", [("llama", 2), ("llama", 3), ("llama", 4), ("qwen3_moe", 2)])
 def test_logits_over_mlx_equal_mpi_bit_for_bit(models, kind, ranks, tmp_path):
     over_mpi = worker_logits(models[kind], ranks, "mpi", tmp_path)
     over_mlx = worker_logits(models[kind], ranks, "mlx", tmp_path)
