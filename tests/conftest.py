@@ -319,6 +319,7 @@ def cache_with_builds(folder: Path) -> Path:
     alone takes about a minute of g++, many on a loaded machine); models and all else start empty.
     The extension and the shim are built here first where missing."""
     import shutil
+    import time
 
     from pipeline.kernels import build
     from pipeline.util.paths import cache_root
@@ -330,8 +331,12 @@ def cache_with_builds(folder: Path) -> Path:
             (folder / built.parent.name).mkdir(mode=0o700, exist_ok=True)
             shutil.copy2(built, folder / built.parent.name / built.name)
     if (cache_root() / "tmp" / "mlx").is_dir():
+        def being_written(where, names):  # a kernel another job on this machine may be compiling now
+            return [n for n in names if os.path.isfile(os.path.join(where, n))
+                    and time.time() - os.path.getmtime(os.path.join(where, n)) < 60]
+
         (folder / "tmp").mkdir(mode=0o700, exist_ok=True)
-        shutil.copytree(cache_root() / "tmp" / "mlx", folder / "tmp" / "mlx", dirs_exist_ok=True)
+        shutil.copytree(cache_root() / "tmp" / "mlx", folder / "tmp" / "mlx", ignore=being_written, dirs_exist_ok=True)
     return folder
 
 
