@@ -2,8 +2,9 @@
 
     mpiexec -n T python tests/group_sum_worker.py exact OUT.npz
         chained sums of known float32 partials (mixed magnitudes: the order of the adds shows), built
-        into one graph and evaluated once, and a router's choices from the first member; rank 0 saves
-        every member's partials and results.
+        into one graph and evaluated once, and a router's choices from the first member (each member's
+        own where the members are alike: kernels/group_sum.py); rank 0 saves every member's partials
+        and results.
     mpiexec -n T python tests/group_sum_worker.py hang MEMBER WATCHDOG
         member MEMBER stops itself (SIGSTOP) before the first sum; the others wait in it.
 """
@@ -63,6 +64,9 @@ def main() -> None:
     got["halves"] = np.array(halves.astype(mx.float32))
     got["choices"] = np.array(choices)
     every = comm.gather(got, root=0)
+    alike = comm.allgather(gsum.alike)
+    assert len(set(alike)) == 1, alike  # every member of the group decided the same
+    alike = alike[0]
     if rank == 0:
         arrays = {f"m{m}_{k}": v for m, g in enumerate(every) for k, v in g.items()}
         for m in range(t):
@@ -71,6 +75,7 @@ def main() -> None:
             arrays[f"m{m}_halves_partial"] = np.array(mx.array(partial(m, (4, 8))).astype(mx.bfloat16).astype(mx.float32))
         arrays["kind"] = np.array(kind)
         arrays["calls"] = np.array(gsum.calls)
+        arrays["alike"] = np.array(alike)
         np.savez(sys.argv[2], **arrays)
 
 

@@ -1,6 +1,7 @@
 """--tensor-parallel's group sum in MLX's graph (kernels/group_sum_kernels.cpp, runtime/group_sums.py):
 against numpy's rank-ordered float32 sum of known partials on 2 and 3 ranks, chained sums evaluated as one
-graph, bfloat16 partials, the router's choices from the first member; a hung member ends the job under the
+graph, bfloat16 partials, the router's choices from the first member (or, on members alike, each its own,
+nothing sent); a hung member ends the job under the
 watchdog naming it; the Python sum as the fallback (PIPELINE_GROUP_SUM=0) gives the same bits."""
 
 from __future__ import annotations
@@ -36,7 +37,11 @@ def ordered_sum(parts: list[np.ndarray]) -> np.ndarray:
 @pytest.mark.parametrize("kind", ["in-graph", "python"])
 def test_sum_is_the_rank_ordered_float32_sum(ranks, kind, tmp_path):
     out = tmp_path / "sums.npz"
-    job = run_worker(ranks, "exact", str(out), env={"PIPELINE_GROUP_SUM": "0"} if kind == "python" else None)
+    # the members are alike here (one host, one build): on 3 ranks PIPELINE_OWN_CHOICES=0 sends the choices anyway
+    env = {"PIPELINE_GROUP_SUM": "0"} if kind == "python" else {}
+    if ranks == 3:
+        env["PIPELINE_OWN_CHOICES"] = "0"
+    job = run_worker(ranks, "exact", str(out), env=env)
     assert job.returncode == 0, job.stderr
     got = np.load(out)
     assert str(got["kind"]) == kind, job.stderr  # the in-graph sum ran where it was wanted, with no fallback
@@ -57,7 +62,10 @@ def test_sum_is_the_rank_ordered_float32_sum(ranks, kind, tmp_path):
     halves = np.array(mx.array(halves).astype(mx.bfloat16).astype(mx.float32))
     for m in range(ranks):
         assert np.array_equal(got[f"m{m}_halves"], halves), m
-        assert np.array_equal(got[f"m{m}_choices"], np.arange(8, dtype=np.uint32).reshape(1, 8)), m
+        # member m offered arange(8) * (m + 1): alike members keep their own, else the first member's arrive
+        assert bool(got["alike"]) == (ranks == 2)
+        first = m + 1 if ranks == 2 else 1
+        assert np.array_equal(got[f"m{m}_choices"], first * np.arange(8, dtype=np.uint32).reshape(1, 8)), m
 
 
 @pytest.mark.parametrize("ranks,stopped", [(2, 1), (3, 1)])
@@ -98,3 +106,18 @@ def test_open_mpi_pointer_handles(tmp_path):
     for i in range(SHAPES):
         expected = ordered_sum([got[f"m{m}_partial{i}"] for m in range(3)])
         assert all(np.array_equal(got[f"m{m}_sum{i}"], expected) for m in range(3)), i
+
+
+def test_members_unlike_take_the_first_members_choices(tmp_path):
+    """Members whose computing signatures differ (here one member's switch, as another CPU or build would)
+    take the first member's choices: an MPMD job of 2 ranks, the second with PIPELINE_OWN_CHOICES=1 set."""
+    out = tmp_path / "sums.npz"
+    worker = [sys.executable, str(WORKER), "exact", str(out)]
+    job = subprocess.run(["mpiexec", "-n", "1", *worker, ":", "-n", "1", "-env", "PIPELINE_OWN_CHOICES", "1", *worker],
+                         capture_output=True, text=True, timeout=300, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert job.returncode == 0, job.stderr
+    got = np.load(out)
+    assert not bool(got["alike"])
+    for m in range(2):
+        assert np.array_equal(got[f"m{m}_choices"], np.arange(8, dtype=np.uint32).reshape(1, 8)), m

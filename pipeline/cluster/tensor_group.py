@@ -94,6 +94,7 @@ class GroupSum:
     and adding (from the moment this rank's partial is computed: waiting for a slower member counts)."""
 
     SPIN_S = 0.002
+    alike = False  # as kernels/group_sum.py InGraphSum's
 
     def __init__(self, link: MpiTransport):
         self.link = link  # an MpiTransport over the group's communicator: its polling wait and watchdog
@@ -129,7 +130,10 @@ class GroupSum:
         return out
 
     def from_first(self, array: mx.array) -> mx.array:
-        """The group's first member's `array` (integers: a router's top-k choices) on every member."""
+        """The group's first member's `array` (integers: a router's top-k choices) on every member: where the
+        members are `alike` (kernels/group_sum.py), the member's own, which is the first member's."""
+        if self.alike:
+            return array
         mx.eval(array)
         mine = np.ascontiguousarray(array)
         request = self.comm.Ibcast(mine, root=0)

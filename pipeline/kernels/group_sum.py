@@ -8,9 +8,20 @@ Python sum (cluster/tensor_group.py GroupSum) evaluated it in 60 pieces, each wi
 This module knows no MPI: the runtime (runtime/group_sums.py) hands it the library mpi4py loaded, the
 C handles of a communicator of the sums' own, and the watchdog's messages. `PIPELINE_GROUP_SUM=0` turns
 it off (the Python sum runs).
+
+A choice that members compute from the same bits with the same code on the same kind of CPU is the same
+choice: where every member's `computing_signature` is the same (the runtime compares them once), each
+member keeps its own choices and `from_first` sends nothing (`alike`); where they differ (CPUs of other
+instruction sets, another build, other threads or switches), the first member's are sent, as before.
+`PIPELINE_OWN_CHOICES=0` always sends them.
 """
 
 from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import sys
 
 import mlx.core as mx
 
@@ -18,6 +29,29 @@ from . import build
 from ..util.switches import turned_off
 
 ENV = "PIPELINE_GROUP_SUM"
+OWN_CHOICES_ENV = "PIPELINE_OWN_CHOICES"
+# the environment that chooses kernels, their paths or their threads: pipeline's switches of kernels, the BLAS's
+# and OpenMP's variables (not the per-rank or secret ones: those would only tell alike members apart)
+_SIGNED_SWITCHES = ("PIPELINE_ATTENTION", "PIPELINE_BLAS", "PIPELINE_BLAS_SHIM", "PIPELINE_LAYER_KERNELS",
+                    "PIPELINE_QMM", OWN_CHOICES_ENV)
+_SIGNED_PREFIXES = ("OPENBLAS_", "OMP_", "GOTO_", "MKL_", "BLIS_")
+
+
+def computing_signature() -> str:
+    """What decides the bits of a member's router and indexer choices beyond their inputs (which the group
+    sums make the same on every member): the CPU (model and instruction set flags), the kernels' extension
+    (its file's digest: sources, compiler and flags), MLX's and Python's versions, and the environment
+    that picks kernels and threads, and the CPUs this process may run on (its threads). Members with the same
+    signature compute the same choices."""
+    state = build.load()
+    kernels = state.why_not or ""
+    if state.path:
+        with open(state.path, "rb") as f:
+            kernels = hashlib.sha256(f.read()).hexdigest()
+    env = sorted(f"{k}={v}" for k, v in os.environ.items() if k in _SIGNED_SWITCHES or k.startswith(_SIGNED_PREFIXES))
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return "\n".join([platform.machine(), build.cpu_signature(), kernels, mx.__version__, sys.version,
+                      f"cpus={cpus}", *env])
 
 
 class InGraphSum:
@@ -26,6 +60,7 @@ class InGraphSum:
     from the moment this member's partial is computed until its sum is, waiting for the others included)."""
 
     in_graph = True
+    alike = False  # every member computes the same choices (runtime/group_sums.py): from_first sends nothing
 
     def __init__(self, link):
         self.link = link  # the extension's PipelineGroupLink
@@ -36,7 +71,7 @@ class InGraphSum:
         return self.link.sum(partial.astype(mx.float32)).astype(partial.dtype)
 
     def from_first(self, array: mx.array) -> mx.array:
-        return self.link.first(array)
+        return array if self.alike else self.link.first(array)
 
     @property
     def seconds(self) -> float:

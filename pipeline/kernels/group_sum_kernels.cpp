@@ -285,6 +285,20 @@ class GroupLink : public std::enable_shared_from_this<GroupLink> {
     std::atomic<int64_t> nanos_{0}, calls_{0};
 };
 
+/* What both primitives' eval_cpu do: `out` allocated, then on the stream's worker (in the graph's order)
+   work(x row-contiguous, out), where the exchange and the adds happen. */
+template <class Work>
+void on_the_stream(const mx::Stream &stream, const mx::array &x, mx::array &out, Work work) {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto &encoder = mx::cpu::get_command_encoder(stream);
+    encoder.set_input_array(x);
+    encoder.set_output_array(out);
+    encoder.dispatch([x, out, work = std::move(work)]() mutable {
+        std::vector<mx::array> keep;
+        work(contiguous(x, keep), out);
+    });
+}
+
 /* The group's sum of float32 partials [...]: every member's, added in member order. */
 class GroupSumPrimitive : public mx::UnaryPrimitive {
    public:
@@ -292,14 +306,8 @@ class GroupSumPrimitive : public mx::UnaryPrimitive {
         : mx::UnaryPrimitive(stream), link_(std::move(link)) {}
 
     void eval_cpu(const std::vector<mx::array> &inputs, mx::array &out) override {
-        out.set_data(mx::allocator::malloc(out.nbytes()));
-        auto &encoder = mx::cpu::get_command_encoder(stream());
-        encoder.set_input_array(inputs[0]);
-        encoder.set_output_array(out);
-        encoder.dispatch([x = inputs[0], out, link = link_]() mutable {
+        on_the_stream(stream(), inputs[0], out, [link = link_](const mx::array &mine, mx::array &out) {
             const double start = now_s();
-            std::vector<mx::array> keep;
-            const mx::array mine = contiguous(x, keep);
             const int64_t n = int64_t(mine.size()), size = link->size(), member = link->member();
             const float *own = mine.data<float>();
             std::vector<float> parts(size_t(size * n));
@@ -337,13 +345,7 @@ class FromFirstPrimitive : public mx::UnaryPrimitive {
         : mx::UnaryPrimitive(stream), link_(std::move(link)) {}
 
     void eval_cpu(const std::vector<mx::array> &inputs, mx::array &out) override {
-        out.set_data(mx::allocator::malloc(out.nbytes()));
-        auto &encoder = mx::cpu::get_command_encoder(stream());
-        encoder.set_input_array(inputs[0]);
-        encoder.set_output_array(out);
-        encoder.dispatch([x = inputs[0], out, link = link_]() mutable {
-            std::vector<mx::array> keep;
-            const mx::array mine = contiguous(x, keep);
+        on_the_stream(stream(), inputs[0], out, [link = link_](const mx::array &mine, mx::array &out) {
             uint8_t *o = out.data<uint8_t>();
             std::memcpy(o, mine.data<uint8_t>(), mine.nbytes());
             link->from_first(o, int64_t(out.nbytes()));
