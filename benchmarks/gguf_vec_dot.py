@@ -32,7 +32,7 @@ from pipeline.kernels import build, qmm  # noqa: E402
 
 # type -> bytes per 256 values (block size, type size: gguf's GGML_QUANT_SIZES, scaled to 256 values)
 ROW_BYTES = {"Q6_K": 210, "IQ4_NL": 144, "IQ4_XS": 136, **{t: b for t, (_, b) in quants.BLOCKS.items()}}
-DEFAULT_TYPES = ("Q6_K", "Q5_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S",
+DEFAULT_TYPES = ("Q6_K", "Q5_K", "Q4_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S",
                  "IQ1_S", "IQ1_M", "TQ2_0", "TQ1_0")
 
 

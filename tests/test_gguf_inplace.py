@@ -479,12 +479,13 @@ def _add_metadata(writer, arch: str, c, mla: str, vocab: dict, yarn: dict | None
     writer.add_chat_template(CHATML)
 
 
-def ours(path: Path, ranges=((0, 4),), requantize_bits=None):
+def ours(path: Path, ranges=((0, 4),), requantize_bits=None, native=True):
     """Logits of LONG_PROMPT through our stages loaded from the GGUF (as the ranks would hold them); products of
-    tensors held in their own blocks (Q5_K layer matrices) in float32, as the rest here."""
+    tensors held in their own blocks (Q4_K, Q5_K layer matrices) in float32, as the rest here. native=False: every
+    quantized tensor in MLX's layouts (as `convert` writes them)."""
     from pipeline.kernels import qmm  # here, as the other tests that set it
 
-    checkpoint = GGUFCheckpoint(path, requantize_bits)
+    checkpoint = GGUFCheckpoint(path, requantize_bits, native=native)
     config = checkpoint.model_config()
     state = qmm.load()
     saved, state.gguf_int8 = state.gguf_int8, False
@@ -670,9 +671,9 @@ def test_moe_architectures_match_transformers(case, tmp_path, vocab):
     assert np.abs(split - expected).max() <= tolerance
 
 
-def test_q4_k_m_style_mix_loads_exact_and_in_blocks(tmp_path, vocab, capsys):
-    """A Q4_K_M file holds Q6_K tensors (output, some ffn_down), here with a Q3_K embedding: the Q6_K and Q3_K ones
-    are held in their own blocks, the Q4_K ones exact, nothing re-quantized (no note; test_gguf_native_ends has
+def test_q4_k_m_style_mix_loads_in_blocks(tmp_path, vocab, capsys):
+    """A Q4_K_M file holds Q6_K tensors (output, some ffn_down), here with a Q3_K embedding: the Q6_K, Q3_K and Q4_K
+    ones are all held in their own blocks, nothing re-quantized (no note; test_gguf_native_ends has
     one); with float products the logits are transformers' on the file's values within float32 rounding."""
     folder = _mistral(tmp_path / "hf")
     model = _transformers("mistral", folder)
@@ -690,7 +691,7 @@ def test_q4_k_m_style_mix_loads_exact_and_in_blocks(tmp_path, vocab, capsys):
         state.gguf_int8 = saved
     assert "re-quantized" not in capsys.readouterr().err
     kinds = {e.how for n, e in checkpoint.tensors.items() if n.endswith(".weight") and e.layout}
-    assert kinds == {"exact", "native"}  # the Q6_K ffn_down and output, the Q3_K embedding in their own blocks
+    assert kinds == {"native"}  # the Q4_K and Q6_K layer matrices, the Q6_K output, the Q3_K embedding: in their blocks
     # float32 rounding, as the dense cases above (measured 2.1 with the embedding re-quantized to 8 bits, 14.1 at 4)
     assert np.abs(logits - expected).max() <= 4e-4
     assert (logits.argmax(-1) == expected.argmax(-1)).all()
@@ -882,7 +883,7 @@ def test_convert_writes_what_the_file_loads_as(tmp_path, vocab):
     folder = convert_gguf(written["files"][0], tmp_path / "converted", progress=False)
     config = json.loads((folder / "config.json").read_text())
     assert config["architectures"] == ["DeepseekV3ForCausalLM"] and config["quantization"]["group_size"] == 32
-    direct, _, _ = ours(written["files"][0])
+    direct, _, _ = ours(written["files"][0], native=False)  # (the folder holds MLX layouts, not the file's blocks)
     assert np.array_equal(forward(load_stages(folder, ((0, 4),)), LONG_PROMPT), direct)
 
 

@@ -1,4 +1,4 @@
-"""GGUF K-quants and ternary types held as the file's row bytes (Q5_K, Q3_K, Q2_K, TQ2_0, TQ1_0:
+"""GGUF K-quants and ternary types held as the file's row bytes (Q4_K, Q5_K, Q3_K, Q2_K, TQ2_0, TQ1_0:
 checkpoints/quants.py BLOCKS) and computed there (kernels/gguf_kquant_kernels.cpp through kernels/qmm.py),
 against truths from elsewhere:
 - the gguf package's dequantizers (llama.cpp's) define what the blocks mean: the kernels' dequantization equals
@@ -26,7 +26,7 @@ from pipeline.checkpoints.gguf_checkpoint import GGUFCheckpoint
 from pipeline.kernels import qmm
 from pipeline.runtime.stage import Stage
 
-TYPES = (QT.Q5_K, QT.Q3_K, QT.Q2_K, QT.TQ2_0, QT.TQ1_0)
+TYPES = (QT.Q4_K, QT.Q5_K, QT.Q3_K, QT.Q2_K, QT.TQ2_0, QT.TQ1_0)
 ROW_COUNTS = tuple(range(1, 71))  # every row count a batch, a prompt chunk or a draft gives, past the tiles
 TERNARY_D = {QT.TQ1_0: 52, QT.TQ2_0: 64}  # where the ternary types' fp16 d is (random_blocks leaves them random)
 
@@ -85,7 +85,7 @@ def test_products_match_gguf_dequantization_at_every_row_count(kernels, qtype):
     x_all[5, 300] = 40.0  # a block whose d is set by one value
     for int8 in (False, True):
         whole = product(x_all, raw, qtype, int8)
-        # measured (float / int8): Q5_K 7.0e-8 / 5.1e-8, Q3_K 5.9e-8 / 3.4e-8, Q2_K 1.1e-7 / 5.3e-8 (its mins:
+        # measured (float / int8): Q4_K 8.1e-8 / 3.4e-8, Q5_K 7.0e-8 / 5.1e-8, Q3_K 5.9e-8 / 3.4e-8, Q2_K 1.1e-7 / 5.3e-8 (its mins:
         # (d sc) q - dmin m rounds once more), TQ2_0 5.6e-8 / 2.5e-8, TQ1_0 1.2e-7 / 3.7e-8
         error = relative_error(whole, x_all, w, int8)
         assert error < 2e-7, (int8, error)
@@ -126,6 +126,40 @@ def test_q2_k_sub_block_scales_are_each_their_own(kernels):
         assert relative_error(got, x, wrong, int8) > 1e-3  # measured 0.073 both
 
 
+@pytest.mark.parametrize("sub_block", (2, 5), ids=("sub-block 2", "sub-block 5"))
+def test_q4_k_scale_and_min_are_each_their_own(kernels, sub_block):
+    """A Q4_K sub-block's 6-bit scale and min (get_scale_min_k4's packing: sub-blocks 0-3 in the low 6 bits of
+    bytes 0-3 / 4-7 of the 12, sub-blocks 4-7 in the nibbles of bytes 8-11 and the top 2 bits of bytes 0-3 / 4-7):
+    with one sub-block's scale and min swapped in the truth, both products are off by far more than the tolerance."""
+    rng = np.random.default_rng(7)
+    raw = blocks(QT.Q4_K, 16, 512, rng)
+    x = rng.normal(0, 1, (3, 512)).astype(np.float32)
+    right = gguf.quants.dequantize(raw, QT.Q4_K).astype(np.float64)
+    sc_min = raw.reshape(16, 2, 144)[:, :, 4:16]
+    lo, mid, hi = (sc_min[..., i:i + 4].astype(np.int64) for i in (0, 4, 8))
+    j = sub_block % 4
+    if sub_block < 4:
+        sc, mn = lo[..., j] & 63, mid[..., j] & 63
+    else:
+        sc = (hi[..., j] & 15) | ((lo[..., j] >> 6) << 4)
+        mn = (hi[..., j] >> 4) | ((mid[..., j] >> 6) << 4)
+    swapped = raw.reshape(16, 2, 144).copy()
+    s = swapped[:, :, 4:16]
+    if sub_block < 4:
+        s[..., j] = (s[..., j] & 0xC0) | mn
+        s[..., 4 + j] = (s[..., 4 + j] & 0xC0) | sc
+    else:
+        s[..., 8 + j] = (mn & 15) | ((sc & 15) << 4)
+        s[..., j] = (s[..., j] & 0x3F) | ((mn >> 4) << 6)
+        s[..., 4 + j] = (s[..., 4 + j] & 0x3F) | ((sc >> 4) << 6)
+    wrong = gguf.quants.dequantize(swapped.reshape(16, -1), QT.Q4_K).astype(np.float64)
+    assert (np.abs(wrong - right).max(-1) > 0).mean() > 0.9  # the swap changes (nearly) every row's weights
+    for int8 in (False, True):
+        got = product(x, raw, QT.Q4_K, int8)
+        assert relative_error(got, x, right, int8) < 2e-7
+        assert relative_error(got, x, wrong, int8) > 1e-3
+
+
 def test_bad_inputs_are_refused(kernels):
     raw = blocks(QT.Q5_K, 4, 512, np.random.default_rng(0))
     with pytest.raises(ValueError, match="multiple of 256"):
@@ -133,7 +167,7 @@ def test_bad_inputs_are_refused(kernels):
     with pytest.raises(ValueError, match="n rows of k / 256"):
         kernels.gguf_kquant_matmul(mx.zeros((1, 768)), mx.array(raw), 13, True)
     with pytest.raises(ValueError, match="type must be"):
-        kernels.gguf_kquant_matmul(mx.zeros((1, 512)), mx.array(raw), 12, True)
+        kernels.gguf_kquant_matmul(mx.zeros((1, 512)), mx.array(raw), 14, True)
 
 
 # ---- loading: the file's bytes, read in place -----------------------------------------------------------------
@@ -154,7 +188,7 @@ def test_layer_matrices_are_held_as_the_files_bytes(tmp_path, kernels, qtype):
     assert checkpoint.read(f"{module}.ggml_type").tolist() == [getattr(QT, qtype.name).value]
     assert checkpoint.tensors[f"{module}.weight"].nbytes == raw.nbytes
     requantized = GGUFCheckpoint(path, 8).tensors[f"{module}.weight"].how
-    assert requantized == ("exact" if qtype == QT.Q5_K else "requantized")
+    assert requantized == ("exact" if qtype in (QT.Q4_K, QT.Q5_K) else "requantized")
 
 
 # ---- a whole model -------------------------------------------------------------------------------------------

@@ -180,13 +180,13 @@ def test_models_with_ends_and_experts_in_blocks_match_transformers(case, qtype, 
 
 # ---- what the planner counts ----------------------------------------------------------------------------------
 
-# held in their blocks: the embedding (Q2_K: row bytes), the head and IQ4 / Q6_K layer matrices; exact: Q4_K, Q8_0
+# held in their blocks: the embedding (Q2_K: row bytes), the head and IQ4 / Q6_K / Q4_K layer matrices; exact: Q8_0
 MIX = {"token_embd": QT.Q2_K, "attn_q.": QT.IQ4_XS, "attn_k.": QT.Q4_K, "attn_v": QT.IQ4_NL, "attn_output": QT.Q8_0,
        "ffn_gate": QT.Q6_K, "ffn_up": QT.Q4_K, "ffn_down": QT.IQ4_NL, "output.": QT.Q6_K}
 TIED_MIX = MIX | {"token_embd": QT.IQ4_NL}  # Qwen3's tied embedding, in its blocks, is the head
 # the Q2_K gate and up expert stacks and the Q3_K embedding in their blocks, the NVFP4 down stacks re-quantized (no
 # kernel of ours computes NVFP4)
-MOE_MIX = {"down_exps": QT.NVFP4, "exps": QT.Q2_K, "token_embd": QT.Q3_K, "attn_q.": QT.IQ4_XS, "attn": QT.Q4_K,
+MOE_MIX = {"down_exps": QT.NVFP4, "exps": QT.Q2_K, "token_embd": QT.Q3_K, "attn_q.": QT.IQ4_XS, "attn": QT.Q4_1,
            "output.": QT.Q6_K}
 MIXES = {"mistral": MIX, "qwen3": TIED_MIX, "qwen3moe": MOE_MIX}
 

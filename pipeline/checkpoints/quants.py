@@ -12,6 +12,7 @@ offsets become MLX scales and biases, held in float32 (every value below is exac
     Q4_K  w = (d sc_j) q - (dmin m_j)  per 32-value sub-block j of a 256-value super-block,
                                    sc_j, m_j 6-bit, q 0..15  -> 4 bits, scale d sc_j, bias -dmin m_j
     Q5_K  the same with q 0..31    -> 5 bits
+          (Q4_K and Q5_K so only with --quantize or without pipeline's kernels: else BLOCKS, below)
     MXFP4 w = 2^(e - 127) e2m1(q)  per 32 values -> MLX's mxfp4 mode (uint8 scales e, no biases)
 
 (d, m, dmin are fp16: an 11-bit significand times a 6-bit sub-block scale has at most 17 bits,
@@ -28,7 +29,7 @@ matrix (256 values: ql[128], qh[64], int8 scales[16], fp16 d) has no split into 
 256 values): it looks like MLX's 6-bit affine with groups of 128, its weight the 192 code bytes, its scales
 int64 (the 16 int8 scales, 2 per 256), its biases uint8 (d's 2 bytes). Embeddings, the LM head and expert
 stacks of those types are held so too (NATIVE_ROWS: rows dequantized by kernels/gguf_rows.py, stacks gathered by
-gguf_kernels.cpp). The BLOCKS types (K-quants Q2_K, Q3_K, Q5_K, ternary TQ1_0, TQ2_0, the grid i-quants) are held as
+gguf_kernels.cpp). The BLOCKS types (K-quants Q2_K, Q3_K, Q4_K, Q5_K, ternary TQ1_0, TQ2_0, the grid i-quants) are held as
 the file's row bytes verbatim, one uint8 array and the type id, in layer matrices, ends and expert stacks
 ([experts, rows, row bytes], each token's experts gathered by kernels_common.h's gathered product) alike.
 
@@ -70,7 +71,7 @@ NATIVE_ROWS = ("IQ4_NL", "IQ4_XS", "Q6_K")
 # module docstring): one uint8 array [rows, row bytes] (an expert stack's [experts, rows, row bytes]) and the type
 # id, products and gathered products by the kernels' functions for the type (kernels/qmm.py BLOCK_KERNELS:
 # gguf_kquant_kernels.cpp, ...). Checked before NATIVE, EXACT and REQUANTIZED.
-BLOCKS = {"Q5_K": (13, 176), "Q3_K": (11, 110), "Q2_K": (10, 84), "TQ2_0": (35, 66), "TQ1_0": (34, 54)}
+BLOCKS = {"Q4_K": (12, 144), "Q5_K": (13, 176), "Q3_K": (11, 110), "Q2_K": (10, 84), "TQ2_0": (35, 66), "TQ1_0": (34, 54)}
 BLOCKS.update({"IQ2_XXS": (16, 66), "IQ2_XS": (17, 74), "IQ2_S": (22, 82), "IQ3_XXS": (18, 98), "IQ3_S": (21, 110),
                "IQ1_S": (19, 50), "IQ1_M": (29, 56)})  # the grid i-quants: gguf_iquant_kernels.cpp
 # GGML type -> (its ggml type id, bytes per 32 values) for a type held as the file's row bytes only where it is a tied

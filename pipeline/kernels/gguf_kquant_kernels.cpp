@@ -1,5 +1,5 @@
-/* Products with GGUF's low-bit K-quants and ternary types held in their own blocks (no re-quantization): Q5_K,
- * Q3_K, Q2_K, TQ2_0 and TQ1_0, as llama.cpp computes them on CPU (ggml-cpu's vec_dot_<type>_q8_K).
+/* Products with GGUF's low-bit K-quants and ternary types held in their own blocks (no re-quantization): Q4_K,
+ * Q5_K, Q3_K, Q2_K, TQ2_0 and TQ1_0, as llama.cpp computes them on CPU (ggml-cpu's vec_dot_<type>_q8_K).
  *
  * The held layout (checkpoints/quants.py BLOCKS): a tensor's rows, each the file's bytes of that row verbatim,
  * k / 256 super-blocks of ggml-common.h's block_<type>, in one array of any dtype [n, ...] (uint8 [n, row bytes]
@@ -7,6 +7,7 @@
  *   Q5_K  176: d, dmin (fp16), scales[12] (eight 6-bit scale/min pairs, get_scale_min_k4's packing), qh[32],
  *              qs[128]; sub-block j (32 values) of chunk c = j / 2: value l's low 4 bits the low (j even) or
  *              high nibble of qs[32 c + l], its fifth bit bit j of qh[l]; w = (d sc_j) q - (dmin m_j), q 0..31;
+ *   Q4_K  144: d, dmin (fp16), scales[12] as Q5_K's, qs[128]: Q5_K without the fifth bit (q 0..15);
  *   Q3_K  110: hmask[32], qs[64], scales[12], d; value v = 128 h + 32 s + l (h < 2, s < 4, l < 32):
  *              q = ((qs[32 h + l] >> 2 s) & 3) - (bit 4 h + s of hmask[l] ? 0 : 4); 16 six-bit scales, one
  *              per 16 values (low 4 bits: scales[g] (g < 8) or its high nibble (scales[g - 8]), top 2 bits:
@@ -57,7 +58,7 @@ namespace nb = nanobind;
 
 namespace {
 
-enum KType { Q2_K = 10, Q3_K = 11, Q5_K = 13, TQ1_0 = 34, TQ2_0 = 35 };  // ggml's type ids
+enum KType { Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, TQ1_0 = 34, TQ2_0 = 35 };  // ggml's type ids
 
 constexpr int SUPER = 256;  // values per super-block and per Q8_K activation block
 constexpr int GROUPS = 16;  // 16-value groups per super-block
@@ -67,6 +68,7 @@ constexpr int64_t block_bytes(int type) {
     switch (type) {
         case Q2_K: return 84;
         case Q3_K: return 110;
+        case Q4_K: return 144;
         case Q5_K: return 176;
         case TQ1_0: return 54;
         case TQ2_0: return 66;
@@ -74,7 +76,7 @@ constexpr int64_t block_bytes(int type) {
     }
 }
 
-constexpr bool has_mins(int type) { return type == Q2_K || type == Q5_K; }
+constexpr bool has_mins(int type) { return type == Q2_K || type == Q4_K || type == Q5_K; }
 
 inline float half_at(const uint8_t *p) {
     mx::float16_t h;
@@ -132,10 +134,11 @@ inline __m256i two_bits_of(__m256i v, int s) {
 
 inline void unpack(int type, const uint8_t *b, Unpacked &u) {
     switch (type) {
+        case Q4_K:
         case Q5_K: {
             u.d = half_at(b);
             u.dmin = half_at(b + 2);
-            const uint8_t *s = b + 4, *qh = b + 16, *qs = b + 48;
+            const uint8_t *s = b + 4;
             for (int j = 0; j < 8; j++) {  // ggml's get_scale_min_k4
                 int sc, m;
                 if (j < 4) {
@@ -148,6 +151,25 @@ inline void unpack(int type, const uint8_t *b, Unpacked &u) {
                 u.sc[2 * j] = u.sc[2 * j + 1] = sc;
                 u.mn[2 * j] = u.mn[2 * j + 1] = m;
             }
+            if (type == Q4_K) {  // value l of sub-blocks 2c, 2c + 1: the low, high nibble of qs[32 c + l]
+                const uint8_t *qs = b + 16;
+#if defined(__AVX2__)
+                const __m256i nibble = _mm256_set1_epi8(15);
+                for (int c = 0; c < 4; c++) {
+                    const __m256i low = load32(qs + 32 * c);
+                    store32(u.q + 64 * c, _mm256_and_si256(low, nibble));
+                    store32(u.q + 64 * c + 32, _mm256_and_si256(_mm256_srli_epi16(low, 4), nibble));
+                }
+#else
+                for (int c = 0; c < 4; c++)
+                    for (int l = 0; l < 32; l++) {
+                        u.q[64 * c + l] = int8_t(qs[32 * c + l] & 15);
+                        u.q[64 * c + 32 + l] = int8_t(qs[32 * c + l] >> 4);
+                    }
+#endif
+                return;
+            }
+            const uint8_t *qh = b + 16, *qs = b + 48;
 #if defined(__AVX2__)
             const __m256i high = load32(qh), nibble = _mm256_set1_epi8(15);
             for (int c = 0; c < 4; c++) {
@@ -245,6 +267,7 @@ inline void unpack(int type, const uint8_t *b, Unpacked &u) {
    products read them so: the arrays' narrow stores would stall a wide load). */
 inline void scale_vectors(int type, const uint8_t *b, __m512i &sc, __m512i &mn) {
     switch (type) {
+        case Q4_K:
         case Q5_K: {  // ggml's get_scale_min_k4 on 32-bit words: scales 0-3 / 4-7, mins 0-3 / 4-7
             uint32_t w[3];
             std::memcpy(w, b + 4, 12);
@@ -555,7 +578,7 @@ void k_dequantize(const uint8_t *blocks, int64_t n, int64_t k, float *out, int t
 
 void check(const mx::array &blocks, int type, int64_t k) {
     auto fail = [](const std::string &why) { throw std::invalid_argument("pipeline GGUF K-quant product: " + why); };
-    if (!block_bytes(type)) fail("type must be Q2_K (10), Q3_K (11), Q5_K (13), TQ1_0 (34) or TQ2_0 (35)");
+    if (!block_bytes(type)) fail("type must be Q2_K (10), Q3_K (11), Q4_K (12), Q5_K (13), TQ1_0 (34) or TQ2_0 (35)");
     if (k % SUPER) fail("k must be a multiple of 256");
     if (blocks.ndim() < 1 || blocks.nbytes() != size_t(blocks.shape(0) * (k / SUPER * block_bytes(type))))
         fail("blocks must be [n, ...] holding n rows of k / 256 super-blocks");
@@ -576,7 +599,7 @@ void register_gguf_kquants(nb::module_ &m) {
             return k_array(x, blocks, type, int8, std::nullopt);
         },
         nb::arg("x"), nb::arg("blocks"), nb::arg("type"), nb::arg("int8"),
-        "x [..., k] float32 @ w.T for a GGUF tensor (Q2_K, Q3_K, Q5_K, TQ1_0, TQ2_0) held as the file's blocks "
+        "x [..., k] float32 @ w.T for a GGUF tensor (Q2_K, Q3_K, Q4_K, Q5_K, TQ1_0, TQ2_0) held as the file's blocks "
         "([n, ...], any dtype), lazily; int8: x rounded per 256 as Q8_K (llama.cpp's vec_dot), else float products");
     m.def(
         "gguf_kquant_gather_matmul",
@@ -590,7 +613,7 @@ void register_gguf_kquants(nb::module_ &m) {
         "gguf_kquant_dequantize",
         [](const mx::array &blocks, int type) {
             return block_dequantize<k_dequantize>("pipeline GGUF K-quant dequantize: blocks must be [n, ...] of whole "
-                                                  "super-blocks of Q2_K, Q3_K, Q5_K, TQ1_0 or TQ2_0",
+                                                  "super-blocks of Q2_K, Q3_K, Q4_K, Q5_K, TQ1_0 or TQ2_0",
                                                   blocks, type, block_bytes(type));
         },
         nb::arg("blocks"), nb::arg("type"), "float32 [n, k]: every weight of the blocks as the float products use it");

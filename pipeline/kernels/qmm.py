@@ -47,7 +47,7 @@ SCALE_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 GGUF_NATIVE = {mx.uint16: 20, mx.int8: 23, mx.int64: 14}
 # ggml type id -> the extension's product for a GGUF tensor held as the file's row bytes (checkpoints/quants.py
 # BLOCKS), each `f(x, blocks, type, int8)`: the K-quants and ternary types in gguf_kquant_kernels.cpp
-BLOCK_KERNELS = {10: "gguf_kquant_matmul", 11: "gguf_kquant_matmul", 13: "gguf_kquant_matmul",
+BLOCK_KERNELS = {10: "gguf_kquant_matmul", 11: "gguf_kquant_matmul", 12: "gguf_kquant_matmul", 13: "gguf_kquant_matmul",
                  34: "gguf_kquant_matmul", 35: "gguf_kquant_matmul"}
 BLOCK_KERNELS.update(dict.fromkeys((16, 17, 18, 19, 21, 22, 29), "gguf_iquant_matmul"))  # grid i-quants (IQ1_S..IQ3_S)
 BLOCK_KERNELS[8] = "gguf_q8_0_matmul"  # a tied Q8_0 embedding's head (int8_kernels.cpp; its rows: gguf_rows.q8_0)
