@@ -163,12 +163,13 @@ def test_block_held_matrices_split_by_input_features(files, kind, ranks, tmp_pat
 
 # (max |ours - transformers on gguf's dequantization| of the fp32 logits of LONG_PROMPT (logits up to |19|) for T = 1
 # and T > 1 (int8 MoE: the median over positions), max |T > 1 - T = 1|), just above the measured (T = 1 / T > 1; apart):
-# dense float 3.33e-4 / 3.35e-4 (T = 2), 3.06e-4 / 3.22e-4 (T = 3); apart 3.6e-5, 6.3e-5; int8 3.23 / 3.27, 3.23 /
-# 3.23, apart 0.35, 0.56 (int8 rounding of activations, each thresholds flipped by float rounding); MoE float
+# dense float 4.09e-4 / 4.08e-4 (T = 2), 3.50e-4 / 3.67e-4 (T = 3); apart 4.7e-5, 6.5e-5; int8 4.02 / 4.01, 4.45 /
+# 4.35, apart 0.31, 0.65 (int8 rounding of activations, each thresholds flipped by float rounding; k_proj's Q4_K in
+# its blocks rounds them per 256 as llama.cpp, where MLX's 4-bit layout rounded per 32: 3.2-3.3 then); MoE float
 # 1.68e-4 / 1.56e-4, apart 6.5e-5; int8 median 0.639 / 0.639 (max 11 on both: routing flips), apart 1.1e-5; MLA
 # float 9.28e-5 / 9.06e-5, apart 1.4e-5; int8 median 0.749 / 0.756 (max 7.9 on both), apart 0.25
-TOLERANCE = {("dense", False): (4e-4, 1e-4), ("dense", True): (3.5, 0.6), ("dense3", False): (4e-4, 1e-4),
-             ("dense3", True): (3.5, 0.6), ("moe", False): (2e-4, 1e-4), ("moe", True): (0.7, 3e-5),
+TOLERANCE = {("dense", False): (5e-4, 1e-4), ("dense", True): (5.0, 0.8), ("dense3", False): (5e-4, 1e-4),
+             ("dense3", True): (5.0, 0.8), ("moe", False): (2e-4, 1e-4), ("moe", True): (0.7, 3e-5),
              ("mla", False): (1e-4, 3e-5), ("mla", True): (0.8, 0.3)}
 
 

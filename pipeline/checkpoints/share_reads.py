@@ -227,7 +227,8 @@ def narrowed(checkpoint, shares: dict[str, tuple[int, int, int, int]]):
         kind = f"{module}.ggml_type"
         if kind in tensors and kind not in originals:
             originals[kind] = tensors[kind]
-            tensors[kind] = replace(tensors[kind], source=tensors[name].source)
+            # (its heads too: whichever part is read first decodes them all, Llama q/k unpermuted by its entry's)
+            tensors[kind] = replace(tensors[kind], source=tensors[name].source, unpermute_heads=tensors[name].unpermute_heads)
     try:
         yield placed
     finally:
