@@ -19,15 +19,21 @@ gives, whatever the batch. MLX's `all_sum` promises neither (its ring rounds dif
 message's length). A sum evaluates the layer's partial first, then gathers and adds under the watchdog's
 deadline (MLX's waits block and cannot time out): a member that stops answering ends the job naming it;
 one whose process has ended closes its sockets, and MLX's error ends the job.
+
+Ranks that job.share_cores bound to a core each are unbound once MLX's group is up (`unbind`): MLX's ring
+ran at half the speed with them bound (docs/tensor-parallel.md).
 """
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 
 import mlx.core as mx
 
 from .transport import MlxTransport
+from ..util import cores
 
 
 EVERY_MEMBER = -1  # a wait on the whole group (a gather), not on one peer
@@ -123,5 +129,32 @@ def open_mlx_group(comm, backend: str, watchdog_s: float, hosts: list[str], own_
     from .mlx_group import init_group, resolve_backend  # MLX's distributed group, set up from MPI
 
     backend = comm.bcast(resolve_backend(backend), root=0)
+    placement = comm.allgather((socket.gethostname(), cores.cpus_allowed()))
     link = MlxGroupLink(comm, init_group(comm, backend), backend, watchdog_s, hosts, own_core, processes)
+    link.unbound = unbind(placement, comm.Get_rank())
     return link, MlxGroupSum(link)
+
+
+def unbind(placement: list[tuple[str, frozenset[int]]], rank: int) -> bool:
+    """Where this host's ranks are bound to a core each (job.share_cores), every thread of this one may
+    run on all their CPUs again, SCHED_OTHER: MLX's ring over a loaded 2-core host decoded the default
+    model at T = 2 2.4-4.4 tok/s bound vs 5.1-8.8 unbound (PIPELINE_BIND=0) in 4 of 4 pairs, where
+    unbinding only the threads MLX's init starts did not help. Returns whether it did. placement: (host,
+    CPUs allowed) of every rank of the group."""
+    if not hasattr(os, "sched_setaffinity"):
+        return False
+    host = placement[rank][0]
+    cpus = frozenset().union(*(allowed for name, allowed in placement if name == host))
+    if cpus == placement[rank][1]:
+        return False
+    try:
+        tids = [int(tid) for tid in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cpus)
+            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+        except OSError:  # a thread that ended meanwhile: leave it
+            pass
+    return True

@@ -47,6 +47,7 @@ from ..cluster.transport import MlxTransport, MpiTransport, this_process
 from ..models.stage_slice import head_columns
 from ..models.tensor_parallel import Shard
 from ..models.vocab_split import combine, summary, vocab_share
+from ..kernels import blas
 from ..util import cores
 from ..util.errors import UserError
 from .stage import Stage
@@ -115,6 +116,8 @@ def form_group(comm, t: int, transport: str = "mpi", watchdog: float = 0.0, mlx_
     waiting = MpiTransport(comms.group, 0.0, labels, own_core, group_processes)
     if transport == "mlx":
         link, group_sum = open_mlx_group(comms.group, mlx_backend, watchdog, labels, own_core, group_processes)
+        if link.unbound:  # (the stats line no longer says "bound, 1 CPU/rank")
+            blas.note_binding("")
         return Group(t, comms.stage, comms.member, comms.leaders, link, waiting, group_sum)
     link = MpiTransport(comms.group, watchdog, labels, own_core, group_processes)
     return Group(t, comms.stage, comms.member, comms.leaders, link, waiting, make_group_sum(link))
