@@ -313,21 +313,29 @@ void run_tasks(const std::vector<Task> &tasks, const std::vector<const PackedMat
 }
 
 /* out[row] = x[row] @ expert(row)'s matrix.T for rows [0, rows): rows grouped by expert (a counting
-   sort, in order within a group), then column blocks x row blocks spread over the threads. */
+   sort, in order within a group), then column blocks x row blocks spread over the threads. Given x_of
+   (a gather's lhs indices), output row p is x[x_of[p]] (x_rows rows) times its expert: each row of x is
+   rounded once however many experts it meets, and each output has the bits of that row's product alone
+   (block_tile's arithmetic per row does not depend on the tile's other rows). */
 void product(const std::vector<PackedMatrix> &mats, const std::vector<int64_t> &expert_of, const float *x,
-             int64_t rows, float *out) {
+             int64_t rows, float *out, const std::vector<int64_t> *x_of = nullptr, int64_t x_rows = -1) {
     const int64_t k = mats[0].k, n = mats[0].n, experts = int64_t(mats.size());
-    const QuantizedRows xq = quantized_rows(x, rows, k);
+    const QuantizedRows xq = quantized_rows(x, x_of ? x_rows : rows, k);
     const RowsByExpert by_expert = rows_by_expert(expert_of, experts);
     const std::vector<int64_t> &start = by_expert.start, &order = by_expert.order;
     std::vector<std::vector<float *>> out_rows(1, std::vector<float *>(rows));
     for (int64_t i = 0; i < rows; i++) out_rows[0][i] = out + order[i] * n;
+    std::vector<int64_t> xq_rows;  // the rounded row of each position of `order`
+    if (x_of) {
+        xq_rows.resize(rows);
+        for (int64_t i = 0; i < rows; i++) xq_rows[i] = (*x_of)[order[i]];
+    }
     std::vector<Task> tasks;
     for (int64_t e = 0; e < experts; e++)
         for (int64_t r0 = start[e]; r0 < start[e + 1]; r0 += ROW_BLOCK)
             for (int64_t cb = 0; cb < n / BLOCK; cb++)
                 tasks.push_back(Task{0, e, r0, std::min(start[e + 1], r0 + ROW_BLOCK), cb});
-    run_tasks(tasks, {mats.data()}, xq, order, out_rows, rows * n * k);
+    run_tasks(tasks, {mats.data()}, xq, x_of ? xq_rows : order, out_rows, rows * n * k);
 }
 
 /* outs[p] = x @ mats[p].T for several matrices of the same inputs (a layer's q, k and v; its gate and up):
@@ -358,7 +366,9 @@ void products(const std::vector<PackedMatrix> &mats, const float *x, int64_t row
 /* ---- the MLX operation ------------------------------------------------------------------------------ */
 
 /* Inputs: x [..., k] float32 ([rows, k] when gathered), the repacked w [(experts,) n, k * bits / 32] uint32,
-   scales and biases [(experts,) n, k / group_size], and when gathered an expert index per row. */
+   scales and biases [(experts,) n, k / group_size], and when gathered an expert index per row; or, after the
+   experts [pairs], an lhs index per pair (x [x rows, k]: pair p is row lhs[p] of x times expert experts[p],
+   out [pairs, n]). */
 class Int8Product : public mx::UnaryPrimitive {
    public:
     Int8Product(mx::Stream stream, int group_size, int bits, bool gathered)
@@ -375,13 +385,20 @@ class Int8Product : public mx::UnaryPrimitive {
             std::vector<mx::array> keep;
             const mx::array x = contiguous(inputs[0], keep), w = contiguous(inputs[1], keep),
                             s = contiguous(inputs[2], keep), b = contiguous(inputs[3], keep);
-            const int64_t k = x.shape(-1), rows = k ? int64_t(x.size()) / k : 0;
+            const int64_t k = x.shape(-1), x_rows = k ? int64_t(x.size()) / k : 0;
+            const bool lhs = gathered && inputs.size() > 5;
+            const int64_t rows = lhs ? int64_t(inputs[4].size()) : x_rows;
             const int64_t n = w.shape(-2), experts = gathered ? w.shape(0) : 1;
-            if (rows == 0 || n == 0) return;
+            if (rows == 0 || n == 0 || x_rows == 0) return;
             const std::vector<int64_t> expert_of = experts_of_rows(gathered ? &inputs[4] : nullptr, rows, experts, keep);
             std::vector<PackedMatrix> mats;
             for (int64_t e = 0; e < experts; e++) mats.push_back(packed_matrix(w, s, b, k, bits, group_size, e));
-            product(mats, expert_of, x.data<float>(), rows, out.data<float>());
+            if (lhs) {
+                const std::vector<int64_t> x_of = experts_of_rows(&inputs[5], rows, x_rows, keep);  // clamped as experts
+                product(mats, expert_of, x.data<float>(), rows, out.data<float>(), &x_of, x_rows);
+            } else {
+                product(mats, expert_of, x.data<float>(), rows, out.data<float>());
+            }
         });
     }
 
@@ -397,6 +414,7 @@ class Int8Product : public mx::UnaryPrimitive {
     }
 
     std::vector<mx::Shape> output_shapes(const std::vector<mx::array> &inputs) override {
+        if (gathered_) return {mx::Shape{inputs[4].shape(0), inputs[1].shape(-2)}};
         mx::Shape shape = inputs[0].shape();
         shape.back() = inputs[1].shape(-2);
         return {shape};
@@ -1074,6 +1092,23 @@ void register_int8(nb::module_ &m) {
                              {x, w, s, b, experts});
         },
         "row r of x [rows, k] times expert experts[r] of the repacked w -> [rows, n], lazily");
+    m.def(
+        "int8_gather_qmm",
+        [](const mx::array &x, const mx::array &w, const mx::array &s, const mx::array &b, const mx::array &experts,
+           int group_size, int bits, const mx::array &lhs) {
+            check(w, s, b, group_size, bits);
+            if (w.ndim() != 3 || x.ndim() != 2 || x.dtype() != mx::float32 || x.shape(-1) != w.shape(-1) * 32 / bits)
+                throw std::invalid_argument("pipeline int8: x must be float32 [rows, k] against w [experts, n, ...]");
+            if (experts.ndim() != 1 || lhs.ndim() != 1 || lhs.shape(0) != experts.shape(0) ||
+                (experts.dtype() != mx::uint32 && experts.dtype() != mx::int32) ||
+                (lhs.dtype() != mx::uint32 && lhs.dtype() != mx::int32))
+                throw std::invalid_argument("pipeline int8: one int32/uint32 expert index and row index (lhs) per pair");
+            return mx::array(mx::Shape{experts.shape(0), w.shape(1)}, mx::float32,
+                             std::make_shared<Int8Product>(cpu_stream(), group_size, bits, true),
+                             {x, w, s, b, experts, lhs});
+        },
+        "pair p: row lhs[p] of x [rows, k] (rounded once for all its pairs) times expert experts[p] of the repacked "
+        "w -> [pairs, n], lazily");
     auto fused = [](const mx::array &x, const std::vector<mx::array> &ws, const std::vector<mx::array> &ss,
                     const std::vector<mx::array> &bs, int group_size, int bits, bool swiglu) {
         if (ws.empty() || ws.size() != ss.size() || ws.size() != bs.size() || (swiglu && ws.size() != 2))

@@ -151,6 +151,23 @@ def _pairs(x: mx.array, rhs_indices: mx.array) -> tuple[mx.array, mx.array, tupl
     return flat_x, experts, (*batch, rows)
 
 
+def _rows_and_pairs(x: mx.array, rhs_indices: mx.array) -> tuple[mx.array, mx.array | None, mx.array,
+                                                                  tuple[int, ...]]:
+    """A gather's (token, expert) pairs without copying x's rows: x's distinct rows [x rows, k], each pair's row
+    of them (lhs, uint32 [pairs]; None where every pair has its own row, as `_pairs` would give), each pair's
+    expert uint32 [pairs], and the output's shape but its last axis. The kernels round (int8) or permute each
+    distinct row once, however many experts it meets (a decode token's row meets top-k of them)."""
+    rows, k = x.shape[-2:]
+    batch = tuple(mx.broadcast_shapes(x.shape[:-2], rhs_indices.shape))
+    experts = mx.broadcast_to(rhs_indices[..., None], (*batch, rows)).reshape(-1).astype(mx.uint32)
+    distinct = x.reshape(-1, k)
+    if distinct.shape[0] == experts.shape[0]:
+        return distinct, None, experts, (*batch, rows)
+    ids = mx.arange(distinct.shape[0], dtype=mx.uint32).reshape(x.shape[:-1])
+    lhs = mx.broadcast_to(ids, (*batch, rows)).reshape(-1)
+    return distinct, lhs, experts, (*batch, rows)
+
+
 def gguf_blocks_matmul(x: mx.array, blocks: mx.array, ggml_type: int, int8: bool | None = None) -> mx.array:
     """x @ w.T for a GGUF tensor held as the file's row bytes (blocks [n, row bytes]) of ggml type id `ggml_type`
     (BLOCK_KERNELS); int8: activations rounded per 256 as Q8_K (None: gguf_int8())."""
@@ -205,12 +222,10 @@ def gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | No
     if int8 or (kernels is not None and lhs_indices is None and rhs_indices is not None and w.ndim == 3
                 and covers(w, scales, biases, group_size, bits, mode, transpose)):
         state.used["int8" if int8 else "pipeline"] += 1
-        flat_x, experts, shape = _pairs(x, rhs_indices)
-        if int8:
-            out = _in_dtype_of(x, kernels.int8_gather_qmm(_float32(flat_x), w, scales, biases, experts, group_size, bits))
-        else:
-            out = kernels.gather_qmm(flat_x, w, scales, biases, experts, group_size, bits)
-        return out.reshape(*shape, w.shape[1])
+        rows, lhs, experts, shape = _rows_and_pairs(x, rhs_indices)
+        product = kernels.int8_gather_qmm if int8 else kernels.gather_qmm
+        args = (_float32(rows), w, scales, biases, experts, group_size, bits) + (() if lhs is None else (lhs,))
+        return _in_dtype_of(x, product(*args)).reshape(*shape, w.shape[1])
     state.used["mlx"] += 1
     return mx.gather_qmm(x, w, scales, biases, lhs_indices=lhs_indices, rhs_indices=rhs_indices,
                          transpose=transpose, group_size=group_size, bits=bits, mode=mode,

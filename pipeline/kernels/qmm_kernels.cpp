@@ -429,7 +429,9 @@ static mx::Shape product_shape(const mx::array &x, const mx::array &w) {
 }
 
 /* Inputs: x [..., k] float32 ([rows, k] when gathered), w [(experts,) n, k * bits / 32] uint32, scales and biases
-   [(experts,) n, k / group_size], and when gathered an expert index per row. Output [rows, n] float32. */
+   [(experts,) n, k / group_size], and when gathered an expert index per row. Output [rows, n] float32. Or, after
+   the experts [pairs], an lhs index per pair: pair p is row lhs[p] of x [x rows, k] (permuted once for all its
+   pairs) times expert experts[p], output [pairs, n], each row the bits of that row alone. */
 class QuantizedProduct : public mx::UnaryPrimitive {
    public:
     QuantizedProduct(mx::Stream stream, int group_size, int bits, bool gathered)
@@ -447,10 +449,14 @@ class QuantizedProduct : public mx::UnaryPrimitive {
             const mx::array x = contiguous(inputs[0], keep);
             const mx::array w = contiguous(inputs[1], keep), s = contiguous(inputs[2], keep),
                             b = contiguous(inputs[3], keep);
-            const int64_t k = x.shape(-1), rows = k ? int64_t(x.size()) / k : 0;
+            const int64_t k = x.shape(-1), x_rows = k ? int64_t(x.size()) / k : 0;
+            const bool lhs = gathered && inputs.size() > 5;
+            const int64_t rows = lhs ? int64_t(inputs[4].size()) : x_rows;
             const int64_t n = w.shape(-2), experts = gathered ? w.shape(0) : 1;
-            if (rows == 0 || n == 0) return;
+            if (rows == 0 || n == 0 || x_rows == 0) return;
             const std::vector<int64_t> expert_of = experts_of_rows(gathered ? &inputs[4] : nullptr, rows, experts, keep);
+            std::vector<int64_t> x_of;  // clamped as the experts are
+            if (lhs) x_of = experts_of_rows(&inputs[5], rows, x_rows, keep);
             std::vector<QMatrix> mats(experts);
             const int64_t row_bytes = w.shape(-1) * 4, groups = s.shape(-1);
             for (int64_t e = 0; e < experts; e++)
@@ -459,13 +465,13 @@ class QuantizedProduct : public mx::UnaryPrimitive {
                                   static_cast<const uint8_t *>(b.data<void>()) + e * n * groups * b.itemsize(),
                                   scale_type_of(s.dtype()), n, k, row_bytes, groups, bits, group_size};
             // x in the chunks' lane order, one row at a time
-            std::vector<float> permuted(rows * k);
+            std::vector<float> permuted(x_rows * k);
             std::vector<const float *> xrows(rows);
             std::vector<float *> orows(rows);
             float *o = out.data<float>();
+            for (int64_t r = 0; r < x_rows; r++) permute_row(x.data<float>() + r * k, permuted.data() + r * k, k, bits);
             for (int64_t r = 0; r < rows; r++) {
-                permute_row(x.data<float>() + r * k, permuted.data() + r * k, k, bits);
-                xrows[r] = permuted.data() + r * k;
+                xrows[r] = permuted.data() + (lhs ? x_of[r] : r) * k;
                 orows[r] = o + r * n;
             }
             const RowsByExpert by_expert = rows_by_expert(expert_of, experts);
@@ -496,6 +502,7 @@ class QuantizedProduct : public mx::UnaryPrimitive {
     }
 
     std::vector<mx::Shape> output_shapes(const std::vector<mx::array> &inputs) override {
+        if (gathered_) return {mx::Shape{inputs[4].shape(0), inputs[1].shape(1)}};
         return {product_shape(inputs[0], inputs[1])};
     }
 
@@ -575,6 +582,20 @@ NB_MODULE(pipeline_qmm, m) {
                              {x, w, scales, biases, experts});
         },
         "row r of x [rows, k] times expert experts[r] of w [experts, n, ...] -> [rows, n], lazily");
+    m.def(
+        "gather_qmm",
+        [](const mx::array &x, const mx::array &w, const mx::array &scales, const mx::array &biases,
+           const mx::array &experts, int group_size, int bits, const mx::array &lhs) {
+            check(x, w, scales, biases, group_size, bits, true);
+            if (experts.ndim() != 1 || lhs.ndim() != 1 || lhs.shape(0) != experts.shape(0) ||
+                (experts.dtype() != mx::uint32 && experts.dtype() != mx::int32) ||
+                (lhs.dtype() != mx::uint32 && lhs.dtype() != mx::int32))
+                throw std::invalid_argument("pipeline_qmm: one int32/uint32 expert index and row index (lhs) per pair");
+            return mx::array(mx::Shape{experts.shape(0), w.shape(1)}, mx::float32,
+                             std::make_shared<QuantizedProduct>(cpu_stream(), group_size, bits, true),
+                             {x, w, scales, biases, experts, lhs});
+        },
+        "pair p: row lhs[p] of x [rows, k] times expert experts[p] of w [experts, n, ...] -> [pairs, n], lazily");
     register_attention(m);
     register_layer_kernels(m);
     register_requantize(m);
