@@ -6,7 +6,8 @@ each expert to 128): 1 token x 8 distinct experts, and 8 pairs x one expert (the
 
     python benchmarks/gather_rows.py [--calls 300] [--rounds 5]
 
-Rounds interleave old and new; each figure is the median over rounds of the mean us per call. The last line:
+Rounds interleave old and new; each figure is the median over rounds of the mean us per call (and the fastest
+round's, steadier on a loaded host). The last line:
 `HEADLINE: decode gathered product (n=128) new X us vs old Y us (R x)`. The machine's load is printed before
 and after (a shared 2-core host: compare only figures from one run)."""
 
@@ -60,7 +61,8 @@ def main() -> None:
                         mx.eval(f())
                     times[name].append((time.perf_counter() - start) / args.calls * 1e6)
             o, nw = statistics.median(times["old"]), statistics.median(times["new"])
-            print(f"n={n} {label}: old {o:.1f} us, new {nw:.1f} us per call ({o / nw:.2f}x; rounds old "
+            print(f"n={n} {label}: old {o:.1f} us, new {nw:.1f} us per call ({o / nw:.2f}x; fastest rounds "
+                  f"{min(times['old']):.1f} vs {min(times['new']):.1f}; rounds old "
                   f"{[round(t, 1) for t in times['old']]} new {[round(t, 1) for t in times['new']]})")
             if n == 128 and headline is None:
                 headline = f"HEADLINE: decode gathered product (n=128, {label}) new {nw:.1f} us vs old {o:.1f} us ({o / nw:.2f}x)"
