@@ -135,7 +135,13 @@ class LeaderStage(Stage):
         wire = np.asarray(hidden.view(mx.uint16) if hidden.dtype == mx.bfloat16 else hidden)
         send(self.group, RUN, len(seq_ids), layout, wire, dtype=hidden.dtype, last_only=last_only,
              full_given=full is not None)
-        return super().run_layers(hidden, seq_ids, lengths, evaluate=evaluate, last_only=last_only, full=full)
+        out = super().run_layers(hidden, seq_ids, lengths, evaluate=evaluate, last_only=last_only, full=full)
+        if not evaluate:
+            # The mates compute this command now and wait in its group sums for this member's partials: a
+            # lazy result left unstarted while the next command is sent (a micro-batch's second row group,
+            # whose hidden states a mate receives only after its first) would hang the group.
+            mx.async_eval(out)
+        return out
 
     def release(self, seq_ids: list[int]) -> None:
         send(self.group, RELEASE, len(seq_ids), list(seq_ids))
