@@ -3,16 +3,22 @@
 once). The truth is the same kernel on the materialized broadcast (each pair's own copy of its row, the path
 before lhs indices) and each pair alone through the dense product of its expert: the very bits, for decode
 (1 token x 8 experts, 1 rank's 256 features and --tensor-parallel 2's slices of 128), prefill (many tokens,
-repeated experts), explicit lhs in any order with repeats, float32 and int8 activations."""
+repeated experts), explicit lhs in any order with repeats, float32 and int8 activations; and the gathered gate
+and up with their SwiGLU in one int8 operation (int8_gather_swiglu, SwitchGLU's path) against the separate ones."""
 
 from __future__ import annotations
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 
+from pipeline.checkpoints.int8_repack import use_int8
 from pipeline.kernels import build, qmm
+from pipeline.models.experts import SwitchGLU
 from test_quant_kernels import quantized
+
+GATHER_SWIGLU = qmm.gather_swiglu
 
 
 def stack(kernels, rng, experts, n, k, int8, bits=4, group_size=64):
@@ -102,3 +108,51 @@ def test_bfloat16_activations_keep_their_dtype(kernels):
     old = kernels.int8_gather_qmm(mx.broadcast_to(x, (1, 8, 1, 256)).reshape(-1, 256).astype(mx.float32), *weights,
                                   indices.reshape(-1), group_size, bits)
     assert np.array_equal(np.array(got.astype(mx.float32)).reshape(8, 32), np.array(old.astype(mx.bfloat16).astype(mx.float32)))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_gather_swiglu_equals_the_separate_operations(kernels, case):
+    """int8_gather_swiglu (gate and up in one call, each row rounded once, the SwiGLU inside): the bits of the
+    two gathered products and SwitchGLU.activate (nn.silu(gate) * up), with and without lhs indices."""
+    tokens, experts, top, n, k = CASES[case]
+    rng = np.random.default_rng(len(case) + 3)
+    gate, group_size, bits = stack(kernels, rng, experts, n, k, True)
+    up, _, _ = stack(kernels, rng, experts, n, k, True)
+    x = mx.array(rng.standard_normal((tokens, k)).astype(np.float32))
+    chosen = mx.array(np.stack([rng.permutation(experts)[:top] for _ in range(tokens)]).reshape(-1).astype(np.uint32))
+    lhs = mx.array(np.repeat(np.arange(tokens), top).astype(np.uint32))
+    g = kernels.int8_gather_qmm(x, *gate, chosen, group_size, bits, lhs)
+    u = kernels.int8_gather_qmm(x, *up, chosen, group_size, bits, lhs)
+    want = np.array(SwitchGLU.activate(None, g, u))
+    ws, ss, bs = zip(gate, up)
+    got = np.array(kernels.int8_gather_swiglu(x, list(ws), list(ss), list(bs), chosen, group_size, bits, lhs))
+    assert np.array_equal(got, want)
+    flat = x[lhs]  # each pair's own row: the form without lhs
+    assert np.array_equal(np.array(kernels.int8_gather_swiglu(flat, list(ws), list(ss), list(bs), chosen, group_size,
+                                                              bits)), want)
+
+
+class UnfusedSwitchGLU(SwitchGLU):
+    def activate(self, gate: mx.array, up: mx.array) -> mx.array:  # the same code, not SwitchGLU's: never fused
+        return nn.silu(gate) * up
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 20])  # decode, a few sequences, a prefill (sorted: 160 pairs)
+def test_switch_glu_fused_gives_the_unfused_bits(kernels, monkeypatch, tokens):
+    mx.random.seed(tokens)
+    hidden, inter, experts, top = 256, 64, 16, 8
+    fused = SwitchGLU(hidden, inter, experts)
+    nn.quantize(fused, group_size=64, bits=4)
+    plain = UnfusedSwitchGLU(hidden, inter, experts)
+    nn.quantize(plain, group_size=64, bits=4)
+    plain.update(fused.parameters())
+    assert use_int8(fused) == use_int8(plain) == 3
+    calls = []
+    monkeypatch.setattr(qmm, "gather_swiglu", lambda *a: calls.append(1) or GATHER_SWIGLU(*a))
+    x = mx.random.normal((tokens, hidden))
+    indices = mx.array(np.stack([np.random.default_rng(t).permutation(experts)[:top] for t in range(tokens)])
+                       .astype(np.uint32))
+    got, want = np.array(fused(x, indices)), np.array(plain(x, indices))
+    assert calls == [1]
+    assert got.shape == want.shape == (tokens, top, hidden)
+    assert np.array_equal(got, want)

@@ -316,26 +316,39 @@ void run_tasks(const std::vector<Task> &tasks, const std::vector<const PackedMat
    sort, in order within a group), then column blocks x row blocks spread over the threads. Given x_of
    (a gather's lhs indices), output row p is x[x_of[p]] (x_rows rows) times its expert: each row of x is
    rounded once however many experts it meets, and each output has the bits of that row's product alone
-   (block_tile's arithmetic per row does not depend on the tile's other rows). */
-void product(const std::vector<PackedMatrix> &mats, const std::vector<int64_t> &expert_of, const float *x,
-             int64_t rows, float *out, const std::vector<int64_t> *x_of = nullptr, int64_t x_rows = -1) {
-    const int64_t k = mats[0].k, n = mats[0].n, experts = int64_t(mats.size());
+   (block_tile's arithmetic per row does not depend on the tile's other rows). gathered_products does it for
+   several stacks of one expert count and the same inputs (an MoE layer's gate and up): x rounded once, every
+   stack's tasks in one pass over the threads, each output the bits `product` gives it alone. */
+void gathered_products(const std::vector<const std::vector<PackedMatrix> *> &stacks, const std::vector<int64_t> &expert_of,
+                       const float *x, int64_t rows, const std::vector<float *> &outs,
+                       const std::vector<int64_t> *x_of = nullptr, int64_t x_rows = -1) {
+    const int64_t k = (*stacks[0])[0].k, experts = int64_t(stacks[0]->size());
     const QuantizedRows xq = quantized_rows(x, x_of ? x_rows : rows, k);
     const RowsByExpert by_expert = rows_by_expert(expert_of, experts);
     const std::vector<int64_t> &start = by_expert.start, &order = by_expert.order;
-    std::vector<std::vector<float *>> out_rows(1, std::vector<float *>(rows));
-    for (int64_t i = 0; i < rows; i++) out_rows[0][i] = out + order[i] * n;
-    std::vector<int64_t> xq_rows;  // the rounded row of each position of `order`
-    if (x_of) {
-        xq_rows.resize(rows);
-        for (int64_t i = 0; i < rows; i++) xq_rows[i] = (*x_of)[order[i]];
-    }
+    std::vector<int64_t> xq_rows(rows);  // the rounded row of each position of `order`
+    for (int64_t i = 0; i < rows; i++) xq_rows[i] = x_of ? (*x_of)[order[i]] : order[i];
+    std::vector<const PackedMatrix *> parts;
+    std::vector<std::vector<float *>> out_rows;
     std::vector<Task> tasks;
-    for (int64_t e = 0; e < experts; e++)
-        for (int64_t r0 = start[e]; r0 < start[e + 1]; r0 += ROW_BLOCK)
-            for (int64_t cb = 0; cb < n / BLOCK; cb++)
-                tasks.push_back(Task{0, e, r0, std::min(start[e + 1], r0 + ROW_BLOCK), cb});
-    run_tasks(tasks, {mats.data()}, xq, x_of ? xq_rows : order, out_rows, rows * n * k);
+    int64_t work = 0;
+    for (size_t p = 0; p < stacks.size(); p++) {
+        const int64_t n = (*stacks[p])[0].n;
+        parts.push_back(stacks[p]->data());
+        out_rows.emplace_back(rows);
+        for (int64_t i = 0; i < rows; i++) out_rows[p][i] = outs[p] + order[i] * n;
+        for (int64_t e = 0; e < experts; e++)
+            for (int64_t r0 = start[e]; r0 < start[e + 1]; r0 += ROW_BLOCK)
+                for (int64_t cb = 0; cb < n / BLOCK; cb++)
+                    tasks.push_back(Task{int64_t(p), e, r0, std::min(start[e + 1], r0 + ROW_BLOCK), cb});
+        work += rows * n * k;
+    }
+    run_tasks(tasks, parts, xq, xq_rows, out_rows, work);
+}
+
+void product(const std::vector<PackedMatrix> &mats, const std::vector<int64_t> &expert_of, const float *x,
+             int64_t rows, float *out, const std::vector<int64_t> *x_of = nullptr, int64_t x_rows = -1) {
+    gathered_products({&mats}, expert_of, x, rows, {out}, x_of, x_rows);
 }
 
 /* outs[p] = x @ mats[p].T for several matrices of the same inputs (a layer's q, k and v; its gate and up):
@@ -486,6 +499,68 @@ class Int8Products : public mx::Primitive {
    private:
     int group_size_, bits_;
     bool swiglu_;
+};
+
+/* An MoE layer's gathered gate and up with the SwiGLU, one operation: inputs x [x rows, k] float32, (w, scales,
+   biases) of the gate's stack then the up's (int8 layout, [experts, n, ...]), the experts uint32/int32 [pairs],
+   and optionally an lhs index per pair (pair p is row lhs[p] of x; without: row p). Output [pairs, n]:
+   silu(gate) * up as models/experts.py's SwitchGLU.activate computes it (MLX's Sigmoid, then two multiplies),
+   the same bits as the two gathered products and the activation it replaces. */
+class Int8GatherSwiGLU : public mx::UnaryPrimitive {
+   public:
+    Int8GatherSwiGLU(mx::Stream stream, int group_size, int bits)
+        : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
+
+    void eval_cpu(const std::vector<mx::array> &inputs, mx::array &out) override {
+        out.set_data(mx::allocator::malloc(out.nbytes()));
+        auto &encoder = mx::cpu::get_command_encoder(stream());
+        for (auto &a : inputs) encoder.set_input_array(a);
+        encoder.set_output_array(out);
+        const int group_size = group_size_, bits = bits_;
+        encoder.dispatch([inputs, out, group_size, bits]() mutable {
+            std::vector<mx::array> keep;
+            const mx::array x = contiguous(inputs[0], keep);
+            const int64_t k = x.shape(-1), x_rows = k ? int64_t(x.size()) / k : 0;
+            const bool lhs = inputs.size() > 8;
+            const int64_t rows = int64_t(inputs[7].size());
+            std::vector<PackedMatrix> stacks[2];
+            for (int p = 0; p < 2; p++) {
+                const mx::array w = contiguous(inputs[1 + 3 * p], keep), s = contiguous(inputs[2 + 3 * p], keep),
+                                b = contiguous(inputs[3 + 3 * p], keep);
+                for (int64_t e = 0; e < w.shape(0); e++) stacks[p].push_back(packed_matrix(w, s, b, k, bits, group_size, e));
+            }
+            const int64_t n = out.shape(-1), experts = int64_t(stacks[0].size());
+            if (rows == 0 || n == 0 || x_rows == 0 || experts == 0) return;
+            const std::vector<int64_t> expert_of = experts_of_rows(&inputs[7], rows, experts, keep);
+            std::vector<int64_t> x_of;
+            if (lhs) x_of = experts_of_rows(&inputs[8], rows, x_rows, keep);  // clamped as the experts are
+            const int64_t size = rows * n;
+            std::vector<float> up(size);
+            float *gate = out.data<float>();
+            gathered_products({&stacks[0], &stacks[1]}, expert_of, x.data<float>(), rows, {gate, up.data()},
+                              lhs ? &x_of : nullptr, x_rows);
+            mx::detail::Sigmoid sigmoid;
+            for (int64_t i = 0; i < size; i++) gate[i] = gate[i] * sigmoid(gate[i]) * up[i];
+        });
+    }
+
+    void eval_gpu(const std::vector<mx::array> &, mx::array &) override {
+        throw std::runtime_error("pipeline's int8 products run on the CPU only");
+    }
+
+    const char *name() const override { return "PipelineInt8GatherSwiGLU"; }
+
+    bool is_equivalent(const mx::Primitive &other) const override {
+        auto *o = dynamic_cast<const Int8GatherSwiGLU *>(&other);
+        return o && o->group_size_ == group_size_ && o->bits_ == bits_;
+    }
+
+    std::vector<mx::Shape> output_shapes(const std::vector<mx::array> &inputs) override {
+        return {mx::Shape{inputs[7].shape(0), inputs[1].shape(1)}};
+    }
+
+   private:
+    int group_size_, bits_;
 };
 
 void check(const mx::array &w, const mx::array &s, const mx::array &b, int group_size, int bits) {
@@ -1109,6 +1184,47 @@ void register_int8(nb::module_ &m) {
         },
         "pair p: row lhs[p] of x [rows, k] (rounded once for all its pairs) times expert experts[p] of the repacked "
         "w -> [pairs, n], lazily");
+    auto gather_swiglu = [](const mx::array &x, const std::vector<mx::array> &ws, const std::vector<mx::array> &ss,
+                            const std::vector<mx::array> &bs, const mx::array &experts, int group_size, int bits,
+                            const mx::array *lhs) {
+        if (ws.size() != 2 || ss.size() != 2 || bs.size() != 2)
+            throw std::invalid_argument("pipeline int8: (w, scales, biases) of gate and up");
+        if (x.ndim() != 2 || x.dtype() != mx::float32)
+            throw std::invalid_argument("pipeline int8: x must be float32 [rows, k]");
+        std::vector<mx::array> inputs{x};
+        for (size_t i = 0; i < 2; i++) {
+            check(ws[i], ss[i], bs[i], group_size, bits);
+            if (ws[i].ndim() != 3 || x.shape(-1) != ws[i].shape(-1) * 32 / bits || ws[i].shape(0) != ws[0].shape(0) ||
+                ws[i].shape(1) != ws[0].shape(1))
+                throw std::invalid_argument("pipeline int8: gate and up must be stacks [experts, n, k * bits / 32] alike");
+            inputs.insert(inputs.end(), {ws[i], ss[i], bs[i]});
+        }
+        const int64_t pairs = experts.ndim() == 1 ? experts.shape(0) : -1;
+        if (pairs < 0 || (experts.dtype() != mx::uint32 && experts.dtype() != mx::int32) ||
+            (lhs && (lhs->ndim() != 1 || lhs->shape(0) != pairs || (lhs->dtype() != mx::uint32 && lhs->dtype() != mx::int32))) ||
+            (!lhs && x.shape(0) != pairs))
+            throw std::invalid_argument("pipeline int8: one int32/uint32 expert index (and row index, lhs) per pair");
+        inputs.push_back(experts);
+        if (lhs) inputs.push_back(*lhs);
+        return mx::array(mx::Shape{int(pairs), ws[0].shape(1)}, mx::float32,
+                         std::make_shared<Int8GatherSwiGLU>(cpu_stream(), group_size, bits), inputs);
+    };
+    m.def(
+        "int8_gather_swiglu",
+        [gather_swiglu](const mx::array &x, const std::vector<mx::array> &ws, const std::vector<mx::array> &ss,
+                        const std::vector<mx::array> &bs, const mx::array &experts, int group_size, int bits) {
+            return gather_swiglu(x, ws, ss, bs, experts, group_size, bits, nullptr);
+        },
+        "silu(x[p] @ gate[experts[p]].T) * (x[p] @ up[experts[p]].T) for each row p, (gate, up) repacked stacks, as one "
+        "operation (x rounded once), lazily");
+    m.def(
+        "int8_gather_swiglu",
+        [gather_swiglu](const mx::array &x, const std::vector<mx::array> &ws, const std::vector<mx::array> &ss,
+                        const std::vector<mx::array> &bs, const mx::array &experts, int group_size, int bits,
+                        const mx::array &lhs) {
+            return gather_swiglu(x, ws, ss, bs, experts, group_size, bits, &lhs);
+        },
+        "the same for pair p: row lhs[p] of x (each row rounded once), expert experts[p], lazily");
     auto fused = [](const mx::array &x, const std::vector<mx::array> &ws, const std::vector<mx::array> &ss,
                     const std::vector<mx::array> &bs, int group_size, int bits, bool swiglu) {
         if (ws.empty() || ws.size() != ss.size() || ws.size() != bs.size() || (swiglu && ws.size() != 2))

@@ -232,6 +232,26 @@ def gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | No
                          sorted_indices=sorted_indices)
 
 
+def gathers_together(gate: nn.Module, up: nn.Module, x: mx.array) -> bool:
+    """Whether an MoE layer's gathered gate and up (QuantizedSwitchLinear stacks) can run as one int8 operation
+    with their SwiGLU (gather_swiglu): both in the int8 layout, alike, and float32 activations."""
+    return (x.dtype == mx.float32 and all(getattr(m, "int8", False) and "biases" in m for m in (gate, up))
+            and gate.group_size == up.group_size and gate.bits == up.bits
+            and gate["weight"].shape == up["weight"].shape)
+
+
+def gather_swiglu(x: mx.array, gate: nn.Module, up: nn.Module, rhs_indices: mx.array) -> mx.array:
+    """silu(gate(x, rhs_indices)) * up(x, rhs_indices) for int8 stacks (gathers_together): one operation
+    (int8_kernels.cpp's Int8GatherSwiGLU), each distinct row of x rounded once, the same bits as the two gathered
+    products and models/experts.py's SwitchGLU.activate."""
+    state = load()
+    state.used["int8"] += 2
+    rows, lhs, experts, shape = _rows_and_pairs(x, rhs_indices)
+    args = (rows, [gate["weight"], up["weight"]], [gate["scales"], up["scales"]], [gate["biases"], up["biases"]],
+            experts, gate.group_size, gate.bits) + (() if lhs is None else (lhs,))
+    return state.module.int8_gather_swiglu(*args).reshape(*shape, gate["weight"].shape[1])
+
+
 # ---- the model's quantized layers --------------------------------------------------------------
 
 class QuantizedLinear(nn.QuantizedLinear):

@@ -127,7 +127,10 @@ class SwitchGLU(nn.Module):
             idx = flat[order][:, None]
         else:
             idx = indices
-        h = self.activate(self.gate_proj(x, idx, do_sort), self.up_proj(x, idx, do_sort))
+        if type(self).activate is SwitchGLU.activate and qmm.gathers_together(self.gate_proj, self.up_proj, x):
+            h = qmm.gather_swiglu(x, self.gate_proj, self.up_proj, idx)  # one int8 operation, the same bits
+        else:
+            h = self.activate(self.gate_proj(x, idx, do_sort), self.up_proj(x, idx, do_sort))
         out = self.down_proj(h, idx, do_sort)  # [..., 1, hidden]
         if do_sort:
             inverse = mx.argsort(order)
