@@ -2,7 +2,9 @@
 row and a row index per (token, expert) pair (each row rounded to int8 once) against the old form, the row
 broadcast to every pair and materialized (rounded once per pair), through the same kernel. Shapes of the MoE
 benchmark model (qwen3-moe-2b: hidden 2048, 64 experts of 256 features, top 8; --tensor-parallel 2 slices
-each expert to 128): 1 token x 8 distinct experts, and 8 pairs x one expert (the profiler's case).
+each expert to 128): 1 token x 8 distinct experts, and 8 pairs x one expert (the profiler's case); then a
+whole layer's experts for 1 token (SwitchGLU: now gate and up in one call with the SwiGLU, int8_gather_swiglu)
+against the old calls (materialized rows, gate and up apart, the activation, down).
 
     python benchmarks/gather_rows.py [--calls 300] [--rounds 5]
 
@@ -19,9 +21,12 @@ import statistics
 import time
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
+from pipeline.checkpoints.int8_repack import use_int8
 from pipeline.kernels import build, qmm
+from pipeline.models.experts import SwitchGLU
 
 
 def main() -> None:
@@ -66,6 +71,36 @@ def main() -> None:
                   f"{[round(t, 1) for t in times['old']]} new {[round(t, 1) for t in times['new']]})")
             if n == 128 and headline is None:
                 headline = f"HEADLINE: decode gathered product (n=128, {label}) new {nw:.1f} us vs old {o:.1f} us ({o / nw:.2f}x)"
+    for n in (256, 128):  # a whole layer's experts, 1 token: gate and up (fused now), SwiGLU, down
+        layer = SwitchGLU(k, n, experts)
+        nn.quantize(layer, group_size=64, bits=4)
+        use_int8(layer)
+        mx.eval(layer.parameters())
+        x = mx.array(rng.standard_normal((1, k)).astype(np.float32))
+        idx = mx.array(rng.permutation(experts)[:top][None].astype(np.uint32))
+        g, u, d = layer.gate_proj, layer.up_proj, layer.down_proj
+
+        def layer_old():  # each pair's own copy of the row, gate and up apart, then the activation and down
+            flat = mx.broadcast_to(x[:, None, None, :], (1, top, 1, k)).reshape(-1, k)
+            pairs = idx.reshape(-1)
+            gate, up = (kernels.int8_gather_qmm(flat, m.weight, m.scales, m.biases, pairs, 64, 4) for m in (g, u))
+            h = nn.silu(gate) * up
+            return kernels.int8_gather_qmm(h, d.weight, d.scales, d.biases, pairs, 64, 4).reshape(1, top, k)
+
+        def layer_new():
+            return layer(x, idx)
+
+        assert np.array_equal(np.array(layer_new()), np.array(layer_old()))
+        times = {"old": [], "new": []}
+        for _ in range(args.rounds):
+            for name, f in (("old", layer_old), ("new", layer_new)):
+                start = time.perf_counter()
+                for _ in range(args.calls):
+                    mx.eval(f())
+                times[name].append((time.perf_counter() - start) / args.calls * 1e6)
+        o, nw = statistics.median(times["old"]), statistics.median(times["new"])
+        print(f"SwitchGLU decode step, {experts} experts of {n}: old {o:.1f} us, new {nw:.1f} us per layer "
+              f"({o / nw:.2f}x; fastest rounds {min(times['old']):.1f} vs {min(times['new']):.1f})")
     print(f"load after: {os.getloadavg()}")
     print(headline)
 
