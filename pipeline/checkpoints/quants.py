@@ -82,9 +82,10 @@ TIED_BLOCKS = {"Q8_0": (8, 34)}
 # Types whose MLX scales and biases fp16 holds exactly (d, m, or d times a power of two), kept in fp16;
 # the K-quants' d x sc_j needs float32.
 FP16_SCALES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
-# 4- and 8-bit types that are d (q - 2^(bits - 1)): every bias is -2^(bits - 1) times its scale, which the
-# int8 repack does not keep (int8_kernels.cpp).
-SYMMETRIC_TYPES = ("Q4_0", "Q8_0")
+# Types that are d (q - 2^(bits - 1)): every bias is -2^(bits - 1) times its scale, which the int8 repack does not
+# keep (4 and 8 bits: int8_kernels.cpp) and a 5-bit matrix does not hold (Q5_0: kernels/qmm.py hold_symmetric,
+# its float16 d and codes only, the file's 22 bytes per 32 values; the products compute the biases).
+SYMMETRIC_TYPES = ("Q4_0", "Q5_0", "Q8_0")
 # A converted folder lists under this key of its config.json the modules held exactly from SYMMETRIC_TYPES
 # (gguf_convert.py writes it), for the planner (planner/stored_formats.py), which reads no weights.
 SYMMETRIC_KEY = "pipeline_symmetric_modules"

@@ -155,7 +155,11 @@ def _is_quantized_module(module: nn.Module) -> bool:
 
 
 def _dense_module(module: nn.Module, dtype: mx.Dtype) -> nn.Module:
-    weight = mx.dequantize(module.weight, module.scales, module.get("biases"), group_size=module.group_size,
+    scales, mode = module.scales, getattr(module, "mode", "affine")
+    biases = qmm.full_biases(scales, module.get("biases"), module.bits) if mode == "affine" else module.get("biases")
+    if scales.dtype == mx.float16 and biases is not None and dtype == mx.float32:  # a symmetric matrix's (qmm.hold_symmetric)
+        scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)  # float16 values: s q + b rounded once, in float32
+    weight = mx.dequantize(module.weight, scales, biases, group_size=module.group_size,
                            bits=module.bits, mode=getattr(module, "mode", "affine")).astype(dtype)
     if isinstance(module, nn.QuantizedLinear):
         out_features, in_features = weight.shape

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 INT8_BITS = (4, 8)
 INT8_BLOCK = 16  # columns per block of the int8 layout (int8_kernels.cpp)
+# bit widths (not the int8 layout's) whose symmetric matrices, every bias -2^(bits - 1) times its scale (a GGUF's
+# Q5_0), are held in MLX's layout without biases and with float16 scales where they are float16 values
+# (qmm.hold_symmetric); the int8 layout's widths drop theirs where repacked (int8_kernels.cpp int8_repack)
+SYMMETRIC_BITS = (5,)
 
 # MLX's affine quantization: the bit widths and group sizes it makes
 _QUANT_BITS, _QUANT_GROUPS = (2, 3, 4, 5, 6, 8), (64, 32, 128)

@@ -38,7 +38,7 @@ import mlx.nn as nn
 
 from . import blas, gguf_rows
 from .build import int8_by_default, load, loaded
-from .int8_layout import INT8_BLOCK
+from .int8_layout import INT8_BLOCK, SYMMETRIC_BITS
 
 BITS = (2, 3, 4, 5, 6, 8)
 GROUP_SIZES = (32, 64, 128)
@@ -77,6 +77,43 @@ def covers(w: mx.array, scales: mx.array, biases: mx.array | None, group_size: i
     """Whether the kernels compute this layout (MLX affine; the rest goes to MLX)."""
     return (mode == "affine" and transpose and biases is not None and bits in BITS and group_size in GROUP_SIZES
             and w.dtype == mx.uint32 and scales.dtype in SCALE_DTYPES and biases.dtype == scales.dtype)
+
+
+def symmetric_offset(bits: int) -> float:
+    """A symmetric matrix's bias in units of its scale (int8_kernels.cpp's symmetric_offset)."""
+    return -float(1 << (bits - 1))
+
+
+def full_biases(scales: mx.array, biases: mx.array | None, bits: int) -> mx.array | None:
+    """The biases of an affine matrix: a symmetric one's, held as none (shape [..., 0]: hold_symmetric), are
+    -2^(bits - 1) times its scales, computed here (exact: a power of two, in the scales' dtype, as checked at load)."""
+    if biases is not None and biases.shape[-1] == 0 and scales.shape[-1] != 0:
+        return scales * symmetric_offset(bits)
+    return biases
+
+
+def hold_symmetric(module: nn.Module) -> bool:
+    """After loading: a matrix of SYMMETRIC_BITS whose every bias is -2^(bits - 1) times its scale, exactly (a GGUF's
+    Q5_0 held exactly: checkpoints/quants.py), holds no biases (an empty [..., 0] array, as the int8 repack's
+    symmetric matrices: full_biases computes them per product), and its scales in float16 where they are all float16
+    values (a GGUF's d; the loader casts them to --dtype): the file's 22 bytes per 32 values, not 28. The products
+    are the same numbers. Returns whether it did."""
+    if getattr(module, "mode", "affine") != "affine" or module.bits not in SYMMETRIC_BITS or "biases" not in module:
+        return False
+    scales, biases = module["scales"], module["biases"]
+    if biases.shape != scales.shape or biases.shape[-1] == 0 or scales.dtype not in SCALE_DTYPES:
+        return False
+    candidates = [scales]
+    if scales.dtype == mx.float32:
+        half = scales.astype(mx.float16)
+        if mx.array_equal(half.astype(mx.float32), scales).item():
+            candidates.insert(0, half)
+    wanted = biases.astype(mx.float32)
+    for held in candidates:  # the biases full_biases will compute from these scales: the ones loaded, bit for bit
+        if mx.array_equal((held * symmetric_offset(module.bits)).astype(mx.float32), wanted).item():
+            module["scales"], module["biases"] = held, mx.zeros((*biases.shape[:-1], 0), held.dtype)
+            return True
+    return False
 
 
 def is_gguf_native(scales: mx.array, mode: str) -> bool:
@@ -187,6 +224,7 @@ def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
     if int8:
         state.used["int8"] += 1
         return _in_dtype_of(x, state.module.int8_matmul(_float32(x), w, scales, biases, group_size, bits))
+    scales, biases = _affine(x, scales, full_biases(scales, biases, bits) if mode == "affine" else biases)
     kernels = extension_for(x)
     if kernels is not None and covers(w, scales, biases, group_size, bits, mode, transpose):
         if w.ndim == 2:
@@ -199,6 +237,14 @@ def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
     state.used["mlx"] += 1
     return mx.quantized_matmul(x, w, scales, biases, transpose=transpose, group_size=group_size, bits=bits,
                                mode=mode)
+
+
+def _affine(x: mx.array, scales: mx.array, biases: mx.array | None) -> tuple[mx.array, mx.array | None]:
+    """Scales (and biases) as a product takes them: float16 ones held for float32 activations (hold_symmetric)
+    as they are where pipeline's kernels take them, else in x's dtype, as MLX's products want (exact)."""
+    if scales.dtype == mx.float16 and x.dtype == mx.float32 and extension_for(x) is None:
+        return scales.astype(x.dtype), None if biases is None else biases.astype(x.dtype)
+    return scales, biases
 
 
 def _float32(x: mx.array) -> mx.array:
@@ -218,6 +264,8 @@ def gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | No
     pipeline's kernels where they cover the product: rows grouped per expert in the kernel. int8:
     the weights are in the int8 products' layout (checkpoints/int8_repack.py)."""
     state = load()
+    if not int8 and mode == "affine":
+        scales, biases = _affine(x, scales, full_biases(scales, biases, bits))
     kernels = state.module if int8 else extension_for(x)
     if int8 or (kernels is not None and lhs_indices is None and rhs_indices is not None and w.ndim == 3
                 and covers(w, scales, biases, group_size, bits, mode, transpose)):
@@ -266,6 +314,8 @@ class QuantizedLinear(nn.QuantizedLinear):
         becomes a GGUFLinear."""
         if is_gguf_native(self["scales"], getattr(self, "mode", "affine")):
             self.__class__ = GGUFLinear
+        else:
+            hold_symmetric(self)
 
 
 class GGUFLinear(nn.Module):

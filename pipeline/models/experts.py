@@ -78,6 +78,8 @@ class QuantizedSwitchLinear(nn.Module):
         """Once its arrays are in: a GGUF stack held in its own blocks (kernels/qmm.py) becomes a GGUFSwitchLinear."""
         if qmm.is_gguf_native(self["scales"], self.mode):
             self.__class__ = GGUFSwitchLinear
+        else:
+            qmm.hold_symmetric(self)  # a Q5_0 stack: no biases held (qmm.full_biases computes them per product)
 
 
 class GGUFSwitchLinear(nn.Module):

@@ -44,8 +44,9 @@ class CheckpointFormat:
 
     def symmetric(self, p: Param) -> bool:
         """Whether every bias of a tensor held MLX-quantized as stored is -2^(bits - 1) times its scale
-        (the int8 repack then holds no biases: int8_repack.use_int8): in an MLX folder, the modules `convert`
-        listed so (a GGUF's Q4_0 and Q8_0); other folders are not assumed to be."""
+        (the int8 repack then holds no biases: int8_repack.use_int8; 5 bits hold none anyway: qmm.hold_symmetric):
+        in an MLX folder, the modules `convert` listed so (a GGUF's Q4_0, Q5_0 and Q8_0); other folders are not
+        assumed to be."""
         return self.kind == "mlx" and p.module in self.config.raw.get(quants.SYMMETRIC_KEY, ())
 
     def held_in_blocks(self, p: Param) -> bool:
@@ -198,7 +199,7 @@ def _scales_dtype(model: ModelFiles | None) -> str | None:
 
 def affine_bytes(shape: tuple[int, ...], bits: int, group: int, scale_bytes: int, biases: bool = True) -> int:
     """MLX affine quantization of one tensor: rows of uint32-packed values plus a scale and a bias
-    per group (no biases: a symmetric matrix repacked for the int8 products)."""
+    per group (no biases: a symmetric matrix repacked for the int8 products, or one of 5 bits)."""
     rows, cols = math.prod(shape[:-1]), shape[-1]
     return rows * math.ceil(cols * bits / 32) * 4 + rows * math.ceil(cols / group) * (1 + biases) * scale_bytes
 
@@ -260,11 +261,12 @@ class GGUFFormat(CheckpointFormat):
         return info.held if info is not None else 0
 
     def half_scales(self, p) -> bool:
-        """Q4_0, Q4_1 and Q8_0 blocks store float16 scales (and offsets): held exactly, they stay float16 values."""
-        return self._held_exactly_from(p, ("Q4_0", "Q4_1", "Q8_0"))
+        """Q4_0, Q4_1, Q5_0 and Q8_0 blocks store float16 scales (and offsets): held exactly, they stay float16 values."""
+        return self._held_exactly_from(p, ("Q4_0", "Q4_1", "Q5_0", "Q8_0"))
 
     def symmetric(self, p) -> bool:
-        """Q4_0 and Q8_0 are d (q - 8) and d (q - 128): held exactly, every bias is -2^(bits - 1) times its scale."""
+        """Q4_0, Q5_0 and Q8_0 are d (q - 8), d (q - 16) and d (q - 128): held exactly, every bias is -2^(bits - 1)
+        times its scale."""
         return self._held_exactly_from(p, quants.SYMMETRIC_TYPES)
 
     def _held_exactly_from(self, p, types: tuple[str, ...]) -> bool:
@@ -297,7 +299,9 @@ class GGUFFormat(CheckpointFormat):
         if blocks:
             parts.append(f"{', '.join(blocks)} in their own blocks, as the file's bytes")
         if exact:
-            parts.append(f"{', '.join(exact)} exactly as MLX affine, group 32")
+            parts.append(f"{', '.join(exact)} exactly as MLX affine, group 32"
+                         + (" (Q5_0 layer matrices with float16 scales and no biases: the file's bytes)"
+                            if "Q5_0" in exact and not dense else ""))
         if mxfp4:
             parts.append("MXFP4 exactly as MLX mxfp4")
         if dense and (exact or mxfp4):

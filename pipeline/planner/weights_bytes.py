@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..checkpoints.model_files import find
-from ..kernels.int8_layout import INT8_BITS, INT8_BLOCK
+from ..kernels.int8_layout import INT8_BITS, INT8_BLOCK, SYMMETRIC_BITS
 from ..models.config import ModelConfig
 from ..models.deepseek_v4_config import FLOAT32
 from .shapes import Architecture, Param, architecture
@@ -78,9 +78,11 @@ class Precision:
             return p.numel * self.dtype_bytes
         if native:
             repacked = not p.is_embedding and self.int8_repacked(p, native[0])
-            half = repacked and self.checkpoint.half_scales(p)
+            # a symmetric 5-bit matrix (a GGUF's Q5_0) holds no biases and its float16 scales (qmm.hold_symmetric)
+            held_symmetric = not p.is_embedding and native[0] in SYMMETRIC_BITS and self.checkpoint.symmetric(p)
+            half = (repacked or held_symmetric) and self.checkpoint.half_scales(p)
             return p.copies * affine_bytes(p.shape, *native, 2 if half else self.dtype_bytes,
-                                            biases=not (repacked and self.checkpoint.symmetric(p)))
+                                            biases=not ((repacked or held_symmetric) and self.checkpoint.symmetric(p)))
         if self.requantized(p):
             return p.copies * affine_bytes(p.shape, self.quantize, self.group_size, self.dtype_bytes)
         return p.numel * self.dtype_bytes
