@@ -122,3 +122,22 @@ def test_q5_0_model_is_held_at_the_files_size_and_counted_so(tmp_path, vocab):  
     assert held["layers.0.mlp.up_proj"]["biases"].shape == (512, 256 // 32)  # Q5_1 keeps its own
     planned = held_and_dense(config, path, "float32")[0]
     assert sum(planned.layers) + planned.ends == measured(stage).weights
+
+
+def test_only_exactly_symmetric_matrices_drop_their_biases():
+    """Scales that are no float16 values stay float32 (biases still dropped where -16 x them); an MLX 5-bit
+    quantization (its own biases) keeps them."""
+    rng = np.random.default_rng(3)
+    w = mx.array(rng.standard_normal((32, 64)).astype(np.float32))
+    q, s, b = mx.quantize(w, group_size=32, bits=5)
+    module = qmm.QuantizedLinear(64, 32, bias=False, group_size=32, bits=5)
+    module.weight, module.scales, module.biases = q, s, b
+    module.after_load()
+    assert module["biases"].shape == (32, 2)
+    thirds = mx.array(rng.integers(1, 1000, (32, 2)).astype(np.float32) / 3)  # no float16 values
+    module.scales, module.biases = thirds, thirds * -16
+    x = mx.array(rng.standard_normal((4, 64)).astype(np.float32))
+    before = module(x)
+    module.after_load()
+    assert module["biases"].shape == (32, 0) and module["scales"].dtype == mx.float32
+    assert mx.array_equal(module(x), before).item()
