@@ -103,11 +103,8 @@ def hold_symmetric(module: nn.Module) -> bool:
     scales, biases = module["scales"], module["biases"]
     if biases.shape != scales.shape or biases.shape[-1] == 0 or scales.dtype not in SCALE_DTYPES:
         return False
-    candidates = [scales]
-    if scales.dtype == mx.float32:
-        half = scales.astype(mx.float16)
-        if mx.array_equal(half.astype(mx.float32), scales).item():
-            candidates.insert(0, half)
+    # float16 scales where -16 x them are the biases loaded (then they are the scales loaded, too), else as they are
+    candidates = [scales.astype(mx.float16), scales] if scales.dtype == mx.float32 else [scales]
     wanted = biases.astype(mx.float32)
     for held in candidates:  # the biases full_biases will compute from these scales: the ones loaded, bit for bit
         if mx.array_equal((held * symmetric_offset(module.bits)).astype(mx.float32), wanted).item():
