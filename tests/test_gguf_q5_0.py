@@ -2,7 +2,8 @@
 file's size: MLX 5-bit affine codes (20 bytes per 32) and float16 scales, no biases (kernels/qmm.py hold_symmetric;
 the products compute each bias, -16 d, exactly). Against float64 products of the gguf package's own Q5_0
 dequantization; the products are the bits they were with the biases held. Q5_1 (d q + m: a bias of its own) keeps
-its biases: 5-bit codes + fp16 d + fp16 m are its 24 bytes per 32, already the file's size."""
+its biases, held float16 (qmm.hold_half; the loader cast them to float32): 5-bit codes + fp16 d + fp16 m are its 24
+bytes per 32, the file's size."""
 
 from __future__ import annotations
 
@@ -63,15 +64,23 @@ def test_products_match_float64_of_ggufs_dequantization(rows, kernels, monkeypat
         assert mx.array_equal(out, before).item()  # the same bits as with the biases held
 
 
-def test_q5_1_keeps_its_biases():
+def test_q5_1_keeps_its_biases_in_float16():
+    """Q5_1's d and m, cast to float32 by the loader, are held as float16 again (qmm.hold_half): its 24 bytes per 32."""
     raw = _q5_rows(np.random.default_rng(0), 32, 64, QT.Q5_1)
+    truth = gguf.quants.dequantize(raw, QT.Q5_1).astype(np.float64)
     w, s, b = quants.decode_exact(raw, "Q5_1")
     module = qmm.QuantizedLinear(64, 32, bias=False, group_size=32, bits=5)
-    module.weight, module.scales, module.biases = mx.array(w), mx.array(s), mx.array(b)
+    module.weight, module.scales, module.biases = mx.array(w), mx.array(s).astype(mx.float32), mx.array(b).astype(mx.float32)
+    x = mx.array(np.random.default_rng(1).standard_normal((3, 64)).astype(np.float32))
+    before = module(x)
     module.after_load()
-    assert module["biases"].shape == (32, 2)
+    assert module["biases"].shape == (32, 2) and module["biases"].dtype == mx.float16
     # 5-bit codes + fp16 d + fp16 m: 24 bytes per 32 values, the file's own size
     assert sum(a.nbytes for a in (module["weight"], module["scales"], module["biases"])) == raw.nbytes
+    out = module(x)
+    assert mx.array_equal(out, before).item()
+    expected = np.asarray(x).astype(np.float64) @ truth.T
+    assert np.abs(np.asarray(out) - expected).max() <= 1e-6 * np.abs(expected).max()
 
 
 def test_expert_stack_and_dense_copy_match_ggufs_dequantization():
@@ -119,7 +128,10 @@ def test_q5_0_model_is_held_at_the_files_size_and_counted_so(tmp_path, vocab):  
     assert q_proj["biases"].shape[-1] == 0 and q_proj["scales"].dtype == mx.float16
     assert sum(a.nbytes for a in (q_proj["weight"], q_proj["scales"])) == q5["blk.0.attn_q.weight"]
     assert held["lm_head"]["biases"].shape[-1] == 0  # the untied head too
-    assert held["layers.0.mlp.up_proj"]["biases"].shape == (512, 256 // 32)  # Q5_1 keeps its own
+    up = held["layers.0.mlp.up_proj"]  # Q5_1 keeps its own biases, float16 as its scales: the file's bytes
+    assert up["biases"].shape == (512, 256 // 32) and up["biases"].dtype == mx.float16
+    q5_1 = {t.name: t.n_bytes for t in gguf.GGUFReader(path).tensors if t.tensor_type == QT.Q5_1}
+    assert sum(a.nbytes for a in (up["weight"], up["scales"], up["biases"])) == q5_1["blk.0.ffn_up.weight"]
     planned = held_and_dense(config, path, "float32")[0]
     assert sum(planned.layers) + planned.ends == measured(stage).weights
 

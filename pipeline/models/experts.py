@@ -78,8 +78,8 @@ class QuantizedSwitchLinear(nn.Module):
         """Once its arrays are in: a GGUF stack held in its own blocks (kernels/qmm.py) becomes a GGUFSwitchLinear."""
         if qmm.is_gguf_native(self["scales"], self.mode):
             self.__class__ = GGUFSwitchLinear
-        else:
-            qmm.hold_symmetric(self)  # a Q5_0 stack: no biases held (qmm.full_biases computes them per product)
+        elif not qmm.hold_symmetric(self):  # a Q5_0 stack: no biases held (qmm.full_biases computes them per product)
+            qmm.hold_half(self)  # a Q5_1 stack: its float16 d and m as float16
 
 
 class GGUFSwitchLinear(nn.Module):

@@ -261,8 +261,9 @@ class GGUFFormat(CheckpointFormat):
         return info.held if info is not None else 0
 
     def half_scales(self, p) -> bool:
-        """Q4_0, Q4_1, Q5_0 and Q8_0 blocks store float16 scales (and offsets): held exactly, they stay float16 values."""
-        return self._held_exactly_from(p, ("Q4_0", "Q4_1", "Q5_0", "Q8_0"))
+        """Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 blocks store float16 scales (and offsets): held exactly, they stay float16
+        values."""
+        return self._held_exactly_from(p, ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"))
 
     def symmetric(self, p) -> bool:
         """Q4_0, Q5_0 and Q8_0 are d (q - 8), d (q - 16) and d (q - 128): held exactly, every bias is -2^(bits - 1)

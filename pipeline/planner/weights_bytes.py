@@ -78,11 +78,12 @@ class Precision:
             return p.numel * self.dtype_bytes
         if native:
             repacked = not p.is_embedding and self.int8_repacked(p, native[0])
-            # a symmetric 5-bit matrix (a GGUF's Q5_0) holds no biases and its float16 scales (qmm.hold_symmetric)
-            held_symmetric = not p.is_embedding and native[0] in SYMMETRIC_BITS and self.checkpoint.symmetric(p)
-            half = (repacked or held_symmetric) and self.checkpoint.half_scales(p)
+            # a 5-bit matrix holds float16 scales and biases where stored so (a GGUF's Q5_1: qmm.hold_half), and no
+            # biases where symmetric (Q5_0: qmm.hold_symmetric)
+            five = not p.is_embedding and native[0] in SYMMETRIC_BITS
+            half = (repacked or five) and self.checkpoint.half_scales(p)
             return p.copies * affine_bytes(p.shape, *native, 2 if half else self.dtype_bytes,
-                                            biases=not ((repacked or held_symmetric) and self.checkpoint.symmetric(p)))
+                                            biases=not ((repacked or five) and self.checkpoint.symmetric(p)))
         if self.requantized(p):
             return p.copies * affine_bytes(p.shape, self.quantize, self.group_size, self.dtype_bytes)
         return p.numel * self.dtype_bytes
