@@ -6,7 +6,7 @@ each expert to 128): 1 token x 8 distinct experts, and 8 pairs x one expert (the
 whole layer's experts for 1 token (SwitchGLU: now gate and up in one call with the SwiGLU, int8_gather_swiglu)
 against the old calls (materialized rows, gate and up apart, the activation, down).
 
-    python benchmarks/gather_rows.py [--calls 300] [--rounds 5]
+    python benchmarks/gather_rows.py [--calls 300] [--rounds 5] [--threads N]
 
 Rounds interleave old and new; each figure is the median over rounds of the mean us per call (and the fastest
 round's, steadier on a loaded host). The last line:
@@ -33,10 +33,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=0, help="the kernels' threads (0: as loaded; a rank of "
+                        "--tensor-parallel 2 has 1)")
     args = parser.parse_args()
     kernels = build.load().module
     if kernels is None:
         raise SystemExit("the kernels' extension did not build: nothing to measure")
+    if args.threads:
+        kernels.set_threads(args.threads)
+    print(f"kernels' threads: {kernels.threads()}")
     print(f"load before: {os.getloadavg()}")
     rng = np.random.default_rng(0)
     k, experts, top = 2048, 64, 8
@@ -59,6 +64,8 @@ def main() -> None:
 
             assert np.array_equal(np.array(new()), np.array(old()))
             times = {"old": [], "new": []}
+            if args.threads:
+                kernels.set_threads(args.threads)  # loading the package may have set the rank's count
             for _ in range(args.rounds):
                 for name, f in (("old", old), ("new", new)):
                     start = time.perf_counter()
@@ -92,6 +99,8 @@ def main() -> None:
 
         assert np.array_equal(np.array(layer_new()), np.array(layer_old()))
         times = {"old": [], "new": []}
+        if args.threads:
+            kernels.set_threads(args.threads)
         for _ in range(args.rounds):
             for name, f in (("old", layer_old), ("new", layer_new)):
                 start = time.perf_counter()
