@@ -76,7 +76,8 @@ def covers(w: mx.array, scales: mx.array, biases: mx.array | None, group_size: i
            transpose: bool = True) -> bool:
     """Whether the kernels compute this layout (MLX affine; the rest goes to MLX)."""
     return (mode == "affine" and transpose and biases is not None and bits in BITS and group_size in GROUP_SIZES
-            and w.dtype == mx.uint32 and scales.dtype in SCALE_DTYPES and biases.dtype == scales.dtype)
+            and w.dtype == mx.uint32 and scales.dtype in SCALE_DTYPES
+            and (biases.dtype == scales.dtype or biases.size == 0))  # none held: symmetric (hold_symmetric)
 
 
 def symmetric_offset(bits: int) -> float:
@@ -238,9 +239,8 @@ def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
     if int8:
         state.used["int8"] += 1
         return _in_dtype_of(x, state.module.int8_matmul(_float32(x), w, scales, biases, group_size, bits))
-    scales, biases = _affine(x, scales, full_biases(scales, biases, bits) if mode == "affine" else biases)
     kernels = extension_for(x)
-    if kernels is not None and covers(w, scales, biases, group_size, bits, mode, transpose):
+    if kernels is not None and covers(w, scales, biases, group_size, bits, mode, transpose):  # (symmetric: biases none)
         if w.ndim == 2:
             state.used["pipeline"] += 1
             return kernels.quantized_matmul(x, w, scales, biases, group_size, bits)
@@ -249,6 +249,7 @@ def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
             return gather_qmm(x, w, scales, biases, rhs_indices=mx.arange(w.shape[0], dtype=mx.uint32),
                               group_size=group_size, bits=bits, mode=mode)
     state.used["mlx"] += 1
+    scales, biases = _affine(x, scales, full_biases(scales, biases, bits) if mode == "affine" else biases)
     return mx.quantized_matmul(x, w, scales, biases, transpose=transpose, group_size=group_size, bits=bits,
                                mode=mode)
 
@@ -278,8 +279,6 @@ def gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | No
     pipeline's kernels where they cover the product: rows grouped per expert in the kernel. int8:
     the weights are in the int8 products' layout (checkpoints/int8_repack.py)."""
     state = load()
-    if not int8 and mode == "affine":
-        scales, biases = _affine(x, scales, full_biases(scales, biases, bits))
     kernels = state.module if int8 else extension_for(x)
     if int8 or (kernels is not None and lhs_indices is None and rhs_indices is not None and w.ndim == 3
                 and covers(w, scales, biases, group_size, bits, mode, transpose)):
@@ -289,6 +288,8 @@ def gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | No
         args = (_float32(rows), w, scales, biases, experts, group_size, bits) + (() if lhs is None else (lhs,))
         return _in_dtype_of(x, product(*args)).reshape(*shape, w.shape[1])
     state.used["mlx"] += 1
+    if mode == "affine":
+        scales, biases = _affine(x, scales, full_biases(scales, biases, bits))
     return mx.gather_qmm(x, w, scales, biases, lhs_indices=lhs_indices, rhs_indices=rhs_indices,
                          transpose=transpose, group_size=group_size, bits=bits, mode=mode,
                          sorted_indices=sorted_indices)

@@ -100,8 +100,11 @@ struct Group {
 
 static inline Group group_at(const QMatrix &m, int64_t g) {
     Group out;
-    out.s = splat(scale_at(m.scales, m.scale_type, g));
-    out.b = splat(scale_at(m.biases, m.scale_type, g));
+    const float s = scale_at(m.scales, m.scale_type, g);
+    out.s = splat(s);
+    // biases nullptr: a symmetric matrix (qmm.hold_symmetric: a GGUF's Q5_0) whose every bias is -2^(bits - 1)
+    // times its scale, exactly (checked at load): the value the held bias had, in float32
+    out.b = splat(m.biases ? scale_at(m.biases, m.scale_type, g) : s * -float(1 << (m.bits - 1)));
 #if defined(__AVX512F__)
     if (m.bits == 4) out.table = fma16(out.s, v16{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, out.b);
 #endif
@@ -462,7 +465,8 @@ class QuantizedProduct : public mx::UnaryPrimitive {
             for (int64_t e = 0; e < experts; e++)
                 mats[e] = QMatrix{w.data<uint8_t>() + e * n * row_bytes,
                                   static_cast<const uint8_t *>(s.data<void>()) + e * n * groups * s.itemsize(),
-                                  static_cast<const uint8_t *>(b.data<void>()) + e * n * groups * b.itemsize(),
+                                  b.size() ? static_cast<const uint8_t *>(b.data<void>()) + e * n * groups * b.itemsize()
+                                           : nullptr,
                                   scale_type_of(s.dtype()), n, k, row_bytes, groups, bits, group_size};
             // x in the chunks' lane order, one row at a time
             std::vector<float> permuted(x_rows * k);
@@ -517,7 +521,8 @@ static void check(const mx::array &x, const mx::array &w, const mx::array &s, co
     if (x.ndim() < 1 || (gathered && x.ndim() != 2) || x.dtype() != mx::float32)
         fail(gathered ? "x must be float32 [rows, inputs]" : "x must be float32 [..., inputs]");
     if (w.dtype() != mx::uint32 || int(w.ndim()) != (gathered ? 3 : 2)) fail("w must be packed uint32");
-    if (s.shape() != b.shape() || s.dtype() != b.dtype()) fail("scales and biases must match");
+    if (b.size() && (s.shape() != b.shape() || s.dtype() != b.dtype()))  // none: a symmetric matrix
+        fail("scales and biases must match");
     scale_type_of(s.dtype());
     if (bits < 2 || bits > 8 || bits == 7 || (group_size != 32 && group_size != 64 && group_size != 128))
         fail("unsupported bits or group size");
