@@ -82,7 +82,9 @@ def test_a_hung_member_ends_the_job_under_the_watchdog(ranks):
     named = "got nothing from rank 1 " if ranks == 2 else f"in a group sum over MLX with ranks 0-{ranks - 1}"
     assert errors and all(named in e and "--watchdog 2" in e for e in errors), err
     assert "returned without" not in err, err
-    assert 2 <= after < 10, f"the job ended {after:.1f} s after member 1 stopped"
+    # within the watchdog's 2 s of the others' wait, which began before member 1 stopped where it was the last to
+    # reach the sum (the end came 1.2 s after its stop once in CI): no lower bound
+    assert after < 10, f"the job ended {after:.1f} s after member 1 stopped"
 
 
 @pytest.fixture(scope="module")
