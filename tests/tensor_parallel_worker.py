@@ -1,8 +1,10 @@
-"""Run under mpiexec by tests/test_tensor_parallel.py: one stage of `--tensor-parallel T` over all
-ranks (T = the ranks), a token list through it, and rank 0 saves the logits of every position, of the
-whole prompt at once then token by token through the KV cache, as [2, tokens, vocab] float32.
+"""Run under mpiexec by tests/test_tensor_parallel.py and tests/test_tensor_parallel_mlx.py: one stage of
+`--tensor-parallel T` over all ranks (T = the ranks) over the given transport (mpi, the default, or mlx:
+MLX's ring on loopback), a token list through it, and rank 0 saves the logits of every position (the head
+split by vocabulary), of the whole prompt at once then token by token through the KV cache, as
+[2, tokens, vocab] float32.
 
-    mpiexec -n T python tests/tensor_parallel_worker.py FOLDER OUT.npy ID,ID,...
+    mpiexec -n T python tests/tensor_parallel_worker.py FOLDER OUT.npy ID,ID,... [mpi|mlx]
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ from pipeline.runtime.tensor_group import follow_leader, form_group, stop_mates
 
 def main() -> None:
     folder, out, ids = Path(sys.argv[1]), Path(sys.argv[2]), [int(t) for t in sys.argv[3].split(",")]
+    transport = sys.argv[4] if len(sys.argv) > 4 else "mpi"
     comm = MPI.COMM_WORLD
     t = comm.Get_size()
-    group = form_group(comm, t, watchdog=60)
+    group = form_group(comm, t, transport, watchdog=60, mlx_backend="ring")
     settings = WeightSettings(model=folder, tensor_parallel=t, int8_activations=False)
     plan = plan_job(settings, comm)
     stage = load_stage(settings, plan, comm.Get_rank(), progress=False, group=group)

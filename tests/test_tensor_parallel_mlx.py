@@ -97,10 +97,10 @@ def models(tmp_path_factory) -> dict:
 
 
 def worker_logits(folder, ranks: int, transport: str, tmp_path) -> np.ndarray:
-    """[whole prompt, token by token] logits of one stage of T = ranks (tests/tensor_parallel_mlx_worker.py)."""
+    """[whole prompt, token by token] logits of one stage of T = ranks (tests/tensor_parallel_worker.py)."""
     out = tmp_path / f"logits-{transport}-{ranks}.npy"
     job = subprocess.run(["mpiexec", "-n", str(ranks), sys.executable,
-                          str(REPO / "tests" / "tensor_parallel_mlx_worker.py"), str(folder), str(out),
+                          str(REPO / "tests" / "tensor_parallel_worker.py"), str(folder), str(out),
                           ",".join(map(str, PROMPT)), transport],
                          capture_output=True, text=True, timeout=300, cwd=REPO)
     assert job.returncode == 0, job.stderr
