@@ -66,3 +66,41 @@ def test_gguf_reader_reads_exactly_the_share():
             expected += nbytes
         assert checkpoint.bytes_read == expected, (member, checkpoint.bytes_read, expected)
         assert expected < 0.7 * sum(sizes.values())
+
+
+@pytest.mark.parametrize("t, member", [(2, 0), (2, 1), (3, 2)])
+def test_deepseek_gguf_reads_its_heads_of_k_b_and_v_b(t, member, tmp_path, monkeypatch):
+    """llama.cpp's deepseek2 GGUF stores MLA's kv_b_proj as attn_k_b [heads, latent, nope] and attn_v_b [heads, v,
+    latent] (the loader joins them): a member reads its heads of both (each one run of bytes), as it reads its share
+    of every other tensor (Q8_0 expert stacks, attention), and holds what reading them whole and cutting holds."""
+    import test_gguf_inplace as g  # its GGUF writer (llama.cpp's layout)
+    from conftest import write_tokenizer
+    from gguf import GGMLQuantizationType as QT
+
+    (tmp_path / "vocab").mkdir()
+    write_tokenizer(tmp_path / "vocab")
+    types = {"exps": QT.Q8_0, "attn": QT.Q8_0, "ffn_": QT.Q8_0, "token_embd": QT.Q8_0, "output.": QT.Q8_0}
+    model = g._deepseek(tmp_path / "hf", num_attention_heads=6, num_key_value_heads=6)
+    path = g.write_model(tmp_path / "m.gguf", model, "deepseek2", g._by_kind(types), mla="split",
+                         vocab=g.gguf_vocab(tmp_path / "vocab"))["files"][0]
+    monkeypatch.setenv(SHARE_READS, "0")
+    whole, whole_checkpoint, _ = load_member(path, t, member)
+    monkeypatch.setenv(SHARE_READS, "1")
+    share, checkpoint, _ = load_member(path, t, member)
+    assert set(whole) == set(share)
+    for name in whole:
+        assert whole[name].shape == share[name].shape and mx.array_equal(whole[name], share[name]).item(), name
+    kv_b = checkpoint.tensors["model.layers.0.self_attn.kv_b_proj.weight"]
+    k_b, v_b = (t.name for t in kv_b.source)
+    with narrowed_for(checkpoint, t, member) as _:
+        read = checkpoint.tensors["model.layers.0.self_attn.kv_b_proj.weight"].source
+        assert [s.shape[0] for s in read] == [2 if t == 3 else 3] * 2, (k_b, v_b, [s.shape for s in read])
+    assert checkpoint.bytes_read < (0.75 if t == 2 else 0.6) * whole_checkpoint.bytes_read
+
+
+def narrowed_for(checkpoint, t: int, member: int):
+    from pipeline.checkpoints.share_reads import narrowed
+
+    config = checkpoint.model_config()
+    return narrowed(checkpoint, read_shares(checkpoint.tensors, config, Shard(member, t),
+                                            vocab_share(config.vocab_size, t, member), member == 0))

@@ -56,6 +56,7 @@ class TensorInfo:
     begin: int  # absolute byte offsets in the file
     end: int
     key: str = ""  # its name in the file (the index's names are canonical_tensors')
+    whole: bool = True  # False: a share of the tensor (checkpoints/share_reads.py), read by its byte range
 
     @property
     def nbytes(self) -> int:
@@ -77,6 +78,7 @@ class Checkpoint:
         self.tensors = canonical_tensors(self.tensors)
         self._lazy: dict[tuple, dict[str, mx.array] | None] = {}  # (file, stream) -> mx.load's arrays
         self._mapped: bool | None = None  # whether read() maps the files (known at the first read)
+        self.bytes_read = 0  # the tensors' bytes read() returned (their shares' where share_reads narrows them)
 
     def _weight_files(self) -> dict[Path, set[str] | None]:
         """Each weight file with the names the index assigns to it (None: all it holds)."""
@@ -119,6 +121,7 @@ class Checkpoint:
         import mlx.core as mx  # here, where arrays are made: indexing a folder (`pipeline plan`) loads no MLX
 
         info = self.tensors[name]
+        self.bytes_read += info.nbytes
         if self._mapped is None:
             from ..kernels import mapped_files  # loads mlx.core, as the import above
 
@@ -132,6 +135,8 @@ class Checkpoint:
                 array = None
             if array is not None:
                 return array
+        if not info.whole:  # mx.load reads whole tensors only
+            return self._read_with_numpy(name, info)
         key = (info.file, str(mx.default_stream(mx.cpu)))  # str: a Stream hashes by object, not by value
         if key not in self._lazy:
             try:  # the header only: nothing is read until an array is evaluated
@@ -144,27 +149,34 @@ class Checkpoint:
         array = arrays.pop(info.key, None)  # popped: an evaluated array stays with its owner only
         if array is None:  # read before: the header again
             del self._lazy[key]
+            self.bytes_read -= info.nbytes  # counted again by the call
             return self.read(name)
         return array
 
     def _read_with_numpy(self, name: str, info: TensorInfo) -> mx.array:
-        import mlx.core as mx  # here, where arrays are made, as in read
-
-        np_dtype, mx_dtype = _DTYPES[info.dtype][0], getattr(mx, _DTYPES[info.dtype][1])
         with open(info.file, "rb") as f:
             f.seek(info.begin)
             data = f.read(info.nbytes)
         if len(data) != info.nbytes:
             raise UserError(f"{info.file} is truncated or corrupt (tensor {name}): download it again")
-        array = mx.array(np.frombuffer(data, dtype=np_dtype).reshape(info.shape))
-        if info.dtype == "BF16":
-            return array.view(mx.bfloat16)  # the bytes were read as uint16
-        return array.astype(mx_dtype) if array.dtype != mx_dtype else array
+        return from_bytes(np.frombuffer(data, np.uint8), info.dtype, info.shape)
 
     def spans(self, name: str) -> list[tuple[Path, int, int]]:
         """The byte ranges (file, begin, end) reading `name` reads."""
         info = self.tensors[name]
         return [(info.file, info.begin, info.end)]
+
+
+def from_bytes(data: np.ndarray, dtype: str, shape: tuple[int, ...]) -> mx.array:
+    """A tensor of safetensors `dtype` from its raw bytes (uint8, row-major), as Checkpoint.read returns it (BF16's
+    bits as bfloat16, FP8 and ue8m0 as uint8 bytes, F64 as float32)."""
+    import mlx.core as mx  # here, where arrays are made, as in Checkpoint.read
+
+    np_dtype, mx_dtype = _DTYPES[dtype][0], getattr(mx, _DTYPES[dtype][1])
+    array = mx.array(data.view(np_dtype).reshape(shape))
+    if dtype == "BF16":
+        return array.view(mx.bfloat16)  # the bytes were read as uint16
+    return array.astype(mx_dtype) if array.dtype != mx_dtype else array
 
 
 def read_header(path: Path) -> dict[str, TensorInfo]:

@@ -1,22 +1,26 @@
-"""--tensor-parallel: a rank reads only its share of each tensor from a GGUF file.
+"""--tensor-parallel: a rank reads only its share of each tensor, from a GGUF file or a safetensors folder.
 
 A member's share of a matrix (models/tensor_parallel.py) is a range of its rows (output features:
 q/k/v, gate/up, the LM head's vocabulary slice) or of its columns (input features: o_proj, down_proj).
 Rows are contiguous in the file; a column share is a run of bytes in every row, `stride` bytes apart,
 cut on the type's blocks (Q4_1: 32 values in 20 bytes; Q4_K, Q6_K, IQ4_XS and the i-quants: 256 values), so
 it is read row by row (`StridedTensor`), whatever the rank then holds (MLX's layout, or the file's blocks).
-A Qwen3-MoE expert stack [experts, rows, columns]: each expert's share of rows (gate/up) is a run of bytes an
-expert, its share of columns (down) a run of every row, whole experts (--expert-parallel) one run.
+An expert stack [experts, rows, columns] (GGUF, MLX folders): each expert's share of rows (gate/up) is a run of
+bytes an expert, its share of columns (down) a run of every row, whole experts (--expert-parallel) one run;
+Hugging Face's tensors of one expert each are each a matrix, and under --expert-parallel another member's experts
+are not read at all. DeepSeek's FP8 weights carry one scale per 128 x 128 block: a share is widened to the blocks
+it touches (T = 3 of 256 features reads 128 or 256 of them), their scales read with them. A DeepSeek GGUF's
+kv_b_proj, joined at load from attn_k_b and attn_v_b, reads the member's heads of both.
 `narrowed` swaps the index entries of the shared tensors for entries of their shares while a rank
 loads (the decoders then read, decode and hold the share only); `widen` pads each share back to its
 tensor's shape with zeros (untouched memory, never read from the file) so that the cut
-(tensor_parallel.shard_weights) takes it out exactly as it takes a share of a whole tensor.
+(tensor_parallel.shard_weights) takes it out exactly as it takes a share of a whole tensor (a share read wider,
+as FP8's blocks, included).
 
 Where a share of a row is smaller than a page (4 KiB on Linux, 16 KiB on macOS), a column share still
 touches every page of the tensor: the pages hold several rows, or the share's bytes of one row straddle
-them (`pages_read` counts them; benchmarks/share_read_bytes.py reports them per rank). Other readers
-(safetensors: its tensors are mapped, and the cut's copy reads the share's pages only) are read as before;
-MLA families (DeepSeek, Kimi) read whole tensors and cut them.
+them (`pages_read` counts them; benchmarks/share_read_bytes.py reports them per rank, for GGUF files and
+safetensors folders).
 """
 
 from __future__ import annotations
@@ -34,23 +38,40 @@ from ..models.expert_parallel import expert_share
 from ..models.qwen3_moe import num_experts
 from ..models import tensor_parallel_mla as mla
 from ..models.tensor_parallel import MLA_TOOLS, Shard, head_share, mlp_share
+from .gguf_checkpoint import STRIDED_RUN_SPAN
 from .gguf_file import GGUFTensor
-from .safetensors_checkpoint import Checkpoint
+from .safetensors_checkpoint import Checkpoint, from_bytes
 
 _LAYER = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)\.(weight|scales|biases|bias)$")
-_PARAMETER = re.compile(r"^model\.layers\.\d+\.(.+)\.(weight|scales|biases)$")
+# a layer's parameter; compressed-tensors INT4's packed words and group scales (Kimi K2) stand for weight and scales
+_PARAMETER = re.compile(r"^model\.layers\.\d+\.(.+)\.(weight|scales|biases|weight_packed|weight_scale)$")
+_AS_PART = {"weight_packed": "weight", "weight_scale": "scales"}
+# an expert stack [experts, rows, columns] (MLX folders, GGUF), or Hugging Face's tensors of one expert each
 _EXPERTS = re.compile(r"^model\.layers\.\d+\.mlp\.switch_mlp\.(gate|up|down)_proj\.(weight|scales|biases)$")
+_ONE_EXPERT = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\."
+                         r"(weight|scales|biases|weight_packed|weight_scale)$")
+FP8_BLOCK = 128  # DeepSeek's FP8 weights: one weight_scale_inv per 128 x 128 block
 
 
 def read_shares(names, config, shard: Shard, vocab_slice: tuple[int, int] | None = None,
-                has_ends: bool = False) -> dict[str, tuple[int, int, int, int]]:
+                has_ends: bool = False, whole_blocks: bool = True) -> dict[str, tuple[int, int, int, int]]:
     """checkpoint name -> (axis, begin, end, of): the rows (-2) or columns (-1) of its matrix (HF layout, [out,
     in]: `of` rows or columns in all) that member `shard` holds, for the dense layers' projections (tensor_parallel.shard_weights' cuts,
     the union of a segmented attention's) and the LM head's vocabulary slice (vocab_slice; rank 0: an
     untied head's rows only, its tied embedding whole). Qwen3-MoE's expert stacks: each expert's rows or columns
-    (-2, -1), or whole experts (-3, --expert-parallel). MLA families (DeepSeek, Kimi): tensor_parallel_mla.share_of's."""
-    if mla.is_mla_family(config):
-        return _mla_shares(names, config, shard, vocab_slice, has_ends)
+    (-2, -1), or whole experts (-3, --expert-parallel); Hugging Face's tensors of one expert each likewise, under
+    --expert-parallel (-3, e0, e1, experts): held whole where the expert is the member's, else not read at all.
+    MLA families (DeepSeek, Kimi): tensor_parallel_mla.share_of's. An FP8 weight's share is widened to whole
+    128 x 128 blocks (the cut takes the share out after loading) and its weight_scale_inv gets the blocks' share
+    (whole_blocks=False: the shares the cut takes, for accounting)."""
+    shares = _mla_shares(names, config, shard, vocab_slice, has_ends) if mla.is_mla_family(config) else \
+        _attention_mlp_shares(names, config, shard, vocab_slice, has_ends)
+    if whole_blocks:
+        _fp8_blocks(shares, names)
+    return shares
+
+
+def _attention_mlp_shares(names, config, shard: Shard, vocab_slice, has_ends: bool) -> dict:
     hd = config.head_dim
     heads = head_share(config.num_attention_heads, config.num_key_value_heads, shard)
     i0, i1 = mlp_share(config.intermediate_size, shard)
@@ -58,11 +79,12 @@ def read_shares(names, config, shard: Shard, vocab_slice: tuple[int, int] | None
     experts = num_experts(config)
     moe = int(config.raw.get("moe_intermediate_size") or 0)
     for name in names:
-        m, stack = _LAYER.match(name), _EXPERTS.match(name)
+        m, stack = _LAYER.match(name), _EXPERTS.match(name) or _ONE_EXPERT.match(name)
         if stack and experts and shard.experts:  # whole experts [e0, e1) (--expert-parallel): one run of bytes
             shares[name] = (-3, *expert_share(experts, shard.size, shard.member), experts)
         elif stack and moe:  # each expert's rows (gate/up) or columns (down) of its intermediate features
-            shares[name] = (-1 if stack.group(1) == "down" else -2, *mlp_share(moe, shard), moe)
+            proj = stack.group(1) if stack.re is _EXPERTS else stack.group(2)
+            shares[name] = (-1 if proj == "down" else -2, *mlp_share(moe, shard), moe)
         elif m:
             module, part = m.groups()
             if module in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
@@ -80,6 +102,17 @@ def read_shares(names, config, shard: Shard, vocab_slice: tuple[int, int] | None
     return shares
 
 
+def _fp8_blocks(shares: dict, names) -> None:
+    """An FP8 weight's share (with a `weight_scale_inv` beside it) widened to whole blocks, and its scales' share."""
+    for name in [n for n in shares if n + "_scale_inv" in names]:
+        axis, begin, end, of = shares[name]
+        if axis not in (-2, -1):
+            continue
+        first, last = begin // FP8_BLOCK, -(-end // FP8_BLOCK)
+        shares[name] = (axis, first * FP8_BLOCK, min(last * FP8_BLOCK, of), of)
+        shares[name + "_scale_inv"] = (axis, first, last, -(-of // FP8_BLOCK))
+
+
 def _head_share(shares: dict, name: str, config, vocab_slice: tuple[int, int] | None, has_ends: bool) -> None:
     """The LM head's vocabulary slice, where `name` is the head's (see read_shares)."""
     if vocab_slice is not None and not (has_ends and config.tie_word_embeddings):
@@ -90,7 +123,8 @@ def _head_share(shares: dict, name: str, config, vocab_slice: tuple[int, int] | 
 
 def _mla_shares(names, config, shard: Shard, vocab_slice: tuple[int, int] | None, has_ends: bool) -> dict:
     """read_shares for the MLA families: each layer's arrays as tensor_parallel_mla.share_of cuts them (the
-    heads' rows of q_b_proj / q_proj, o_proj's columns, the MLPs' and experts' features), `of` its last member's end."""
+    heads' rows of q_b_proj / q_proj, o_proj's columns, the MLPs' and experts' features: a Hugging Face tensor of
+    one expert as the stack's), `of` its last member's end."""
     shares = {}
     last = Shard(shard.size - 1, shard.size, shard.experts)
     for name in names:
@@ -99,6 +133,7 @@ def _mla_shares(names, config, shard: Shard, vocab_slice: tuple[int, int] | None
             _head_share(shares, name, config, vocab_slice, has_ends)
             continue
         module, part = m.groups()
+        module, part = re.sub(r"^mlp\.experts\.\d+\.", "mlp.switch_mlp.", module), _AS_PART.get(part, part)
         share = mla.share_of(module, part, config, shard, MLA_TOOLS)
         if share is not None:
             shares[name] = (*share, mla.share_of(module, part, config, last, MLA_TOOLS)[2])
@@ -118,11 +153,14 @@ class StridedTensor(GGUFTensor):
 class Narrowed:
     """How a read share sits in its tensor: along `axis` (-3: a stack's experts, -2: rows, -1: columns, 0: a
     vector), `before` and `after` entries of the held array's axis were not read; shape: the held share's shape
-    where the arrays read have another (a stack's rows read as one row an expert)."""
+    where the arrays read have another (a stack's rows read as one row an expert). read: the entries read along
+    the axis, where the arrays held from them may count it in other units (an FP8 or float share re-quantized at
+    load: its packed words and groups, in proportion)."""
     axis: int
     before: int
     after: int
     shape: tuple[int, ...] | None = None
+    read: int = 0
 
 
 def _block(ggml_type: str) -> tuple[int, int]:
@@ -166,13 +204,14 @@ def narrow_tensor(tensor: GGUFTensor, axis: int, begin: int, end: int) -> GGUFTe
 
 
 @contextmanager
-def narrowed(checkpoint, shares: dict[str, tuple[int, int, int, int]]):
-    """While loading: the entries of `checkpoint` (a GGUFCheckpoint) named in `shares` (checkpoint name ->
-    (axis, begin, end, of) of its HF matrix: read_shares) replaced by their shares'.
+def narrowed(checkpoint, shares: dict[str, tuple[int, int, int, int]], group_size: int | None = None):
+    """While loading: the entries of `checkpoint` (a GGUFCheckpoint, or a safetensors folder's Checkpoint) named
+    in `shares` (checkpoint name -> (axis, begin, end, of) of its HF matrix: read_shares) replaced by their shares'.
+    group_size: the load re-quantizes float and FP8 weights in groups of this many (--quantize).
     Yields {name: Narrowed} for `widen`; other checkpoints, and entries that cannot be narrowed, as they are."""
     tensors = getattr(checkpoint, "tensors", {})
     if not hasattr(checkpoint, "gguf"):
-        with _narrowed_safetensors(checkpoint, shares) as placed:
+        with _narrowed_safetensors(checkpoint, shares, group_size) as placed:
             yield placed
         return
     originals, placed = {}, {}
@@ -180,6 +219,9 @@ def narrowed(checkpoint, shares: dict[str, tuple[int, int, int, int]]):
         checkpoint.random_access()  # the prefetch reads the shares' spans; no read-ahead into the others'
     for name, (axis, begin, end, _) in shares.items():
         entry = tensors.get(name)
+        if entry is not None and entry.how == "mla_kv_b" and axis == -2:  # kv_b_proj from attn_k_b and attn_v_b
+            _narrow_kv_b(tensors, name, begin, end, originals, placed)
+            continue
         if entry is None or entry.part == "ggml_type" or len(entry.source) != 1 or entry.how not in ("exact", "requantized", "native", "float",
                                                                          "dequantized") or entry.transform:
             continue
@@ -235,71 +277,197 @@ def narrowed(checkpoint, shares: dict[str, tuple[int, int, int, int]]):
         tensors.update(originals)
 
 
-_STORED = ("U32", "F32", "F16", "BF16")  # stored as the modules hold them (an MLX triple, floats): cut as stored
+def _narrow_kv_b(tensors: dict, name: str, begin: int, end: int, originals: dict, placed: dict) -> None:
+    """DeepSeek GGUF's kv_b_proj, joined at load from attn_k_b [heads, latent, nope] and attn_v_b [heads, v, latent]
+    (gguf_checkpoint.py): its rows [begin, end) are whole heads, each a run of bytes of both (heads outermost)."""
+    entry = tensors[name]
+    per = entry.shape[0] // entry.source[0].shape[0]  # nope + v rows a head
+    if begin % per or end % per:
+        return
+    source = tuple(narrow_tensor(t, -3, begin // per, end // per) for t in entry.source)
+    originals[name] = entry
+    tensors[name] = replace(entry, shape=(end - begin, entry.shape[1]), source=source)
+    placed[name] = Narrowed(-2, begin, entry.shape[0] - end)
+
+
+_FLOATS = ("F32", "F16", "BF16", "F8_E4M3")  # re-quantized by --quantize (the others are held as stored)
+_ONE_EXPERT_PREFIX = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(\w+)\.(\w+)$")
+
+
+@dataclass(frozen=True)
+class Runs:
+    """The bytes of a share of a safetensors tensor: `rows` runs of `nbytes // rows` bytes, `stride` bytes apart
+    from `begin` (one run: stride 0), in `file` (`pages_read` counts their pages as a StridedTensor's)."""
+    file: object
+    begin: int
+    nbytes: int
+    rows: int
+    stride: int
+
+
+def share_runs(info, axis: int, lo: int, hi: int) -> tuple[tuple[int, ...], Runs]:
+    """The held shape and the bytes of entries [lo, hi) along `axis` of a row-major tensor `info`: a run of
+    bytes for each index of the axes before `axis` (rows of a matrix: one run; its columns: a run a row; rows of
+    each expert of a stack: a run an expert; whole experts: one run)."""
+    shape, axis = info.shape, axis % len(info.shape)
+    item = info.nbytes // max(1, _count(shape))
+    inner = _count(shape[axis + 1:]) * item  # bytes of one entry along the axis
+    outer = _count(shape[:axis])
+    held = (*shape[:axis], hi - lo, *shape[axis + 1:])
+    stride = shape[axis] * inner if outer > 1 else 0
+    return held, Runs(info.file, info.begin + lo * inner, outer * (hi - lo) * inner, outer, stride)
+
+
+@dataclass
+class SafetensorsReads:
+    """What a member reads of a safetensors folder's shared tensors: `runs` {name: (held shape, Runs)} of each share
+    read narrowed, `placed` {name: Narrowed} for `widen` (under the names the loader holds them by too), `absent`:
+    tensors of experts another member holds (--expert-parallel), not read at all."""
+    runs: dict
+    placed: dict
+    absent: set
+
+
+def safetensors_reads(tensors: dict, shares: dict[str, tuple[int, int, int, int]],
+                      group_size: int | None = None) -> SafetensorsReads:
+    """The shares of `tensors` (a Checkpoint's index) that are read narrowed, and how (see _narrowed_safetensors).
+    The parts of one matrix (an MLX triple, an FP8 weight and its scales, INT4 packed words and scales) are
+    narrowed all together or not at all."""
+    runs, placed, absent = {}, {}, set()
+    for name, (axis, begin, end, of) in shares.items():
+        info = tensors.get(name)
+        if info is None or info.dtype in ("F64", "BOOL") or not info.shape:
+            continue
+        one_expert = _ONE_EXPERT_PREFIX.match(name)
+        if axis == -3 and len(info.shape) == 2:  # a tensor of one expert: the member's whole, another's not read
+            if one_expert and not begin <= int(one_expert.group(2)) < end:
+                absent.add(name)
+            continue
+        if len(info.shape) == 1:
+            axis = -1
+        n = info.shape[axis]
+        lo, hi = n * begin // of, n * end // of  # in the stored units along the axis (packed words, groups)
+        if lo * of != n * begin or hi * of != n * end:
+            continue  # the share's edges fall inside a stored unit: read it whole
+        if group_size and axis == -1 and name.endswith(".weight") and info.dtype in _FLOATS and (lo % group_size
+                                                                                              or hi % group_size):
+            continue  # re-quantized at load: a share that is no whole groups is read whole (the cut refuses it)
+        runs[name] = share_runs(info, axis, lo, hi)
+        placed[name] = Narrowed(axis if len(info.shape) > 1 else 0, lo, n - hi, read=hi - lo)
+    _together(shares, tensors, runs, placed, absent)
+    for name in list(placed):  # where the loader holds a matrix under other names: those of its parts too
+        for held_name in _held_names(name, tensors):
+            placed.setdefault(held_name, placed[name])
+    return SafetensorsReads(runs, placed, absent)
 
 
 @contextmanager
-def _narrowed_safetensors(checkpoint, shares: dict[str, tuple[int, int, int, int]]):
-    """`narrowed` for a safetensors folder: a share is copied out of a mapping of the file without read-ahead
-    (the loader's prefetch reads the shares' spans): a row share as one run of bytes, a column share row by
-    row (only the pages holding it are read), its entry spanning first to last share byte."""
+def _narrowed_safetensors(checkpoint, shares: dict[str, tuple[int, int, int, int]], group_size: int | None):
+    """`narrowed` for a safetensors folder: a share in one run of bytes (rows of a matrix, whole experts) is read
+    as a tensor of its own (mapped, no copy); one in runs (columns: a run a row; each expert's rows of a stack: a run
+    an expert) is copied out of a mapping of the file without read-ahead (the loader's prefetch reads the shares'
+    spans, and only the pages holding them are read). A Hugging Face tensor of an expert another member holds
+    (--expert-parallel) is not read at all: zeros of its shape, which the cut drops."""
     if not isinstance(checkpoint, Checkpoint):
         yield {}
         return
-    tensors, originals, columns, placed = checkpoint.tensors, {}, {}, {}
-    for name, (axis, begin, end, in_features) in shares.items():
-        info = tensors.get(name)
-        if info is None or info.dtype not in _STORED or not info.shape:
-            continue
-        full, item = info.shape, info.nbytes // max(1, _count(info.shape))
-        if len(full) == 1 or axis == -2:
-            held_axis = len(full) - (1 if len(full) == 1 else 2)
-            rows = _count(full[held_axis + 1:]) * item  # bytes per row (a vector: per value)
-            if len(full) > 2:
-                continue  # stacked experts: rows within each expert are not contiguous
-            share = replace(info, shape=tuple(end - begin if i == held_axis else d for i, d in enumerate(full)),
-                            begin=info.begin + begin * rows, end=info.begin + end * rows)
-            columns[name] = (0, share.shape[-1], share, share)  # the share's rows: one run of bytes
-            placed[name] = Narrowed(0 if len(full) == 1 else -2, begin, full[held_axis] - end)
+    tensors = checkpoint.tensors
+    plan = safetensors_reads(tensors, shares, group_size)
+    placed, absent, runs = plan.placed, plan.absent, {}
+    originals = {name: tensors[name] for name in (*plan.runs, *absent)}
+    for name, (held, share_bytes) in plan.runs.items():
+        if share_bytes.rows == 1:  # one run: a tensor of its own
+            tensors[name] = replace(tensors[name], shape=held, begin=share_bytes.begin,
+                                    end=share_bytes.begin + share_bytes.nbytes, whole=False)
         else:
-            lo, width = full[-1] * begin // in_features, full[-1] * (end - begin) // in_features
-            if lo * in_features != full[-1] * begin or width * in_features != full[-1] * (end - begin):
-                continue
-            share = replace(info, shape=(*full[:-1], width), begin=info.begin + lo * item,
-                            end=info.end - (full[-1] - lo - width) * item)
-            columns[name] = (lo, lo + width, info, share)
-            placed[name] = Narrowed(-1, lo, full[-1] - lo - width)
-        originals[name] = info
-        tensors[name] = share
-    whole_read, maps = checkpoint.read, {}
+            runs[name] = (held, share_bytes)
+    whole_read, whole_spans, maps = checkpoint.read, checkpoint.spans, {}
+
+    def spans(name: str) -> list[tuple]:
+        """What the loader's prefetch asks the kernel for: a share's runs (each alone where 16 KiB or longer,
+        else first to last byte, as a GGUF file's), nothing of an absent expert."""
+        if name in absent:
+            return [(originals[name].file, originals[name].begin, originals[name].begin)]
+        if name not in runs:
+            return whole_spans(name)
+        share = runs[name][1]
+        run = share.nbytes // share.rows
+        if run >= STRIDED_RUN_SPAN:
+            return [(share.file, share.begin + i * share.stride, share.begin + i * share.stride + run)
+                    for i in range(share.rows)]
+        return [(share.file, share.begin, share.begin + (share.rows - 1) * share.stride + run)]
 
     def read(name: str):
-        if name not in columns:
+        if name in absent:
+            info = originals[name]
+            return from_bytes(np.zeros(info.nbytes, np.uint8), info.dtype, info.shape)
+        packed = name[: -len("shape")] + "packed"
+        if name.endswith(".weight_shape") and packed in placed:  # compressed-tensors INT4: the share's [out, in]
+            whole_read(name)  # (read as the whole read reads it: a few bytes)
+            held = plan.runs[packed][0]
+            return mx.array([held[0], held[-1] * 8], mx.int32)
+        if name not in runs:
             return whole_read(name)
-        lo, hi, info, _ = columns[name]
+        held, share = runs[name]
+        info = originals[name]
         if info.file not in maps:
             with open(info.file, "rb") as f:
                 maps[info.file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             maps[info.file].madvise(mmap.MADV_RANDOM)  # the prefetch reads the shares' spans, no more
-        item = info.nbytes // _count(info.shape)
-        rows, row_bytes = _count(info.shape[:-1]), info.shape[-1] * item
-        span = np.frombuffer(maps[info.file], np.uint8, (rows - 1) * row_bytes + (hi - lo) * item,
-                             info.begin + lo * item)
-        # each row's share copied out: only the pages holding it are read (the whole tensor's mapping,
-        # mapped_files.py, would read every page of it)
-        share = np.ascontiguousarray(np.lib.stride_tricks.as_strided(span, (rows, (hi - lo) * item), (row_bytes, 1)))
-        raw = {"U32": np.uint32, "F32": np.float32, "F16": np.float16, "BF16": np.uint16}[info.dtype]
-        array = mx.array(share.view(raw).reshape(*info.shape[:-1], hi - lo))
-        return array.view(mx.bfloat16) if info.dtype == "BF16" else array
+        run = share.nbytes // share.rows
+        span = np.frombuffer(maps[info.file], np.uint8, (share.rows - 1) * share.stride + run, share.begin)
+        # each run copied out: only the pages holding it are read (the whole tensor's mapping, mapped_files.py,
+        # would read every page of it)
+        copied = np.ascontiguousarray(np.lib.stride_tricks.as_strided(span, (share.rows, run), (share.stride, 1)))
+        checkpoint.bytes_read += share.nbytes
+        return from_bytes(copied.reshape(-1), info.dtype, held)
 
-    checkpoint.read = read
+    checkpoint.read, checkpoint.spans = read, spans
     try:
         yield placed
     finally:
-        del checkpoint.read
+        del checkpoint.read, checkpoint.spans
         tensors.update(originals)
         for mapped in maps.values():
             mapped.close()
+
+
+def _matrix(name: str) -> str:
+    """The module whose matrix a tensor is part of (an MLX triple's weight/scales/biases, an FP8 weight's scales)."""
+    return name.rsplit(".", 1)[0]
+
+
+def _together(shares: dict, tensors: dict, runs: dict, placed: dict, absent: set) -> None:
+    """Parts of one matrix narrowed all together or read whole all together (a part whose share could not be read
+    narrowed reverts its siblings): the loader combines them as they come."""
+    wanted: dict[str, list[str]] = {}
+    for name in shares:
+        if name in tensors:
+            wanted.setdefault(_matrix(name), []).append(name)
+    for parts in wanted.values():
+        if all(p in placed or p in absent for p in parts) or not any(p in placed for p in parts):
+            continue
+        for p in parts:
+            runs.pop(p, None)
+            placed.pop(p, None)
+
+
+def _held_names(name: str, tensors: dict) -> list[str]:
+    """Names the loader holds a narrowed tensor's matrix under that `widen` must find (format_adapters): a weight
+    re-quantized at load (FP8 or float) as weight, scales and biases; compressed-tensors INT4's packed words and
+    scales as an MLX triple; Hugging Face's tensors of one expert in their stack (`mlp.switch_mlp`)."""
+    module, part = name.rsplit(".", 1)
+    names = []
+    if part in ("weight", "weight_packed"):
+        names = [f"{module}.weight", f"{module}.scales", f"{module}.biases"]
+    elif part == "weight_scale":
+        names = [f"{module}.scales", f"{module}.biases"]
+    names = [n for n in names if n == name or n not in tensors]  # stored parts have their own
+    one = _ONE_EXPERT_PREFIX.match(name)
+    if one:
+        prefix, _, proj, _ = one.groups()
+        names += [f"{prefix}.switch_mlp.{proj}.{n.rsplit('.', 1)[1]}" for n in names]
+    return [n for n in names if n != name]
 
 
 def _count(shape) -> int:
@@ -321,8 +489,11 @@ def widen(weights: dict[str, mx.array], names: list[str], placed: dict[str, Narr
         if where.shape is not None:  # a stack's rows read as one row an expert
             array = array.reshape(where.shape)
         axis = where.axis % array.ndim
+        before, after, n = where.before, where.after, array.shape[axis]
+        if where.read and n != where.read:  # held in other units than read (re-quantized: packed words, groups)
+            before, after = before * n // where.read, after * n // where.read
         pads = [(0, 0)] * array.ndim
-        pads[axis] = (where.before, where.after)
+        pads[axis] = (before, after)
         weights[name] = mx.pad(array, pads)
 
 

@@ -78,7 +78,8 @@ class Stage:
                 shard_weights(weights, config, shard, names)
 
             int8_in_place = None  # int8 after
-        with narrowed(checkpoint, shares) if shares else nullcontext({}) as placed:
+        group = requantize.group_size if requantize else None
+        with narrowed(checkpoint, shares, group) if shares else nullcontext({}) as placed:
             names = load_slice(model, checkpoint, dtype, requantize, progress=progress,
                                int8_in_place=None if dense else int8_in_place, cut=cut)
         if cut is not None:
