@@ -114,10 +114,12 @@ def format_layouts(layouts: list[Layout], host: HostTerms, link: LinkTerms, cont
     rows = [lay for lay in layouts if chosen is None or lay.tensor_parallel == chosen]
     batch = rows[0].batch
     overhead = f" + {host.sum_overhead_us:g} us of the host's own" if host.sum_overhead_us else ""
+    hop = f" + {host.hop_overhead_us:g} us of the host's own" if host.hop_overhead_us else ""
     lines = ["", f"layouts, predicted with fitted terms (pipeline/planner/cluster_costs.py): {host.name} reads "
                  f"{100 * host.bandwidth_fraction:.1f}% of --bandwidth-gbs; a group sum of T ranks costs "
                  f"{link.latency_us:g} us + (T-1) x hidden x 4 B at {link.gbs:g} GB/s x {host.link_fraction:.3g} "
-                 f"({link.name}){overhead}, 2 per layer; a stage's memory is its group's smallest host x T; KV cache for "
+                 f"({link.name}){overhead}, 2 per layer; a hop between stages {link.latency_us:g} us + hidden x 4 B "
+                 f"at that bandwidth{hop}; a stage's memory is its group's smallest host x T; KV cache for "
                  f"{batch} sequences of {context} tokens"
                  + (f" (with their resume points) + prefix cache {size(kept)} per rank (--prefix-cache-gb)"
                     if (kept := rows[0].ranks[0].prefix_cache) else "")]
