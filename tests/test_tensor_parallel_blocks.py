@@ -18,7 +18,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 import test_gguf_inplace
-from conftest import REPO, assert_far_from_uniform, make_tiny_model, write_tokenizer
+from conftest import mpiexec, REPO, assert_far_from_uniform, make_tiny_model, write_tokenizer
 from test_gguf_inplace import LONG_PROMPT, gguf_vocab, reference, write_model
 
 from pipeline.checkpoints.gguf_checkpoint import GGUFCheckpoint
@@ -200,6 +200,11 @@ def test_a_share_inside_a_block_is_one_line(files, tmp_path):
         assert job.returncode != 0
         lines = [line for line in job.stderr.splitlines() if "--tensor-parallel 3" in line]
         assert lines and module in lines[0] and "use --tensor-parallel 2" in lines[0], job.stderr[-2000:]
+        # preflight says the same from the file's index, before a job loads anything
+        checked = mpiexec(3, "preflight", "--model", str(files[kind][0]), "--tensor-parallel", "3", timeout=300)
+        said = lines[0][lines[0].index("--tensor-parallel 3:"):]
+        assert checked.returncode != 0 and said in checked.stdout + checked.stderr, \
+            (lines[0], checked.stdout[-2000:], checked.stderr[-2000:])
 
 
 @pytest.mark.parametrize("kind, t, experts", [("dense", 2, False), ("dense3", 3, False), ("moe", 2, False),

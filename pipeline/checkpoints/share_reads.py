@@ -51,6 +51,7 @@ _EXPERTS = re.compile(r"^model\.layers\.\d+\.mlp\.switch_mlp\.(gate|up|down)_pro
 _ONE_EXPERT = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\."
                          r"(weight|scales|biases|weight_packed|weight_scale)$")
 FP8_BLOCK = 128  # DeepSeek's FP8 weights: one weight_scale_inv per 128 x 128 block
+_FLOATS = ("F32", "F16", "BF16", "F8_E4M3")  # safetensors dtypes re-quantized by --quantize (others held as stored)
 
 
 def read_shares(names, config, shard: Shard, vocab_slice: tuple[int, int] | None = None,
@@ -168,6 +169,29 @@ def _block(ggml_type: str) -> tuple[int, int]:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # the gguf package: only where GGUF files are read
 
     return GGML_QUANT_SIZES[GGMLQuantizationType[ggml_type]]
+
+
+def held_block(checkpoint, name: str, in_features: int, group_size: int | None) -> tuple[int, str] | None:
+    """(input values a block, what the blocks are) of the matrix `name` (its `.weight`) as a rank will hold it, from
+    the checkpoint's index alone (preflight; the loader's check_block_cuts sees the held arrays): a GGUF type's
+    blocks where held in them, MLX's quantization groups (stored, or made by --quantize: `group_size`), or None
+    (floats: cut anywhere)."""
+    entry = checkpoint.tensors.get(name)
+    if entry is None:
+        return None
+    layout = getattr(entry, "layout", None)
+    if hasattr(entry, "source"):  # a GGUF file's entry
+        if layout is None or not layout.quantized:
+            return None
+        if layout.kind == "native" or entry.dtype == "U8":  # the file's blocks: codes, or row bytes
+            return _block(entry.source[0].ggml_type)[0], "GGUF blocks"
+        return layout.group_size, "quantization groups"
+    scales = checkpoint.tensors.get(name[: -len("weight")] + "scales")
+    if scales is not None and scales.shape and in_features % scales.shape[-1] == 0:
+        return in_features // scales.shape[-1], "quantization groups"
+    if group_size and entry.dtype in _FLOATS:
+        return group_size, "quantization groups"
+    return None
 
 
 def narrow_tensor(tensor: GGUFTensor, axis: int, begin: int, end: int) -> GGUFTensor | None:
@@ -290,7 +314,6 @@ def _narrow_kv_b(tensors: dict, name: str, begin: int, end: int, originals: dict
     placed[name] = Narrowed(-2, begin, entry.shape[0] - end)
 
 
-_FLOATS = ("F32", "F16", "BF16", "F8_E4M3")  # re-quantized by --quantize (the others are held as stored)
 _ONE_EXPERT_PREFIX = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(\w+)\.(\w+)$")
 
 

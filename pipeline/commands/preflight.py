@@ -216,10 +216,32 @@ def measure_model(report: RankReport, folder: Path, args: argparse.Namespace, in
         from ..models import tensor_parallel_mla as mla  # as the line above
 
         check_family(config, family_for(config).module_name, t)
+        check_block_edges(checkpoint, config, t, args.expert_parallel, weight_settings(args).requantize)
         report.layer_fraction, report.kv_fraction = share_fractions(config, Shard(report.rank % t, t,
                                                                           args.expert_parallel))
         if mla.is_mla_family(config):  # MLA's layers: the replicated latents weigh differently in dense and MoE ones
             report.layer_fractions = mla.layer_fractions(config, Shard(report.rank % t, t), MLA_TOOLS)
+
+
+def check_block_edges(checkpoint, config, t: int, experts: bool, requantize) -> None:
+    """The line the load would stop at (tensor_parallel.check_block_cuts), from the index: a matrix cut by its input
+    columns (o_proj, down_proj, experts' down_proj) whose held blocks a group of `t` would cut."""
+    from ..checkpoints.share_reads import held_block  # loads MLX, as the imports in measure_model
+    from ..models.tensor_parallel import Shard, block_cut_problem, column_cuts  # as the line above
+
+    group = requantize.group_size if requantize else None
+    for i in range(config.num_hidden_layers):
+        for module, stored in (("self_attn.o_proj", "self_attn.o_proj"), ("mlp.down_proj", "mlp.down_proj"),
+                               ("mlp.switch_mlp.down_proj", "mlp.switch_mlp.down_proj"),
+                               ("mlp.switch_mlp.down_proj", "mlp.experts.0.down_proj"),
+                               ("mlp.shared_experts.down_proj", "mlp.shared_experts.down_proj")):
+            name = f"model.layers.{i}.{stored}.weight"
+            if name not in checkpoint.tensors or (cuts := column_cuts(module, config, t, experts)) is None:
+                continue
+            held = held_block(checkpoint, name, cuts[0], group)
+            problem = held and block_cut_problem(module, held[0], config, Shard(0, t, experts), held[1])
+            if problem:
+                raise UserError(problem)
 
 
 def evaluate(reports: list[RankReport], split: str | None, weights_in_memory: str = "quantized") -> tuple[str, list[str]]:

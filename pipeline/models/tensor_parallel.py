@@ -420,10 +420,22 @@ def check_block_cuts(module: str, part: str, array: mx.array, config: ModelConfi
     cuts = column_cuts(module, config, shard.size, shard.experts)
     if cuts is None:
         return
+    problem = block_cut_problem(module, block_values(array, part, cuts[0]), config, shard)
+    if problem:
+        raise UserError(problem)
+
+
+def block_cut_problem(module: str, block: int | None, config: ModelConfig, shard: Shard,
+                      blocks: str = "GGUF blocks") -> str | None:
+    """check_block_cuts' line for a matrix `module` held in `blocks` of `block` input values (None: not cut by
+    columns, or no blocks), or None where the group's shares fall on block edges (preflight asks it from the
+    checkpoint's index, before any weight is read)."""
+    cuts = column_cuts(module, config, shard.size, shard.experts)
+    if cuts is None or block is None:
+        return None
     in_features, shares = cuts
-    block = block_values(array, part, in_features)
-    if block is None or all(b % block == 0 and e % block == 0 for b, e in shares):
-        return
+    if all(b % block == 0 and e % block == 0 for b, e in shares):
+        return None
     works = 1
     for size in range(shard.size - 1, 1, -1):
         try:
@@ -434,8 +446,8 @@ def check_block_cuts(module: str, part: str, array: mx.array, config: ModelConfi
             works = size
             break
     edges = ", ".join(f"{b}-{e}" for b, e in shares)
-    raise UserError(f"--tensor-parallel {shard.size}: the shares of {module} ({edges} of its {in_features} inputs) "
-                    f"cut its GGUF blocks of {block} values; use --tensor-parallel {works}")
+    return (f"--tensor-parallel {shard.size}: the shares of {module} ({edges} of its {in_features} inputs) "
+            f"cut its {blocks} of {block} values; use --tensor-parallel {works}")
 
 
 MLA_TOOLS = mla.Tools(even_split, mlp_share, _rows, _columns)  # what tensor_parallel_mla.py borrows from here
