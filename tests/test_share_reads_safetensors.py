@@ -138,7 +138,21 @@ def folders(tmp_path_factory) -> dict:
     write_tokenizer(root / "int4")
     k2 = json.loads((REPO / "pipeline" / "planner" / "configs" / "Kimi-K2-Thinking.json").read_text())
     (root / "int4" / "config.json").write_text(json.dumps({**config, "quantization_config": k2["quantization_config"]}))
-    return {kind: root / kind for kind in ("qwen3_moe", "mlx", "fp8", "int4")}
+
+    # Qwen3-MoE in FP8 as Qwen publishes its -FP8 models (a weight_scale_inv per 128 x 128 block; here one partial)
+    qwen_fp8 = {}
+    for name, w in load_file(str(root / "qwen3_moe" / "model.safetensors")).items():
+        if name.endswith("proj.weight") and ".mlp.gate." not in name:
+            qwen_fp8[name], qwen_fp8[name + "_scale_inv"] = fp8_blocks(w.float())
+        else:
+            qwen_fp8[name] = w.float().contiguous()
+    (root / "qwen3_fp8").mkdir()
+    save_file(qwen_fp8, str(root / "qwen3_fp8" / "model.safetensors"))
+    write_tokenizer(root / "qwen3_fp8")
+    config = json.loads((root / "qwen3_moe" / "config.json").read_text())
+    (root / "qwen3_fp8" / "config.json").write_text(json.dumps({**config, "quantization_config": {
+        "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}}))
+    return {kind: root / kind for kind in ("qwen3_moe", "mlx", "fp8", "int4", "qwen3_fp8")}
 
 
 @pytest.mark.parametrize("t, member, experts, bits", [(2, 0, False, None), (2, 1, False, None), (3, 2, False, None),
@@ -171,6 +185,17 @@ def test_fp8_blocks(folders, t, member, bits, monkeypatch):
     axis, begin, end, of = shares[expert]
     assert axis == -2 and begin % 128 == 0 and (end % 128 == 0 or end == of)
     assert shares[expert + "_scale_inv"] == (-2, begin // 128, -(-end // 128), 2)
+
+
+@pytest.mark.parametrize("member, experts", [(0, False), (1, True)])
+def test_qwen3_fp8_experts(folders, member, experts, monkeypatch):
+    """Qwen3-MoE's FP8 experts: a share inside one (partial) block reads the block, and under --expert-parallel
+    another member's experts and their scales are not read at all."""
+    checkpoint, _ = assert_share_reads_hold_what_whole_reads_cut(folders["qwen3_fp8"], 2, member, monkeypatch, experts,
+                                                                 at_most=0.8 if experts else 1.0)
+    shares = read_shares(checkpoint.tensors, checkpoint.model_config(), Shard(member, 2, experts))
+    scales = "model.layers.0.mlp.experts.0.down_proj.weight_scale_inv"  # member 0's expert
+    assert shares[scales] == ((-3, 4, 8, 8) if experts else (-1, 0, 1, 1))
 
 
 @pytest.mark.parametrize("member", [0, 1])

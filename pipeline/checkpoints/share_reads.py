@@ -107,7 +107,8 @@ def _fp8_blocks(shares: dict, names) -> None:
     """An FP8 weight's share (with a `weight_scale_inv` beside it) widened to whole blocks, and its scales' share."""
     for name in [n for n in shares if n + "_scale_inv" in names]:
         axis, begin, end, of = shares[name]
-        if axis not in (-2, -1):
+        if axis == -3:  # a tensor of one expert (--expert-parallel): its scales go where it goes
+            shares[name + "_scale_inv"] = shares[name]
             continue
         first, last = begin // FP8_BLOCK, -(-end // FP8_BLOCK)
         shares[name] = (axis, first * FP8_BLOCK, min(last * FP8_BLOCK, of), of)
