@@ -32,8 +32,11 @@ from pipeline.kernels import build, qmm  # noqa: E402
 
 # type -> bytes per 256 values (block size, type size: gguf's GGML_QUANT_SIZES, scaled to 256 values)
 ROW_BYTES = {"Q6_K": 210, "IQ4_NL": 144, "IQ4_XS": 136, **{t: b for t, (_, b) in quants.BLOCKS.items()}}
+# held as MLX's 5-bit codes and float16 d (and m): int8 products gguf_q5_kernels.cpp, float ones qmm_kernels.cpp's
+Q5_TYPES = {"Q5_0": (6, 176), "Q5_1": (7, 192)}
+ROW_BYTES.update({t: b for t, (_, b) in Q5_TYPES.items()})
 DEFAULT_TYPES = ("Q6_K", "Q5_K", "Q4_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S",
-                 "IQ1_S", "IQ1_M", "TQ2_0", "TQ1_0")
+                 "IQ1_S", "IQ1_M", "TQ2_0", "TQ1_0", "Q5_0", "Q5_1")
 
 
 def memcpy_gbps(reps: int) -> float:
@@ -50,12 +53,27 @@ def _cpu(f) -> float:
 
 
 def random_raw(rng, qtype: str, n: int, k: int) -> np.ndarray:
-    """Random block bytes: the integer paths' speed does not depend on them (nor the float path's on a NaN scale)."""
+    """Random block bytes: the integer paths' speed does not depend on them (nor the float path's on a NaN scale);
+    Q5_0 / Q5_1: gguf's quantizer's blocks of random floats (held as MLX's layout, whose d must be finite)."""
+    if qtype in Q5_TYPES:
+        import gguf
+
+        w = rng.standard_normal((n, k)).astype(np.float32)
+        return gguf.quants.quantize(w, gguf.GGMLQuantizationType[qtype])
     return rng.integers(0, 256, (n, k // 256 * ROW_BYTES[qtype]), dtype=np.uint8)
 
 
 def product(qtype: str, raw: np.ndarray, int8: bool):
     """f(x) -> the lazy product of x with the held arrays of `raw` (the loader's: quants.native_arrays)."""
+    if qtype in Q5_TYPES:  # as the loader holds them (qmm.hold_symmetric / hold_half): the file's bytes
+        codes, d, m = (mx.array(a) for a in quants.decode_exact(raw, qtype))
+        if qtype == "Q5_0":
+            m = mx.zeros((raw.shape[0], 0), mx.float16)
+        mx.eval(codes, d, m)
+        kernels = build.load().module
+        if int8:
+            return lambda x: kernels.gguf_q5_matmul(x, codes, d, m, Q5_TYPES[qtype][0])
+        return lambda x: kernels.quantized_matmul(x, codes, d, m, 32, 5)
     arrays = [mx.array(a) for a in quants.native_arrays(raw, qtype)]
     mx.eval(*arrays)
     if qtype in quants.BLOCKS:

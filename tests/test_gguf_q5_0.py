@@ -26,6 +26,16 @@ from pipeline.planner.weights_bytes import held_and_dense
 from pipeline.runtime.stage import Stage
 
 
+@pytest.fixture(autouse=True)
+def float_products():
+    """These are the float products' tests (--no-int8-activations: qmm_kernels.cpp); the int8 ones, llama.cpp's
+    arithmetic and the default on x86 with AVX2, are test_gguf_q5_int8.py's."""
+    state = qmm.load()
+    saved, state.gguf_int8 = state.gguf_int8, False
+    yield
+    state.gguf_int8 = saved
+
+
 def _q5_rows(rng, rows: int, cols: int, qtype=QT.Q5_0) -> np.ndarray:
     """GGUF rows of `qtype` from the gguf package's own quantizer (random floats with some large rows)."""
     w = rng.standard_normal((rows, cols)).astype(np.float32) * rng.uniform(0.01, 3, (rows, 1)).astype(np.float32)

@@ -188,6 +188,7 @@ SOURCES = (SOURCE, SOURCE.with_name("attention_kernels.cpp"), SOURCE.with_name("
            SOURCE.with_name("mapped_files.cpp"), SOURCE.with_name("gguf_kernels.cpp"),
            SOURCE.with_name("gguf_iquant_kernels.cpp"))
 SOURCES += (SOURCE.with_name("gguf_kquant_kernels.cpp"),)  # GGUF K-quants and ternary types in their own blocks
+SOURCES += (SOURCE.with_name("gguf_q5_kernels.cpp"),)  # GGUF Q5_0 / Q5_1 int8 products (qmm.py gguf_q5_matmul)
 SOURCES += (SOURCE.with_name("group_sum_kernels.cpp"),)  # --tensor-parallel's group sum in the graph (group_sum.py)
 HEADERS = (SOURCE.with_name("kernels_common.h"), SOURCE.with_name("iquant_grids.h"))
 MODULE = "pipeline_qmm"

@@ -228,6 +228,32 @@ def gguf_blocks_matmul(x: mx.array, blocks: mx.array, ggml_type: int, int8: bool
     return _in_dtype_of(x, kernel(_float32(x), blocks, ggml_type, int8))
 
 
+def gguf_q5_type(w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int, bits: int, mode: str,
+                 transpose: bool = True) -> int | None:
+    """The ggml type id of a GGUF Q5_0 (6) or Q5_1 (7) matrix (or stack) as the loader holds it at the file's size:
+    MLX 5-bit codes in groups of 32, float16 scales (d) and no biases (hold_symmetric: Q5_0) or float16 ones (m,
+    hold_half: Q5_1); None for any other layout."""
+    if not (mode == "affine" and transpose and bits == 5 and group_size == 32 and w.dtype == mx.uint32
+            and scales.dtype == mx.float16 and biases is not None):
+        return None
+    if biases.shape[-1] == 0:
+        return 6
+    return 7 if biases.dtype == mx.float16 and biases.shape == scales.shape else None
+
+
+def _gguf_q5_kernels(x: mx.array, q5_type: int | None) -> object:
+    """The extension where a product of a Q5_0 / Q5_1 matrix (gguf_q5_type) runs its int8 path (gguf_q5_kernels.cpp,
+    llama.cpp's arithmetic): float32 activations on the CPU and int8 products chosen (gguf_int8: --int8-activations);
+    else None (the float products of qmm_kernels.cpp, or MLX's)."""
+    if q5_type is None:
+        return None
+    kernels = extension_for(x)
+    if kernels is None or not hasattr(kernels, "gguf_q5_matmul") or not gguf_int8():
+        return None
+    load().used["int8"] += 1
+    return kernels
+
+
 def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None = None,
                      transpose: bool = True, group_size: int = 64, bits: int = 4, mode: str = "affine",
                      int8: bool = False) -> mx.array:
@@ -239,6 +265,9 @@ def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
     if int8:
         state.used["int8"] += 1
         return _in_dtype_of(x, state.module.int8_matmul(_float32(x), w, scales, biases, group_size, bits))
+    q5_type = gguf_q5_type(w, scales, biases, group_size, bits, mode, transpose)
+    if w.ndim == 2 and (q5 := _gguf_q5_kernels(x, q5_type)) is not None:
+        return _in_dtype_of(x, q5.gguf_q5_matmul(_float32(x), w, scales, biases, q5_type))
     kernels = extension_for(x)
     if kernels is not None and covers(w, scales, biases, group_size, bits, mode, transpose):  # (symmetric: biases none)
         if w.ndim == 2:
@@ -278,6 +307,12 @@ def gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | No
     """`mx.gather_qmm` with rhs indices (each row of x times the experts it chose), through
     pipeline's kernels where they cover the product: rows grouped per expert in the kernel. int8:
     the weights are in the int8 products' layout (checkpoints/int8_repack.py)."""
+    q5_type = None if int8 or lhs_indices is not None or rhs_indices is None or w.ndim != 3 else \
+        gguf_q5_type(w, scales, biases, group_size, bits, mode, transpose)
+    if (q5 := _gguf_q5_kernels(x, q5_type)) is not None:  # a Q5_0 / Q5_1 stack: int8 products, gathered
+        flat_x, experts, shape = _pairs(x, rhs_indices)
+        out = q5.gguf_q5_gather_matmul(_float32(flat_x), w, scales, biases, q5_type, experts)
+        return _in_dtype_of(x, out).reshape(*shape, w.shape[1])
     state = load()
     kernels = state.module if int8 else extension_for(x)
     if int8 or (kernels is not None and lhs_indices is None and rhs_indices is not None and w.ndim == 3

@@ -540,6 +540,7 @@ void register_mapped(nb::module_ &m);         // mapped_files.cpp
 void register_gguf_kquants(nb::module_ &m);   // gguf_kquant_kernels.cpp
 void register_gguf(nb::module_ &m);           // gguf_kernels.cpp
 void register_gguf_iquants(nb::module_ &m);   // gguf_iquant_kernels.cpp
+void register_gguf_q5(nb::module_ &m);        // gguf_q5_kernels.cpp
 void register_group_sum(nb::module_ &m);      // group_sum_kernels.cpp
 
 static mx::Stream cpu_stream() { return mx::default_stream(mx::Device(mx::Device::cpu)); }
@@ -609,5 +610,6 @@ NB_MODULE(pipeline_qmm, m) {
     register_gguf_kquants(m);
     register_gguf(m);
     register_gguf_iquants(m);
+    register_gguf_q5(m);
     register_group_sum(m);
 }

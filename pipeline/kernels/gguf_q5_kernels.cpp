@@ -1,0 +1,371 @@
+/* int8 products with GGUF Q5_0 and Q5_1 tensors as llama.cpp computes them on CPU (ggml-cpu's vec_dot_q5_0_q8_0 and
+ * vec_dot_q5_1_q8_1), on the layout the loader holds them in at the file's size (checkpoints/quants.py EXACT; the
+ * float products of the same arrays stay qmm_kernels.cpp's, as with --no-int8-activations):
+ *   codes  uint32 [n, 5 k / 32]: MLX's 5-bit affine codes, a row a little-endian bit stream, value j at bits
+ *          [5 j, 5 j + 5): each 32-value block is 20 whole bytes (q 0..31);
+ *   scales float16 [n, k / 32]: each block's d;
+ *   biases Q5_1 only, float16 [n, k / 32]: each block's m (Q5_0 holds none: kernels/qmm.py hold_symmetric).
+ * A weight is w = d (q - 16) (Q5_0) or d q + m (Q5_1): 22 / 24 bytes per 32 values, the file's own.
+ *
+ * The arithmetic (llama.cpp's). Each row of x is rounded per 32 values as ggml's Q8_0 / Q8_1: d_x = max|x| / 127,
+ * xq = rint(x * (1 / d_x)) clamped to +-127 (int8_kernels.cpp's rounding), and for Q5_1 s = float(sum(xq)) * d_x.
+ * Per block the integer dot product is exact, in 8 int32 lanes, lane l the 4 products of values 4l..4l+3:
+ *   Q5_0: sum((q - 16) xq)  (as c_l + sum(q xq), c_l = -16 sum(xq) of those 4, computed with the rounding),
+ *   Q5_1: sum(q xq)
+ * (q 0..31 unsigned times xq: vpmaddubsw's pair sums stay below 2^13, or vpdpbusd with AVX-512 VNNI), then
+ * acc = fma(float(lanes), d_w * d_x, acc) in two chains of 8 lanes, the even blocks' and the odd ones' (as
+ * gguf_kernels.cpp's IQ4_NL: one chain waits on the FMA's latency), added at the end and summed in one tree; Q5_1
+ * adds sum over blocks, in order, of m * s (one product, one sum each): out = lanes_sum8(even + odd) + summs.
+ *
+ * Every output element is that fixed sequence on its row of x and its weight row whatever the number of rows, their
+ * order or the threads (batch invariance); the AVX-512 (a pair of blocks per step, the even one in the low 8 lanes),
+ * AVX2 and generic code give the same bits (integer sums are exact; the float steps are the same fused multiply-adds,
+ * std::fma in the generic code). Built with the rest of the extension by build.py (-march=native).
+ */
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "mlx/ops.h"
+#include "mlx/types/half_types.h"
+
+#include "kernels_common.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+enum Q5Type { Q5_0 = 6, Q5_1 = 7 };  // ggml's type ids (GGMLQuantizationType)
+
+constexpr int BLOCK = 32;       // values per block (and per activation block)
+constexpr int CODE_BYTES = 20;  // a block's 5-bit codes
+
+inline float half_value(const uint16_t *p, int64_t i) {
+#if defined(__F16C__)
+    return _cvtsh_ss(p[i]);
+#else
+    mx::float16_t h;
+    std::memcpy(&h, p + i, 2);
+    return static_cast<float>(h);
+#endif
+}
+
+/* One held matrix (see the opening comment): row r's codes at codes + r * (k / 32) * 20, its d and m at
+   d + r * (k / 32), m + r * (k / 32). */
+struct Q5Matrix {
+    const uint8_t *codes;
+    const uint16_t *d, *m;
+    int type;
+    int64_t n, k;
+
+    int64_t blocks() const { return k / BLOCK; }
+    const uint8_t *codes_of(int64_t r) const { return codes + r * blocks() * CODE_BYTES; }
+    const uint16_t *d_of(int64_t r) const { return d + r * blocks(); }
+    const uint16_t *m_of(int64_t r) const { return m + r * blocks(); }
+};
+
+/* ---- activations ------------------------------------------------------------------------------------- */
+
+/* x's rows rounded as ggml's Q8_0 / Q8_1 blocks: q [rows, k], d [rows, k / 32], and per block the 8 int32 lanes c
+   (Q5_0: -16 times the sum of each 4 values' xq) or s (Q5_1: float(sum(xq)) * d). */
+struct RoundedRows {
+    std::vector<int8_t> q;
+    std::vector<float> d, s;
+    std::vector<int32_t> c;
+};
+
+RoundedRows round_rows(const float *x, int64_t rows, int64_t k, int type) {
+    const int64_t blocks = k / BLOCK;
+    RoundedRows out{std::vector<int8_t>(rows * k), std::vector<float>(rows * blocks),
+                    std::vector<float>(type == Q5_1 ? rows * blocks : 0),
+                    std::vector<int32_t>(type == Q5_0 ? rows * blocks * 8 : 0)};
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t b = 0; b < blocks; b++) {
+            const float *v = x + r * k + b * BLOCK;
+            float amax = 0.0f;
+            for (int i = 0; i < BLOCK; i++) amax = std::max(amax, std::fabs(v[i]));
+            const float d = amax / 127.0f;
+            float inverse = d > 0.0f ? 1.0f / d : 0.0f;
+            if (!(inverse < INFINITY)) inverse = 0.0f;  // tiny or not finite: the block counts as zeros
+            out.d[r * blocks + b] = d;
+            int8_t *q = out.q.data() + r * k + b * BLOCK;
+            int32_t four[8] = {}, sum = 0;
+            for (int i = 0; i < BLOCK; i++) {
+                const float f = std::nearbyint(v[i] * inverse);
+                q[i] = f >= 127.0f ? 127 : f <= -127.0f ? -127 : f == f ? int8_t(f) : 0;  // NaN: 0
+                four[i / 4] += q[i];
+                sum += q[i];
+            }
+            if (type == Q5_1) out.s[r * blocks + b] = float(sum) * d;
+            if (type == Q5_0)
+                for (int l = 0; l < 8; l++) out.c[(r * blocks + b) * 8 + l] = -16 * four[l];
+        }
+    return out;
+}
+
+/* ---- a block's codes ----------------------------------------------------------------------------------- */
+
+/* The 32 codes (0..31, in order) of a block's 20 bytes, generic code. Value j is bits [5j, 5j + 5) of the bytes. */
+inline void codes_generic(const uint8_t *p, uint8_t *q) {
+    for (int j = 0; j < BLOCK; j++) {
+        const int bit = 5 * j, at = bit >> 3, shift = bit & 7;
+        const int word = p[at] | (shift > 3 ? p[at + 1] << 8 : 0);  // within the block's 20 bytes
+        q[j] = uint8_t((word >> shift) & 31);
+    }
+}
+
+#if defined(__AVX2__)
+/* codes_generic in one vector. Lane 0 holds bytes 0-15, lane 1 bytes 4-19; 16-bit words gather each value's one or
+   two bytes (values 0-7 and 16-23 in `a`, 8-15 and 24-31 in `b`), a multiply by 2^(11 - shift) puts its 5 bits at
+   the top of the word and a shift right by 11 brings them down; vpackuswb interleaves a and b back in order. */
+inline __m256i codes_avx2(const uint8_t *p) {
+#if defined(__AVX512VBMI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+    // AVX-512 VBMI: qword i gathers bytes 5i..5i+4 (values 8i..8i+7, 40 bits), vpmultishiftqb takes each value's
+    // byte at bit 5v of its qword, the AND keeps its 5 bits
+    const __m256i bytes = _mm256_maskz_loadu_epi8(0xFFFFF, p);  // the block's 20 bytes, nothing past them
+    const __m256i spread = _mm256_setr_epi8(0, 1, 2, 3, 4, 4, 4, 4, 5, 6, 7, 8, 9, 9, 9, 9,
+                                            10, 11, 12, 13, 14, 14, 14, 14, 15, 16, 17, 18, 19, 19, 19, 19);
+    const __m256i at = _mm256_set1_epi64x(0x231E19140F0A0500LL);  // bit offsets 0, 5, ..., 35
+    return _mm256_and_si256(_mm256_multishift_epi64_epi8(at, _mm256_permutexvar_epi8(spread, bytes)),
+                            _mm256_set1_epi8(31));
+#else
+    const __m256i bytes = _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p + 4)),
+                                           _mm_loadu_si128(reinterpret_cast<const __m128i *>(p)));
+    // value j (j % 8 = w) starts at bit 5w of its 5-byte group: byte o_w = 0 0 1 1 2 3 3 4, shift 0 5 2 7 4 1 6 3
+    const __m256i pick_a = _mm256_setr_epi8(0, 1, 0, 1, 1, 2, 1, 2, 2, 3, 3, 4, 3, 4, 4, -1,  // values 0-7 (bytes o)
+                                            6, 7, 6, 7, 7, 8, 7, 8, 8, 9, 9, 10, 9, 10, 10, -1);  // 16-23 (10 + o - 4)
+    const __m256i pick_b = _mm256_setr_epi8(5, 6, 5, 6, 6, 7, 6, 7, 7, 8, 8, 9, 8, 9, 9, -1,  // values 8-15 (5 + o)
+                                            11, 12, 11, 12, 12, 13, 12, 13, 13, 14, 14, 15, 14, 15, 15, -1);  // 24-31
+    const __m256i up = _mm256_setr_epi16(2048, 64, 512, 16, 128, 1024, 32, 256, 2048, 64, 512, 16, 128, 1024, 32, 256);
+    const __m256i a = _mm256_srli_epi16(_mm256_mullo_epi16(_mm256_shuffle_epi8(bytes, pick_a), up), 11);
+    const __m256i b = _mm256_srli_epi16(_mm256_mullo_epi16(_mm256_shuffle_epi8(bytes, pick_b), up), 11);
+    return _mm256_packus_epi16(a, b);
+#endif
+}
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+/* Blocks b and b + 1 (40 bytes at p): codes_avx2 of each, the first in the low 32 bytes. */
+inline __m512i codes_pair(const uint8_t *p) {
+#if defined(__AVX512VBMI__)
+    const __m512i bytes = _mm512_maskz_loadu_epi8((uint64_t(1) << 40) - 1, p);
+    alignas(64) static constexpr uint8_t spread[64] = {
+        0,  1,  2,  3,  4,  4,  4,  4,  5,  6,  7,  8,  9,  9,  9,  9,  10, 11, 12, 13, 14, 14,
+        14, 14, 15, 16, 17, 18, 19, 19, 19, 19, 20, 21, 22, 23, 24, 24, 24, 24, 25, 26, 27, 28,
+        29, 29, 29, 29, 30, 31, 32, 33, 34, 34, 34, 34, 35, 36, 37, 38, 39, 39, 39, 39};
+    const __m512i at = _mm512_set1_epi64(0x231E19140F0A0500LL);
+    return _mm512_and_si512(_mm512_multishift_epi64_epi8(at, _mm512_permutexvar_epi8(_mm512_load_si512(spread), bytes)),
+                            _mm512_set1_epi8(31));
+#else
+    return _mm512_inserti64x4(_mm512_castsi256_si512(codes_avx2(p)), codes_avx2(p + CODE_BYTES), 1);
+#endif
+}
+#endif
+
+/* ---- the products ---------------------------------------------------------------------------------------- */
+
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+typedef float f32x8 __attribute__((vector_size(32)));
+
+inline f32x8 fma8(f32x8 a, f32x8 b, f32x8 acc) {
+#if defined(__FMA__) || defined(__AVX512F__)
+    return (f32x8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)acc);
+#else
+    for (int i = 0; i < 8; i++) acc[i] = std::fma(a[i], b[i], acc[i]);
+    return acc;
+#endif
+}
+
+inline f32x8 splat8(float s) { return f32x8{s, s, s, s, s, s, s, s}; }
+
+inline float lanes_sum8(f32x8 v) { return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7])); }
+
+/* The block's 8 lanes (opening comment) for codes q and one row's xq, starting from c (Q5_0) or zeros. */
+#if defined(__AVX2__)
+inline i32x8 block_lanes(__m256i q, const int8_t *xq, __m256i c) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(xq));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return (i32x8)_mm256_dpbusd_epi32(c, q, x);
+#else
+    return (i32x8)_mm256_add_epi32(c, _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1)));
+#endif
+}
+#else
+inline i32x8 block_lanes(const uint8_t *q, const int8_t *xq, const int32_t *c) {
+    i32x8 lanes{};
+    for (int l = 0; l < 8; l++) lanes[l] = c ? c[l] : 0;
+    for (int i = 0; i < BLOCK; i++) lanes[i / 4] += int32_t(q[i]) * xq[i];
+    return lanes;
+}
+#endif
+
+constexpr int TILE = 4;  // rows sharing each block's unpacked codes
+
+/* out[r][col] for R rounded rows (xq, d_x, c or s per row): weight row `col`, each block unpacked once for the R
+   rows; every row's arithmetic the same whatever R. */
+template <int R>
+void tile(const Q5Matrix &m, int64_t col, const int8_t *const *xq, const float *const *xd, const int32_t *const *xc,
+          const float *const *xs, float *const *out) {
+    const uint8_t *codes = m.codes_of(col);
+    const uint16_t *dw = m.d_of(col);
+    const bool q5_0 = m.type == Q5_0;
+    const int64_t blocks = m.blocks();
+    const uint16_t *mw = m.m_of(col);
+    f32x8 even[R] = {}, odd[R] = {};
+    float summs[R] = {};  // Q5_1: sum of m * s, block after block (inside the loops: its adds wait on nothing there)
+    int64_t b = 0;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+    // a pair of blocks per step, the even one in the low 8 lanes, the odd one in the high 8: the same integer lanes
+    // and the same fused multiply-adds into the same two chains as the steps below
+    __m512 pair[R];
+    for (int r = 0; r < R; r++) pair[r] = _mm512_setzero_ps();
+    for (; b + 2 <= blocks; b += 2) {
+        const __m512i q = codes_pair(codes + CODE_BYTES * b);
+        const float d0 = half_value(dw, b), d1 = half_value(dw, b + 1);
+        for (int r = 0; r < R; r++) {
+            const __m512i x = _mm512_loadu_si512(xq[r] + BLOCK * b);
+            const __m512i c = q5_0 ? _mm512_loadu_si512(xc[r] + 8 * b) : _mm512_setzero_si512();
+            const __m512 lanes = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(c, q, x));
+            const __m512 s = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d0 * xd[r][b]), _mm512_set1_ps(d1 * xd[r][b + 1]));
+            pair[r] = _mm512_fmadd_ps(lanes, s, pair[r]);
+        }
+        if (!q5_0) {
+            const float m0 = half_value(mw, b), m1 = half_value(mw, b + 1);
+            for (int r = 0; r < R; r++) {
+                summs[r] += m0 * xs[r][b];
+                summs[r] += m1 * xs[r][b + 1];
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        even[r] = (f32x8)_mm512_castps512_ps256(pair[r]);
+        odd[r] = (f32x8)_mm512_extractf32x8_ps(pair[r], 1);
+    }
+#endif
+    for (; b < blocks; b++) {
+#if defined(__AVX2__)
+        const __m256i q = codes_avx2(codes + CODE_BYTES * b);
+#else
+        uint8_t q[BLOCK];
+        codes_generic(codes + CODE_BYTES * b, q);
+#endif
+        const float d = half_value(dw, b);
+        f32x8 *chain = b % 2 ? odd : even;
+        for (int r = 0; r < R; r++) {
+#if defined(__AVX2__)
+            const __m256i c = q5_0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i *>(xc[r] + 8 * b))
+                                   : _mm256_setzero_si256();
+            const i32x8 lanes = block_lanes(q, xq[r] + BLOCK * b, c);
+#else
+            const i32x8 lanes = block_lanes(q, xq[r] + BLOCK * b, q5_0 ? xc[r] + 8 * b : nullptr);
+#endif
+            chain[r] = fma8(__builtin_convertvector(lanes, f32x8), splat8(d * xd[r][b]), chain[r]);
+        }
+        if (!q5_0) {
+            const float mb = half_value(mw, b);
+            for (int r = 0; r < R; r++) summs[r] += mb * xs[r][b];
+        }
+    }
+    for (int r = 0; r < R; r++) out[r][col] = q5_0 ? lanes_sum8(even[r] + odd[r]) : lanes_sum8(even[r] + odd[r]) + summs[r];
+}
+
+template <int R = 1>
+void rows_tile(int64_t count, const Q5Matrix &m, int64_t col, const int8_t *const *xq, const float *const *xd,
+               const int32_t *const *xc, const float *const *xs, float *const *out) {
+    if constexpr (R < TILE) {
+        if (count != R) return rows_tile<R + 1>(count, m, col, xq, xd, xc, xs, out);
+    }
+    tile<R>(m, col, xq, xd, xc, xs, out);
+}
+
+/* Below this many multiply-adds a product runs on one thread (gguf_kernels.cpp's threshold, for its reason). */
+constexpr int64_t THREADED_MIN_WORK = int64_t(1) << 22;
+
+void product(const Q5Matrix &m, const float *x, int64_t rows, float *out) {
+    const int64_t k = m.k, n = m.n, blocks = m.blocks();
+    const bool threaded = g_threads > 1 && n > 1 && rows * n * k >= THREADED_MIN_WORK;
+    const RoundedRows xr = round_rows(x, rows, k, m.type);
+#pragma omp parallel for schedule(static) num_threads(g_threads) if (threaded)
+    for (int64_t col = 0; col < n; col++) {
+        const int8_t *qs[TILE];
+        const float *ds[TILE], *ss[TILE];
+        const int32_t *cs[TILE];
+        float *outs[TILE];
+        for (int64_t r0 = 0; r0 < rows; r0 += TILE) {
+            const int64_t count = std::min<int64_t>(TILE, rows - r0);
+            for (int64_t i = 0; i < count; i++) {
+                const int64_t r = r0 + i;
+                qs[i] = xr.q.data() + r * k;
+                ds[i] = xr.d.data() + r * blocks;
+                ss[i] = m.type == Q5_1 ? xr.s.data() + r * blocks : nullptr;
+                cs[i] = m.type == Q5_0 ? xr.c.data() + r * blocks * 8 : nullptr;
+                outs[i] = out + r * n;
+            }
+            rows_tile(count, m, col, qs, ds, cs, ss, outs);
+        }
+    }
+}
+
+/* product() as kernels_common.h's BlockProduct calls it: w the codes, d and (Q5_1) m of one matrix, or of one
+   expert of a stack. */
+void q5_product(const std::vector<const uint8_t *> &w, int64_t n, int64_t k, const float *x, int64_t rows, float *out,
+                int type, bool) {
+    const uint16_t *d = reinterpret_cast<const uint16_t *>(w[1]);
+    product(Q5Matrix{w[0], d, w.size() > 2 ? reinterpret_cast<const uint16_t *>(w[2]) : d, type, n, k}, x, rows, out);
+}
+
+void check(const mx::array &x, const std::vector<mx::array> &w, int type) {
+    auto fail = [](const std::string &why) { throw std::invalid_argument("pipeline GGUF Q5 product: " + why); };
+    if (type != Q5_0 && type != Q5_1) fail("type must be Q5_0 (6) or Q5_1 (7)");
+    const int64_t k = x.shape(-1);
+    if (k % BLOCK) fail("k must be a multiple of 32");
+    const mx::array &codes = w[0], &d = w[1];
+    if (codes.ndim() != 2 || codes.dtype() != mx::uint32 || codes.shape(1) != k * 5 / 32)
+        fail("codes must be uint32 [n, 5 k / 32] (MLX's 5-bit codes)");
+    if (d.ndim() != 2 || d.dtype() != mx::float16 || d.shape(0) != codes.shape(0) || d.shape(1) != k / BLOCK)
+        fail("scales must be float16 [n, k / 32]");
+    if (type == Q5_1 && (w.size() < 3 || w[2].dtype() != mx::float16 || w[2].shape() != d.shape()))
+        fail("Q5_1's biases must be float16 [n, k / 32]");
+}
+
+mx::array q5_array(const mx::array &x, const mx::array &codes, const mx::array &scales,
+                   const std::optional<mx::array> &biases, int type, const std::optional<mx::array> &experts) {
+    std::vector<mx::array> weights{codes, scales};
+    if (type == Q5_1 && biases) weights.push_back(*biases);
+    return block_product<q5_product>("pipeline GGUF Q5 product", type, true, x, weights, experts,
+                                     [&](const std::vector<mx::array> &w) { check(x, w, type); });
+}
+
+}  // namespace
+
+void register_gguf_q5(nb::module_ &m) {
+    m.def(
+        "gguf_q5_matmul",
+        [](const mx::array &x, const mx::array &codes, const mx::array &scales, const std::optional<mx::array> &biases,
+           int type) { return q5_array(x, codes, scales, biases, type, std::nullopt); },
+        nb::arg("x"), nb::arg("codes"), nb::arg("scales"), nb::arg("biases").none(), nb::arg("type"),
+        "x [..., k] float32 @ w.T for a GGUF Q5_0 (type 6: codes, float16 d) or Q5_1 (7: and float16 m as biases) "
+        "matrix held as MLX's 5-bit codes, lazily, as llama.cpp computes it: x rounded per 32 as Q8_0 / Q8_1, int8 "
+        "dot products");
+    m.def(
+        "gguf_q5_gather_matmul",
+        [](const mx::array &x, const mx::array &codes, const mx::array &scales, const std::optional<mx::array> &biases,
+           int type, const mx::array &experts) { return q5_array(x, codes, scales, biases, type, experts); },
+        nb::arg("x"), nb::arg("codes"), nb::arg("scales"), nb::arg("biases").none(), nb::arg("type"),
+        nb::arg("experts"),
+        "x [rows, k] float32: row p times expert experts[p]'s matrix of a Q5_0 / Q5_1 stack (codes, scales, biases "
+        "[experts, n, ...]), lazily: each row the bits of gguf_q5_matmul on that row alone");
+}
