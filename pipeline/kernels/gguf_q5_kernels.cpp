@@ -52,6 +52,10 @@ namespace {
 
 enum Q5Type { Q5_0 = 6, Q5_1 = 7 };  // ggml's type ids (GGMLQuantizationType)
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define Q5_PAIRS 1  // pairs of blocks in 16 lanes (the tile's AVX-512 steps)
+#endif
+
 constexpr int BLOCK = 32;       // values per block (and per activation block)
 constexpr int CODE_BYTES = 20;  // a block's 5-bit codes
 
@@ -82,17 +86,18 @@ struct Q5Matrix {
 /* ---- activations ------------------------------------------------------------------------------------- */
 
 /* x's rows rounded as ggml's Q8_0 / Q8_1 blocks: q [rows, k], d [rows, k / 32], and per block the 8 int32 lanes c
-   (Q5_0: -16 times the sum of each 4 values' xq) or s (Q5_1: float(sum(xq)) * d). */
+   (Q5_0: -16 times the sum of each 4 values' xq) or s (Q5_1: float(sum(xq)) * d); with AVX-512, d per pair of
+   blocks as the pair's 16 lanes take it (dpair [rows, k / 64, 16]: 8 x block 2p's, 8 x block 2p + 1's). */
 struct RoundedRows {
     std::vector<int8_t> q;
-    std::vector<float> d, s;
+    std::vector<float> d, s, dpair;
     std::vector<int32_t> c;
 };
 
 RoundedRows round_rows(const float *x, int64_t rows, int64_t k, int type) {
     const int64_t blocks = k / BLOCK;
     RoundedRows out{std::vector<int8_t>(rows * k), std::vector<float>(rows * blocks),
-                    std::vector<float>(type == Q5_1 ? rows * blocks : 0),
+                    std::vector<float>(type == Q5_1 ? rows * blocks : 0), std::vector<float>(),
                     std::vector<int32_t>(type == Q5_0 ? rows * blocks * 8 : 0)};
     for (int64_t r = 0; r < rows; r++)
         for (int64_t b = 0; b < blocks; b++) {
@@ -115,6 +120,12 @@ RoundedRows round_rows(const float *x, int64_t rows, int64_t k, int type) {
             if (type == Q5_0)
                 for (int l = 0; l < 8; l++) out.c[(r * blocks + b) * 8 + l] = -16 * four[l];
         }
+#if defined(Q5_PAIRS)
+    out.dpair.resize(rows * (blocks / 2) * 16);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t p = 0; p < blocks / 2; p++)
+            for (int l = 0; l < 16; l++) out.dpair[(r * (blocks / 2) + p) * 16 + l] = out.d[r * blocks + 2 * p + l / 8];
+#endif
     return out;
 }
 
@@ -159,7 +170,7 @@ inline __m256i codes_avx2(const uint8_t *p) {
 }
 #endif
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#if defined(Q5_PAIRS)
 /* Blocks b and b + 1 (40 bytes at p): codes_avx2 of each, the first in the low 32 bytes. */
 inline __m512i codes_pair(const uint8_t *p) {
 #if defined(__AVX512VBMI__)
@@ -242,32 +253,36 @@ inline i32x8 block_lanes(const uint8_t *q, const int8_t *xq, const int32_t *c) {
 }
 #endif
 
-constexpr int TILE = 4;  // rows sharing each block's unpacked codes
+#if defined(Q5_PAIRS)
+constexpr int TILE = 8;  // rows sharing each block's unpacked codes (and its d)
+#else
+constexpr int TILE = 4;
+#endif
 
 /* out[r][col] for R rounded rows (xq, d_x, c or s per row): weight row `col`, each block unpacked once for the R
    rows; every row's arithmetic the same whatever R. */
 template <int R>
 void tile(const Q5Matrix &m, int64_t col, const int8_t *const *xq, const float *const *xd, const int32_t *const *xc,
-          const float *const *xs, float *const *out) {
+          const float *const *xs, const float *const *xdp, float *const *out) {
     const uint8_t *codes = m.codes_of(col);
     const uint16_t *dw = m.d_of(col);
     const bool q5_0 = m.type == Q5_0;
     const int64_t blocks = m.blocks();
     f32x8 even[R] = {}, odd[R] = {};
     int64_t b = 0;
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#if defined(Q5_PAIRS)
     // a pair of blocks per step, the even one in the low 8 lanes, the odd one in the high 8: the same integer lanes
     // and the same fused multiply-adds into the same two chains as the steps below
     __m512 pair[R];
     for (int r = 0; r < R; r++) pair[r] = _mm512_setzero_ps();
     for (; b + 2 <= blocks; b += 2) {
         const __m512i q = codes_pair(codes + CODE_BYTES * b);
-        const float d0 = half_value(dw, b), d1 = half_value(dw, b + 1);
+        const __m512 dwp = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(half_value(dw, b)), _mm512_set1_ps(half_value(dw, b + 1)));
         for (int r = 0; r < R; r++) {
             const __m512i x = _mm512_loadu_si512(xq[r] + BLOCK * b);
             const __m512i c = q5_0 ? _mm512_loadu_si512(xc[r] + 8 * b) : _mm512_setzero_si512();
             const __m512 lanes = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(c, q, x));
-            const __m512 s = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d0 * xd[r][b]), _mm512_set1_ps(d1 * xd[r][b + 1]));
+            const __m512 s = _mm512_mul_ps(dwp, _mm512_loadu_ps(xdp[r] + 8 * b));  // d_w d_x, lane by lane
             pair[r] = _mm512_fmadd_ps(lanes, s, pair[r]);
         }
     }
@@ -314,11 +329,11 @@ void tile(const Q5Matrix &m, int64_t col, const int8_t *const *xq, const float *
 
 template <int R = 1>
 void rows_tile(int64_t count, const Q5Matrix &m, int64_t col, const int8_t *const *xq, const float *const *xd,
-               const int32_t *const *xc, const float *const *xs, float *const *out) {
+               const int32_t *const *xc, const float *const *xs, const float *const *xdp, float *const *out) {
     if constexpr (R < TILE) {
-        if (count != R) return rows_tile<R + 1>(count, m, col, xq, xd, xc, xs, out);
+        if (count != R) return rows_tile<R + 1>(count, m, col, xq, xd, xc, xs, xdp, out);
     }
-    tile<R>(m, col, xq, xd, xc, xs, out);
+    tile<R>(m, col, xq, xd, xc, xs, xdp, out);
 }
 
 /* Below this many multiply-adds a product runs on one thread (gguf_kernels.cpp's threshold, for its reason). */
@@ -331,7 +346,7 @@ void product(const Q5Matrix &m, const float *x, int64_t rows, float *out) {
 #pragma omp parallel for schedule(static) num_threads(g_threads) if (threaded)
     for (int64_t col = 0; col < n; col++) {
         const int8_t *qs[TILE];
-        const float *ds[TILE], *ss[TILE];
+        const float *ds[TILE], *ss[TILE], *dps[TILE];
         const int32_t *cs[TILE];
         float *outs[TILE];
         for (int64_t r0 = 0; r0 < rows; r0 += TILE) {
@@ -342,9 +357,10 @@ void product(const Q5Matrix &m, const float *x, int64_t rows, float *out) {
                 ds[i] = xr.d.data() + r * blocks;
                 ss[i] = m.type == Q5_1 ? xr.s.data() + r * blocks : nullptr;
                 cs[i] = m.type == Q5_0 ? xr.c.data() + r * blocks * 8 : nullptr;
+                dps[i] = xr.dpair.empty() ? nullptr : xr.dpair.data() + r * (blocks / 2) * 16;
                 outs[i] = out + r * n;
             }
-            rows_tile(count, m, col, qs, ds, cs, ss, outs);
+            rows_tile(count, m, col, qs, ds, cs, ss, dps, outs);
         }
     }
 }
