@@ -472,6 +472,14 @@ bool g_iq4_tiled = true;
      each lane's scale is d_w * d_x as before (one float product) and each lane's fused multiply-add chain is the
      one of its block parity: lanes 0-3 and 8-11 are the even blocks' chain, lanes 4-7 and 12-15 the odd ones';
    - NL_COLUMNS weight rows share each row of x's loads and up to NL_ROWS rows of x each weight pair's decoding. */
+/* The weights a tile reads stream from memory (a model's matrices do not stay in the caches between tokens): each
+   tile asks for the bytes of the tile AHEAD tiles on (measured on 240 one-row products of SmolLM2's IQ4_NL shapes,
+   75 MB, one thread: 12.5-13.4 ms without, 6.4-9 ms with; the codes alone 7.8-9.1). A prefetch past the matrix's
+   end is a hint that never faults. */
+constexpr int AHEAD = 2;
+
+inline void prefetch(const void *p) { _mm_prefetch(reinterpret_cast<const char *>(p), _MM_HINT_T0); }
+
 alignas(64) constexpr uint8_t TABLE64[64] = {
     1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241, 1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166,
     181, 197, 217, 241, 1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241, 1, 24, 45, 63, 79, 93, 106, 118,
@@ -581,12 +589,14 @@ void nl_tile(const NativeMatrix &m, int64_t col, const NlRows &x, int64_t r0, fl
         const __mmask16 valid = __mmask16((1u << (2 * count)) - 1);
         for (int c = 0; c < C; c++) {
             const __m512 dw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, scales[c] + 2 * g));
+            prefetch(scales[c] + AHEAD * C * (m.k / BLOCK) + 2 * g);
             for (int r = 0; r < R; r++) _mm512_store_ps(scale[r][c], _mm512_mul_ps(dw, _mm512_maskz_loadu_ps(valid, xd[r] + 2 * g)));
         }
         for (int j = 0; j < count; j++) {
             const int64_t p = g + j;
             for (int c = 0; c < C; c++) {
                 const __m512i packed = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(codes[c] + 32 * p)));
+                if (p % 2 == 0) prefetch(codes[c] + AHEAD * C * (m.k / 2) + 32 * p);
                 const __m512i placed = _mm512_permutexvar_epi8(order, packed);
                 const __m512i w = _mm512_permutexvar_epi8(_mm512_mask_srli_epi16(placed, 0xFFFF0000u, placed, 4), table);
                 for (int r = 0; r < R; r++) {
@@ -699,6 +709,7 @@ void xs_tile(const NativeMatrix &m, int64_t col, const XsRows &x, int64_t r0, fl
         // the 8 blocks' ls_j - 32, each as 8 16-bit words (the 4 lanes of its half of a pair): a pair's 32 bytes
         alignas(64) int16_t ls[C][64];
         for (int c = 0; c < C; c++) {
+            prefetch(heads[c] + AHEAD * C * (m.k / BLOCK) + 8 * sb);
             const __m128i head = _mm_loadl_epi64(reinterpret_cast<const __m128i *>(heads[c] + 8 * sb));
             const __m128i low = _mm_and_si128(
                 _mm_srlv_epi16(_mm_shuffle_epi8(head, _mm_setr_epi8(4, -1, 4, -1, 5, -1, 5, -1, 6, -1, 6, -1, 7, -1, 7, -1)),
@@ -719,6 +730,7 @@ void xs_tile(const NativeMatrix &m, int64_t col, const XsRows &x, int64_t r0, fl
             for (int c = 0; c < C; c++) {
                 const __m512i packed =
                     _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(codes[c] + 128 * sb + 32 * j)));
+                if (j % 2 == 0) prefetch(codes[c] + AHEAD * C * (m.k / 2) + 128 * sb + 32 * j);
                 const __m512i index = _mm512_mask_srli_epi16(packed, 0xFFFF0000u, packed, 4);
                 const __m512i magnitude = _mm512_permutexvar_epi8(index, magnitudes);
                 const __mmask64 negative = _mm512_testn_epi8_mask(index, eight);
