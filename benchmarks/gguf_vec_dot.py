@@ -2,6 +2,7 @@
 this machine's memcpy bandwidth (issue 37's "a one-row product at memory bandwidth"). No llama.cpp, no pytest.
 
     python benchmarks/gguf_vec_dot.py [--types Q6_K,IQ4_NL,...] [--threads 1] [--reps 7] [--json out.json]
+                                      [--rows 1] [--streamed]
 
 Each type: a 576 x 1536 matrix (SmolLM2's ffn_down: n = 576 outputs, k = 1536 inputs) of random block bytes (the
 speed of the integer paths does not depend on the values), one row of x, `--calls` independent products evaluated
@@ -10,7 +11,10 @@ the process's, so that other users of the cores count less than in wall time; 1 
 in its blocks over that time; the memcpy figure: numpy copying 64 MiB, bytes read per second. The Q8_0 head:
 SmolLM2's tied embedding (49152 x 576) from the file's blocks (gguf_q8_0_matmul), from MLX's 8-bit layout read in
 place (int8_rows_matmul) and from the int8 copy those replace (int8_matmul), 1 and 4 rows. Prints a table; states
-the load average before and after.
+the load average before and after. --rows R: R rows of x a product (a batch's or a prompt's products), the times
+per product. --streamed: each type's int8 product on one row over 64 MiB of distinct matrices (each read from
+memory, as a model's layers are between tokens; the matrices in cache above), one product at a time, wall time
+per product (best of --reps): what decode pays.
 """
 
 from __future__ import annotations
@@ -82,6 +86,21 @@ def product(qtype: str, raw: np.ndarray, int8: bool):
     return lambda x: qmm.gguf_matmul(x, codes, scales, int8, d[0] if d else None)
 
 
+def streamed(qtype: str, n: int, k: int, reps: int, rng) -> float:
+    """Wall seconds per one-row int8 product over 64 MiB of distinct matrices, one evaluation each."""
+    count = max(2, (64 << 20) // random_raw(rng, qtype, 1, k).nbytes // n)
+    fs = [product(qtype, random_raw(rng, qtype, n, k), True) for _ in range(count)]
+    x = mx.array(rng.standard_normal((1, k)).astype(np.float32))
+    mx.eval(x)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        for f in fs:
+            mx.eval(f(x))
+        best = min(best, time.perf_counter() - t)
+    return best / len(fs)
+
+
 def per_call(f, k: int, rows: int, calls: int, reps: int, rng) -> float:
     xs = [mx.array(rng.standard_normal((rows, k)).astype(np.float32)) for _ in range(calls)]
     mx.eval(*xs)
@@ -96,6 +115,8 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--no-head", action="store_true")
+    p.add_argument("--rows", type=int, default=1, help="rows of x a product (default 1: decode)")
+    p.add_argument("--streamed", action="store_true", help="also one-row int8 products over 64 MiB of distinct matrices")
     p.add_argument("--json")
     args = p.parse_args()
     state = build.load()
@@ -110,16 +131,21 @@ def main() -> None:
           f"{m.isa()} / {m.int8_isa()}")
     results = {"memcpy_gbps": bandwidth, "threads": args.threads, "types": {}, "head": {}}
     n, k = 576, 1536
-    print(f"{'type':8} {'MB':>6} {'int8 us':>8} {'GB/s':>6} {'float us':>9} {'GB/s':>6}")
+    print(f"{args.rows} row(s) of x a product" + ("; streamed: one row over 64 MiB of distinct matrices" if args.streamed else ""))
+    print(f"{'type':8} {'MB':>6} {'int8 us':>8} {'GB/s':>6} {'float us':>9} {'GB/s':>6}" +
+          (f" {'streamed us':>11} {'GB/s':>6}" if args.streamed else ""))
     for qtype in [t for t in args.types.split(",") if t]:
         raw = random_raw(rng, qtype, n, k)
         row = {}
         for int8 in (True, False):
-            us = per_call(product(qtype, raw, int8), k, 1, args.calls, args.reps, rng) * 1e6
+            us = per_call(product(qtype, raw, int8), k, args.rows, args.calls, args.reps, rng) * 1e6
             row["int8" if int8 else "float"] = us
-        results["types"][qtype] = row | {"bytes": raw.nbytes}
+        if args.streamed:
+            row["streamed"] = streamed(qtype, n, k, args.reps, rng) * 1e6
+        results["types"][qtype] = row | {"bytes": raw.nbytes, "rows": args.rows}
         print(f"{qtype:8} {raw.nbytes / 1e6:6.3f} {row['int8']:8.1f} {raw.nbytes / row['int8'] / 1e3:6.1f} "
-              f"{row['float']:9.1f} {raw.nbytes / row['float'] / 1e3:6.1f}")
+              f"{row['float']:9.1f} {raw.nbytes / row['float'] / 1e3:6.1f}" +
+              (f" {row['streamed']:11.1f} {raw.nbytes / row['streamed'] / 1e3:6.1f}" if args.streamed else ""))
     if not args.no_head:
         import gguf
 
