@@ -661,9 +661,15 @@ void nl_product(const NativeMatrix &m, const float *x, int64_t rows, float *out,
    the weight's sign (codes 0-7 are the negative ones) through vpmaddubsw (pairs of products, at most 2 127^2 < 2^15),
    then vpdpwssd with each block's 16-bit scale; the lane pairs (2i, 2i + 1) of a super-block are int8_tile's lane i
    (blocks 2j and 2j + 1), added before the fused multiply-add acc = fma(float(sum), d_w * d_x, acc) in lane 2i. */
-alignas(64) constexpr int16_t SPREAD_WORDS[2][32] = {  // word i: scale i / 8 (the first 4 blocks), then the last 4
-    {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3},
-    {4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5, 6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7}};
+/* SPREAD_WORDS[2 q + h]: word i is scale 4 h + i / 8 of the super-block in 128-bit quarter q (8 words each). */
+constexpr std::array<std::array<int16_t, 32>, 8> spread_words() {
+    std::array<std::array<int16_t, 32>, 8> out{};
+    for (int q = 0; q < 4; q++)
+        for (int h = 0; h < 2; h++)
+            for (int i = 0; i < 32; i++) out[2 * q + h][i] = int16_t(8 * q + 4 * h + i / 8);
+    return out;
+}
+alignas(64) constexpr std::array<std::array<int16_t, 32>, 8> SPREAD_WORDS = spread_words();
 alignas(64) constexpr uint8_t MAG64[64] = {
     127, 104, 83, 65, 49, 35, 22, 10, 1, 13, 25, 38, 53, 69, 89, 113, 127, 104, 83, 65, 49, 35, 22, 10, 1, 13, 25, 38, 53, 69, 89, 113,
     127, 104, 83, 65, 49, 35, 22, 10, 1, 13, 25, 38, 53, 69, 89, 113, 127, 104, 83, 65, 49, 35, 22, 10, 1, 13, 25, 38, 53, 69, 89, 113};
@@ -705,23 +711,31 @@ void xs_tile(const NativeMatrix &m, int64_t col, const XsRows &x, int64_t r0, fl
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
     const __m512i magnitudes = _mm512_load_si512(MAG64), eight = _mm512_set1_epi8(8);
+    // per super-block its 8 blocks' ls_j - 32, each as 8 16-bit words (the 4 lanes of its half of a pair): a pair's
+    // 32 bytes; worked out for 4 super-blocks at once, one per 128-bit quarter
+    alignas(64) int16_t ls[C][4][64];
+    const __m512i low_bytes = _mm512_broadcast_i32x4(_mm_setr_epi8(4, -1, 4, -1, 5, -1, 5, -1, 6, -1, 6, -1, 7, -1, 7, -1));
+    const __m512i high_bytes = _mm512_broadcast_i32x4(_mm_setr_epi8(2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3));
+    const __m512i low_shift = _mm512_broadcast_i32x4(_mm_setr_epi16(0, 4, 0, 4, 0, 4, 0, 4));
+    const __m512i high_shift = _mm512_broadcast_i32x4(_mm_setr_epi16(0, 2, 4, 6, 8, 10, 12, 14));
     for (int64_t sb = 0; sb < supers; sb++) {
-        // the 8 blocks' ls_j - 32, each as 8 16-bit words (the 4 lanes of its half of a pair): a pair's 32 bytes
-        alignas(64) int16_t ls[C][64];
-        for (int c = 0; c < C; c++) {
-            prefetch(heads[c] + AHEAD * C * (m.k / BLOCK) + 8 * sb);
-            const __m128i head = _mm_loadl_epi64(reinterpret_cast<const __m128i *>(heads[c] + 8 * sb));
-            const __m128i low = _mm_and_si128(
-                _mm_srlv_epi16(_mm_shuffle_epi8(head, _mm_setr_epi8(4, -1, 4, -1, 5, -1, 5, -1, 6, -1, 6, -1, 7, -1, 7, -1)),
-                               _mm_setr_epi16(0, 4, 0, 4, 0, 4, 0, 4)),
-                _mm_set1_epi16(15));
-            const __m128i high = _mm_and_si128(
-                _mm_srlv_epi16(_mm_shuffle_epi8(head, _mm_setr_epi8(2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3)),
-                               _mm_setr_epi16(0, 2, 4, 6, 8, 10, 12, 14)),
-                _mm_set1_epi16(3));
-            const __m512i scales = _mm512_castsi128_si512(_mm_sub_epi16(_mm_or_si128(low, _mm_slli_epi16(high, 4)), _mm_set1_epi16(32)));
-            for (int h = 0; h < 2; h++)
-                _mm512_store_si512(ls[c] + 32 * h, _mm512_permutexvar_epi16(_mm512_load_si512(SPREAD_WORDS[h]), scales));
+        if (sb % 4 == 0) {
+            const int count = int(std::min<int64_t>(4, supers - sb));
+            for (int c = 0; c < C; c++) {
+                prefetch(heads[c] + AHEAD * C * (m.k / BLOCK) + 8 * sb);
+                const __m512i four = _mm512_permutexvar_epi64(  // super-block sb + i's 8 header bytes in quarter i
+                    _mm512_setr_epi64(0, 0, 1, 1, 2, 2, 3, 3),
+                    _mm512_castsi256_si512(_mm256_maskz_loadu_epi64(__mmask8((1u << count) - 1), heads[c] + 8 * sb)));
+                const __m512i low = _mm512_and_si512(_mm512_srlv_epi16(_mm512_shuffle_epi8(four, low_bytes), low_shift),
+                                                     _mm512_set1_epi16(15));
+                const __m512i high = _mm512_and_si512(_mm512_srlv_epi16(_mm512_shuffle_epi8(four, high_bytes), high_shift),
+                                                      _mm512_set1_epi16(3));
+                const __m512i scales = _mm512_sub_epi16(_mm512_or_si512(low, _mm512_slli_epi16(high, 4)), _mm512_set1_epi16(32));
+                for (int i = 0; i < count; i++)
+                    for (int h = 0; h < 2; h++)
+                        _mm512_store_si512(ls[c][i] + 32 * h,
+                                           _mm512_permutexvar_epi16(_mm512_load_si512(SPREAD_WORDS[2 * i + h].data()), scales));
+            }
         }
         __m512i sum[R][C];
         for (int r = 0; r < R; r++)
@@ -734,7 +748,7 @@ void xs_tile(const NativeMatrix &m, int64_t col, const XsRows &x, int64_t r0, fl
                 const __m512i index = _mm512_mask_srli_epi16(packed, 0xFFFF0000u, packed, 4);
                 const __m512i magnitude = _mm512_permutexvar_epi8(index, magnitudes);
                 const __mmask64 negative = _mm512_testn_epi8_mask(index, eight);
-                const __m512i scale = _mm512_broadcast_i64x4(_mm256_load_si256(reinterpret_cast<const __m256i *>(ls[c] + 16 * j)));
+                const __m512i scale = _mm512_broadcast_i64x4(_mm256_load_si256(reinterpret_cast<const __m256i *>(ls[c][sb % 4] + 16 * j)));
                 for (int r = 0; r < R; r++) {
                     const __m512i v = _mm512_loadu_si512(xq[r] + SUPER * sb + 64 * j);
                     const __m512i signed_x = _mm512_mask_sub_epi8(v, negative, _mm512_setzero_si512(), v);
