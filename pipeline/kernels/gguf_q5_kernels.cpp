@@ -338,13 +338,18 @@ void rows_tile(int64_t count, const Q5Matrix &m, int64_t col, const int8_t *cons
 
 /* Below this many multiply-adds a product runs on one thread (gguf_kernels.cpp's threshold, for its reason). */
 constexpr int64_t THREADED_MIN_WORK = int64_t(1) << 22;
+constexpr int64_t COLUMNS = 16;  // weight rows a tile of rows runs over before the next tile (product; 16: even shares)
 
 void product(const Q5Matrix &m, const float *x, int64_t rows, float *out) {
     const int64_t k = m.k, n = m.n, blocks = m.blocks();
     const bool threaded = g_threads > 1 && n > 1 && rows * n * k >= THREADED_MIN_WORK;
     const RoundedRows xr = round_rows(x, rows, k, m.type);
+    // columns in chunks of COLUMNS, and in a chunk each tile of rows over all its columns: a tile's rounded rows stay
+    // in L1 while the chunk's weight rows come from L2 (each column over every tile instead read all the rows'
+    // activations from L2 for every column: 32 rows of 576 x 1536 1000 -> 770 us, 1536 x 576 940 -> 690)
+    const int64_t chunks = (n + COLUMNS - 1) / COLUMNS;
 #pragma omp parallel for schedule(static) num_threads(g_threads) if (threaded)
-    for (int64_t col = 0; col < n; col++) {
+    for (int64_t chunk = 0; chunk < chunks; chunk++) {
         const int8_t *qs[TILE];
         const float *ds[TILE], *ss[TILE], *dps[TILE];
         const int32_t *cs[TILE];
@@ -360,7 +365,8 @@ void product(const Q5Matrix &m, const float *x, int64_t rows, float *out) {
                 dps[i] = xr.dpair.empty() ? nullptr : xr.dpair.data() + r * (blocks / 2) * 16;
                 outs[i] = out + r * n;
             }
-            rows_tile(count, m, col, qs, ds, cs, ss, dps, outs);
+            for (int64_t col = chunk * COLUMNS; col < std::min(n, (chunk + 1) * COLUMNS); col++)
+                rows_tile(count, m, col, qs, ds, cs, ss, dps, outs);
         }
     }
 }
