@@ -188,6 +188,18 @@ inline __m512i codes_pair(const uint8_t *p) {
 }
 #endif
 
+/* A hint that p's cache line will be read soon (decode's weights stream from memory: each matrix is read once a token
+   and the model does not fit the caches). */
+inline void prefetch(const void *p) {
+#if defined(__SSE__) || defined(__AVX2__)
+    _mm_prefetch(reinterpret_cast<const char *>(p), _MM_HINT_T0);
+#else
+    __builtin_prefetch(p);
+#endif
+}
+
+constexpr int64_t PREFETCH = 4096;  // bytes of codes ahead (one row over 64 MiB of Q5_0 576 x 1536: 158 us without, 55 at 2048, 48-51 at 4096 and 8192)
+
 /* ---- the products ---------------------------------------------------------------------------------------- */
 
 typedef int32_t i32x8 __attribute__((vector_size(32)));
@@ -268,6 +280,15 @@ void tile(const Q5Matrix &m, int64_t col, const int8_t *const *xq, const float *
     const uint16_t *dw = m.d_of(col);
     const bool q5_0 = m.type == Q5_0;
     const int64_t blocks = m.blocks();
+    // the weights PREFETCH bytes of codes ahead (rows are consecutive), and the scales of the row as far ahead
+    const uint8_t *ahead = codes + PREFETCH, *end = m.codes_of(m.n);
+    const int64_t ahead_rows = PREFETCH / (blocks * CODE_BYTES) + 1;
+    if (col + ahead_rows < m.n) {
+        for (int64_t at = 0; at < blocks * 2; at += 64) {
+            prefetch(reinterpret_cast<const uint8_t *>(m.d_of(col + ahead_rows)) + at);
+            if (!q5_0) prefetch(reinterpret_cast<const uint8_t *>(m.m_of(col + ahead_rows)) + at);
+        }
+    }
     f32x8 even[R] = {}, odd[R] = {};
     int64_t b = 0;
 #if defined(Q5_PAIRS)
@@ -276,6 +297,7 @@ void tile(const Q5Matrix &m, int64_t col, const int8_t *const *xq, const float *
     __m512 pair[R];
     for (int r = 0; r < R; r++) pair[r] = _mm512_setzero_ps();
     for (; b + 2 <= blocks; b += 2) {
+        if (ahead + CODE_BYTES * b < end) prefetch(ahead + CODE_BYTES * b);
         const __m512i q = codes_pair(codes + CODE_BYTES * b);
         const __m512 dwp = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(half_value(dw, b)), _mm512_set1_ps(half_value(dw, b + 1)));
         for (int r = 0; r < R; r++) {
@@ -292,6 +314,7 @@ void tile(const Q5Matrix &m, int64_t col, const int8_t *const *xq, const float *
     }
 #endif
     for (; b < blocks; b++) {
+        if (ahead + CODE_BYTES * b < end) prefetch(ahead + CODE_BYTES * b);
 #if defined(__AVX2__)
         const __m256i q = codes_avx2(codes + CODE_BYTES * b);
 #else
