@@ -122,10 +122,10 @@ def test_products_match_ggufs_dequantization_at_every_row_count(kernels, qtype):
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_odd_block_counts(kernels, qtype):
     """Rows of an odd number of blocks (SmolLM2's 576 = 18, 1536 = 48 blocks are even; 9 and 1 are not): the last
-    block after the AVX-512 pairs, and no pair at all."""
+    block after the AVX-512 pairs, and no pair at all; 42 weight rows (the wide tiles' 4 and 2 more)."""
     rng = np.random.default_rng(2)
     for k in (288, 32):
-        raw = q5_blocks(qtype, 40, k, rng)
+        raw = q5_blocks(qtype, 42, k, rng)
         w = gguf.quants.dequantize(raw, qtype).astype(np.float64)
         module = held(raw, qtype)
         x = rng.normal(0, 1, (9, k)).astype(np.float32)

@@ -271,48 +271,16 @@ constexpr int TILE = 8;  // rows sharing each block's unpacked codes (and its d)
 constexpr int TILE = 4;
 #endif
 
-/* out[r][col] for R rounded rows (xq, d_x, c or s per row): weight row `col`, each block unpacked once for the R
-   rows; every row's arithmetic the same whatever R. */
+/* After the pairs (AVX-512) from block b on, column `col`'s remaining block (one block a step: AVX2, generic) into the
+   chains even and odd, then out[r][col] (and Q5_1's m s). */
 template <int R>
-void tile(const Q5Matrix &m, int64_t col, const int8_t *const *xq, const float *const *xd, const int32_t *const *xc,
-          const float *const *xs, const float *const *xdp, float *const *out) {
+void finish(const Q5Matrix &m, int64_t col, int64_t b, f32x8 *even, f32x8 *odd, const int8_t *const *xq,
+            const float *const *xd, const int32_t *const *xc, const float *const *xs, float *const *out) {
     const uint8_t *codes = m.codes_of(col);
     const uint16_t *dw = m.d_of(col);
     const bool q5_0 = m.type == Q5_0;
     const int64_t blocks = m.blocks();
-    // the weights PREFETCH bytes of codes ahead (rows are consecutive), and the scales of the row as far ahead
     const uint8_t *ahead = codes + PREFETCH, *end = m.codes_of(m.n);
-    const int64_t ahead_rows = PREFETCH / (blocks * CODE_BYTES) + 1;
-    if (col + ahead_rows < m.n) {
-        for (int64_t at = 0; at < blocks * 2; at += 64) {
-            prefetch(reinterpret_cast<const uint8_t *>(m.d_of(col + ahead_rows)) + at);
-            if (!q5_0) prefetch(reinterpret_cast<const uint8_t *>(m.m_of(col + ahead_rows)) + at);
-        }
-    }
-    f32x8 even[R] = {}, odd[R] = {};
-    int64_t b = 0;
-#if defined(Q5_PAIRS)
-    // a pair of blocks per step, the even one in the low 8 lanes, the odd one in the high 8: the same integer lanes
-    // and the same fused multiply-adds into the same two chains as the steps below
-    __m512 pair[R];
-    for (int r = 0; r < R; r++) pair[r] = _mm512_setzero_ps();
-    for (; b + 2 <= blocks; b += 2) {
-        if (ahead + CODE_BYTES * b < end) prefetch(ahead + CODE_BYTES * b);
-        const __m512i q = codes_pair(codes + CODE_BYTES * b);
-        const __m512 dwp = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(half_value(dw, b)), _mm512_set1_ps(half_value(dw, b + 1)));
-        for (int r = 0; r < R; r++) {
-            const __m512i x = _mm512_loadu_si512(xq[r] + BLOCK * b);
-            const __m512i c = q5_0 ? _mm512_loadu_si512(xc[r] + 8 * b) : _mm512_setzero_si512();
-            const __m512 lanes = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(c, q, x));
-            const __m512 s = _mm512_mul_ps(dwp, _mm512_loadu_ps(xdp[r] + 8 * b));  // d_w d_x, lane by lane
-            pair[r] = _mm512_fmadd_ps(lanes, s, pair[r]);
-        }
-    }
-    for (int r = 0; r < R; r++) {
-        even[r] = (f32x8)_mm512_castps512_ps256(pair[r]);
-        odd[r] = (f32x8)_mm512_extractf32x8_ps(pair[r], 1);
-    }
-#endif
     for (; b < blocks; b++) {
         if (ahead + CODE_BYTES * b < end) prefetch(ahead + CODE_BYTES * b);
 #if defined(__AVX2__)
@@ -350,6 +318,106 @@ void tile(const Q5Matrix &m, int64_t col, const int8_t *const *xq, const float *
     for (int r = 0; r < R; r++) out[r][col] = lanes_sum8(even[r] + odd[r]) + lanes_sum8(ms[r]);
 }
 
+/* Prefetches for weight row `col` (codes PREFETCH bytes ahead: rows are consecutive; scales of the row as far ahead). */
+inline void prefetch_scales(const Q5Matrix &m, int64_t col) {
+    const int64_t ahead_rows = PREFETCH / (m.blocks() * CODE_BYTES) + 1;
+    if (col + ahead_rows < m.n) {
+        for (int64_t at = 0; at < m.blocks() * 2; at += 64) {
+            prefetch(reinterpret_cast<const uint8_t *>(m.d_of(col + ahead_rows)) + at);
+            if (m.type != Q5_0) prefetch(reinterpret_cast<const uint8_t *>(m.m_of(col + ahead_rows)) + at);
+        }
+    }
+}
+
+/* out[r][col] for R rounded rows (xq, d_x, c or s per row): weight row `col`, each block unpacked once for the R
+   rows; every row's arithmetic the same whatever R. */
+template <int R>
+void tile(const Q5Matrix &m, int64_t col, const int8_t *const *xq, const float *const *xd, const int32_t *const *xc,
+          const float *const *xs, const float *const *xdp, float *const *out) {
+    f32x8 even[R] = {}, odd[R] = {};
+    int64_t b = 0;
+    prefetch_scales(m, col);
+#if defined(Q5_PAIRS)
+    const uint8_t *codes = m.codes_of(col), *ahead = codes + PREFETCH, *end = m.codes_of(m.n);
+    const uint16_t *dw = m.d_of(col);
+    const bool q5_0 = m.type == Q5_0;
+    const int64_t blocks = m.blocks();
+    // a pair of blocks per step, the even one in the low 8 lanes, the odd one in the high 8: the same integer lanes
+    // and the same fused multiply-adds into the same two chains as finish's steps
+    __m512 pair[R];
+    for (int r = 0; r < R; r++) pair[r] = _mm512_setzero_ps();
+    for (; b + 2 <= blocks; b += 2) {
+        if (ahead + CODE_BYTES * b < end) prefetch(ahead + CODE_BYTES * b);
+        const __m512i q = codes_pair(codes + CODE_BYTES * b);
+        const __m512 dwp = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(half_value(dw, b)), _mm512_set1_ps(half_value(dw, b + 1)));
+        for (int r = 0; r < R; r++) {
+            const __m512i x = _mm512_loadu_si512(xq[r] + BLOCK * b);
+            const __m512i c = q5_0 ? _mm512_loadu_si512(xc[r] + 8 * b) : _mm512_setzero_si512();
+            const __m512 lanes = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(c, q, x));
+            const __m512 s = _mm512_mul_ps(dwp, _mm512_loadu_ps(xdp[r] + 8 * b));  // d_w d_x, lane by lane
+            pair[r] = _mm512_fmadd_ps(lanes, s, pair[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        even[r] = (f32x8)_mm512_castps512_ps256(pair[r]);
+        odd[r] = (f32x8)_mm512_extractf32x8_ps(pair[r], 1);
+    }
+#endif
+    finish<R>(m, col, b, even, odd, xq, xd, xc, xs, out);
+}
+
+#if defined(Q5_PAIRS)
+constexpr int WIDE = 4;  // weight rows of a wide tile (tile_wide)
+
+/* tile<R> for weight rows col .. col + WIDE - 1 at once (R <= 4 rows of x): each row of x's bytes loaded once for the
+   WIDE weight rows, each weight row's codes unpacked once for the R rows; the same steps per output element. */
+template <int R>
+void tile_wide(const Q5Matrix &m, int64_t col, const int8_t *const *xq, const float *const *xd,
+               const int32_t *const *xc, const float *const *xs, const float *const *xdp, float *const *out) {
+    const bool q5_0 = m.type == Q5_0;
+    const int64_t blocks = m.blocks();
+    const uint8_t *codes[WIDE];
+    const uint16_t *dw[WIDE];
+    for (int c = 0; c < WIDE; c++) {
+        codes[c] = m.codes_of(col + c);
+        dw[c] = m.d_of(col + c);
+        prefetch_scales(m, col + c);
+    }
+    const uint8_t *ahead = codes[0] + PREFETCH, *end = m.codes_of(m.n);
+    __m512 pair[WIDE][R];
+    for (int c = 0; c < WIDE; c++)
+        for (int r = 0; r < R; r++) pair[c][r] = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= blocks; b += 2) {
+        __m512i q[WIDE];
+        __m512 dwp[WIDE];
+        for (int c = 0; c < WIDE; c++) {
+            const uint8_t *at = ahead + (codes[c] - codes[0]) + CODE_BYTES * b;
+            if (at < end) prefetch(at);
+            q[c] = codes_pair(codes[c] + CODE_BYTES * b);
+            dwp[c] = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(half_value(dw[c], b)), _mm512_set1_ps(half_value(dw[c], b + 1)));
+        }
+        for (int r = 0; r < R; r++) {
+            const __m512i x = _mm512_loadu_si512(xq[r] + BLOCK * b);
+            const __m512i cs = q5_0 ? _mm512_loadu_si512(xc[r] + 8 * b) : _mm512_setzero_si512();
+            const __m512 dx = _mm512_loadu_ps(xdp[r] + 8 * b);
+            for (int c = 0; c < WIDE; c++) {
+                const __m512 lanes = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(cs, q[c], x));
+                pair[c][r] = _mm512_fmadd_ps(lanes, _mm512_mul_ps(dwp[c], dx), pair[c][r]);
+            }
+        }
+    }
+    for (int c = 0; c < WIDE; c++) {
+        f32x8 even[R], odd[R];
+        for (int r = 0; r < R; r++) {
+            even[r] = (f32x8)_mm512_castps512_ps256(pair[c][r]);
+            odd[r] = (f32x8)_mm512_extractf32x8_ps(pair[c][r], 1);
+        }
+        finish<R>(m, col + c, b, even, odd, xq, xd, xc, xs, out);
+    }
+}
+#endif
+
 template <int R = 1>
 void rows_tile(int64_t count, const Q5Matrix &m, int64_t col, const int8_t *const *xq, const float *const *xd,
                const int32_t *const *xc, const float *const *xs, const float *const *xdp, float *const *out) {
@@ -358,6 +426,17 @@ void rows_tile(int64_t count, const Q5Matrix &m, int64_t col, const int8_t *cons
     }
     tile<R>(m, col, xq, xd, xc, xs, xdp, out);
 }
+
+#if defined(Q5_PAIRS)
+template <int R = 1>
+void rows_wide(int64_t count, const Q5Matrix &m, int64_t col, const int8_t *const *xq, const float *const *xd,
+               const int32_t *const *xc, const float *const *xs, const float *const *xdp, float *const *out) {
+    if constexpr (R < 4) {
+        if (count != R) return rows_wide<R + 1>(count, m, col, xq, xd, xc, xs, xdp, out);
+    }
+    tile_wide<R>(m, col, xq, xd, xc, xs, xdp, out);
+}
+#endif
 
 /* Below this many multiply-adds a product runs on one thread (gguf_kernels.cpp's threshold, for its reason). */
 constexpr int64_t THREADED_MIN_WORK = int64_t(1) << 22;
@@ -371,14 +450,20 @@ void product(const Q5Matrix &m, const float *x, int64_t rows, float *out) {
     // in L1 while the chunk's weight rows come from L2 (each column over every tile instead read all the rows'
     // activations from L2 for every column: 32 rows of 576 x 1536 1000 -> 770 us, 1536 x 576 940 -> 690)
     const int64_t chunks = (n + COLUMNS - 1) / COLUMNS;
+#if defined(Q5_PAIRS)
+    const bool wide = rows > 1;  // several rows of x: tiles of WIDE weight rows x 4 rows (tile_wide)
+    const int64_t step = wide ? 4 : TILE;
+#else
+    const int64_t step = TILE;
+#endif
 #pragma omp parallel for schedule(static) num_threads(g_threads) if (threaded)
     for (int64_t chunk = 0; chunk < chunks; chunk++) {
         const int8_t *qs[TILE];
         const float *ds[TILE], *ss[TILE], *dps[TILE];
         const int32_t *cs[TILE];
         float *outs[TILE];
-        for (int64_t r0 = 0; r0 < rows; r0 += TILE) {
-            const int64_t count = std::min<int64_t>(TILE, rows - r0);
+        for (int64_t r0 = 0; r0 < rows; r0 += step) {
+            const int64_t count = std::min<int64_t>(step, rows - r0);
             for (int64_t i = 0; i < count; i++) {
                 const int64_t r = r0 + i;
                 qs[i] = xr.q.data() + r * k;
@@ -388,8 +473,13 @@ void product(const Q5Matrix &m, const float *x, int64_t rows, float *out) {
                 dps[i] = xr.dpair.empty() ? nullptr : xr.dpair.data() + r * (blocks / 2) * 16;
                 outs[i] = out + r * n;
             }
-            for (int64_t col = chunk * COLUMNS; col < std::min(n, (chunk + 1) * COLUMNS); col++)
-                rows_tile(count, m, col, qs, ds, cs, ss, dps, outs);
+            int64_t col = chunk * COLUMNS;
+            const int64_t last = std::min(n, (chunk + 1) * COLUMNS);
+#if defined(Q5_PAIRS)
+            if (wide)
+                for (; col + WIDE <= last; col += WIDE) rows_wide(count, m, col, qs, ds, cs, ss, dps, outs);
+#endif
+            for (; col < last; col++) rows_tile(count, m, col, qs, ds, cs, ss, dps, outs);
         }
     }
 }
