@@ -289,6 +289,28 @@ K2_SIZES = ("hidden_size", "intermediate_size", "moe_intermediate_size", "num_at
             "bos_token_id", "eos_token_id", "pad_token_id")
 
 
+def pack_int4_experts(tensors: dict, helpers) -> tuple[dict, dict]:
+    """Routed experts as Kimi K2 publishes them: compressed-tensors pack-quantized INT4 (group 32, symmetric, bf16
+    scales, packed by the compressed-tensors library `helpers`), the rest as it is. Returns (packed tensors, the
+    values compressed-tensors unpacks them to)."""
+    packed, unpacked = {}, {}
+    for name, w in tensors.items():
+        if ".experts." not in name:
+            packed[name] = unpacked[name] = w.contiguous()
+            continue
+        rows, cols = w.shape
+        groups = w.float().reshape(rows, cols // 32, 32)
+        scale = (groups.abs().amax(-1) / 7).to(torch.bfloat16)
+        q = torch.round(groups / scale.float()[..., None]).clamp(-8, 7).to(torch.int8).reshape(rows, cols)
+        base = name[: -len(".weight")]
+        packed[base + ".weight_packed"] = helpers.pack_to_int32(q, 4)
+        packed[base + ".weight_scale"] = scale
+        packed[base + ".weight_shape"] = torch.tensor([rows, cols], dtype=torch.int32)
+        values = helpers.unpack_from_int32(packed[base + ".weight_packed"], 4, torch.Size([rows, cols]))
+        unpacked[name] = values.float() * scale.float().repeat_interleave(32, 1)
+    return packed, unpacked
+
+
 @pytest.fixture(scope="module")
 def kimi_k2(tmp_path_factory):
     """A tiny Kimi K2 Thinking as Moonshot publishes it: config.json is the real one (bundled in
@@ -308,21 +330,7 @@ def kimi_k2(tmp_path_factory):
                   first_k_dense_replace=k2["first_k_dense_replace"], n_shared_experts=k2["n_shared_experts"],
                   rms_norm_eps=k2["rms_norm_eps"], rope_parameters={**yarn, "rope_theta": k2["rope_theta"]},
                   max_position_embeddings=int(ROPE_WINDOW * yarn["factor"]))
-    packed, unpacked = {}, {}
-    for name, w in load_file(str(root / "bf" / "model.safetensors")).items():
-        if ".experts." not in name:
-            packed[name] = unpacked[name] = w.contiguous()
-            continue
-        rows, cols = w.shape
-        groups = w.float().reshape(rows, cols // 32, 32)
-        scale = (groups.abs().amax(-1) / 7).to(torch.bfloat16)
-        q = torch.round(groups / scale.float()[..., None]).clamp(-8, 7).to(torch.int8).reshape(rows, cols)
-        base = name[: -len(".weight")]
-        packed[base + ".weight_packed"] = helpers.pack_to_int32(q, 4)
-        packed[base + ".weight_scale"] = scale
-        packed[base + ".weight_shape"] = torch.tensor([rows, cols], dtype=torch.int32)
-        values = helpers.unpack_from_int32(packed[base + ".weight_packed"], 4, torch.Size([rows, cols]))
-        unpacked[name] = values.float() * scale.float().repeat_interleave(32, 1)
+    packed, unpacked = pack_int4_experts(load_file(str(root / "bf" / "model.safetensors")), helpers)
     tiny = json.loads((root / "bf" / "config.json").read_text())
     config = {**k2, **{key: tiny[key] for key in K2_SIZES}, "rope_scaling": {**k2["rope_scaling"],
               "original_max_position_embeddings": ROPE_WINDOW}}

@@ -12,7 +12,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -25,7 +24,7 @@ from pipeline.checkpoints.share_reads import read_shares
 from pipeline.models.tensor_parallel import Shard
 from pipeline.models.vocab_split import vocab_share
 from pipeline.runtime.stage import SHARE_READS, Stage
-from test_moe import make_deepseek, make_qwen3_moe
+from test_moe import make_deepseek, make_qwen3_moe, pack_int4_experts
 
 LAYERS_READ = "model.layers."
 
@@ -120,19 +119,7 @@ def folders(tmp_path_factory) -> dict:
     # Kimi K2's routed experts as Moonshot publishes them: compressed-tensors INT4 (group 32, symmetric, bf16
     # scales), packed by the compressed-tensors library; the rest as stored (bf16 in K2, float32 here)
     helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
-    int4 = {}
-    for name, w in load_file(str(root / "bf" / "model.safetensors")).items():
-        if ".experts." not in name:
-            int4[name] = w.contiguous()
-            continue
-        rows, cols = w.shape
-        groups = w.float().reshape(rows, cols // 32, 32)
-        scale = (groups.abs().amax(-1) / 7).to(torch.bfloat16)
-        q = torch.round(groups / scale.float()[..., None]).clamp(-8, 7).to(torch.int8).reshape(rows, cols)
-        base = name[: -len(".weight")]
-        int4[base + ".weight_packed"] = helpers.pack_to_int32(q, 4)
-        int4[base + ".weight_scale"] = scale
-        int4[base + ".weight_shape"] = torch.tensor([rows, cols], dtype=torch.int32)
+    int4, _ = pack_int4_experts(load_file(str(root / "bf" / "model.safetensors")), helpers)
     (root / "int4").mkdir()
     save_file(int4, str(root / "int4" / "model.safetensors"))
     write_tokenizer(root / "int4")

@@ -27,17 +27,24 @@ def load_member(path, t: int, member: int):
     return dict(tree_flatten(stage.model.parameters())), checkpoint, stage
 
 
-@pytest.mark.parametrize("form, t, member", [("gguf", 2, 0), ("gguf", 2, 1), ("gguf", 3, 1), ("gguf", 3, 2),
-                                             ("folder", 2, 0), ("folder", 2, 1)])
-def test_share_reads_hold_what_whole_reads_cut(form, t, member, monkeypatch):
-    path = find_default_gguf() if form == "gguf" else default_model_dir(progress=False)
+def assert_same_both_ways(path, t: int, member: int, monkeypatch):
+    """The member loaded reading whole tensors and cutting them, and reading its shares: the same arrays, bit for
+    bit. Returns the (share reads', whole reads') checkpoints."""
     monkeypatch.setenv(SHARE_READS, "0")
-    whole, _, _ = load_member(path, t, member)
+    whole, whole_checkpoint, _ = load_member(path, t, member)
     monkeypatch.setenv(SHARE_READS, "1")
     share, checkpoint, _ = load_member(path, t, member)
     assert set(whole) == set(share)
     for name in whole:
         assert whole[name].shape == share[name].shape and mx.array_equal(whole[name], share[name]).item(), name
+    return checkpoint, whole_checkpoint
+
+
+@pytest.mark.parametrize("form, t, member", [("gguf", 2, 0), ("gguf", 2, 1), ("gguf", 3, 1), ("gguf", 3, 2),
+                                             ("folder", 2, 0), ("folder", 2, 1)])
+def test_share_reads_hold_what_whole_reads_cut(form, t, member, monkeypatch):
+    path = find_default_gguf() if form == "gguf" else default_model_dir(progress=False)
+    checkpoint, _ = assert_same_both_ways(path, t, member, monkeypatch)
     if form == "gguf":
         assert checkpoint.bytes_read < 0.75 * sum(e.source[0].nbytes for n, e in checkpoint.tensors.items()
                                                   if n.endswith(".weight"))
@@ -83,13 +90,7 @@ def test_deepseek_gguf_reads_its_heads_of_k_b_and_v_b(t, member, tmp_path, monke
     model = g._deepseek(tmp_path / "hf", num_attention_heads=6, num_key_value_heads=6)
     path = g.write_model(tmp_path / "m.gguf", model, "deepseek2", g._by_kind(types), mla="split",
                          vocab=g.gguf_vocab(tmp_path / "vocab"))["files"][0]
-    monkeypatch.setenv(SHARE_READS, "0")
-    whole, whole_checkpoint, _ = load_member(path, t, member)
-    monkeypatch.setenv(SHARE_READS, "1")
-    share, checkpoint, _ = load_member(path, t, member)
-    assert set(whole) == set(share)
-    for name in whole:
-        assert whole[name].shape == share[name].shape and mx.array_equal(whole[name], share[name]).item(), name
+    checkpoint, whole_checkpoint = assert_same_both_ways(path, t, member, monkeypatch)
     kv_b = checkpoint.tensors["model.layers.0.self_attn.kv_b_proj.weight"]
     k_b, v_b = (t.name for t in kv_b.source)
     with narrowed_for(checkpoint, t, member) as _:
