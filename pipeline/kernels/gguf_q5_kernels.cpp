@@ -57,6 +57,11 @@ enum Q5Type { Q5_0 = 6, Q5_1 = 7 };  // ggml's type ids (GGMLQuantizationType)
 #endif
 
 constexpr int BLOCK = 32;       // values per block (and per activation block)
+/* 0x4B400000 is 1.5 * 2^23 as a float: an integer lane L (|L| < 2^22) added to these bits is 1.5 * 2^23 + L as a
+   float, exactly; minus 1.5 * 2^23 it is float(L), the bits vcvtdq2ps gives (gguf_kernels.cpp's trick: vsubps on
+   either vector port rather than vcvtdq2ps on one). A block's lanes stay within +-(4 * 31 * 127 + 16 * 4 * 127). */
+constexpr int32_t MAGIC_BITS = 0x4B400000;
+constexpr float MAGIC = 12582912.0f;
 constexpr int CODE_BYTES = 20;  // a block's 5-bit codes
 
 inline float half_value(const uint16_t *p, int64_t i) {
@@ -92,6 +97,8 @@ struct RoundedRows {
     std::vector<int8_t> q;
     std::vector<float> d, s, dpair;
     std::vector<int32_t> c;
+    std::vector<int8_t> lane_q;      // AVX-512, several rows: [rows, k / 64, 64] each pair's xq in the lane order
+    std::vector<int32_t> lane_start; // [rows, k / 64, 16]: MAGIC_BITS (+ c, Q5_0) in the lane order (tile_lanes)
 };
 
 RoundedRows round_rows(const float *x, int64_t rows, int64_t k, int type) {
@@ -99,6 +106,39 @@ RoundedRows round_rows(const float *x, int64_t rows, int64_t k, int type) {
     RoundedRows out{std::vector<int8_t>(rows * k), std::vector<float>(rows * blocks),
                     std::vector<float>(type == Q5_1 ? rows * blocks : 0), std::vector<float>(),
                     std::vector<int32_t>(type == Q5_0 ? rows * blocks * 8 : 0)};
+#if defined(Q5_PAIRS)
+    // the same steps in vectors (gguf_kernels.cpp's round_block): round_rows' std::max(amax, |v|) passes a NaN by, as
+    // vmaxps returns its second operand when either is NaN; the clamp's NaN is 0 by the ordered compare
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t b = 0; b < blocks; b++) {
+            const float *v = x + r * k + b * BLOCK;
+            const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v1), _mm512_max_ps(_mm512_abs_ps(v0), _mm512_setzero_ps())));
+            const float d = amax / 127.0f;
+            float inverse = d > 0.0f ? 1.0f / d : 0.0f;
+            if (!(inverse < INFINITY)) inverse = 0.0f;
+            out.d[r * blocks + b] = d;
+            const __m512 scale = _mm512_set1_ps(inverse), top = _mm512_set1_ps(127.0f), bottom = _mm512_set1_ps(-127.0f);
+            __m128i half[2];
+            for (int h = 0; h < 2; h++) {
+                const __m512 f = _mm512_roundscale_ps(_mm512_mul_ps(h ? v1 : v0, scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                const __m512 clamped = _mm512_min_ps(_mm512_max_ps(f, bottom), top);
+                half[h] = _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(f, f, _CMP_ORD_Q), clamped)));
+            }
+            const __m256i q = _mm256_set_m128i(half[1], half[0]);
+            _mm256_storeu_si256(reinterpret_cast<__m256i *>(out.q.data() + r * k + b * BLOCK), q);
+            if (type == Q5_1) {
+                alignas(32) int32_t four[8];
+                _mm256_store_si256(reinterpret_cast<__m256i *>(four), _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(1), q));
+                const int32_t sum = ((four[0] + four[1]) + (four[2] + four[3])) + ((four[4] + four[5]) + (four[6] + four[7]));
+                out.s[r * blocks + b] = float(sum) * d;
+            } else {  // -16 times each 4 values' sum: 16 (unsigned) times -q
+                _mm256_storeu_si256(reinterpret_cast<__m256i *>(out.c.data() + (r * blocks + b) * 8),
+                                    _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(16),
+                                                        _mm256_sub_epi8(_mm256_setzero_si256(), q)));
+            }
+        }
+#else
     for (int64_t r = 0; r < rows; r++)
         for (int64_t b = 0; b < blocks; b++) {
             const float *v = x + r * k + b * BLOCK;
@@ -120,11 +160,27 @@ RoundedRows round_rows(const float *x, int64_t rows, int64_t k, int type) {
             if (type == Q5_0)
                 for (int l = 0; l < 8; l++) out.c[(r * blocks + b) * 8 + l] = -16 * four[l];
         }
+#endif
 #if defined(Q5_PAIRS)
     out.dpair.resize(rows * (blocks / 2) * 16);
     for (int64_t r = 0; r < rows; r++)
         for (int64_t p = 0; p < blocks / 2; p++)
             for (int l = 0; l < 16; l++) out.dpair[(r * (blocks / 2) + p) * 16 + l] = out.d[r * blocks + 2 * p + l / 8];
+    if (rows > 1) {
+        const int64_t pairs = blocks / 2;
+        out.lane_q.resize(rows * pairs * 64);
+        out.lane_start.resize(rows * pairs * 16);
+        const __m512i order = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t p = 0; p < pairs; p++) {
+                _mm512_storeu_si512(out.lane_q.data() + (r * pairs + p) * 64,
+                                    _mm512_permutexvar_epi32(order, _mm512_loadu_si512(out.q.data() + r * k + 64 * p)));
+                __m512i start = _mm512_set1_epi32(MAGIC_BITS);
+                if (type == Q5_0)
+                    start = _mm512_add_epi32(start, _mm512_permutexvar_epi32(order, _mm512_loadu_si512(out.c.data() + (r * blocks + 2 * p) * 8)));
+                _mm512_storeu_si512(out.lane_start.data() + (r * pairs + p) * 16, start);
+            }
+    }
 #endif
     return out;
 }
@@ -367,54 +423,99 @@ void tile(const Q5Matrix &m, int64_t col, const int8_t *const *xq, const float *
 }
 
 #if defined(Q5_PAIRS)
-constexpr int WIDE = 4;  // weight rows of a wide tile (tile_wide)
+/* Blocks b and b + 1 (40 bytes at p) in the lane order: lane l (4 bytes) is block b + l % 2's codes 4 (l / 2) ..
+   4 (l / 2) + 3, as lane_q's x. Qword g gathers bytes s .. s + 2 of each block (s = 20 g / 8; values 4 g .. 4 g + 3
+   are their 20 bits from bit 0, g even, or 4), vpmultishiftqb takes each value's byte at its bit, the AND its 5. */
+inline __m512i codes_pair_lanes(const uint8_t *p) {
+    const __m512i bytes = _mm512_maskz_loadu_epi8((uint64_t(1) << 40) - 1, p);
+    alignas(64) static constexpr uint8_t spread[64] = {
+        0,  1,  2,  20, 21, 22, 22, 22, 2,  3,  4,  22, 23, 24, 24, 24, 5,  6,  7,  25, 26, 27,
+        27, 27, 7,  8,  9,  27, 28, 29, 29, 29, 10, 11, 12, 30, 31, 32, 32, 32, 12, 13, 14, 32,
+        33, 34, 34, 34, 15, 16, 17, 35, 36, 37, 37, 37, 17, 18, 19, 37, 38, 39, 39, 39};
+    const __m512i at = _mm512_set_epi64(0x2B26211C130E0904LL, 0x27221D180F0A0500LL, 0x2B26211C130E0904LL,
+                                        0x27221D180F0A0500LL, 0x2B26211C130E0904LL, 0x27221D180F0A0500LL,
+                                        0x2B26211C130E0904LL, 0x27221D180F0A0500LL);
+    return _mm512_and_si512(_mm512_multishift_epi64_epi8(at, _mm512_permutexvar_epi8(_mm512_load_si512(spread), bytes)),
+                            _mm512_set1_epi8(31));
+}
 
-/* tile<R> for weight rows col .. col + WIDE - 1 at once (R <= 4 rows of x): each row of x's bytes loaded once for the
-   WIDE weight rows, each weight row's codes unpacked once for the R rows; the same steps per output element. */
-template <int R>
-void tile_wide(const Q5Matrix &m, int64_t col, const int8_t *const *xq, const float *const *xd,
-               const int32_t *const *xc, const float *const *xs, const float *const *xdp, float *const *out) {
-    const bool q5_0 = m.type == Q5_0;
-    const int64_t blocks = m.blocks();
-    const uint8_t *codes[WIDE];
-    const uint16_t *dw[WIDE];
-    for (int c = 0; c < WIDE; c++) {
+/* out[r][col + c] for R rows of x and C weight rows from col (several rows of x): pairs of blocks in the lane order
+   (lane 2 g: the even block's lane g, 2 g + 1: the odd one's), so that a pair's two d_w d_x are one 64-bit broadcast
+   of products made 16 blocks at a time; lanes from MAGIC_BITS (+ c) made floats by a subtraction; per lane the same
+   fused multiply-adds in the same order as tile's, split back into the even and odd chains for finish. Each pair's
+   codes unpacked once for the R rows, each row's bytes loaded once for the C weight rows. */
+template <int R, int C>
+void tile_lanes(const Q5Matrix &m, int64_t col, const RoundedRows &xr, int64_t r0, const int8_t *const *xq,
+                const float *const *xd, const int32_t *const *xc, const float *const *xs, float *const *out) {
+    const int64_t blocks = m.blocks(), pairs = blocks / 2;
+    const uint8_t *codes[C];
+    const uint16_t *dw[C];
+    for (int c = 0; c < C; c++) {
         codes[c] = m.codes_of(col + c);
         dw[c] = m.d_of(col + c);
         prefetch_scales(m, col + c);
     }
+    const int8_t *lq[R];
+    const int32_t *ls[R];
+    for (int r = 0; r < R; r++) {
+        lq[r] = xr.lane_q.data() + (r0 + r) * pairs * 64;
+        ls[r] = xr.lane_start.data() + (r0 + r) * pairs * 16;
+    }
     const uint8_t *ahead = codes[0] + PREFETCH, *end = m.codes_of(m.n);
-    __m512 pair[WIDE][R];
-    for (int c = 0; c < WIDE; c++)
-        for (int r = 0; r < R; r++) pair[c][r] = _mm512_setzero_ps();
-    int64_t b = 0;
-    for (; b + 2 <= blocks; b += 2) {
-        __m512i q[WIDE];
-        __m512 dwp[WIDE];
-        for (int c = 0; c < WIDE; c++) {
-            const uint8_t *at = ahead + (codes[c] - codes[0]) + CODE_BYTES * b;
-            if (at < end) prefetch(at);
-            q[c] = codes_pair(codes[c] + CODE_BYTES * b);
-            dwp[c] = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(half_value(dw[c], b)), _mm512_set1_ps(half_value(dw[c], b + 1)));
+    const __m512 magic = _mm512_set1_ps(MAGIC);
+    __m512 acc[R][C];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
+    alignas(64) float scale[R][C][16];  // d_w * d_x of 16 blocks: a pair's two read as one 64-bit broadcast
+    for (int64_t g = 0; g < pairs; g += 8) {
+        const int count = int(std::min<int64_t>(8, pairs - g));
+        const __mmask16 valid = __mmask16((1u << (2 * count)) - 1);
+        for (int c = 0; c < C; c++) {
+            const __m512 d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, dw[c] + 2 * g));
+            for (int r = 0; r < R; r++) _mm512_store_ps(scale[r][c], _mm512_mul_ps(d, _mm512_maskz_loadu_ps(valid, xd[r] + 2 * g)));
         }
-        for (int r = 0; r < R; r++) {
-            const __m512i x = _mm512_loadu_si512(xq[r] + BLOCK * b);
-            const __m512i cs = q5_0 ? _mm512_loadu_si512(xc[r] + 8 * b) : _mm512_setzero_si512();
-            const __m512 dx = _mm512_loadu_ps(xdp[r] + 8 * b);
-            for (int c = 0; c < WIDE; c++) {
-                const __m512 lanes = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(cs, q[c], x));
-                pair[c][r] = _mm512_fmadd_ps(lanes, _mm512_mul_ps(dwp[c], dx), pair[c][r]);
+        for (int j = 0; j < count; j++) {
+            const int64_t p = g + j;
+            __m512i q[C];
+            for (int c = 0; c < C; c++) {
+                const uint8_t *at = ahead + (codes[c] - codes[0]) + 2 * CODE_BYTES * p;
+                if (at < end) prefetch(at);
+                q[c] = codes_pair_lanes(codes[c] + 2 * CODE_BYTES * p);
+            }
+            for (int r = 0; r < R; r++) {
+                const __m512i x = _mm512_loadu_si512(lq[r] + 64 * p);
+                for (int c = 0; c < C; c++) {
+                    const __m512i lanes = _mm512_dpbusd_epi32(_mm512_loadu_si512(ls[r] + 16 * p), q[c], x);
+                    double two;
+                    std::memcpy(&two, &scale[r][c][2 * j], 8);
+                    acc[r][c] = _mm512_fmadd_ps(_mm512_sub_ps(_mm512_castsi512_ps(lanes), magic),
+                                                _mm512_castpd_ps(_mm512_set1_pd(two)), acc[r][c]);
+                }
             }
         }
     }
-    for (int c = 0; c < WIDE; c++) {
+    const __m512i split = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    for (int c = 0; c < C; c++) {
         f32x8 even[R], odd[R];
         for (int r = 0; r < R; r++) {
-            even[r] = (f32x8)_mm512_castps512_ps256(pair[c][r]);
-            odd[r] = (f32x8)_mm512_extractf32x8_ps(pair[c][r], 1);
+            const __m512 both = _mm512_permutexvar_ps(split, acc[r][c]);
+            even[r] = (f32x8)_mm512_castps512_ps256(both);
+            odd[r] = (f32x8)_mm512_extractf32x8_ps(both, 1);
         }
-        finish<R>(m, col + c, b, even, odd, xq, xd, xc, xs, out);
+        finish<R>(m, col + c, 2 * pairs, even, odd, xq, xd, xc, xs, out);
     }
+}
+
+/* tile_lanes for count (<= NR) rows of x and `columns` (<= NC) weight rows. */
+template <int NR, int NC, int R = 1>
+void rows_lanes(int64_t count, int64_t columns, const Q5Matrix &m, int64_t col, const RoundedRows &xr, int64_t r0,
+                const int8_t *const *xq, const float *const *xd, const int32_t *const *xc, const float *const *xs,
+                float *const *out) {
+    if constexpr (R < NR) {
+        if (count != R) return rows_lanes<NR, NC, R + 1>(count, columns, m, col, xr, r0, xq, xd, xc, xs, out);
+    }
+    if (columns == NC) return tile_lanes<R, NC>(m, col, xr, r0, xq, xd, xc, xs, out);
+    for (int64_t c = 0; c < columns; c++) tile_lanes<R, 1>(m, col + c, xr, r0, xq, xd, xc, xs, out);
 }
 #endif
 
@@ -427,19 +528,18 @@ void rows_tile(int64_t count, const Q5Matrix &m, int64_t col, const int8_t *cons
     tile<R>(m, col, xq, xd, xc, xs, xdp, out);
 }
 
-#if defined(Q5_PAIRS)
-template <int R = 1>
-void rows_wide(int64_t count, const Q5Matrix &m, int64_t col, const int8_t *const *xq, const float *const *xd,
-               const int32_t *const *xc, const float *const *xs, const float *const *xdp, float *const *out) {
-    if constexpr (R < 4) {
-        if (count != R) return rows_wide<R + 1>(count, m, col, xq, xd, xc, xs, xdp, out);
-    }
-    tile_wide<R>(m, col, xq, xd, xc, xs, xdp, out);
-}
-#endif
-
 /* Below this many multiply-adds a product runs on one thread (gguf_kernels.cpp's threshold, for its reason). */
 constexpr int64_t THREADED_MIN_WORK = int64_t(1) << 22;
+#if defined(Q5_PAIRS)
+#ifndef Q5_LANES_ROWS
+#define Q5_LANES_ROWS 4
+#define Q5_LANES_COLS 4
+#endif
+constexpr int LANES_ROWS = Q5_LANES_ROWS, LANES_COLS = Q5_LANES_COLS;  // tile_lanes' tile
+constexpr int MAX_ROWS = std::max(TILE, LANES_ROWS);
+#else
+constexpr int MAX_ROWS = TILE;
+#endif
 constexpr int64_t COLUMNS = 16;  // weight rows a tile of rows runs over before the next tile (product; 16: even shares)
 
 void product(const Q5Matrix &m, const float *x, int64_t rows, float *out) {
@@ -451,17 +551,17 @@ void product(const Q5Matrix &m, const float *x, int64_t rows, float *out) {
     // activations from L2 for every column: 32 rows of 576 x 1536 1000 -> 770 us, 1536 x 576 940 -> 690)
     const int64_t chunks = (n + COLUMNS - 1) / COLUMNS;
 #if defined(Q5_PAIRS)
-    const bool wide = rows > 1;  // several rows of x: tiles of WIDE weight rows x 4 rows (tile_wide)
-    const int64_t step = wide ? 4 : TILE;
+    const bool wide = rows > 1;  // several rows of x: tiles of LANES_COLS weight rows x LANES_ROWS rows (tile_lanes)
+    const int64_t step = wide ? LANES_ROWS : TILE;
 #else
     const int64_t step = TILE;
 #endif
 #pragma omp parallel for schedule(static) num_threads(g_threads) if (threaded)
     for (int64_t chunk = 0; chunk < chunks; chunk++) {
-        const int8_t *qs[TILE];
-        const float *ds[TILE], *ss[TILE], *dps[TILE];
-        const int32_t *cs[TILE];
-        float *outs[TILE];
+        const int8_t *qs[MAX_ROWS];
+        const float *ds[MAX_ROWS], *ss[MAX_ROWS], *dps[MAX_ROWS];
+        const int32_t *cs[MAX_ROWS];
+        float *outs[MAX_ROWS];
         for (int64_t r0 = 0; r0 < rows; r0 += step) {
             const int64_t count = std::min<int64_t>(step, rows - r0);
             for (int64_t i = 0; i < count; i++) {
@@ -476,8 +576,12 @@ void product(const Q5Matrix &m, const float *x, int64_t rows, float *out) {
             int64_t col = chunk * COLUMNS;
             const int64_t last = std::min(n, (chunk + 1) * COLUMNS);
 #if defined(Q5_PAIRS)
-            if (wide)
-                for (; col + WIDE <= last; col += WIDE) rows_wide(count, m, col, qs, ds, cs, ss, dps, outs);
+            if (wide) {
+                for (; col < last; col += LANES_COLS)
+                    rows_lanes<LANES_ROWS, LANES_COLS>(count, std::min<int64_t>(LANES_COLS, last - col), m, col, xr, r0,
+                                                       qs, ds, cs, ss, outs);
+                continue;
+            }
 #endif
             for (; col < last; col++) rows_tile(count, m, col, qs, ds, cs, ss, dps, outs);
         }
