@@ -300,7 +300,16 @@ inline f32x8 half8(const uint16_t *p, int count) {
 #endif
 }
 
-inline float lanes_sum8(f32x8 v) { return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7])); }
+inline float lanes_sum8(f32x8 v) {
+#if defined(__AVX2__)
+    // the same tree in vectors: t_i = v_i + v_(i+4), u_0 = t_0 + t_2, u_1 = t_1 + t_3, u_0 + u_1
+    const __m128 t = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+    const __m128 u = _mm_add_ps(t, _mm_movehl_ps(t, t));
+    return _mm_cvtss_f32(_mm_add_ss(u, _mm_movehdup_ps(u)));
+#else
+    return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
+#endif
+}
 
 /* The block's 8 lanes (opening comment) for codes q and one row's xq, starting from c (Q5_0) or zeros. */
 #if defined(__AVX2__)
@@ -365,13 +374,20 @@ void finish(const Q5Matrix &m, int64_t col, int64_t b, f32x8 *even, f32x8 *odd, 
     // Q5_1: sum over blocks of m * s, in 8 lanes (lane l: blocks 8i + l, fused multiply-adds in order of i; a last
     // group of fewer than 8 blocks padded with zeros), one lane-sum tree
     const uint16_t *mw = m.m_of(col);
-    f32x8 ms[R] = {};
-    for (int64_t b0 = 0; b0 < blocks; b0 += 8) {
-        const int count = int(std::min<int64_t>(8, blocks - b0));
-        const f32x8 mv = half8(mw + b0, count);
-        for (int r = 0; r < R; r++) ms[r] = fma8(mv, load8(xs[r] + b0, count), ms[r]);
+    const int64_t whole = blocks / 8 * 8;
+    for (int r = 0; r < R; r++) {  // a row at a time: its chain in a register
+        f32x8 ms{};
+        for (int64_t b0 = 0; b0 < whole; b0 += 8) {
+#if defined(__F16C__) && defined(__AVX2__)
+            ms = fma8((f32x8)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(mw + b0))),
+                      (f32x8)_mm256_loadu_ps(xs[r] + b0), ms);
+#else
+            ms = fma8(half8(mw + b0, 8), load8(xs[r] + b0, 8), ms);
+#endif
+        }
+        if (whole < blocks) ms = fma8(half8(mw + whole, int(blocks - whole)), load8(xs[r] + whole, int(blocks - whole)), ms);
+        out[r][col] = lanes_sum8(even[r] + odd[r]) + lanes_sum8(ms);
     }
-    for (int r = 0; r < R; r++) out[r][col] = lanes_sum8(even[r] + odd[r]) + lanes_sum8(ms[r]);
 }
 
 /* Prefetches for weight row `col` (codes PREFETCH bytes ahead: rows are consecutive; scales of the row as far ahead). */
@@ -446,14 +462,14 @@ inline __m512i codes_pair_lanes(const uint8_t *p) {
    codes unpacked once for the R rows, each row's bytes loaded once for the C weight rows. */
 template <int R, int C>
 void tile_lanes(const Q5Matrix &m, int64_t col, const RoundedRows &xr, int64_t r0, const int8_t *const *xq,
-                const float *const *xd, const int32_t *const *xc, const float *const *xs, float *const *out) {
+                const float *const *xd, const int32_t *const *xc, const float *const *xs, float *const *out,
+                const uint8_t *unpacked) {
     const int64_t blocks = m.blocks(), pairs = blocks / 2;
     const uint8_t *codes[C];
     const uint16_t *dw[C];
     for (int c = 0; c < C; c++) {
-        codes[c] = m.codes_of(col + c);
+        codes[c] = unpacked + c * pairs * 64;
         dw[c] = m.d_of(col + c);
-        prefetch_scales(m, col + c);
     }
     const int8_t *lq[R];
     const int32_t *ls[R];
@@ -461,7 +477,6 @@ void tile_lanes(const Q5Matrix &m, int64_t col, const RoundedRows &xr, int64_t r
         lq[r] = xr.lane_q.data() + (r0 + r) * pairs * 64;
         ls[r] = xr.lane_start.data() + (r0 + r) * pairs * 16;
     }
-    const uint8_t *ahead = codes[0] + PREFETCH, *end = m.codes_of(m.n);
     const __m512 magic = _mm512_set1_ps(MAGIC);
     __m512 acc[R][C];
     for (int r = 0; r < R; r++)
@@ -477,11 +492,7 @@ void tile_lanes(const Q5Matrix &m, int64_t col, const RoundedRows &xr, int64_t r
         for (int j = 0; j < count; j++) {
             const int64_t p = g + j;
             __m512i q[C];
-            for (int c = 0; c < C; c++) {
-                const uint8_t *at = ahead + (codes[c] - codes[0]) + 2 * CODE_BYTES * p;
-                if (at < end) prefetch(at);
-                q[c] = codes_pair_lanes(codes[c] + 2 * CODE_BYTES * p);
-            }
+            for (int c = 0; c < C; c++) q[c] = _mm512_load_si512(codes[c] + 64 * p);
             for (int r = 0; r < R; r++) {
                 const __m512i x = _mm512_loadu_si512(lq[r] + 64 * p);
                 for (int c = 0; c < C; c++) {
@@ -510,12 +521,29 @@ void tile_lanes(const Q5Matrix &m, int64_t col, const RoundedRows &xr, int64_t r
 template <int NR, int NC, int R = 1>
 void rows_lanes(int64_t count, int64_t columns, const Q5Matrix &m, int64_t col, const RoundedRows &xr, int64_t r0,
                 const int8_t *const *xq, const float *const *xd, const int32_t *const *xc, const float *const *xs,
-                float *const *out) {
+                float *const *out, const uint8_t *unpacked) {
     if constexpr (R < NR) {
-        if (count != R) return rows_lanes<NR, NC, R + 1>(count, columns, m, col, xr, r0, xq, xd, xc, xs, out);
+        if (count != R) return rows_lanes<NR, NC, R + 1>(count, columns, m, col, xr, r0, xq, xd, xc, xs, out, unpacked);
     }
-    if (columns == NC) return tile_lanes<R, NC>(m, col, xr, r0, xq, xd, xc, xs, out);
-    for (int64_t c = 0; c < columns; c++) tile_lanes<R, 1>(m, col + c, xr, r0, xq, xd, xc, xs, out);
+    if (columns == NC) return tile_lanes<R, NC>(m, col, xr, r0, xq, xd, xc, xs, out, unpacked);
+    const int64_t stride = m.blocks() / 2 * 64;
+    for (int64_t c = 0; c < columns; c++) tile_lanes<R, 1>(m, col + c, xr, r0, xq, xd, xc, xs, out, unpacked + c * stride);
+}
+
+/* Weight rows col .. col + count - 1's pairs of blocks unpacked in the lane order (codes_pair_lanes) to `to`
+   ([count, k / 64, 64]): once per chunk of columns, for all the tiles of rows of x over it. */
+void unpack_lanes(const Q5Matrix &m, int64_t col, int64_t count, uint8_t *to) {
+    const int64_t pairs = m.blocks() / 2;
+    const uint8_t *end = m.codes_of(m.n);
+    for (int64_t c = 0; c < count; c++) {
+        const uint8_t *codes = m.codes_of(col + c);
+        prefetch_scales(m, col + c);
+        for (int64_t p = 0; p < pairs; p++) {
+            const uint8_t *at = codes + PREFETCH + 2 * CODE_BYTES * p;
+            if (at < end) prefetch(at);
+            _mm512_store_si512(to + (c * pairs + p) * 64, codes_pair_lanes(codes + 2 * CODE_BYTES * p));
+        }
+    }
 }
 #endif
 
@@ -562,6 +590,12 @@ void product(const Q5Matrix &m, const float *x, int64_t rows, float *out) {
         const float *ds[MAX_ROWS], *ss[MAX_ROWS], *dps[MAX_ROWS];
         const int32_t *cs[MAX_ROWS];
         float *outs[MAX_ROWS];
+#if defined(Q5_PAIRS)
+        // several rows of x: the chunk's weight rows unpacked once (COLUMNS x k bytes, in L1 for every tile of rows)
+        std::vector<__m512i> unpacked(wide ? COLUMNS * (blocks / 2) : 0);
+        const int64_t first = chunk * COLUMNS;
+        if (wide) unpack_lanes(m, first, std::min(n, first + COLUMNS) - first, reinterpret_cast<uint8_t *>(unpacked.data()));
+#endif
         for (int64_t r0 = 0; r0 < rows; r0 += step) {
             const int64_t count = std::min<int64_t>(step, rows - r0);
             for (int64_t i = 0; i < count; i++) {
@@ -579,7 +613,8 @@ void product(const Q5Matrix &m, const float *x, int64_t rows, float *out) {
             if (wide) {
                 for (; col < last; col += LANES_COLS)
                     rows_lanes<LANES_ROWS, LANES_COLS>(count, std::min<int64_t>(LANES_COLS, last - col), m, col, xr, r0,
-                                                       qs, ds, cs, ss, outs);
+                                                       qs, ds, cs, ss, outs,
+                                                       reinterpret_cast<const uint8_t *>(unpacked.data()) + (col - first) * (blocks / 2) * 64);
                 continue;
             }
 #endif
