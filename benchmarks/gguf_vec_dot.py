@@ -14,7 +14,8 @@ place (int8_rows_matmul) and from the int8 copy those replace (int8_matmul), 1 a
 the load average before and after. --rows R: R rows of x a product (a batch's or a prompt's products), the times
 per product. --streamed: each type's int8 product on one row over 64 MiB of distinct matrices (each read from
 memory, as a model's layers are between tokens; the matrices in cache above), one product at a time, wall time
-per product (best of --reps): what decode pays.
+per product (best of --reps): what decode pays. Q4_0, Q4_1, Q8_0 (not in the default list): held as MLX's 4/8-bit
+layout, int8 products on its int8 repack (int8_matmul), as GGUF files of those types load with int8 activations.
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ ROW_BYTES = {"Q6_K": 210, "IQ4_NL": 144, "IQ4_XS": 136, **{t: b for t, (_, b) in
 # held as MLX's 5-bit codes and float16 d (and m): int8 products gguf_q5_kernels.cpp, float ones qmm_kernels.cpp's
 Q5_TYPES = {"Q5_0": (6, 176), "Q5_1": (7, 192)}
 ROW_BYTES.update({t: b for t, (_, b) in Q5_TYPES.items()})
+# held as MLX's 4/8-bit affine layout (quants.decode_exact): int8 products int8_kernels.cpp's int8_matmul on the int8
+# repack (block_tile), float ones qmm_kernels.cpp's quantized_matmul; not in the default list (--types Q4_0,...)
+MLX_TYPES = {"Q4_0": (4, 144), "Q4_1": (4, 160), "Q8_0": (8, 272)}
+ROW_BYTES.update({t: b for t, (_, b) in MLX_TYPES.items()})
 DEFAULT_TYPES = ("Q6_K", "Q5_K", "Q4_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S",
                  "IQ1_S", "IQ1_M", "TQ2_0", "TQ1_0", "Q5_0", "Q5_1")
 
@@ -59,7 +64,7 @@ def _cpu(f) -> float:
 def random_raw(rng, qtype: str, n: int, k: int) -> np.ndarray:
     """Random block bytes: the integer paths' speed does not depend on them (nor the float path's on a NaN scale);
     Q5_0 / Q5_1: gguf's quantizer's blocks of random floats (held as MLX's layout, whose d must be finite)."""
-    if qtype in Q5_TYPES:
+    if qtype in Q5_TYPES or qtype in MLX_TYPES:
         import gguf
 
         w = rng.standard_normal((n, k)).astype(np.float32)
@@ -78,6 +83,15 @@ def product(qtype: str, raw: np.ndarray, int8: bool):
         if int8:
             return lambda x: kernels.gguf_q5_matmul(x, codes, d, m, Q5_TYPES[qtype][0])
         return lambda x: kernels.quantized_matmul(x, codes, d, m, 32, 5)
+    if qtype in MLX_TYPES:  # as the loader holds them with int8 activations (checkpoints/int8_repack.py)
+        bits, kernels = MLX_TYPES[qtype][0], build.load().module
+        held = [mx.array(a) for a in quants.decode_exact(raw, qtype)]
+        if int8:
+            packed = kernels.int8_repack(*held, 32, bits)
+            mx.eval(*packed)
+            return lambda x: kernels.int8_matmul(x, *packed, 32, bits)
+        mx.eval(*held)
+        return lambda x: kernels.quantized_matmul(x, *held, 32, bits)
     arrays = [mx.array(a) for a in quants.native_arrays(raw, qtype)]
     mx.eval(*arrays)
     if qtype in quants.BLOCKS:

@@ -476,11 +476,12 @@ constexpr int INT8_TILE = 4;  // rows sharing each unpacked super-block
 
 /* A one-row (decode) product's weights stream from memory (a model's matrices leave the caches between tokens): each
    super-block asks for the bytes PREFETCH_AHEAD on (the rows are consecutive: 2-3 rows of a 1536-wide matrix ahead).
-   Hints only: the same bits. Measured one row of 576 x 1536 over 64-256 MiB of matrices, one thread, interleaved with
-   the code before (load 1.6-3): no change (Q4_K 55-67 us both, Q5_K 66-79, Q3_K 57-62, Q2_K 48-53; in cache 45-57):
-   these products are bound by their decoding, not by memory, the hardware prefetcher keeping up with their one
-   stream of row bytes (IQ4's and the head's many streams it does not: gguf_kernels.cpp, int8_kernels.cpp). Kept at
-   no cost in cache; 1-3 KiB ahead was the best of 0-16 KiB (0 ahead: 95 us). */
+   Hints only: the same bits; no cost in cache. Measured one row of 576 x 1536 over 64-256 MiB of matrices, one thread,
+   interleaved with the code before (benchmarks/gguf_vec_dot.py --streamed): at load 1.6-3 no change (Q4_K 55-67 us
+   both, Q5_K 66-79, Q3_K 57-62, Q2_K 48-53; in cache 45-57: bound by the decoding, the hardware prefetcher keeping up
+   with the one stream of row bytes); at load 4-4.8 (other processes taking memory bandwidth) Q4_K 100-207 -> 56-152,
+   Q5_K 116-233 -> 103-161, Q3_K 88-175 -> 67-121, Q2_K 100-155 -> 48-103 (3-4 runs each, noisy). 1-3 KiB ahead was
+   the best of 0-16 KiB. */
 constexpr int64_t PREFETCH_AHEAD = 2048;
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
