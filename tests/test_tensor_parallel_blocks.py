@@ -230,7 +230,7 @@ def test_each_rank_reads_only_its_share(files, kind, t, experts):
                 continue  # one GGUF tensor each, counted with its weight
             entry = checkpoint.tensors[name]
             nbytes = sum(sizes[source.name] for source in entry.source)
-            if name in shares and entry.how != "mla_kv_b":  # (kv_b: two tensors joined, read whole)
+            if name in shares:  # (kv_b: attn_k_b and attn_v_b joined, each read for the member's heads)
                 _, begin, end, of = shares[name]
                 nbytes = nbytes * (end - begin) // of
             expected += nbytes
