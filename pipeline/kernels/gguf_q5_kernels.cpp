@@ -22,7 +22,11 @@
  * Every output element is that fixed sequence on its row of x and its weight row whatever the number of rows, their
  * order or the threads (batch invariance); the AVX-512 (a pair of blocks per step, the even one in the low 8 lanes),
  * AVX2 and generic code give the same bits (integer sums are exact; the float steps are the same fused multiply-adds,
- * std::fma in the generic code). Built with the rest of the extension by build.py (-march=native).
+ * std::fma in the generic code). Several rows of x (AVX-512, tile_lanes): the pairs' 16 lanes in IQ4_NL's lane order
+ * (lane 2 g the even block's lane g, 2 g + 1 the odd one's; x and the codes laid out so, each chunk of 16 weight rows
+ * unpacked once for all its tiles of rows), the lanes started at MAGIC_BITS (+ c) and made floats by a subtraction,
+ * d_w d_x made 16 blocks at a time: per output the same lanes, the same fused multiply-adds in the same order.
+ * Built with the rest of the extension by build.py (-march=native).
  */
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
