@@ -130,13 +130,14 @@ GROUP_SUMS = [
     # with 3.37 and 2.93 ms a token of sums: 95.5 us a sum, of which the link's 8 KB take 3.9 us.
     SumMeasurement("tensor_parallel_quiet", "2026-12-06T08:35:50+0000", "1.1-1.3", "shared memory", 33, 3.15,
                    SHARED_MEMORY_8KB_US, "fit"),  # 91.6 us a sum beyond the link
-    # Two hosts (veth, MPI over UCX's TCP), idle (load 1.5-1.8, at 2a9c11a): T = 2 decoded 25.6 tok/s (predicted
-    # 28.8: 1.13, within issue 34's 25%) with 4.57 ms a token of sums: 138 us a sum, of which the link's 8 KB take
-    # 6.3 us: 132 us beyond the link where the fit says 91.6 (+44%: UCX's TCP progress on top of the message;
-    # 1.3 ms a token the prediction leaves out). Recorded, not fitted on (one run). (The loaded run before it,
-    # load 13.6-15.2: 7.5 ms a sum, the wait for the partner rank to get a core.)
-    SumMeasurement("tensor_parallel_hosts", "2026-12-06T11:33:00+0000", "1.5-1.8", "veth, TCP", 33, 4.57,
-                   6.34, "recorded"),
+    # Two hosts (veth, MPI over UCX's TCP), idle (load 1.3-1.7, at 029359f): T = 2 decoded 29.1 tok/s (predicted
+    # 32.6: 1.12, within issue 34's 25%) with 3.95 ms a token of sums: 120 us a sum, of which the link's 8 KB take
+    # 5.9 us: 114 us beyond the link where the fit says 91.6 (+24%: UCX's TCP progress on top of the message;
+    # 0.7 ms a token the prediction leaves out). Recorded, not fitted on (one run). (The run before at 2a9c11a,
+    # load 1.5-1.8: 25.6 tok/s for 28.8 predicted, 4.57 ms of sums; a loaded one, load 13.6-15.2: 7.5 ms a sum,
+    # the wait for the partner rank to get a core.)
+    SumMeasurement("tensor_parallel_hosts", "2026-12-06T14:37:16+0000", "1.3-1.7", "veth, TCP", 33, 3.95,
+                   5.89, "recorded"),
     # (The TCP runs of b862d90's Python sum, tensor_parallel_rerun / _llama: 1.8-1.96 ms a sum, the sum this
     # term was fitted on before the sum moved into the graph; not this runtime's any more.)
 ]
