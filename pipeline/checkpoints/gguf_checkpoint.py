@@ -77,6 +77,16 @@ MIN_PIECE_VALUES = 1 << 20  # the smallest piece worth a decoder thread
 STRIDED_RUN_SPAN = 16 << 10  # a share's runs this long are prefetched each alone (shorter: its whole extent)
 
 
+def run_spans(t) -> list[tuple[Path, int, int]]:
+    """The byte ranges (file, begin, end) a prefetch asks for to read `t`: its bytes, or for a share read in
+    `t.rows` runs `t.stride` apart (share_reads.StridedTensor, share_reads.Runs) each run of STRIDED_RUN_SPAN or
+    more alone, else first to last byte."""
+    stride, run = getattr(t, "stride", 0), t.nbytes // max(1, t.rows)
+    if stride and run >= STRIDED_RUN_SPAN:
+        return [(t.file, t.begin + i * stride, t.begin + i * stride + run) for i in range(t.rows)]
+    return [(t.file, t.begin, t.begin + ((t.rows - 1) * stride + run if stride else t.nbytes))]
+
+
 @dataclass(frozen=True)
 class Entry:
     """One array of the index: what a model folder would hold under this name, and how to get it
@@ -298,14 +308,7 @@ class GGUFCheckpoint(Checkpoint):
     def spans(self, name: str) -> list[tuple[Path, int, int]]:
         """The byte ranges (file, begin, end) reading `name` reads: its GGUF tensors' (a share read in runs
         `stride` apart, share_reads.StridedTensor: each run of 16 KiB or more, else first to last byte)."""
-        spans = []
-        for t in self.tensors[name].source:
-            stride, run = getattr(t, "stride", 0), t.nbytes // max(1, t.rows)
-            if stride and run >= STRIDED_RUN_SPAN:
-                spans.extend((t.file, t.begin + i * stride, t.begin + i * stride + run) for i in range(t.rows))
-            else:
-                spans.append((t.file, t.begin, t.begin + ((t.rows - 1) * stride + run if stride else t.nbytes)))
-        return spans
+        return [span for t in self.tensors[name].source for span in run_spans(t)]
 
     def _read_bytes(self, tensor: GGUFTensor, row: int, rows: int) -> np.ndarray:
         """Rows [row, row + rows) of `tensor` as raw bytes, uint8 [rows, bytes per row] (any thread:

@@ -38,7 +38,7 @@ from ..models.expert_parallel import expert_share
 from ..models.qwen3_moe import num_experts
 from ..models import tensor_parallel_mla as mla
 from ..models.tensor_parallel import MLA_TOOLS, Shard, head_share, mlp_share
-from .gguf_checkpoint import STRIDED_RUN_SPAN
+from .gguf_checkpoint import run_spans
 from .gguf_file import GGUFTensor
 from .safetensors_checkpoint import Checkpoint, from_bytes
 
@@ -412,14 +412,7 @@ def _narrowed_safetensors(checkpoint, shares: dict[str, tuple[int, int, int, int
         else first to last byte, as a GGUF file's), nothing of an absent expert."""
         if name in absent:
             return [(originals[name].file, originals[name].begin, originals[name].begin)]
-        if name not in runs:
-            return whole_spans(name)
-        share = runs[name][1]
-        run = share.nbytes // share.rows
-        if run >= STRIDED_RUN_SPAN:
-            return [(share.file, share.begin + i * share.stride, share.begin + i * share.stride + run)
-                    for i in range(share.rows)]
-        return [(share.file, share.begin, share.begin + (share.rows - 1) * share.stride + run)]
+        return run_spans(runs[name][1]) if name in runs else whole_spans(name)
 
     def read(name: str):
         if name in absent:
