@@ -47,9 +47,11 @@ _LAYER = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(?:gate|
 _PARAMETER = re.compile(r"^model\.layers\.\d+\.(.+)\.(weight|scales|biases|weight_packed|weight_scale)$")
 _AS_PART = {"weight_packed": "weight", "weight_scale": "scales"}
 # an expert stack [experts, rows, columns] (MLX folders, GGUF), or Hugging Face's tensors of one expert each
-_EXPERTS = re.compile(r"^model\.layers\.\d+\.mlp\.switch_mlp\.(gate|up|down)_proj\.(weight|scales|biases)$")
-_ONE_EXPERT = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\."
-                         r"(weight|scales|biases|weight_packed|weight_scale)$")
+_EXPERTS = re.compile(r"^model\.layers\.\d+\.mlp\.switch_mlp\.(?P<proj>gate|up|down)_proj\.(?P<part>\w+)$")
+_ONE_EXPERT = re.compile(r"^(?P<prefix>model\.layers\.\d+\.mlp)\.experts\.(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\."
+                         r"(?P<part>\w+)$")
+# the parts of an expert's matrix cut as it is (an INT4 weight_shape is not; FP8 scales follow their weight: _fp8_blocks)
+_EXPERT_PARTS = ("weight", "scales", "biases", "weight_packed", "weight_scale")
 FP8_BLOCK = 128  # DeepSeek's FP8 weights: one weight_scale_inv per 128 x 128 block
 _FLOATS = ("F32", "F16", "BF16", "F8_E4M3")  # safetensors dtypes re-quantized by --quantize (others held as stored)
 
@@ -81,11 +83,12 @@ def _attention_mlp_shares(names, config, shard: Shard, vocab_slice, has_ends: bo
     moe = int(config.raw.get("moe_intermediate_size") or 0)
     for name in names:
         m, stack = _LAYER.match(name), _EXPERTS.match(name) or _ONE_EXPERT.match(name)
+        if stack and stack["part"] not in _EXPERT_PARTS:
+            stack = None
         if stack and experts and shard.experts:  # whole experts [e0, e1) (--expert-parallel): one run of bytes
             shares[name] = (-3, *expert_share(experts, shard.size, shard.member), experts)
         elif stack and moe:  # each expert's rows (gate/up) or columns (down) of its intermediate features
-            proj = stack.group(1) if stack.re is _EXPERTS else stack.group(2)
-            shares[name] = (-1 if proj == "down" else -2, *mlp_share(moe, shard), moe)
+            shares[name] = (-1 if stack["proj"] == "down" else -2, *mlp_share(moe, shard), moe)
         elif m:
             module, part = m.groups()
             if module in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
@@ -315,9 +318,6 @@ def _narrow_kv_b(tensors: dict, name: str, begin: int, end: int, originals: dict
     placed[name] = Narrowed(-2, begin, entry.shape[0] - end)
 
 
-_ONE_EXPERT_PREFIX = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(\w+)\.(\w+)$")
-
-
 @dataclass(frozen=True)
 class Runs:
     """The bytes of a share of a safetensors tensor: `rows` runs of `nbytes // rows` bytes, `stride` bytes apart
@@ -362,9 +362,9 @@ def safetensors_reads(tensors: dict, shares: dict[str, tuple[int, int, int, int]
         info = tensors.get(name)
         if info is None or info.dtype in ("F64", "BOOL") or not info.shape:
             continue
-        one_expert = _ONE_EXPERT_PREFIX.match(name)
+        one_expert = _ONE_EXPERT.match(name)
         if axis == -3 and len(info.shape) == 2:  # a tensor of one expert: the member's whole, another's not read
-            if one_expert and not begin <= int(one_expert.group(2)) < end:
+            if one_expert and not begin <= int(one_expert["expert"]) < end:
                 absent.add(name)
             continue
         if len(info.shape) == 1:
@@ -480,10 +480,9 @@ def _held_names(name: str, tensors: dict) -> list[str]:
     elif part == "weight_scale":
         names = [f"{module}.scales", f"{module}.biases"]
     names = [n for n in names if n == name or n not in tensors]  # stored parts have their own
-    one = _ONE_EXPERT_PREFIX.match(name)
+    one = _ONE_EXPERT.match(name)
     if one:
-        prefix, _, proj, _ = one.groups()
-        names += [f"{prefix}.switch_mlp.{proj}.{n.rsplit('.', 1)[1]}" for n in names]
+        names += [f"{one['prefix']}.switch_mlp.{one['proj']}_proj.{n.rsplit('.', 1)[1]}" for n in names]
     return [n for n in names if n != name]
 
 
