@@ -230,16 +230,16 @@ def check_block_edges(checkpoint, config, t: int, experts: bool, requantize) -> 
     from ..models.tensor_parallel import Shard, block_cut_problem, column_cuts  # as the line above
 
     group = requantize.group_size if requantize else None
-    for i in range(config.num_hidden_layers):
-        for module, stored in (("self_attn.o_proj", "self_attn.o_proj"), ("mlp.down_proj", "mlp.down_proj"),
-                               ("mlp.switch_mlp.down_proj", "mlp.switch_mlp.down_proj"),
-                               ("mlp.switch_mlp.down_proj", "mlp.experts.0.down_proj"),
-                               ("mlp.shared_experts.down_proj", "mlp.shared_experts.down_proj")):
-            name = f"model.layers.{i}.{stored}.weight"
-            if name not in checkpoint.tensors or (cuts := column_cuts(module, config, t, experts)) is None:
-                continue
+    for module, stored in (("self_attn.o_proj", "self_attn.o_proj"), ("mlp.down_proj", "mlp.down_proj"),
+                           ("mlp.switch_mlp.down_proj", "mlp.switch_mlp.down_proj"),
+                           ("mlp.switch_mlp.down_proj", "mlp.experts.0.down_proj"),
+                           ("mlp.shared_experts.down_proj", "mlp.shared_experts.down_proj")):
+        names = [f"model.layers.{i}.{stored}.weight" for i in range(config.num_hidden_layers)]
+        names = [name for name in names if name in checkpoint.tensors]
+        cuts = column_cuts(module, config, t, experts) if names else None  # the same for every layer
+        for name in names if cuts else ():
             held = held_block(checkpoint, name, cuts[0], group)
-            problem = held and block_cut_problem(module, held[0], config, Shard(0, t, experts), held[1])
+            problem = held and block_cut_problem(module, cuts, held[0], config, Shard(0, t, experts), held[1])
             if problem:
                 raise UserError(problem)
 

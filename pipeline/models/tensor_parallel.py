@@ -420,18 +420,17 @@ def check_block_cuts(module: str, part: str, array: mx.array, config: ModelConfi
     cuts = column_cuts(module, config, shard.size, shard.experts)
     if cuts is None:
         return
-    problem = block_cut_problem(module, block_values(array, part, cuts[0]), config, shard)
+    problem = block_cut_problem(module, cuts, block_values(array, part, cuts[0]), config, shard)
     if problem:
         raise UserError(problem)
 
 
-def block_cut_problem(module: str, block: int | None, config: ModelConfig, shard: Shard,
+def block_cut_problem(module: str, cuts: tuple[int, list], block: int | None, config: ModelConfig, shard: Shard,
                       blocks: str = "GGUF blocks") -> str | None:
-    """check_block_cuts' line for a matrix `module` held in `blocks` of `block` input values (None: not cut by
-    columns, or no blocks), or None where the group's shares fall on block edges (preflight asks it from the
-    checkpoint's index, before any weight is read)."""
-    cuts = column_cuts(module, config, shard.size, shard.experts)
-    if cuts is None or block is None:
+    """check_block_cuts' line for a matrix `module` whose group shares `cuts` (column_cuts') of a matrix held in
+    `blocks` of `block` input values (None: no blocks), or None where the shares fall on block edges (preflight
+    asks it from the checkpoint's index, before any weight is read)."""
+    if block is None:
         return None
     in_features, shares = cuts
     if all(b % block == 0 and e % block == 0 for b, e in shares):
