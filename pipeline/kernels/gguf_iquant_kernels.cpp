@@ -376,6 +376,166 @@ void int8_rows(int64_t count, const IQMatrix &m, int64_t col, const int8_t *cons
     int8_tile<TYPE, R>(m, col, xq, xd, out);
 }
 
+/* ---- int8 products of many rows: a lane per output column ------------------------------------------------- */
+
+#if IQ_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define IQ_TILE 1
+
+constexpr int TILE_COLS = 16;     // weight rows (output columns) decoded together: a lane each
+constexpr int TILE_ROWS = 8;      // rows of x sharing each loaded weight vector
+constexpr int TILE_MIN_ROWS = 2;  // from this many rows of x a product takes the tiles (one row: int8_tile)
+
+/* 16-value groups per scale: 16-value scales (IQ2_XS, IQ2_S, IQ1_M) 16 per super-block, else 8 of 32 values */
+constexpr int tile_groups(int type) { return type == IQ2_XS || type == IQ2_S || type == IQ1_M ? 16 : 8; }
+
+/* 16 weight rows (columns of out) decoded over all of k, held per super-block as
+     quads[64 sb + q]: values 4q..4q+3 of column c at bytes 4c..4c+3 (int8 w, signed as decoded),
+     scales[G sb + g]: ls of group g per column (int32), offsets[sb]: 128 * sum_g ls_g * (sum of group g's w),
+     d[sb]: d per column;
+   columns past the matrix's end are zeros (w, ls and d 0). With activations u = xq + 128 (unsigned, as vpdpbusd
+   takes them), sum_g ls_g * sum(u * w) - offsets = sum_g ls_g * sum(xq * w) = S exactly (int32, |S| < 2^31). */
+struct Tile {
+    std::vector<__m512i> quads, scales, offsets;
+    std::vector<__m512> d;
+};
+
+/* w[c]: column c's 8 dwords (32 values) of one chunk -> out[i]: dword i of the 16 columns (lane c column c) */
+inline void transpose_chunk(const __m256i *w, __m512i *out) {
+    __m512i a[8], b[8];
+    for (int m = 0; m < 8; m++) a[m] = _mm512_inserti64x4(_mm512_castsi256_si512(w[m]), w[m + 8], 1);
+    for (int m = 0; m < 8; m += 2) {  // per 128-bit lane: [x0 y0 x1 y1], [x2 y2 x3 y3] of columns x = m, y = m + 1
+        b[m] = _mm512_unpacklo_epi32(a[m], a[m + 1]);
+        b[m + 1] = _mm512_unpackhi_epi32(a[m], a[m + 1]);
+    }
+    // per 128-bit lane of e[i] (i = 0..3, columns 0-3 of a) and f[i] (4-7): dwords i, 4 + i, then the same of 8-15
+    const __m512i low = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0), high = _mm512_set_epi64(15, 14, 7, 6, 11, 10, 3, 2);
+    for (int h = 0; h < 2; h++) {
+        const __m512i e0 = _mm512_unpacklo_epi64(b[h], b[h + 2]), e1 = _mm512_unpackhi_epi64(b[h], b[h + 2]);
+        const __m512i f0 = _mm512_unpacklo_epi64(b[h + 4], b[h + 6]), f1 = _mm512_unpackhi_epi64(b[h + 4], b[h + 6]);
+        out[2 * h] = _mm512_permutex2var_epi64(e0, low, f0);
+        out[2 * h + 1] = _mm512_permutex2var_epi64(e1, low, f1);
+        out[2 * h + 4] = _mm512_permutex2var_epi64(e0, high, f0);
+        out[2 * h + 5] = _mm512_permutex2var_epi64(e1, high, f1);
+    }
+}
+
+template <int TYPE>
+void decode_tile(const IQMatrix &m, int64_t col0, int cols, Tile &t) {
+    constexpr int G = tile_groups(TYPE), QPG = 64 / G;
+    const int64_t sbs = m.k / SUPER;
+    t.quads.resize(sbs * 64);
+    t.scales.resize(sbs * G);
+    t.offsets.resize(sbs);
+    t.d.resize(sbs);
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (int64_t sb = 0; sb < sbs; sb++) {
+        alignas(64) int32_t ls[G][TILE_COLS] = {};
+        alignas(64) float d[TILE_COLS] = {};
+        __m512i *quads = t.quads.data() + 64 * sb;
+        for (int c = 0; c < cols; c++) d[c] = block_d<TYPE>(m.block(col0 + c, sb));
+        for (int j = 0; j < 8; j++) {
+            __m256i w[TILE_COLS];
+            for (int c = 0; c < TILE_COLS; c++) {
+                if (c >= cols) {
+                    w[c] = _mm256_setzero_si256();
+                    continue;
+                }
+                const Chunk o = chunk<TYPE>(m.block(col0 + c, sb), j);
+                w[c] = o.w;
+                if constexpr (G == 16) {
+                    ls[2 * j][c] = o.ls0;
+                    ls[2 * j + 1][c] = o.ls1;
+                } else {
+                    ls[j][c] = o.ls0;
+                }
+            }
+            transpose_chunk(w, quads + 8 * j);
+        }
+        __m512i offset = _mm512_setzero_si512();
+        for (int g = 0; g < G; g++) {
+            __m512i sum = _mm512_setzero_si512();
+            for (int i = 0; i < QPG; i++) sum = _mm512_dpbusd_epi32(sum, ones, quads[QPG * g + i]);
+            const __m512i scale = _mm512_load_si512(ls[g]);
+            t.scales[G * sb + g] = scale;
+            offset = _mm512_add_epi32(offset, _mm512_mullo_epi32(sum, scale));
+        }
+        t.offsets[sb] = _mm512_slli_epi32(offset, 7);
+        t.d[sb] = _mm512_load_ps(d);
+    }
+}
+
+/* R rows of x (u = xq + 128 as bytes, d8 per super-block) times a decoded tile: out[r][col0 + c] for the columns
+   of mask, each output the chain of int8_tile (S, then fma(float(S), d * d8, acc) in order, then C * acc). */
+template <int TYPE, int R>
+void tile_rows(const Tile &t, int64_t sbs, const uint8_t *const *xu, const float *const *xd, float *const *out,
+               int64_t col0, __mmask16 mask) {
+    constexpr int G = tile_groups(TYPE), QPG = 64 / G;
+    __m512 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t sb = 0; sb < sbs; sb++) {
+        const __m512i *quads = t.quads.data() + 64 * sb;
+        __m512i s[R];
+        for (int r = 0; r < R; r++) s[r] = _mm512_setzero_si512();
+        for (int g = 0; g < G; g++) {
+            __m512i p[R];
+            for (int r = 0; r < R; r++) p[r] = _mm512_setzero_si512();
+            for (int i = 0; i < QPG; i++) {
+                const __m512i w = _mm512_load_si512(quads + QPG * g + i);
+                const int64_t at = SUPER * sb + 4 * (QPG * g + i);
+                for (int r = 0; r < R; r++)
+                    p[r] = _mm512_dpbusd_epi32(p[r], _mm512_set1_epi32(int32_t(u32_at(xu[r] + at))), w);
+            }
+            const __m512i scale = _mm512_load_si512(t.scales.data() + G * sb + g);
+            for (int r = 0; r < R; r++) s[r] = _mm512_add_epi32(s[r], _mm512_mullo_epi32(p[r], scale));
+        }
+        const __m512i offset = _mm512_load_si512(t.offsets.data() + sb);
+        const __m512 d = _mm512_load_ps(reinterpret_cast<const float *>(t.d.data() + sb));
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s[r], offset)),
+                                     _mm512_mul_ps(d, _mm512_set1_ps(xd[r][sb])), acc[r]);
+    }
+    for (int r = 0; r < R; r++)
+        _mm512_mask_storeu_ps(out[r] + col0, mask, _mm512_mul_ps(_mm512_set1_ps(type_factor(TYPE)), acc[r]));
+}
+
+template <int TYPE, int R = 1>
+void tile_row_block(int64_t count, const Tile &t, int64_t sbs, const uint8_t *const *xu, const float *const *xd,
+                    float *const *out, int64_t col0, __mmask16 mask) {
+    if constexpr (R < TILE_ROWS) {
+        if (count != R) return tile_row_block<TYPE, R + 1>(count, t, sbs, xu, xd, out, col0, mask);
+    }
+    tile_rows<TYPE, R>(t, sbs, xu, xd, out, col0, mask);
+}
+
+/* The int8 product of rows (>= TILE_MIN_ROWS) rows over 16-column tiles, in parallel over the tiles. */
+template <int TYPE>
+void tiled_product(const IQMatrix &m, const RoundedRows &xq, int64_t rows, float *out, bool threaded) {
+    const int64_t k = m.k, n = m.n, sbs = k / SUPER, tiles = (n + TILE_COLS - 1) / TILE_COLS;
+    std::vector<uint8_t> xu(xq.q.size());
+    for (size_t i = 0; i < xu.size(); i++) xu[i] = uint8_t(xq.q[i]) ^ 0x80;  // xq + 128
+#pragma omp parallel for schedule(static) num_threads(g_threads) if (threaded)
+    for (int64_t tile = 0; tile < tiles; tile++) {
+        thread_local Tile t;
+        const int64_t col0 = tile * TILE_COLS;
+        const int cols = int(std::min<int64_t>(TILE_COLS, n - col0));
+        decode_tile<TYPE>(m, col0, cols, t);
+        const __mmask16 mask = __mmask16((1u << cols) - 1);
+        const uint8_t *us[TILE_ROWS];
+        const float *ds[TILE_ROWS];
+        float *outs[TILE_ROWS];
+        for (int64_t r0 = 0; r0 < rows; r0 += TILE_ROWS) {
+            const int64_t count = std::min<int64_t>(TILE_ROWS, rows - r0);
+            for (int64_t i = 0; i < count; i++) {
+                us[i] = xu.data() + (r0 + i) * k;
+                ds[i] = xq.d.data() + (r0 + i) * sbs;
+                outs[i] = out + (r0 + i) * n;
+            }
+            tile_row_block<TYPE>(count, t, sbs, us, ds, outs, col0, mask);
+        }
+    }
+}
+#endif
+
 /* ---- one product over the threads ---------------------------------------------------------------- */
 
 /* Below this many multiply-adds a product runs on one thread (gguf_kernels.cpp's threshold). */
@@ -387,6 +547,9 @@ void product_of(const IQMatrix &m, const float *x, int64_t rows, float *out, boo
     const bool threaded = g_threads > 1 && n > 1 && rows * n * k >= THREADED_MIN_WORK;
     if (int8) {
         const RoundedRows xq = round_rows(x, rows, k);
+#if IQ_TILE
+        if (rows >= TILE_MIN_ROWS) return tiled_product<TYPE>(m, xq, rows, out, threaded && n > TILE_COLS);
+#endif
 #pragma omp parallel for schedule(static) num_threads(g_threads) if (threaded)
         for (int64_t col = 0; col < n; col++) {
             const int8_t *qs[INT8_TILE];
