@@ -25,9 +25,10 @@ from pipeline.kernels import build, make_iquant_grids, qmm
 from pipeline.runtime.stage import Stage
 
 TYPES = (QT.IQ2_XXS, QT.IQ2_XS, QT.IQ2_S, QT.IQ3_XXS, QT.IQ3_S, QT.IQ1_S, QT.IQ1_M)
-ROW_COUNTS = (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 64, 70)  # decode, drafts, past each tile, a prompt's chunk
+# decode, drafts, past each tile of rows (4 on the per-row path, 8 on the 16-column tiles), a prompt's chunks
+ROW_COUNTS = (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 32, 33, 64, 70, 128, 256)
 TOLERANCE = 1e-7  # relative to |x| @ |w|.T; measured at most 6.4e-8 over the types (float products)
-INT8_TOLERANCE = 5e-8  # measured at most 3.9e-8 (int8 products against Q8_K-rounded activations)
+INT8_TOLERANCE = 7e-8  # measured at most 5.6e-8 (int8 products against Q8_K-rounded activations, 256 rows)
 
 
 def random_blocks(qtype: QT, n: int, k: int, rng: np.random.Generator, d: float | None = None) -> np.ndarray:
@@ -84,7 +85,7 @@ def test_products_match_gguf_dequantization_at_every_row_count(kernels, qtype):
     """The float products equal float64 x @ dequantized.T within float32 accumulation, the int8 products the
     same with x rounded per 256 as Q8_K; each row's result has the same bits at every row count."""
     rng = np.random.default_rng(100 + int(qtype))
-    n, k = 24, 768
+    n, k = 37, 768  # two 16-column tiles and 5 columns over
     raw = random_blocks(qtype, n, k, rng)
     w = gguf.quants.dequantize(raw, qtype).astype(np.float64)
     x_all = rng.normal(0, 1, (max(ROW_COUNTS), k)).astype(np.float32)
@@ -268,7 +269,8 @@ HARNESS = r"""
 int main(int, char **argv) {  // every type's products at several row counts, both paths, and its dequantization
     FILE *f = std::fopen(argv[1], "wb");
     std::mt19937 gen(1);
-    const int64_t n = 40, k = 1024;
+    const int64_t k = 1024;
+    for (int64_t n : {40, 7})  // 16-column tiles and columns over, a part of one
     for (int type : {IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M}) {
         const int64_t size = block_bytes(type);
         std::vector<uint8_t> blocks(n * k / 256 * size);
@@ -287,7 +289,7 @@ int main(int, char **argv) {  // every type's products at several row counts, bo
         }
         const IQMatrix m{blocks.data(), type, n, k};
         std::normal_distribution<float> normal(0, 1);
-        for (int rows : {1, 2, 3, 5, 9, 13, 70}) {
+        for (int rows : {1, 2, 3, 5, 8, 9, 13, 16, 17, 70}) {
             std::vector<float> x(rows * k), out(rows * n);
             for (auto &v : x) v = normal(gen);
             for (bool int8 : {false, true}) {
@@ -307,8 +309,9 @@ int main(int, char **argv) {  // every type's products at several row counts, bo
 @pytest.mark.skipif(build.missing_tools() != "", reason="no C++ compiler")
 def test_every_instruction_set_gives_the_same_bits(tmp_path):
     """The kernels built for this CPU (AVX-512 here, or AVX2), with AVX-512 off (-mno-avx512f) and with their generic
-    code (-DPIPELINE_IQ_GENERIC) give the same output bytes: products of every type at 1-70 rows, both paths,
-    and the dequantization. (The kernels alone, without the Python module: -DPIPELINE_IQ_KERNELS_ONLY.)"""
+    code (-DPIPELINE_IQ_GENERIC) give the same output bytes: products of every type at 1-70 rows (AVX-512: the per-row
+    path at 1, the 16-column tiles from 2) and 40 or 7 columns, both paths, and the dequantization. (The kernels
+    alone, without the Python module: -DPIPELINE_IQ_KERNELS_ONLY.)"""
     source = tmp_path / "harness.cpp"
     source.write_text(HARNESS)
     mlx = build._mlx_dir()
@@ -322,5 +325,5 @@ def test_every_instruction_set_gives_the_same_bits(tmp_path):
         assert process.wait(timeout=600) == 0, process.stderr.read().decode()[-2000:]
         subprocess.run([str(tmp_path / name), str(tmp_path / f"{name}.bin")], check=True, timeout=120)
     outputs = {name: (tmp_path / f"{name}.bin").read_bytes() for name in variants}
-    assert len(outputs["native"]) == 7 * (2 * 4 * 40 * sum((1, 2, 3, 5, 9, 13, 70)) + 4 * 40 * 1024)
+    assert len(outputs["native"]) == 7 * sum(2 * 4 * n * sum((1, 2, 3, 5, 8, 9, 13, 16, 17, 70)) + 4 * n * 1024 for n in (40, 7))
     assert outputs["avx2"] == outputs["native"] and outputs["generic"] == outputs["native"]

@@ -28,6 +28,11 @@
  * Every output element is that fixed sequence on its row of x and its weight row whatever the number of
  * rows, their order or the threads (batch invariance); the AVX-512 VNNI, AVX2 and generic code give the same
  * bits (the decoding and integer sums are exact integers; the float steps the same fused multiply-adds).
+ * The int8 product of one row decodes each super-block per row of w and reduces it across vector lanes; of 2 or
+ * more rows on AVX-512 VNNI it takes 16 rows of w at a time (a tile: a vector lane per output column), decodes
+ * them once over all of k into interleaved quads (struct Tile's comment), and then every row of x: vpdpbusd of the
+ * quads and 4 activations (xq + 128, the offset's share taken back exactly) per 4 values, times the columns' ls,
+ * per super-block the same integer S, the same fma(float(S), d * d8, acc) lane by lane, the same C * acc.
  * -DPIPELINE_IQ_GENERIC builds the generic code on any CPU; -DPIPELINE_IQ_KERNELS_ONLY leaves out the Python
  * module's part (a C++ harness can then include this file and call product() and dequantize() itself).
  */
@@ -295,23 +300,50 @@ struct RoundedRows {
     std::vector<float> d;
 };
 
-RoundedRows round_rows(const float *x, int64_t rows, int64_t k) {
+/* The rounding of one 256-value block (round_rows' steps on 16 lanes: the same bits), q as is or plus 128 (biased). */
+#if IQ_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__)
+inline float round_block(const float *v, int8_t *q, bool biased) {
+    // the scalar std::max(amax, |v|) passes a NaN by: vmaxps returns its second operand when either is NaN
+    __m512 magnitude = _mm512_setzero_ps();
+    for (int i = 0; i < SUPER; i += 16) magnitude = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(v + i)), magnitude);
+    const float amax = _mm512_reduce_max_ps(magnitude);
+    const float d = amax / 127.0f;
+    float inverse = d > 0.0f ? 1.0f / d : 0.0f;
+    if (!(inverse < INFINITY)) inverse = 0.0f;
+    const __m512 scale = _mm512_set1_ps(inverse), top = _mm512_set1_ps(127.0f), bottom = _mm512_set1_ps(-127.0f);
+    const __m128i bias = _mm_set1_epi8(biased ? int8_t(0x80) : 0);
+    for (int i = 0; i < SUPER; i += 16) {
+        const __m512 f = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(v + i), scale),
+                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m512 clamped = _mm512_min_ps(_mm512_max_ps(f, bottom), top);
+        const __m512 zeroed = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(f, f, _CMP_ORD_Q), clamped);  // NaN: 0
+        _mm_storeu_si128(reinterpret_cast<__m128i *>(q + i),
+                         _mm_xor_si128(_mm512_cvtepi32_epi8(_mm512_cvtps_epi32(zeroed)), bias));
+    }
+    return d;
+}
+#else
+inline float round_block(const float *v, int8_t *q, bool biased) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < SUPER; i++) amax = std::max(amax, std::fabs(v[i]));
+    const float d = amax / 127.0f;
+    float inverse = d > 0.0f ? 1.0f / d : 0.0f;
+    if (!(inverse < INFINITY)) inverse = 0.0f;  // tiny or not finite: the block counts as zeros
+    for (int64_t i = 0; i < SUPER; i++) {
+        const float f = std::nearbyint(v[i] * inverse);
+        q[i] = f >= 127.0f ? 127 : f <= -127.0f ? -127 : f == f ? int8_t(f) : 0;  // NaN: 0
+        if (biased) q[i] = int8_t(uint8_t(q[i]) ^ 0x80);
+    }
+    return d;
+}
+#endif
+
+/* biased: q + 128 as unsigned bytes (the tiles' vpdpbusd takes them so) */
+RoundedRows round_rows(const float *x, int64_t rows, int64_t k, bool biased = false) {
     RoundedRows out{std::vector<int8_t>(rows * k), std::vector<float>(rows * (k / SUPER))};
     for (int64_t r = 0; r < rows; r++)
-        for (int64_t c = 0; c < k / SUPER; c++) {
-            const float *v = x + r * k + c * SUPER;
-            float amax = 0.0f;
-            for (int64_t i = 0; i < SUPER; i++) amax = std::max(amax, std::fabs(v[i]));
-            const float d = amax / 127.0f;
-            float inverse = d > 0.0f ? 1.0f / d : 0.0f;
-            if (!(inverse < INFINITY)) inverse = 0.0f;  // tiny or not finite: the block counts as zeros
-            out.d[r * (k / SUPER) + c] = d;
-            int8_t *q = out.q.data() + r * k + c * SUPER;
-            for (int64_t i = 0; i < SUPER; i++) {
-                const float f = std::nearbyint(v[i] * inverse);
-                q[i] = f >= 127.0f ? 127 : f <= -127.0f ? -127 : f == f ? int8_t(f) : 0;  // NaN: 0
-            }
-        }
+        for (int64_t c = 0; c < k / SUPER; c++)
+            out.d[r * (k / SUPER) + c] = round_block(x + r * k + c * SUPER, out.q.data() + r * k + c * SUPER, biased);
     return out;
 }
 
@@ -394,9 +426,11 @@ constexpr int tile_groups(int type) { return type == IQ2_XS || type == IQ2_S || 
      d[sb]: d per column;
    columns past the matrix's end are zeros (w, ls and d 0). With activations u = xq + 128 (unsigned, as vpdpbusd
    takes them), sum_g ls_g * sum(u * w) - offsets = sum_g ls_g * sum(xq * w) = S exactly (int32, |S| < 2^31). */
+struct alignas(64) Lanes {  // one vector's bytes (a std::vector of __m512i would drop its alignment)
+    uint8_t b[64];
+};
 struct Tile {
-    std::vector<__m512i> quads, scales, offsets;
-    std::vector<__m512> d;
+    std::vector<Lanes> quads, scales, offsets, d;
 };
 
 /* w[c]: column c's 8 dwords (32 values) of one chunk -> out[i]: dword i of the 16 columns (lane c column c) */
@@ -431,17 +465,14 @@ void decode_tile(const IQMatrix &m, int64_t col0, int cols, Tile &t) {
     for (int64_t sb = 0; sb < sbs; sb++) {
         alignas(64) int32_t ls[G][TILE_COLS] = {};
         alignas(64) float d[TILE_COLS] = {};
-        __m512i *quads = t.quads.data() + 64 * sb;
-        for (int c = 0; c < cols; c++) d[c] = block_d<TYPE>(m.block(col0 + c, sb));
-        for (int j = 0; j < 8; j++) {
-            __m256i w[TILE_COLS];
-            for (int c = 0; c < TILE_COLS; c++) {
-                if (c >= cols) {
-                    w[c] = _mm256_setzero_si256();
-                    continue;
-                }
-                const Chunk o = chunk<TYPE>(m.block(col0 + c, sb), j);
-                w[c] = o.w;
+        __m512i *quads = reinterpret_cast<__m512i *>(t.quads.data() + 64 * sb);
+        __m256i w[8][TILE_COLS];  // [chunk][column]
+        for (int c = 0; c < cols; c++) {
+            const uint8_t *block = m.block(col0 + c, sb);
+            d[c] = block_d<TYPE>(block);
+            for (int j = 0; j < 8; j++) {
+                const Chunk o = chunk<TYPE>(block, j);
+                w[j][c] = o.w;
                 if constexpr (G == 16) {
                     ls[2 * j][c] = o.ls0;
                     ls[2 * j + 1][c] = o.ls1;
@@ -449,18 +480,20 @@ void decode_tile(const IQMatrix &m, int64_t col0, int cols, Tile &t) {
                     ls[j][c] = o.ls0;
                 }
             }
-            transpose_chunk(w, quads + 8 * j);
         }
+        for (int c = cols; c < TILE_COLS; c++)
+            for (int j = 0; j < 8; j++) w[j][c] = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j++) transpose_chunk(w[j], quads + 8 * j);
         __m512i offset = _mm512_setzero_si512();
         for (int g = 0; g < G; g++) {
             __m512i sum = _mm512_setzero_si512();
             for (int i = 0; i < QPG; i++) sum = _mm512_dpbusd_epi32(sum, ones, quads[QPG * g + i]);
             const __m512i scale = _mm512_load_si512(ls[g]);
-            t.scales[G * sb + g] = scale;
+            _mm512_store_si512(t.scales.data() + G * sb + g, scale);
             offset = _mm512_add_epi32(offset, _mm512_mullo_epi32(sum, scale));
         }
-        t.offsets[sb] = _mm512_slli_epi32(offset, 7);
-        t.d[sb] = _mm512_load_ps(d);
+        _mm512_store_si512(t.offsets.data() + sb, _mm512_slli_epi32(offset, 7));
+        _mm512_store_ps(t.d.data() + sb, _mm512_load_ps(d));
     }
 }
 
@@ -473,7 +506,7 @@ void tile_rows(const Tile &t, int64_t sbs, const uint8_t *const *xu, const float
     __m512 acc[R];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t sb = 0; sb < sbs; sb++) {
-        const __m512i *quads = t.quads.data() + 64 * sb;
+        const Lanes *quads = t.quads.data() + 64 * sb;
         __m512i s[R];
         for (int r = 0; r < R; r++) s[r] = _mm512_setzero_si512();
         for (int g = 0; g < G; g++) {
@@ -489,7 +522,7 @@ void tile_rows(const Tile &t, int64_t sbs, const uint8_t *const *xu, const float
             for (int r = 0; r < R; r++) s[r] = _mm512_add_epi32(s[r], _mm512_mullo_epi32(p[r], scale));
         }
         const __m512i offset = _mm512_load_si512(t.offsets.data() + sb);
-        const __m512 d = _mm512_load_ps(reinterpret_cast<const float *>(t.d.data() + sb));
+        const __m512 d = _mm512_load_ps(t.d.data() + sb);
         for (int r = 0; r < R; r++)
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s[r], offset)),
                                      _mm512_mul_ps(d, _mm512_set1_ps(xd[r][sb])), acc[r]);
@@ -507,12 +540,12 @@ void tile_row_block(int64_t count, const Tile &t, int64_t sbs, const uint8_t *co
     tile_rows<TYPE, R>(t, sbs, xu, xd, out, col0, mask);
 }
 
-/* The int8 product of rows (>= TILE_MIN_ROWS) rows over 16-column tiles, in parallel over the tiles. */
+/* The int8 product of rows (>= TILE_MIN_ROWS) rows of x, rounded with biased q, over 16-column tiles, in parallel
+   over the tiles. */
 template <int TYPE>
 void tiled_product(const IQMatrix &m, const RoundedRows &xq, int64_t rows, float *out, bool threaded) {
     const int64_t k = m.k, n = m.n, sbs = k / SUPER, tiles = (n + TILE_COLS - 1) / TILE_COLS;
-    std::vector<uint8_t> xu(xq.q.size());
-    for (size_t i = 0; i < xu.size(); i++) xu[i] = uint8_t(xq.q[i]) ^ 0x80;  // xq + 128
+    const uint8_t *xu = reinterpret_cast<const uint8_t *>(xq.q.data());  // xq + 128
 #pragma omp parallel for schedule(static) num_threads(g_threads) if (threaded)
     for (int64_t tile = 0; tile < tiles; tile++) {
         thread_local Tile t;
@@ -526,7 +559,7 @@ void tiled_product(const IQMatrix &m, const RoundedRows &xq, int64_t rows, float
         for (int64_t r0 = 0; r0 < rows; r0 += TILE_ROWS) {
             const int64_t count = std::min<int64_t>(TILE_ROWS, rows - r0);
             for (int64_t i = 0; i < count; i++) {
-                us[i] = xu.data() + (r0 + i) * k;
+                us[i] = xu + (r0 + i) * k;
                 ds[i] = xq.d.data() + (r0 + i) * sbs;
                 outs[i] = out + (r0 + i) * n;
             }
@@ -546,10 +579,11 @@ void product_of(const IQMatrix &m, const float *x, int64_t rows, float *out, boo
     const int64_t k = m.k, n = m.n;
     const bool threaded = g_threads > 1 && n > 1 && rows * n * k >= THREADED_MIN_WORK;
     if (int8) {
-        const RoundedRows xq = round_rows(x, rows, k);
 #if IQ_TILE
-        if (rows >= TILE_MIN_ROWS) return tiled_product<TYPE>(m, xq, rows, out, threaded && n > TILE_COLS);
+        if (rows >= TILE_MIN_ROWS)
+            return tiled_product<TYPE>(m, round_rows(x, rows, k, true), rows, out, threaded && n > TILE_COLS);
 #endif
+        const RoundedRows xq = round_rows(x, rows, k);
 #pragma omp parallel for schedule(static) num_threads(g_threads) if (threaded)
         for (int64_t col = 0; col < n; col++) {
             const int8_t *qs[INT8_TILE];
