@@ -127,6 +127,12 @@ inline bytes32 eighths(bytes32 g, bytes32 delta) {  // 8 g + delta, bytewise (th
     return _mm256_add_epi8(_mm256_and_si256(_mm256_slli_epi16(g, 3), _mm256_set1_epi8(int8_t(0xf8))), delta);
 }
 inline void store32(int8_t *p, bytes32 v) { _mm256_storeu_si256(reinterpret_cast<__m256i *>(p), v); }
+inline bytes32 sign_bytes(const uint8_t *s) {  // SIGN_MASKS of s[0..3]: byte 8 i + j 0xff where bit j of s[i] is set
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(int32_t(u32_at(s))),
+                                               _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+    const __m256i bits = _mm256_set1_epi64x(int64_t(0x8040201008040201ULL));
+    return _mm256_cmpeq_epi8(_mm256_and_si256(spread, bits), bits);
+}
 #else
 struct bytes32 {
     int8_t b[32];
@@ -146,6 +152,9 @@ inline bytes32 eighths(bytes32 g, bytes32 delta) {
     return g;
 }
 inline void store32(int8_t *p, bytes32 v) { std::memcpy(p, v.b, 32); }
+inline bytes32 sign_bytes(const uint8_t *s) {
+    return from4(SIGN_MASKS.m[s[0]], SIGN_MASKS.m[s[1]], SIGN_MASKS.m[s[2]], SIGN_MASKS.m[s[3]]);
+}
 #endif
 
 /* Chunk c (values 32c..32c+31) of a super-block: its int8 values w and the scales of its two 16-value halves. */
@@ -187,7 +196,7 @@ inline Chunk chunk(const uint8_t *b, int c) {
         const int h = b[66 + c];
         o.w = with_signs(from4(IQ2S_GRID[qs[0] | ((h << 8) & 0x300)], IQ2S_GRID[qs[1] | ((h << 6) & 0x300)],
                                IQ2S_GRID[qs[2] | ((h << 4) & 0x300)], IQ2S_GRID[qs[3] | ((h << 2) & 0x300)]),
-                         from4(SIGN_MASKS.m[signs[0]], SIGN_MASKS.m[signs[1]], SIGN_MASKS.m[signs[2]], SIGN_MASKS.m[signs[3]]));
+                         sign_bytes(signs));
         o.ls0 = 2 * (b[74 + c] & 15) + 1;
         o.ls1 = 2 * (b[74 + c] >> 4) + 1;
     } else if constexpr (TYPE == IQ3_XXS) {  // per 4 values a grid index byte; per 32 a uint32 of signs and scale
@@ -206,7 +215,7 @@ inline Chunk chunk(const uint8_t *b, int c) {
                    uint64_t(IQ3S_GRID[q[2 * l + 1] | ((h << (7 - 2 * l)) & 256)]) << 32;
         };
         o.w = with_signs(from4(pair(0), pair(1), pair(2), pair(3)),
-                         from4(SIGN_MASKS.m[signs[0]], SIGN_MASKS.m[signs[1]], SIGN_MASKS.m[signs[2]], SIGN_MASKS.m[signs[3]]));
+                         sign_bytes(signs));
         o.ls0 = o.ls1 = 2 * ((b[106 + c / 2] >> (4 * (c % 2))) & 15) + 1;
     } else if constexpr (TYPE == IQ1_S) {  // per 8 values qs and 3 bits of a uint16 per 32 (scale, delta's sign)
         const uint8_t *q = b + 2 + 4 * c;
