@@ -462,6 +462,57 @@ inline void transpose_chunk(const __m256i *w, __m512i *out) {
     }
 }
 
+/* The super-block at base (column 0's; column c's rows[c] bytes on) of the 16 columns decoded at once with gathers,
+   for IQ3_S and IQ2_XXS (the same integers as chunk<TYPE>): quads, ls per group and d per column as decode_tile's;
+   lanes outside valid read nothing (their outputs are not stored). */
+template <int TYPE>
+inline void gather_superblock(const uint8_t *base, __m512i rows, __mmask16 valid, __m512i *quads,
+                              int32_t (*ls)[TILE_COLS], float *d) {
+    const __m512i zero = _mm512_setzero_si512(), byte = _mm512_set1_epi32(0xff), nibble = _mm512_set1_epi32(15);
+    const __m512i one = _mm512_set1_epi32(1), spread = _mm512_set1_epi32(0x01010101), bits = _mm512_set1_epi32(0x08040201);
+    auto at = [&](int offset) { return _mm512_mask_i32gather_epi32(zero, valid, rows, base + offset, 1); };  // 4 bytes
+    auto with_nibble_signs = [&](__m512i g, __m512i signs) {  // g's byte j negated where bit j of signs (< 16) is set
+        return _mm512_mask_sub_epi8(g, _mm512_test_epi8_mask(_mm512_mullo_epi32(signs, spread), bits), zero, g);
+    };
+    _mm512_store_ps(d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(at(0))));
+    if constexpr (TYPE == IQ3_S) {  // quad e: grid entry qs[e] | (bit e % 8 of qh[e / 8]) << 8, signs bits 4 (e % 2).. of signs[e / 2]
+        const __m512i h0 = at(66), h1 = at(70);
+        for (int t = 0; t < 16; t++) {  // quads 4 t .. 4 t + 3
+            const __m512i q = at(2 + 4 * t), signs = at(74 + 2 * t);
+            const __m512i h = _mm512_srli_epi32(t < 8 ? h0 : h1, 8 * (t / 2 % 4) + 4 * (t % 2));  // bit i: quad 4 t + i's
+            for (int i = 0; i < 4; i++) {
+                const __m512i index = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(q, 8 * i), byte),
+                                                      _mm512_and_si512(_mm512_slli_epi32(h, 8 - i), _mm512_set1_epi32(256)));
+                quads[4 * t + i] = with_nibble_signs(_mm512_i32gather_epi32(index, IQ3S_GRID, 4),
+                                                     _mm512_and_si512(_mm512_srli_epi32(signs, 4 * i), nibble));
+            }
+        }
+        const __m512i scales = at(106);
+        for (int c = 0; c < 8; c++)
+            _mm512_store_si512(ls[c], _mm512_add_epi32(_mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(scales, 4 * c), nibble), 1), one));
+    } else {  // IQ2_XXS: per 32 values 4 grid index bytes (8 values each) and a uint32 of 4 x 7 sign bits and the scale
+        static_assert(TYPE == IQ2_XXS);
+        const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        const __m512i odd = _mm512_add_epi32(even, one);
+        for (int c = 0; c < 8; c++) {
+            const __m512i q = at(2 + 8 * c), aux = at(6 + 8 * c);
+            for (int p = 0; p < 4; p++) {  // values 8 p .. 8 p + 7 of the chunk: quads 8 c + 2 p, 8 c + 2 p + 1
+                const __m512i index = _mm512_and_si512(_mm512_srli_epi32(q, 8 * p), byte);
+                const __m512i lo = _mm512_i32gather_epi64(_mm512_castsi512_si256(index), IQ2XXS_GRID, 8);  // columns 0-7
+                const __m512i hi = _mm512_i32gather_epi64(_mm512_extracti64x4_epi64(index, 1), IQ2XXS_GRID, 8);
+                const __m512i k = _mm512_and_si512(_mm512_srli_epi32(aux, 7 * p), _mm512_set1_epi32(127));
+                __m512i parity = _mm512_xor_si512(k, _mm512_srli_epi32(k, 4));  // ksigns_iq2xs[k]: k, bit 7 its parity
+                parity = _mm512_xor_si512(parity, _mm512_srli_epi32(parity, 2));
+                parity = _mm512_and_si512(_mm512_xor_si512(parity, _mm512_srli_epi32(parity, 1)), one);
+                const __m512i signs = _mm512_or_si512(k, _mm512_slli_epi32(parity, 7));
+                quads[8 * c + 2 * p] = with_nibble_signs(_mm512_permutex2var_epi32(lo, even, hi), _mm512_and_si512(signs, nibble));
+                quads[8 * c + 2 * p + 1] = with_nibble_signs(_mm512_permutex2var_epi32(lo, odd, hi), _mm512_srli_epi32(signs, 4));
+            }
+            _mm512_store_si512(ls[c], _mm512_add_epi32(_mm512_slli_epi32(_mm512_srli_epi32(aux, 28), 1), one));
+        }
+    }
+}
+
 template <int TYPE>
 void decode_tile(const IQMatrix &m, int64_t col0, int cols, Tile &t) {
     constexpr int G = tile_groups(TYPE), QPG = 64 / G;
@@ -471,10 +522,16 @@ void decode_tile(const IQMatrix &m, int64_t col0, int cols, Tile &t) {
     t.offsets.resize(sbs);
     t.d.resize(sbs);
     const __m512i ones = _mm512_set1_epi8(1);
+    const __mmask16 valid = __mmask16((1u << cols) - 1);
+    const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(int32_t(m.row_bytes())));  // < 2^31: 16 rows' bytes
     for (int64_t sb = 0; sb < sbs; sb++) {
         alignas(64) int32_t ls[G][TILE_COLS] = {};
         alignas(64) float d[TILE_COLS] = {};
         __m512i *quads = reinterpret_cast<__m512i *>(t.quads.data() + 64 * sb);
+        if constexpr (TYPE == IQ3_S || TYPE == IQ2_XXS) {
+            gather_superblock<TYPE>(m.block(col0, sb), rows, valid, quads, ls, d);
+        } else {
         __m256i w[8][TILE_COLS];  // [chunk][column]
         for (int c = 0; c < cols; c++) {
             const uint8_t *block = m.block(col0 + c, sb);
@@ -493,6 +550,7 @@ void decode_tile(const IQMatrix &m, int64_t col0, int cols, Tile &t) {
         for (int c = cols; c < TILE_COLS; c++)
             for (int j = 0; j < 8; j++) w[j][c] = _mm256_setzero_si256();
         for (int j = 0; j < 8; j++) transpose_chunk(w[j], quads + 8 * j);
+        }
         __m512i offset = _mm512_setzero_si512();
         for (int g = 0; g < G; g++) {
             __m512i sum = _mm512_setzero_si512();
