@@ -8,6 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..kernels import qmm
+from .layers import swiglu
 
 
 class SwitchLinear(nn.Module):
@@ -113,7 +114,7 @@ class SwitchGLU(nn.Module):
         self.down_proj = SwitchLinear(intermediate, hidden, num_experts)
 
     def activate(self, gate: mx.array, up: mx.array) -> mx.array:
-        return nn.silu(gate) * up
+        return swiglu(gate, up)  # nn.silu(gate) * up, the same bits (models/layers.py)
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         """x: [tokens, hidden]; indices: [tokens, k] chosen experts -> [tokens, k, hidden]."""

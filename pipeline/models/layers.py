@@ -33,9 +33,15 @@ def _compiled_rms_norm(eps: float) -> Callable:
 
 
 @mx.compile
-def swiglu(gate: mx.array, up: mx.array) -> mx.array:
-    """silu(gate) * up in one kernel."""
+def _compiled_swiglu(gate: mx.array, up: mx.array) -> mx.array:
     return nn.silu(gate) * up
+
+
+def swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    """silu(gate) * up in one operation: pipeline's kernel (layer_kernels.py) for float32 on the CPU, 16 elements
+    at a time, else compiled (MLX's, one element at a time on the CPU): the same bits either way."""
+    out = layer_kernels.swiglu(gate, up)
+    return _compiled_swiglu(gate, up) if out is None else out
 
 
 class RMSNorm(nn.RMSNorm):
