@@ -96,6 +96,32 @@ def test_products_match_gguf_dequantization_at_every_row_count(kernels, qtype):
         np.testing.assert_array_equal(product(x_all[37:38], raw, qtype, int8), whole[37:38])
 
 
+TILE_ROWS = (2, 3, 4, 7, 8, 9, 15, 16, 17, 32, 33, 64, 128, 256)  # the column tiles' row steps (8) and their remainders
+
+
+@pytest.mark.parametrize("n", (7, 16, 37), ids=lambda n: f"{n} columns")
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_int8_column_tiles_give_each_rows_own_bits(kernels, qtype, n):
+    """The int8 products of several rows run 16 output columns at a time (a lane per column, the last tile partly
+    past n): every output has the bits of its row multiplied alone (the one-row path), at every row count and
+    width (the ternary types run on the tiles from one row, so theirs are tile against tile), and all of them equal
+    the float64 product of gguf's dequantization and the rounded rows."""
+    rng = np.random.default_rng(11)
+    k = 768
+    raw = blocks(qtype, n, k, rng)
+    w = gguf.quants.dequantize(raw, qtype).astype(np.float64)
+    x_all = rng.normal(0, 1, (max(TILE_ROWS), k)).astype(np.float32)
+    x_all[2, 256:512] = 0  # an all-zero activation block
+    x_all[9, 700] = -60.0  # a block whose d is set by one value
+    alone = np.concatenate([product(x_all[i:i + 1], raw, qtype, True) for i in range(len(x_all))])
+    assert relative_error(alone, x_all, w, True) < 2e-7
+    for rows in TILE_ROWS:
+        np.testing.assert_array_equal(product(x_all[:rows], raw, qtype, True), alone[:rows], err_msg=f"{rows} rows")
+    # the rows in another order: each still its own bits
+    order = rng.permutation(len(x_all))[:33]
+    np.testing.assert_array_equal(product(x_all[order], raw, qtype, True), alone[order])
+
+
 @pytest.mark.parametrize("qtype", (QT.TQ1_0, QT.TQ2_0), ids=lambda t: t.name)
 def test_ternary_blocks_from_ggufs_quantizer(kernels, qtype):
     """gguf's own quantizer's blocks (ternary digits below 243, as llama.cpp writes them): the same agreement."""

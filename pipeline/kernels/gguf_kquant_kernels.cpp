@@ -32,6 +32,14 @@
  * On AVX-512 the int8 products of Q2_K, Q3_K, Q4_K and Q5_K decode each super-block in registers (int8_tile_in_registers:
  * unsigned codes, 16-bit scales through vpmaddubsw / vpdpwssd, Q3_K's offset and the mins from the bsums) rather than
  * unpacking it to memory: the same integers S and M, so the same bits, 2.2-2.5x faster on one row.
+ * With AVX-512 VNNI, products of several rows (the ternary types: of any number) run on column tiles (tiled_product):
+ * 16 output columns and one super-block decoded once, a vector lane per column ("interleaved quads": vector j holds
+ * values 4j .. 4j + 3 of the 16 columns, unsigned), then every row of x over them with vpdpbusd (4 activation bytes
+ * broadcast), the group scales per column in int32 lanes (vpmulld; Q2_K's codes held times their scale), Q3_K's and
+ * the ternary types' offset and the mins from the bsums (vpdpwssd): the same integers S and M per output, then the
+ * same float chain a lane per column (acc = fma(float(S), d * d8, acc), acc = fma(float(M), -(dmin * d8), acc)), so
+ * the same bits. 576 x 1536, 32 rows, 1 thread: Q4_K 1004 -> 285 us, Q3_K 957 -> 311, Q2_K 935 -> 267, Q5_K
+ * 1072 -> 292, TQ1_0 1423 -> 268, TQ2_0 1024 -> 263 (9 us a row; 4 rows Q4_K 126 -> 52).
  * Every output element is that fixed sequence on its row of x and its weight row whatever the number of
  * rows, their order or the threads (batch invariance); the AVX-512 (VNNI), AVX2 and generic code give the
  * same bits (the unpacking and integer sums are exact integers; the float steps the same fused multiply-adds).
@@ -658,6 +666,294 @@ void int8_rows(int64_t count, const KMatrix &m, int64_t col, const int8_t *const
     int8_tile<R>(m, col, xq, xd, bsums, out);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+/* ---- int8 products of many rows: a lane per output column ----------------------------------------------------
+
+   16 output columns (weight rows) and one super-block are decoded once into a ColumnTile, then every row of x runs
+   over it: lane c of every vector is column c. The codes as unsigned u (q plus an offset: Q3_K 4, the ternary types
+   1, else 0) in "interleaved quads": vector j holds values 4j .. 4j + 3 of the 16 columns (column c's at bytes
+   4c .. 4c + 3), so vpdpbusd with 4 bytes of the row broadcast gives lane c column c's 4-product sum. Per scale unit
+   (16 values, Q4_K / Q5_K 32) those sums times the unit's scale (vpmulld, int32 lanes) make S; Q2_K's scales (4
+   bits) times its codes (2 bits) fit a byte, so its codes are held multiplied by their group's scale and S is a
+   plain vpdpbusd sum. The offset's part (offset sum_g sc_g bsum_g) and the mins' M = sum_g m_g bsum_g come from the
+   row's int16 bsums by vpdpwssd against per-column int16 pairs (-offset sc_2i, -offset sc_2i+1) / (m_2i, m_2i+1).
+   All exact integers: the S and M of the one-row path. Then per row the float chain of the one-row path, a lane per
+   column: acc = fma(float(S), d * d8, acc), acc = fma(float(M), -(dmin * d8), acc) (vcvtdq2ps, vmulps, vfmadd round
+   as their scalar forms): the same bits. The block bytes are read with gathers (one 32-bit word of each of the 16
+   columns' super-blocks a gather), decoded in those words as the one-row path decodes the bytes. */
+
+constexpr int COLUMNS = 16;        // output columns a tile
+constexpr int QUADS = SUPER / 4;   // quad vectors a super-block
+/* From this many rows a product runs on the column tiles: the ternary types from one (one row of 576 x 1536, in cache,
+   1 thread, us: TQ1_0 140 -> 56, TQ2_0 89 -> 33; read from memory (--streamed) 150-172 -> 75-147, 97-99 -> 56-79), the
+   others from two (one row: Q4_K 45 -> 30 in cache but 65-70 -> 83-161 from memory, where the one-row path's prefetch
+   keeps up and 16 columns' streams do not; Q2_K 41 -> 44; two rows: Q2_K 80 -> 50, Q4_K 89 -> 38, Q5_K 110 -> 51). */
+constexpr int many_rows(int type) { return type == TQ1_0 || type == TQ2_0 ? 1 : 2; }
+constexpr int ROW_STEP = 8;        // rows sharing each loaded quad vector (accumulators in registers)
+
+struct ColumnTile {
+    __m512i u[QUADS];           // quad j, lane c: column c's u of values 4j .. 4j + 3 (Q2_K: times the group's scale)
+    __m512i scale[GROUPS];      // lane c: column c's scale of 16-value group g (Q4_K / Q5_K: of 32-value sub-block g < 8)
+    __m512i pairs[GROUPS / 2];  // lane c: int16 (m_2i, m_2i+1), or the offset's (-o sc_2i, -o sc_2i+1)
+    __m512 d, dmin;
+};
+
+/* the 32-bit word at byte `offset` of each column's super-block (lane c at b + index[c]) */
+inline __m512i words(const uint8_t *b, __m512i index, int offset) {
+    return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), __mmask16(0xFFFF), index, b + offset, 1);
+}
+inline __m512i shr32(__m512i v, int n) { return _mm512_srl_epi32(v, _mm_cvtsi32_si128(n)); }
+inline __m512i bytes_of(__m512i v, uint32_t mask) { return _mm512_and_si512(v, _mm512_set1_epi32(int(mask))); }
+inline __m512 low_halves(__m512i w) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(w)); }  // fp16 in bits 0-15
+inline __m512 high_halves(__m512i w) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(w, 16))); }
+inline __m512i int16_pair(__m512i low, __m512i high) {
+    return _mm512_or_si512(bytes_of(low, 0xFFFF), _mm512_slli_epi32(high, 16));
+}
+
+/* TQ1_0's base-3 digit `power` (3^n) of every byte: ((uint8(b * 3^n) * 3) >> 8), in 16-bit lanes (0, 1 or 2: q + 1) */
+inline __m512i ternary_digits512(__m512i v, int power) {
+    const __m512i p = _mm512_set1_epi16(int16_t(power)), three = _mm512_set1_epi16(3), low = _mm512_set1_epi16(0xFF);
+    const __m512i even = _mm512_and_si512(_mm512_mullo_epi16(_mm512_and_si512(v, low), p), low);
+    const __m512i odd = _mm512_and_si512(_mm512_mullo_epi16(_mm512_srli_epi16(v, 8), p), low);
+    return _mm512_or_si512(_mm512_srli_epi16(_mm512_mullo_epi16(even, three), 8),
+                           _mm512_slli_epi16(_mm512_srli_epi16(_mm512_mullo_epi16(odd, three), 8), 8));
+}
+
+/* The tile of the 16 columns' super-blocks at b + index[c] (the opening comment's layouts, as unpack reads them). */
+template <int T>
+__attribute__((noinline)) void decode_tile(const uint8_t *b, __m512i index, ColumnTile &t) {
+    if constexpr (T == Q4_K || T == Q5_K) {
+        const __m512i dd = words(b, index, 0), w0 = words(b, index, 4), w1 = words(b, index, 8), w2 = words(b, index, 12);
+        t.d = low_halves(dd);
+        t.dmin = high_halves(dd);
+        // get_scale_min_k4 on 32-bit words (scale_vectors): byte j of sc[0] / sc[1] the scale of sub-block j / 4 + j
+        const __m512i sc[2] = {bytes_of(w0, 0x3f3f3f3f), _mm512_or_si512(bytes_of(w2, 0x0f0f0f0f), bytes_of(shr32(w0, 2), 0x30303030))};
+        const __m512i mn[2] = {bytes_of(w1, 0x3f3f3f3f),
+                               _mm512_or_si512(bytes_of(shr32(w2, 4), 0x0f0f0f0f), bytes_of(shr32(w1, 2), 0x30303030))};
+        for (int j = 0; j < 8; j++) {
+            t.scale[j] = bytes_of(shr32(sc[j / 4], 8 * (j % 4)), 0xFF);
+            const __m512i m = bytes_of(shr32(mn[j / 4], 8 * (j % 4)), 0xFF);
+            t.pairs[j] = int16_pair(m, m);  // groups 2j, 2j + 1: sub-block j
+        }
+        const int qs = T == Q4_K ? 16 : 48;
+        for (int w = 0; w < 32; w++) {  // qs word w: values 64 (w / 8) + 4 (w % 8) (low nibbles) and 32 on (high)
+            const __m512i v = words(b, index, qs + 4 * w);
+            t.u[16 * (w / 8) + w % 8] = bytes_of(v, 0x0f0f0f0f);
+            t.u[16 * (w / 8) + 8 + w % 8] = bytes_of(_mm512_srli_epi32(v, 4), 0x0f0f0f0f);
+        }
+        if constexpr (T == Q5_K) {
+            for (int w = 0; w < 8; w++) {  // qh word w: bit j of qh[l] (l = 4 w ..) the fifth bit of value 32 j + l
+                const __m512i h = words(b, index, 16 + 4 * w);
+                for (int j = 0; j < 8; j++)
+                    t.u[8 * j + w] = _mm512_or_si512(t.u[8 * j + w], _mm512_slli_epi32(bytes_of(shr32(h, j), 0x01010101), 4));
+            }
+        }
+    } else if constexpr (T == Q3_K) {
+        t.d = high_halves(words(b, index, 106));
+        t.dmin = _mm512_setzero_ps();
+        const __m512i w0 = words(b, index, 96), w1 = words(b, index, 100), w2 = words(b, index, 104);
+        const __m512i low[4] = {bytes_of(w0, 0x0f0f0f0f), bytes_of(w1, 0x0f0f0f0f), bytes_of(_mm512_srli_epi32(w0, 4), 0x0f0f0f0f),
+                                bytes_of(_mm512_srli_epi32(w1, 4), 0x0f0f0f0f)};
+        for (int q = 0; q < 4; q++) {  // byte i of `six`: the 6-bit scale of group 4 q + i
+            const __m512i six = _mm512_or_si512(low[q], _mm512_slli_epi32(bytes_of(shr32(w2, 2 * q), 0x03030303), 4));
+            for (int i = 0; i < 4; i++)
+                t.scale[4 * q + i] = _mm512_sub_epi32(bytes_of(shr32(six, 8 * i), 0xFF), _mm512_set1_epi32(32));
+        }
+        for (int i = 0; i < 8; i++)  // the offset 4: -4 sc_g
+            t.pairs[i] = int16_pair(_mm512_slli_epi32(_mm512_sub_epi32(_mm512_setzero_si512(), t.scale[2 * i]), 2),
+                                    _mm512_slli_epi32(_mm512_sub_epi32(_mm512_setzero_si512(), t.scale[2 * i + 1]), 2));
+        __m512i hmask[8];
+        for (int w = 0; w < 8; w++) hmask[w] = words(b, index, 4 * w);
+        for (int w = 0; w < 16; w++) {  // qs word w (h = w / 8, l = 4 (w % 8) ..): value 128 h + 32 s + l
+            const __m512i v = words(b, index, 32 + 4 * w);
+            const int h = w / 8;
+            for (int s = 0; s < 4; s++)
+                t.u[32 * h + 8 * s + w % 8] = _mm512_or_si512(
+                    bytes_of(shr32(v, 2 * s), 0x03030303), _mm512_slli_epi32(bytes_of(shr32(hmask[w % 8], 4 * h + s), 0x01010101), 2));
+        }
+    } else if constexpr (T == Q2_K) {
+        const __m512i dd = words(b, index, 80);
+        t.d = low_halves(dd);
+        t.dmin = high_halves(dd);
+        __m512i scale_bytes[GROUPS], mins[GROUPS];
+        for (int w = 0; w < 4; w++) {
+            const __m512i v = words(b, index, 4 * w);
+            for (int i = 0; i < 4; i++) {
+                const __m512i byte = bytes_of(shr32(v, 8 * i), 0xFF);
+                t.scale[4 * w + i] = bytes_of(byte, 15);
+                mins[4 * w + i] = _mm512_srli_epi32(byte, 4);
+                scale_bytes[4 * w + i] = _mm512_mullo_epi32(t.scale[4 * w + i], _mm512_set1_epi32(0x01010101));
+            }
+        }
+        for (int i = 0; i < 8; i++) t.pairs[i] = int16_pair(mins[2 * i], mins[2 * i + 1]);
+        for (int w = 0; w < 16; w++) {  // as Q3_K's low bits; each code times its group's scale (at most 3 x 15)
+            const __m512i v = words(b, index, 16 + 4 * w);
+            const int h = w / 8;
+            for (int s = 0; s < 4; s++) {
+                const int quad = 32 * h + 8 * s + w % 8;
+                const __m512i sc = scale_bytes[quad / 4];
+                const __m512i one = _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(v, _mm512_set1_epi8(char(1 << (2 * s)))), sc);
+                t.u[quad] = _mm512_mask_add_epi8(one, _mm512_test_epi8_mask(v, _mm512_set1_epi8(char(2 << (2 * s)))), one,
+                                                 _mm512_add_epi8(sc, sc));
+            }
+        }
+    } else if constexpr (T == TQ2_0) {
+        t.d = high_halves(words(b, index, 62));
+        t.dmin = _mm512_setzero_ps();
+        for (int i = 0; i < 8; i++) t.pairs[i] = _mm512_set1_epi32(-1);  // the offset 1: -bsum_g
+        for (int w = 0; w < 16; w++) {
+            const __m512i v = words(b, index, 4 * w);
+            for (int s = 0; s < 4; s++) t.u[32 * (w / 8) + 8 * s + w % 8] = bytes_of(shr32(v, 2 * s), 0x03030303);
+        }
+    } else {  // TQ1_0
+        static constexpr int POW3[5] = {1, 3, 9, 27, 81};
+        t.d = high_halves(words(b, index, 50));
+        t.dmin = _mm512_setzero_ps();
+        for (int i = 0; i < 8; i++) t.pairs[i] = _mm512_set1_epi32(-1);
+        for (int w = 0; w < 12; w++) {  // qs word w < 8: values 32 n + 4 w ..; w >= 8: values 160 + 16 n + 4 (w - 8) ..
+            const __m512i v = words(b, index, 4 * w);
+            for (int n = 0; n < 5; n++) t.u[w < 8 ? 8 * n + w : 40 + 4 * n + (w - 8)] = ternary_digits512(v, POW3[n]);
+        }
+        const __m512i qh = words(b, index, 48);  // values 240 + 4 n + m
+        for (int n = 0; n < 4; n++) t.u[60 + n] = ternary_digits512(qh, POW3[n]);
+    }
+}
+
+/* One super-block of R rows of x against a tile: x R rows of 256 rounded values (stride 256), bsums R rows of 16
+   (stride 16), d8 their R scales; acc R rows of the 16 columns' float accumulators (stride 16). */
+template <int T, int R>
+__attribute__((noinline)) void tile_rows(const ColumnTile &t, const int8_t *x, const int16_t *bsums, const float *d8, float *acc) {
+    auto x4 = [&](int r, int quad) {
+        int32_t v;
+        std::memcpy(&v, x + SUPER * r + 4 * quad, 4);
+        return _mm512_set1_epi32(v);
+    };
+    __m512i s[R];
+    for (int r = 0; r < R; r++) s[r] = _mm512_setzero_si512();
+    if constexpr (T == Q4_K || T == Q5_K || T == Q3_K) {
+        constexpr int UNIT = T == Q3_K ? 4 : 8;  // quads per scale
+#pragma GCC unroll 16
+        for (int j = 0; j < QUADS / UNIT; j++) {
+            __m512i g[R];
+            for (int r = 0; r < R; r++) g[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+            for (int i = 0; i < UNIT; i++) {
+                const __m512i w = t.u[UNIT * j + i];
+                for (int r = 0; r < R; r++) g[r] = _mm512_dpbusd_epi32(g[r], w, x4(r, UNIT * j + i));
+            }
+            for (int r = 0; r < R; r++) s[r] = _mm512_add_epi32(s[r], _mm512_mullo_epi32(g[r], t.scale[j]));
+        }
+    } else {
+#pragma GCC unroll 64
+        for (int q = 0; q < QUADS; q++) {
+            const __m512i w = t.u[q];
+            for (int r = 0; r < R; r++) s[r] = _mm512_dpbusd_epi32(s[r], w, x4(r, q));
+        }
+    }
+    auto pair = [&](int r, int i) {
+        int32_t v;
+        std::memcpy(&v, bsums + GROUPS * r + 2 * i, 4);
+        return _mm512_set1_epi32(v);
+    };
+    constexpr bool mins = has_mins(T);
+    __m512i m[R];
+    for (int r = 0; r < R; r++) m[r] = _mm512_setzero_si512();
+    for (int i = 0; i < GROUPS / 2; i++)
+        for (int r = 0; r < R; r++) {
+            if constexpr (mins) {
+                m[r] = _mm512_dpwssd_epi32(m[r], t.pairs[i], pair(r, i));
+            } else {
+                s[r] = _mm512_dpwssd_epi32(s[r], t.pairs[i], pair(r, i));
+            }
+        }
+    const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(int(0x80000000u)));
+    for (int r = 0; r < R; r++) {
+        const __m512 d8r = _mm512_set1_ps(d8[r]);
+        __m512 a = _mm512_loadu_ps(acc + COLUMNS * r);
+        a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), _mm512_mul_ps(t.d, d8r), a);
+        if constexpr (mins) a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(m[r]), _mm512_xor_ps(_mm512_mul_ps(t.dmin, d8r), sign), a);
+        _mm512_storeu_ps(acc + COLUMNS * r, a);
+    }
+}
+
+template <int T, int R = 1>
+void tile_rows_of(int64_t count, const ColumnTile &t, const int8_t *x, const int16_t *bsums, const float *d8, float *acc) {
+    if constexpr (R < ROW_STEP) {
+        if (count != R) return tile_rows_of<T, R + 1>(count, t, x, bsums, d8, acc);
+    }
+    tile_rows<T, R>(t, x, bsums, d8, acc);
+}
+
+/* x's rounded rows laid out super-block by super-block: q [k / 256][rows][256], bsums [k / 256][rows][16],
+   d [k / 256][rows] (a super-block's rows at fixed strides). */
+struct BlockMajorRows {
+    std::vector<int8_t> q;
+    std::vector<int16_t> bsums;
+    std::vector<float> d;
+};
+
+BlockMajorRows block_major(const RoundedRows &xq, int64_t rows, int64_t k) {
+    const int64_t blocks = k / SUPER;
+    BlockMajorRows out{std::vector<int8_t>(rows * k), std::vector<int16_t>(rows * (k / 16)), std::vector<float>(rows * blocks)};
+    for (int64_t sb = 0; sb < blocks; sb++)
+        for (int64_t r = 0; r < rows; r++) {
+            std::memcpy(out.q.data() + (sb * rows + r) * SUPER, xq.q.data() + r * k + sb * SUPER, SUPER);
+            std::memcpy(out.bsums.data() + (sb * rows + r) * GROUPS, xq.bsums.data() + r * (k / 16) + sb * GROUPS, 2 * GROUPS);
+            out.d[sb * rows + r] = xq.d[r * blocks + sb];
+        }
+    return out;
+}
+
+/* Columns [16 tile, 16 tile + 16) of every row (those under n; the others repeat column n - 1, unstored). acc: room
+   for rows x 16 floats. */
+template <int T>
+void column_tile(const KMatrix &m, int64_t tile, const BlockMajorRows &x, int64_t rows, float *out, float *acc) {
+    const int64_t col = COLUMNS * tile, valid = std::min<int64_t>(COLUMNS, m.n - col);
+    const int32_t stride = int32_t((m.k / SUPER) * block_bytes(T));
+    const __m512i index = _mm512_mullo_epi32(
+        _mm512_min_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(int(valid - 1))),
+        _mm512_set1_epi32(stride));
+    std::fill(acc, acc + rows * COLUMNS, 0.0f);
+    ColumnTile t;
+    for (int64_t sb = 0; sb < m.k / SUPER; sb++) {
+        decode_tile<T>(m.block(col, sb), index, t);
+        const int8_t *q = x.q.data() + sb * rows * SUPER;
+        const int16_t *sums = x.bsums.data() + sb * rows * GROUPS;
+        const float *d8 = x.d.data() + sb * rows;
+        int64_t r = 0;
+        for (; r + ROW_STEP <= rows; r += ROW_STEP)
+            tile_rows<T, ROW_STEP>(t, q + r * SUPER, sums + r * GROUPS, d8 + r, acc + r * COLUMNS);
+        if (r < rows) tile_rows_of<T>(rows - r, t, q + r * SUPER, sums + r * GROUPS, d8 + r, acc + r * COLUMNS);
+    }
+    const __mmask16 keep = __mmask16((1u << valid) - 1);
+    for (int64_t r = 0; r < rows; r++) _mm512_mask_storeu_ps(out + r * m.n + col, keep, _mm512_loadu_ps(acc + r * COLUMNS));
+}
+
+template <int T>
+void tiled_product(const KMatrix &m, const RoundedRows &xq, int64_t rows, float *out, bool threaded) {
+    const BlockMajorRows x = block_major(xq, rows, m.k);
+    const int64_t tiles = (m.n + COLUMNS - 1) / COLUMNS;
+#pragma omp parallel num_threads(g_threads) if (threaded)
+    {
+        std::vector<float> acc(rows * COLUMNS);
+#pragma omp for schedule(static)
+        for (int64_t tile = 0; tile < tiles; tile++) column_tile<T>(m, tile, x, rows, out, acc.data());
+    }
+}
+
+/* The product of rows >= many_rows(type) rounded rows on the column tiles. */
+void tiled_product(const KMatrix &m, const RoundedRows &xq, int64_t rows, float *out, bool threaded) {
+    switch (m.type) {
+        case Q2_K: return tiled_product<Q2_K>(m, xq, rows, out, threaded);
+        case Q3_K: return tiled_product<Q3_K>(m, xq, rows, out, threaded);
+        case Q4_K: return tiled_product<Q4_K>(m, xq, rows, out, threaded);
+        case Q5_K: return tiled_product<Q5_K>(m, xq, rows, out, threaded);
+        case TQ1_0: return tiled_product<TQ1_0>(m, xq, rows, out, threaded);
+        default: return tiled_product<TQ2_0>(m, xq, rows, out, threaded);
+    }
+}
+#endif
+
 /* ---- one product over the threads ---------------------------------------------------------------- */
 
 /* Below this many multiply-adds a product runs on one thread (gguf_kernels.cpp's threshold, for the same reason). */
@@ -668,6 +964,9 @@ void product(const KMatrix &m, const float *x, int64_t rows, float *out, bool in
     const bool threaded = g_threads > 1 && n > 1 && rows * n * k >= THREADED_MIN_WORK;
     if (int8) {
         const RoundedRows xq = round_rows(x, rows, k);
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+        if (rows >= many_rows(m.type)) return tiled_product(m, xq, rows, out, threaded);
+#endif
 #pragma omp parallel for schedule(static) num_threads(g_threads) if (threaded)
         for (int64_t col = 0; col < n; col++) {
             const int8_t *qs[INT8_TILE];
