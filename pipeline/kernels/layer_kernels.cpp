@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "mlx/backend/common/utils.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/backend/cpu/unary_ops.h"
 #include "mlx/primitives.h"
@@ -156,7 +157,7 @@ class RopeRotation : public mx::UnaryPrimitive {
    MLX's CPU Sigmoid (mlx/backend/cpu/unary_ops.h) is 1 / (1 + exp(|x|)), or 1 minus it for x >= 0, with its
    own exp (simd/math.h: a degree-6 polynomial in fma of the fraction, times 2^ipart made from the exponent's
    bits, inf past 88). Where MLX's Simd is one lane wide (x86), MLX computes that one element at a time
-   (mx.compile's kernel of it too, with a call to exp and to fmaf per element: ~16 ns an element, 7% of a
+   (mx.compile's kernel of it too, with a call to exp and to fmaf per element: ~16 ns an element, 8% of a
    Q4_K_M SmolLM2's `pipeline batch`); sigmoid16 is the same arithmetic 16 lanes at once, step for step:
      - exp's ipart is floor(x + 0.5) summed in double (x + 0.5 with x a Simd<float, 1> is a double): here
        floor(x) (x >= 0: truncation) plus one where x - floor(x) >= 0.5 (exact), the same integer for every
@@ -224,7 +225,8 @@ class SwiGLU : public mx::UnaryPrimitive {
 
     void eval_cpu(const std::vector<mx::array> &inputs, mx::array &out) override {
         const mx::array &gate = inputs[0];
-        if (gate.is_donatable() && gate.flags().row_contiguous)  // the gate's buffer, as MLX's elementwise ops do
+        // the gate's buffer where MLX's elementwise ops would take it (no other holder, not much larger)
+        if (gate.flags().row_contiguous && mx::is_donatable(gate, out))
             out.copy_shared_buffer(gate);
         else
             out.set_data(mx::allocator::malloc(out.nbytes()));
