@@ -309,9 +309,9 @@ int main(int, char **argv) {  // every type's products at several row counts, bo
 @pytest.mark.skipif(build.missing_tools() != "", reason="no C++ compiler")
 def test_every_instruction_set_gives_the_same_bits(tmp_path):
     """The kernels built for this CPU (AVX-512 here, or AVX2), with AVX-512 off (-mno-avx512f) and with their generic
-    code (-DPIPELINE_IQ_GENERIC) give the same output bytes: products of every type at 1-70 rows (AVX-512: the per-row
-    path at 1, the 16-column tiles from 2) and 40 or 7 columns, both paths, and the dequantization. (The kernels
-    alone, without the Python module: -DPIPELINE_IQ_KERNELS_ONLY.)"""
+    code (-DPIPELINE_IQ_GENERIC) give the same output bytes: products of every type at 1-70 rows (AVX-512: the
+    16-column tiles, AVX2 and generic: per row) and 40 or 7 columns, both paths, and the dequantization. (The
+    kernels alone, without the Python module: -DPIPELINE_IQ_KERNELS_ONLY.)"""
     source = tmp_path / "harness.cpp"
     source.write_text(HARNESS)
     mlx = build._mlx_dir()

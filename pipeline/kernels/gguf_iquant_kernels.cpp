@@ -28,11 +28,12 @@
  * Every output element is that fixed sequence on its row of x and its weight row whatever the number of
  * rows, their order or the threads (batch invariance); the AVX-512 VNNI, AVX2 and generic code give the same
  * bits (the decoding and integer sums are exact integers; the float steps the same fused multiply-adds).
- * The int8 product of one row decodes each super-block per row of w and reduces it across vector lanes; of 2 or
- * more rows on AVX-512 VNNI it takes 16 rows of w at a time (a tile: a vector lane per output column), decodes
- * them once over all of k into interleaved quads (struct Tile's comment), and then every row of x: vpdpbusd of the
- * quads and 4 activations (xq + 128, the offset's share taken back exactly) per 4 values, times the columns' ls,
- * per super-block the same integer S, the same fma(float(S), d * d8, acc) lane by lane, the same C * acc.
+ * The int8 products on AVX-512 VNNI take 16 rows of w at a time (a tile: a vector lane per output column), decode
+ * them once over all of k into interleaved quads with gathers across the 16 rows (struct Tile's comment), and then
+ * every row of x: vpdpbusd of the quads and 4 activations (xq + 128, the offset's share taken back exactly) per 4
+ * values, times the columns' ls, per super-block the same integer S, the same fma(float(S), d * d8, acc) lane by
+ * lane, the same C * acc. On AVX2 and in the generic code they decode each super-block per row of w (chunk<TYPE>)
+ * and reduce it across vector lanes.
  * -DPIPELINE_IQ_GENERIC builds the generic code on any CPU; -DPIPELINE_IQ_KERNELS_ONLY leaves out the Python
  * module's part (a C++ harness can then include this file and call product() and dequantize() itself).
  */
@@ -424,7 +425,6 @@ void int8_rows(int64_t count, const IQMatrix &m, int64_t col, const int8_t *cons
 
 constexpr int TILE_COLS = 16;     // weight rows (output columns) decoded together: a lane each
 constexpr int TILE_ROWS = 8;      // rows of x sharing each loaded weight vector
-constexpr int TILE_MIN_ROWS = 2;  // from this many rows of x a product takes the tiles (one row: int8_tile)
 
 /* 16-value groups per scale: 16-value scales (IQ2_XS, IQ2_S, IQ1_M) 16 per super-block, else 8 of 32 values */
 constexpr int tile_groups(int type) { return type == IQ2_XS || type == IQ2_S || type == IQ1_M ? 16 : 8; }
@@ -442,28 +442,8 @@ struct Tile {
     std::vector<Lanes> quads, scales, offsets, d;
 };
 
-/* w[c]: column c's 8 dwords (32 values) of one chunk -> out[i]: dword i of the 16 columns (lane c column c) */
-inline void transpose_chunk(const __m256i *w, __m512i *out) {
-    __m512i a[8], b[8];
-    for (int m = 0; m < 8; m++) a[m] = _mm512_inserti64x4(_mm512_castsi256_si512(w[m]), w[m + 8], 1);
-    for (int m = 0; m < 8; m += 2) {  // per 128-bit lane: [x0 y0 x1 y1], [x2 y2 x3 y3] of columns x = m, y = m + 1
-        b[m] = _mm512_unpacklo_epi32(a[m], a[m + 1]);
-        b[m + 1] = _mm512_unpackhi_epi32(a[m], a[m + 1]);
-    }
-    // per 128-bit lane of e[i] (i = 0..3, columns 0-3 of a) and f[i] (4-7): dwords i, 4 + i, then the same of 8-15
-    const __m512i low = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0), high = _mm512_set_epi64(15, 14, 7, 6, 11, 10, 3, 2);
-    for (int h = 0; h < 2; h++) {
-        const __m512i e0 = _mm512_unpacklo_epi64(b[h], b[h + 2]), e1 = _mm512_unpackhi_epi64(b[h], b[h + 2]);
-        const __m512i f0 = _mm512_unpacklo_epi64(b[h + 4], b[h + 6]), f1 = _mm512_unpackhi_epi64(b[h + 4], b[h + 6]);
-        out[2 * h] = _mm512_permutex2var_epi64(e0, low, f0);
-        out[2 * h + 1] = _mm512_permutex2var_epi64(e1, low, f1);
-        out[2 * h + 4] = _mm512_permutex2var_epi64(e0, high, f0);
-        out[2 * h + 5] = _mm512_permutex2var_epi64(e1, high, f1);
-    }
-}
-
 /* The super-block at base (column 0's; column c's rows[c] bytes on) of the 16 columns decoded at once with gathers,
-   for IQ3_S and IQ2_XXS (the same integers as chunk<TYPE>): quads, ls per group and d per column as decode_tile's;
+   (the same integers as chunk<TYPE>): quads, ls per group and d per column as decode_tile's;
    lanes outside valid read nothing (their outputs are not stored). */
 template <int TYPE>
 inline void gather_superblock(const uint8_t *base, __m512i rows, __mmask16 valid, __m512i *quads,
@@ -474,7 +454,22 @@ inline void gather_superblock(const uint8_t *base, __m512i rows, __mmask16 valid
     auto with_nibble_signs = [&](__m512i g, __m512i signs) {  // g's byte j negated where bit j of signs (< 16) is set
         return _mm512_mask_sub_epi8(g, _mm512_test_epi8_mask(_mm512_mullo_epi32(signs, spread), bits), zero, g);
     };
-    _mm512_store_ps(d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(at(0))));
+    auto ksigns = [&](__m512i k) {  // ksigns_iq2xs[k] (k < 128): k, bit 7 its parity
+        __m512i parity = _mm512_xor_si512(k, _mm512_srli_epi32(k, 4));
+        parity = _mm512_xor_si512(parity, _mm512_srli_epi32(parity, 2));
+        parity = _mm512_and_si512(_mm512_xor_si512(parity, _mm512_srli_epi32(parity, 1)), one);
+        return _mm512_or_si512(k, _mm512_slli_epi32(parity, 7));
+    };
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_add_epi32(even, one);
+    auto grid8 = [&](__m512i index, const uint64_t *grid, __m512i *out) {  // 8 values a column: 2 quads
+        const __m512i lo = _mm512_i32gather_epi64(_mm512_castsi512_si256(index), grid, 8);  // columns 0-7
+        const __m512i hi = _mm512_i32gather_epi64(_mm512_extracti64x4_epi64(index, 1), grid, 8);
+        out[0] = _mm512_permutex2var_epi32(lo, even, hi);  // values 0-3 of the 8
+        out[1] = _mm512_permutex2var_epi32(lo, odd, hi);
+    };
+    auto odd_scale = [&](__m512i s) { return _mm512_add_epi32(_mm512_slli_epi32(s, 1), one); };  // 2 s + 1
+    if constexpr (TYPE != IQ1_S && TYPE != IQ1_M) _mm512_store_ps(d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(at(0))));
     if constexpr (TYPE == IQ3_S) {  // quad e: grid entry qs[e] | (bit e % 8 of qh[e / 8]) << 8, signs bits 4 (e % 2).. of signs[e / 2]
         const __m512i h0 = at(66), h1 = at(70);
         for (int t = 0; t < 16; t++) {  // quads 4 t .. 4 t + 3
@@ -490,25 +485,119 @@ inline void gather_superblock(const uint8_t *base, __m512i rows, __mmask16 valid
         const __m512i scales = at(106);
         for (int c = 0; c < 8; c++)
             _mm512_store_si512(ls[c], _mm512_add_epi32(_mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(scales, 4 * c), nibble), 1), one));
-    } else {  // IQ2_XXS: per 32 values 4 grid index bytes (8 values each) and a uint32 of 4 x 7 sign bits and the scale
-        static_assert(TYPE == IQ2_XXS);
-        const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-        const __m512i odd = _mm512_add_epi32(even, one);
+    } else if constexpr (TYPE == IQ2_XXS || TYPE == IQ2_XS) {
+        // IQ2_XXS: per 32 values 4 grid index bytes (8 values each) and a uint32 of 4 x 7 sign bits and the scale;
+        // IQ2_XS: per 8 values a uint16 of a 9-bit grid index and 7 sign bits, per 16 a scale nibble at 66
         for (int c = 0; c < 8; c++) {
             const __m512i q = at(2 + 8 * c), aux = at(6 + 8 * c);
             for (int p = 0; p < 4; p++) {  // values 8 p .. 8 p + 7 of the chunk: quads 8 c + 2 p, 8 c + 2 p + 1
-                const __m512i index = _mm512_and_si512(_mm512_srli_epi32(q, 8 * p), byte);
-                const __m512i lo = _mm512_i32gather_epi64(_mm512_castsi512_si256(index), IQ2XXS_GRID, 8);  // columns 0-7
-                const __m512i hi = _mm512_i32gather_epi64(_mm512_extracti64x4_epi64(index, 1), IQ2XXS_GRID, 8);
-                const __m512i k = _mm512_and_si512(_mm512_srli_epi32(aux, 7 * p), _mm512_set1_epi32(127));
-                __m512i parity = _mm512_xor_si512(k, _mm512_srli_epi32(k, 4));  // ksigns_iq2xs[k]: k, bit 7 its parity
-                parity = _mm512_xor_si512(parity, _mm512_srli_epi32(parity, 2));
-                parity = _mm512_and_si512(_mm512_xor_si512(parity, _mm512_srli_epi32(parity, 1)), one);
-                const __m512i signs = _mm512_or_si512(k, _mm512_slli_epi32(parity, 7));
-                quads[8 * c + 2 * p] = with_nibble_signs(_mm512_permutex2var_epi32(lo, even, hi), _mm512_and_si512(signs, nibble));
-                quads[8 * c + 2 * p + 1] = with_nibble_signs(_mm512_permutex2var_epi32(lo, odd, hi), _mm512_srli_epi32(signs, 4));
+                __m512i index, k;
+                if constexpr (TYPE == IQ2_XXS) {
+                    index = _mm512_and_si512(_mm512_srli_epi32(q, 8 * p), byte);
+                    k = _mm512_and_si512(_mm512_srli_epi32(aux, 7 * p), _mm512_set1_epi32(127));
+                } else {
+                    const __m512i v = _mm512_and_si512(_mm512_srli_epi32(p < 2 ? q : aux, 16 * (p % 2)), _mm512_set1_epi32(0xffff));
+                    index = _mm512_and_si512(v, _mm512_set1_epi32(511));
+                    k = _mm512_srli_epi32(v, 9);
+                }
+                grid8(index, TYPE == IQ2_XXS ? IQ2XXS_GRID : IQ2XS_GRID, quads + 8 * c + 2 * p);
+                const __m512i signs = ksigns(k);
+                quads[8 * c + 2 * p] = with_nibble_signs(quads[8 * c + 2 * p], _mm512_and_si512(signs, nibble));
+                quads[8 * c + 2 * p + 1] = with_nibble_signs(quads[8 * c + 2 * p + 1], _mm512_srli_epi32(signs, 4));
             }
-            _mm512_store_si512(ls[c], _mm512_add_epi32(_mm512_slli_epi32(_mm512_srli_epi32(aux, 28), 1), one));
+            if constexpr (TYPE == IQ2_XXS) _mm512_store_si512(ls[c], odd_scale(_mm512_srli_epi32(aux, 28)));
+        }
+        if constexpr (TYPE == IQ2_XS)
+            for (int h = 0; h < 2; h++) {
+                const __m512i scales = at(66 + 4 * h);
+                for (int c = 4 * h; c < 4 * h + 4; c++) {
+                    const __m512i s = _mm512_srli_epi32(scales, 8 * (c % 4));
+                    _mm512_store_si512(ls[2 * c], odd_scale(_mm512_and_si512(s, nibble)));
+                    _mm512_store_si512(ls[2 * c + 1], odd_scale(_mm512_and_si512(_mm512_srli_epi32(s, 4), nibble)));
+                }
+            }
+    } else if constexpr (TYPE == IQ3_XXS) {  // quad e: grid entry qs[e]; per 32 values a uint32 at 66 as IQ2_XXS's
+        for (int c = 0; c < 8; c++) {
+            const __m512i aux = at(66 + 4 * c);
+            __m512i signs[4];
+            for (int p = 0; p < 4; p++) signs[p] = ksigns(_mm512_and_si512(_mm512_srli_epi32(aux, 7 * p), _mm512_set1_epi32(127)));
+            for (int t = 0; t < 2; t++) {
+                const __m512i q = at(2 + 8 * c + 4 * t);
+                for (int i = 0; i < 4; i++) {  // quad 8 c + 4 t + i: values 8 p + 4 (i % 2).. of the chunk, p = 2 t + i / 2
+                    const __m512i index = _mm512_and_si512(_mm512_srli_epi32(q, 8 * i), byte);
+                    quads[8 * c + 4 * t + i] = with_nibble_signs(
+                        _mm512_i32gather_epi32(index, IQ3XXS_GRID, 4),
+                        _mm512_and_si512(_mm512_srli_epi32(signs[2 * t + i / 2], 4 * (i % 2)), nibble));
+                }
+            }
+            _mm512_store_si512(ls[c], odd_scale(_mm512_srli_epi32(aux, 28)));
+        }
+    } else if constexpr (TYPE == IQ2_S) {  // per 8 values: qs, 2 bits of qh (at 66), a sign byte (at 34); scales at 74
+        for (int c = 0; c < 8; c++) {
+            const __m512i q = at(2 + 4 * c), signs = at(34 + 4 * c);
+            const __m512i h = _mm512_srli_epi32(at(66 + 4 * (c / 4)), 8 * (c % 4));
+            for (int l = 0; l < 4; l++) {
+                const __m512i index = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(q, 8 * l), byte),
+                                                      _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, 2 * l), _mm512_set1_epi32(3)), 8));
+                __m512i *out = quads + 8 * c + 2 * l;
+                grid8(index, IQ2S_GRID, out);
+                const __m512i s = _mm512_srli_epi32(signs, 8 * l);
+                out[0] = with_nibble_signs(out[0], _mm512_and_si512(s, nibble));
+                out[1] = with_nibble_signs(out[1], _mm512_and_si512(_mm512_srli_epi32(s, 4), nibble));
+            }
+        }
+        for (int h = 0; h < 2; h++) {
+            const __m512i scales = at(74 + 4 * h);
+            for (int c = 4 * h; c < 4 * h + 4; c++) {
+                const __m512i s = _mm512_srli_epi32(scales, 8 * (c % 4));
+                _mm512_store_si512(ls[2 * c], odd_scale(_mm512_and_si512(s, nibble)));
+                _mm512_store_si512(ls[2 * c + 1], odd_scale(_mm512_and_si512(_mm512_srli_epi32(s, 4), nibble)));
+            }
+        }
+    } else if constexpr (TYPE == IQ1_M) {  // per 8 values qs and a nibble of qh (at 32: 3 index bits, the delta's sign)
+        const __m512i eighths_mask = _mm512_set1_epi8(int8_t(0xf8)), word = _mm512_set1_epi32(0xffff);
+        const __m512i s01 = at(48), s23 = at(52);  // 4 uint16 of 3-bit scales, d's nibbles on top
+        const __m512i w[4] = {_mm512_and_si512(s01, word), _mm512_srli_epi32(s01, 16), _mm512_and_si512(s23, word),
+                              _mm512_srli_epi32(s23, 16)};
+        const __m512i bits = _mm512_or_si512(
+            _mm512_or_si512(_mm512_srli_epi32(w[0], 12), _mm512_and_si512(_mm512_srli_epi32(w[1], 8), _mm512_set1_epi32(0x00f0))),
+            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(w[2], 4), _mm512_set1_epi32(0x0f00)),
+                            _mm512_and_si512(w[3], _mm512_set1_epi32(0xf000))));
+        _mm512_store_ps(d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(bits)));
+        for (int c = 0; c < 8; c++) {
+            const __m512i q = at(4 * c), h = at(32 + 2 * c);
+            for (int l = 0; l < 4; l++) {
+                const __m512i n = _mm512_srli_epi32(h, 4 * l);  // bits 0-2: the index's top, 3: the delta's sign
+                const __m512i index = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(q, 8 * l), byte),
+                                                      _mm512_slli_epi32(_mm512_and_si512(n, _mm512_set1_epi32(7)), 8));
+                const __m512i delta = _mm512_mask_blend_epi32(_mm512_test_epi32_mask(n, _mm512_set1_epi32(8)),
+                                                              _mm512_set1_epi8(1), _mm512_set1_epi8(-1));
+                __m512i *out = quads + 8 * c + 2 * l;
+                grid8(index, IQ1S_GRID, out);
+                for (int j = 0; j < 2; j++)
+                    out[j] = _mm512_add_epi8(_mm512_and_si512(_mm512_slli_epi16(out[j], 3), eighths_mask), delta);
+            }
+            const __m512i s = _mm512_srli_epi32(w[c / 2], 6 * (c % 2));
+            _mm512_store_si512(ls[2 * c], odd_scale(_mm512_and_si512(s, _mm512_set1_epi32(7))));
+            _mm512_store_si512(ls[2 * c + 1], odd_scale(_mm512_and_si512(_mm512_srli_epi32(s, 3), _mm512_set1_epi32(7))));
+        }
+    } else {  // IQ1_S: per 8 values qs and 3 bits of a uint16 qh per 32 (at 34; its bits 12-14 the scale, 15 the delta's sign)
+        static_assert(TYPE == IQ1_S);
+        _mm512_store_ps(d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(at(0))));
+        const __m512i mask = _mm512_set1_epi8(int8_t(0xf8));
+        for (int c = 0; c < 8; c++) {
+            const __m512i q = at(2 + 4 * c), h = _mm512_srli_epi32(at(32 + 2 * c), 16);  // (34 + 2 c's 4 bytes: past 50)
+            const __m512i delta = _mm512_mask_blend_epi32(_mm512_test_epi32_mask(h, _mm512_set1_epi32(0x8000)),
+                                                          _mm512_set1_epi8(1), _mm512_set1_epi8(-1));
+            for (int l = 0; l < 4; l++) {
+                const __m512i index = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(q, 8 * l), byte),
+                                                      _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, 3 * l), _mm512_set1_epi32(7)), 8));
+                __m512i *out = quads + 8 * c + 2 * l;
+                grid8(index, IQ1S_GRID, out);
+                for (int j = 0; j < 2; j++)  // 8 g + delta bytewise (the 16-bit shift's spill masked off)
+                    out[j] = _mm512_add_epi8(_mm512_and_si512(_mm512_slli_epi16(out[j], 3), mask), delta);
+            }
+            _mm512_store_si512(ls[c], odd_scale(_mm512_and_si512(_mm512_srli_epi32(h, 12), _mm512_set1_epi32(7))));
         }
     }
 }
@@ -529,28 +618,7 @@ void decode_tile(const IQMatrix &m, int64_t col0, int cols, Tile &t) {
         alignas(64) int32_t ls[G][TILE_COLS] = {};
         alignas(64) float d[TILE_COLS] = {};
         __m512i *quads = reinterpret_cast<__m512i *>(t.quads.data() + 64 * sb);
-        if constexpr (TYPE == IQ3_S || TYPE == IQ2_XXS) {
-            gather_superblock<TYPE>(m.block(col0, sb), rows, valid, quads, ls, d);
-        } else {
-        __m256i w[8][TILE_COLS];  // [chunk][column]
-        for (int c = 0; c < cols; c++) {
-            const uint8_t *block = m.block(col0 + c, sb);
-            d[c] = block_d<TYPE>(block);
-            for (int j = 0; j < 8; j++) {
-                const Chunk o = chunk<TYPE>(block, j);
-                w[j][c] = o.w;
-                if constexpr (G == 16) {
-                    ls[2 * j][c] = o.ls0;
-                    ls[2 * j + 1][c] = o.ls1;
-                } else {
-                    ls[j][c] = o.ls0;
-                }
-            }
-        }
-        for (int c = cols; c < TILE_COLS; c++)
-            for (int j = 0; j < 8; j++) w[j][c] = _mm256_setzero_si256();
-        for (int j = 0; j < 8; j++) transpose_chunk(w[j], quads + 8 * j);
-        }
+        gather_superblock<TYPE>(m.block(col0, sb), rows, valid, quads, ls, d);
         __m512i offset = _mm512_setzero_si512();
         for (int g = 0; g < G; g++) {
             __m512i sum = _mm512_setzero_si512();
@@ -607,7 +675,7 @@ void tile_row_block(int64_t count, const Tile &t, int64_t sbs, const uint8_t *co
     tile_rows<TYPE, R>(t, sbs, xu, xd, out, col0, mask);
 }
 
-/* The int8 product of rows (>= TILE_MIN_ROWS) rows of x, rounded with biased q, over 16-column tiles, in parallel
+/* The int8 product of the rows of x, rounded with biased q, over 16-column tiles, in parallel
    over the tiles. */
 template <int TYPE>
 void tiled_product(const IQMatrix &m, const RoundedRows &xq, int64_t rows, float *out, bool threaded) {
@@ -647,8 +715,7 @@ void product_of(const IQMatrix &m, const float *x, int64_t rows, float *out, boo
     const bool threaded = g_threads > 1 && n > 1 && rows * n * k >= THREADED_MIN_WORK;
     if (int8) {
 #if IQ_TILE
-        if (rows >= TILE_MIN_ROWS)
-            return tiled_product<TYPE>(m, round_rows(x, rows, k, true), rows, out, threaded && n > TILE_COLS);
+        return tiled_product<TYPE>(m, round_rows(x, rows, k, true), rows, out, threaded && n > TILE_COLS);
 #endif
         const RoundedRows xq = round_rows(x, rows, k);
 #pragma omp parallel for schedule(static) num_threads(g_threads) if (threaded)
