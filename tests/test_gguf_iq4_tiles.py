@@ -1,7 +1,7 @@
-"""IQ4_NL's and IQ4_XS's int8 products in column and row tiles (kernels/gguf_kernels.cpp nl_product, xs_product:
-AVX-512 VNNI + VBMI builds) give the bits of the per-row path they replace (int8_tile, reached with
-gguf_iq4_tiled(False)) at every row count, shape and thread count, and both equal a float64 product of the gguf
-package's dequantization times x rounded as ggml's q8_0 / q8_K round it (test_gguf_iquants.rounded).
+"""IQ4_NL's, IQ4_XS's and Q6_K's int8 products in column and row tiles (kernels/gguf_kernels.cpp nl_product,
+xs_product, q6_product: AVX-512 VNNI + VBMI builds) give the bits of the per-row path they replace (int8_tile,
+reached with gguf_iq4_tiled(False)) at every row count, shape and thread count, and both equal a float64 product of
+the gguf package's dequantization times x rounded as ggml's q8_0 / q8_K round it (test_gguf_iquants.rounded).
 """
 
 from __future__ import annotations
@@ -16,11 +16,16 @@ from test_gguf_inplace import random_blocks
 from test_gguf_iquants import held, rounded
 from pipeline.kernels import qmm
 
-ROW_COUNTS = (1, 2, 3, 8, 17, 64)
-# (n, k): n not a multiple of the tiles' 4 or 8 columns; IQ4_NL with an odd number of blocks (96, 544: the last
-# block alone) and fewer than one group of 8 pairs (96); IQ4_XS with 1, 6 and 8 super-blocks; the first shape
-# big enough at 64 rows (4M multiply-adds) for 2 threads to share it
-SHAPES = {QT.IQ4_NL: ((77, 1024), (13, 96), (9, 544), (21, 1536)), QT.IQ4_XS: ((77, 1024), (13, 256), (21, 1536), (11, 2048))}
+# the tiles' row counts and their remainders: 1 and 2 (Q6_K: per row), 3, 4, 7, 8 (a tile of 4 and its remainders),
+# 15, 16, 17, 33 (Q6_K: past a pass of 32 rows), 64
+ROW_COUNTS = (1, 2, 3, 4, 7, 8, 15, 16, 17, 33, 64)
+# (n, k): n not a multiple of the tiles' 4, 8 or 16 columns (Q6_K: 16 a tile, 77 = 4 x 16 + 13, 13 and 9 fewer than
+# one tile, 21 one and 5); IQ4_NL with an odd number of blocks (96, 544: the last block alone) and fewer than one
+# group of 8 pairs (96); IQ4_XS and Q6_K with 1, 4, 6 and 8 super-blocks; the first shape big enough at 64 rows
+# (4M multiply-adds) for 2 threads to share it
+SHAPES = {QT.IQ4_NL: ((77, 1024), (13, 96), (9, 544), (21, 1536)), QT.IQ4_XS: ((77, 1024), (13, 256), (21, 1536), (11, 2048)),
+          QT.Q6_K: ((77, 1024), (13, 256), (21, 1536), (32, 2048), (9, 512))}
+TYPE_IDS = {QT.Q6_K: 14, QT.IQ4_NL: 20, QT.IQ4_XS: 23}
 
 
 @pytest.fixture
@@ -33,23 +38,24 @@ def tiled(kernels):
 
 def _both(kernels, x, arrays, type_id):
     """(tiled, per-row) int8 products of x with the held arrays."""
-    codes, scales = arrays
+    codes, scales, *d = arrays
     out = []
     for on in (True, False):
         kernels.gguf_iq4_tiled(on)
-        out.append(np.array(kernels.gguf_matmul(mx.array(x), codes, scales, type_id, True)))
+        out.append(np.array(kernels.gguf_matmul(mx.array(x), codes, scales, type_id, True, d[0] if d else None)))
     kernels.gguf_iq4_tiled(True)
     return out
 
 
-@pytest.mark.parametrize("qtype", (QT.IQ4_NL, QT.IQ4_XS), ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", (QT.IQ4_NL, QT.IQ4_XS, QT.Q6_K), ids=lambda t: t.name)
 def test_tiles_give_the_per_row_bits_and_the_float64_truth(tiled, qtype):
-    """Random block bytes (every code, fp16 scales of every size, every IQ4_XS 6-bit scale): the tiled product
-    equals the per-row one bit for bit (np.array_equal) at 1, 2, 3, 8, 17 and 64 rows, on 1 and 2 threads, and
-    both are the float64 truth within float32 accumulation (measured up to 6e-8 relative, bound 2e-7)."""
+    """Random block bytes (every code, fp16 scales of every size, every IQ4_XS 6-bit scale, every Q6_K int8 scale):
+    the tiled product equals the per-row one bit for bit (np.array_equal) at every row count of ROW_COUNTS, on 1 and
+    2 threads, and both are the float64 truth within float32 accumulation (measured up to 6e-8 relative, bound
+    2e-7)."""
     rng = np.random.default_rng(11)
     block = 32 if qtype == QT.IQ4_NL else 256
-    type_id = {QT.IQ4_NL: 20, QT.IQ4_XS: 23}[qtype]
+    type_id = TYPE_IDS[qtype]
     try:
         for n, k in SHAPES[qtype]:
             raw = random_blocks(qtype, n, k, rng)
@@ -78,7 +84,7 @@ def test_tiles_give_the_per_row_bits_and_the_float64_truth(tiled, qtype):
 def test_non_finite_activations_as_the_per_row_path(tiled):
     """x with infinities and NaN: the tiled rounding (vector max, round, clamp) treats them as round_rows does."""
     rng = np.random.default_rng(12)
-    for qtype, type_id in ((QT.IQ4_NL, 20), (QT.IQ4_XS, 23)):
+    for qtype, type_id in TYPE_IDS.items():
         raw = random_blocks(qtype, 16, 512, rng)
         x = rng.normal(0, 1, (5, 512)).astype(np.float32)
         x[0, 3], x[1, 40], x[2, 300], x[3, 0] = np.inf, -np.inf, np.nan, 1e-42

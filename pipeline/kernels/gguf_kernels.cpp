@@ -800,6 +800,189 @@ void xs_product(const NativeMatrix &m, const float *x, int64_t rows, float *out,
     if (rows == 1) return xs_loop<1, 8>(m, rows, out, threaded, prepared);
     xs_loop<4, 2>(m, rows, out, threaded, prepared);
 }
+
+/* ---- Q6_K's int8 product in tiles of 16 weight rows (a vector lane per output column) ------------------ */
+
+/* r[i] lane j <- r[j] lane i (a 16 x 16 matrix of 32-bit elements, rows in the registers). */
+inline void transpose16(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {  // u[4i + j] quarter q: rows 4i..4i + 3 of column 4q + j
+        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        const __m512i a = _mm512_shuffle_i32x4(u[j], u[4 + j], _MM_SHUFFLE(2, 0, 2, 0));
+        const __m512i b = _mm512_shuffle_i32x4(u[j], u[4 + j], _MM_SHUFFLE(3, 1, 3, 1));
+        const __m512i c = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], _MM_SHUFFLE(2, 0, 2, 0));
+        const __m512i d = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], _MM_SHUFFLE(3, 1, 3, 1));
+        r[j] = _mm512_shuffle_i32x4(a, c, _MM_SHUFFLE(2, 0, 2, 0));
+        r[8 + j] = _mm512_shuffle_i32x4(a, c, _MM_SHUFFLE(3, 1, 3, 1));
+        r[4 + j] = _mm512_shuffle_i32x4(b, d, _MM_SHUFFLE(2, 0, 2, 0));
+        r[12 + j] = _mm512_shuffle_i32x4(b, d, _MM_SHUFFLE(3, 1, 3, 1));
+    }
+}
+
+/* One super-block of 16 weight rows, decoded for the rows of x (q6_decode): W[t] the 64 bytes of values 4t..4t+3
+   (t < 64), column c's q - 32 at bytes 4c..4c + 3; S[j] sub-block j's scale per column as two equal 16-bit words
+   of a lane; start[l] per column -128 times the sum over the super-block's 8 chunks of sc times the 4 weights of
+   lane l (x enters unsigned, xq + 128: the product of 4 is the same integer plus 128 times the weights' sum);
+   dw the columns' d. */
+struct Q6Decoded {
+    alignas(64) int8_t W[64][64];
+    alignas(64) int32_t S[16][16];
+    alignas(64) int32_t start[8][16];
+    alignas(64) float dw[16];
+};
+
+inline __m512i load512(const void *p) { return _mm512_loadu_si512(p); }
+
+/* Columns col..col + columns - 1 (the rest as zeros), super-block sb. */
+inline void q6_decode(const NativeMatrix &m, int64_t col, int columns, int64_t sb, Q6Decoded &out) {
+    alignas(64) static const uint8_t zeros[192] = {};
+    const uint8_t *codes[16];
+    for (int c = 0; c < 16; c++) codes[c] = c < columns ? m.codes_of(col + c) + 192 * sb : zeros;
+    __m512i ql[2][16], qh[16], sc[16];
+    for (int c = 0; c < 16; c++) {
+        ql[0][c] = load512(codes[c]);
+        ql[1][c] = load512(codes[c] + 64);
+        qh[c] = load512(codes[c] + 128);
+        sc[c] = c < columns ? _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(m.scales_of(col + c) + 16 * sb)))
+                            : _mm512_setzero_si512();
+    }
+    transpose16(ql[0]);  // ql[h][d] lane c: column c's ql dword d of half h
+    transpose16(ql[1]);
+    transpose16(qh);  // qh[8 h + e] lane c: column c's qh dword e of half h
+    transpose16(sc);  // sc[j] lane c: column c's scale j
+    const __m512i words = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13));
+    for (int j = 0; j < 16; j++) _mm512_store_si512(out.S[j], _mm512_shuffle_epi8(sc[j], words));
+    const __m512i fifteen = _mm512_set1_epi8(15), bits45 = _mm512_set1_epi8(0x30), offset = _mm512_set1_epi8(32);
+    for (int h = 0; h < 2; h++)
+        for (int c = 0; c < 4; c++)
+            for (int e = 0; e < 8; e++) {  // values 128 h + 32 c + 4 e ..: chunk c of half h (q6_values), lane e
+                const __m512i src = ql[h][e + 8 * (c % 2)];
+                const __m512i low = _mm512_and_si512(c < 2 ? src : _mm512_srli_epi16(src, 4), fifteen);
+                const __m512i hs = qh[8 * h + e];
+                const __m512i high = c == 0 ? _mm512_slli_epi16(hs, 4) : c == 1 ? _mm512_slli_epi16(hs, 2) : c == 2 ? hs : _mm512_srli_epi16(hs, 2);
+                const __m512i q = _mm512_ternarylogic_epi32(low, high, bits45, 0xF8);  // low | (high & 0x30)
+                _mm512_store_si512(out.W[32 * h + 8 * c + e], _mm512_sub_epi8(q, offset));
+            }
+    const __m512i bias = _mm512_set1_epi8(int8_t(-128));  // 128 as vpmaddubsw's unsigned bytes
+    for (int l = 0; l < 8; l++) {
+        __m512i s = _mm512_setzero_si512();
+        for (int ch = 0; ch < 8; ch++)
+            s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(bias, _mm512_load_si512(out.W[8 * ch + l])),
+                                    _mm512_load_si512(out.S[2 * ch + l / 4]));
+        _mm512_store_si512(out.start[l], _mm512_sub_epi32(_mm512_setzero_si512(), s));
+    }
+    alignas(64) uint16_t d[16] = {};
+    for (int c = 0; c < columns; c++) std::memcpy(&d[c], m.ds_of(col + c) + 2 * sb, 2);
+    _mm512_store_ps(out.dw, _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i *>(d))));
+}
+
+/* x rounded as Q8_K (round_rows' bits) and stored unsigned, xq + 128; d per 256 values. */
+struct Q6Rows {
+    std::vector<uint8_t> q;  // [rows, k]
+    std::vector<float> d;    // [rows, k / 256]
+};
+
+Q6Rows q6_rows(const float *x, int64_t rows, int64_t k) {
+    Q6Rows out{std::vector<uint8_t>(rows * k), std::vector<float>(rows * (k / SUPER))};
+    alignas(64) int8_t natural[SUPER];
+    const __m512i flip = _mm512_set1_epi8(int8_t(-128));
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t sb = 0; sb < k / SUPER; sb++) {
+            out.d[r * (k / SUPER) + sb] = round_block<SUPER>(x + r * k + SUPER * sb, natural);
+            for (int p = 0; p < 4; p++)
+                _mm512_storeu_si512(out.q.data() + r * k + SUPER * sb + 64 * p, _mm512_xor_si512(_mm512_load_si512(natural + 64 * p), flip));
+        }
+    return out;
+}
+
+constexpr int Q6_ROW_BLOCK = 32;  // rows of x per pass over a tile: their float lanes (32 x 8 x 64 bytes) stay in L1
+
+/* Rows r0..r0 + R - 1 of x, one super-block, lanes l0, l0 + 1: int8_tile's integer lanes (exact) and its fused
+   multiply-add per lane into acc (per row 8 lanes x 16 columns). */
+template <int R>
+inline void q6_rows_step(const Q6Decoded &w, const uint8_t *const *xq, const float *scale, int l0, float (*const *acc)[16]) {
+    __m512i sum[R][2];
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < 2; i++) sum[r][i] = _mm512_load_si512(w.start[l0 + i]);
+    for (int ch = 0; ch < 8; ch++)
+        for (int i = 0; i < 2; i++) {
+            const int t = 8 * ch + l0 + i;
+            const __m512i weights = _mm512_load_si512(w.W[t]), s = _mm512_load_si512(w.S[2 * ch + (l0 + i) / 4]);
+            for (int r = 0; r < R; r++) {
+                int32_t four;
+                std::memcpy(&four, xq[r] + 4 * t, 4);
+                sum[r][i] = _mm512_dpwssd_epi32(sum[r][i], _mm512_maddubs_epi16(_mm512_set1_epi32(four), weights), s);
+            }
+        }
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < 2; i++) {
+            const __m512 s = _mm512_load_ps(scale + 16 * r);
+            _mm512_store_ps(acc[r][l0 + i], _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][i]), s, _mm512_load_ps(acc[r][l0 + i])));
+        }
+}
+
+template <int R>
+void q6_rows_tile(const Q6Decoded &w, const Q6Rows &x, int64_t k, int64_t r0, int64_t sb, float (*acc)[8][16]) {
+    const uint8_t *xq[R];
+    float (*accs[R])[16];
+    alignas(64) float scale[R][16];  // d_w * d_x per column, as int8_tile's (one float product)
+    const __m512 dw = _mm512_load_ps(w.dw);
+    for (int r = 0; r < R; r++) {
+        xq[r] = x.q.data() + (r0 + r) * k + SUPER * sb;
+        accs[r] = acc[r];
+        _mm512_store_ps(scale[r], _mm512_mul_ps(dw, _mm512_set1_ps(x.d[(r0 + r) * (k / SUPER) + sb])));
+    }
+    for (int l0 = 0; l0 < 8; l0 += 2) q6_rows_step<R>(w, xq, &scale[0][0], l0, accs);
+}
+
+constexpr int Q6_TILE_ROWS = 4;
+
+template <int R = 1>
+void q6_rows_of(int64_t count, const Q6Decoded &w, const Q6Rows &x, int64_t k, int64_t r0, int64_t sb, float (*acc)[8][16]) {
+    if constexpr (R < Q6_TILE_ROWS) {
+        if (count != R) return q6_rows_of<R + 1>(count, w, x, k, r0, sb, acc);
+    }
+    q6_rows_tile<R>(w, x, k, r0, sb, acc);
+}
+
+constexpr int64_t Q6_TILED_MIN_ROWS = 3;  // 1 and 2 rows: int8_tile (2 rows measured the same, 1 faster)
+
+void q6_product(const NativeMatrix &m, const float *x, int64_t rows, float *out, bool threaded) {
+    const Q6Rows prepared = q6_rows(x, rows, m.k);
+    const int64_t tiles = (m.n + 15) / 16, supers = m.k / SUPER;
+#pragma omp parallel for schedule(static) num_threads(g_threads) if (threaded)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t col = 16 * t;
+        const int columns = int(std::min<int64_t>(16, m.n - col));
+        Q6Decoded w;
+        alignas(64) float acc[Q6_ROW_BLOCK][8][16];
+        for (int64_t b0 = 0; b0 < rows; b0 += Q6_ROW_BLOCK) {
+            const int64_t block = std::min<int64_t>(Q6_ROW_BLOCK, rows - b0);
+            std::memset(acc, 0, sizeof(float) * 8 * 16 * block);
+            for (int64_t sb = 0; sb < supers; sb++) {
+                q6_decode(m, col, columns, sb, w);
+                for (int64_t r = 0; r < block; r += Q6_TILE_ROWS)
+                    q6_rows_of(std::min<int64_t>(Q6_TILE_ROWS, block - r), w, prepared, m.k, b0 + r, sb, acc + r);
+            }
+            for (int64_t r = 0; r < block; r++) {  // int8_tile's lanes_sum8, lane by lane of the columns
+                const float(*a)[16] = acc[r];
+                auto at = [&](int l) { return _mm512_load_ps(a[l]); };
+                const __m512 sum = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(at(0), at(4)), _mm512_add_ps(at(2), at(6))),
+                                                 _mm512_add_ps(_mm512_add_ps(at(1), at(5)), _mm512_add_ps(at(3), at(7))));
+                _mm512_mask_storeu_ps(out + (b0 + r) * m.n + col, __mmask16((1u << columns) - 1), sum);
+            }
+        }
+    }
+}
 #endif
 
 /* ---- one product over the threads ---------------------------------------------------------------- */
@@ -815,6 +998,7 @@ void product(const NativeMatrix &m, const float *x, int64_t rows, float *out, bo
 #ifdef PIPELINE_IQ4_TILED
         if (m.type == IQ4_NL && g_iq4_tiled) return nl_product(m, x, rows, out, threaded);
         if (m.type == IQ4_XS && g_iq4_tiled) return xs_product(m, x, rows, out, threaded);
+        if (m.type == Q6_K && g_iq4_tiled && rows >= Q6_TILED_MIN_ROWS) return q6_product(m, x, rows, out, threaded);
 #endif
         const int64_t block = m.type == IQ4_NL ? BLOCK : SUPER;
         const RoundedRows xq = round_rows(x, rows, k, block);
