@@ -34,6 +34,14 @@
  * registers (vpermb), IQ4_NL's weights unsigned (KVALUES + 128) against a lane start of -128 sum(xq), its scales
  * d_w * d_x for 16 blocks in one product: the same integers and the same fused multiply-adds, so the same bits
  * (tests/test_gguf_iq4_tiles.py), 2.5-3x faster than the per-row path (int8_tile) on one row, 1.7-2.5x on many.
+ * Q6_K's int8 products of 3 or more rows (q6_product, same builds) take 16 weight rows at a time, a vector lane per
+ * output column: each super-block of the 16 decoded once for all rows of x into interleaved quads (values 4t..4t+3 of
+ * the 16 columns in one vector, q - 32), x unsigned (xq + 128) against a lane start of -128 sum(sc (q - 32)), each
+ * quad's products paired by vpmaddubsw (|pair| <= 2 255 32) and scaled by its sub-block's sc in vpdpwssd: per column
+ * int8_tile's 8 integer lanes, exact, then its fused multiply-adds lane by lane and its tree (same bits; 2.3x faster
+ * on 32 rows; 1 and 2 rows stay per row). IQ4_NL and IQ4_XS in that shape measured no faster than nl_product and
+ * xs_product: their float chain (IQ4_NL: a conversion and a fused multiply-add per 4 products) and IQ4_XS's scales
+ * (|KVALUES| too large for vpmaddubsw against unsigned x: two vpdpwssd per quad) bound them alike.
  * Every output element is that fixed sequence on its row of x and its weight row whatever the number of
  * rows, their order or the threads (batch invariance); the AVX2, AVX-512 and generic code give the same
  * bits (integer sums are exact; the float steps are the same fused multiply-adds, std::fma in the generic
@@ -450,8 +458,8 @@ void int8_rows(int64_t count, const NativeMatrix &m, int64_t col, const int8_t *
 
 /* ---- IQ4_NL's int8 product on AVX-512 VNNI + VBMI: columns and rows in tiles, x prepared once -------- */
 
-/* Whether product() takes nl_product for IQ4_NL's int8 products where it is built (gguf_iq4_tiled(False): the
-   per-row tiles above, kept for the tests to compare bits with). */
+/* Whether product() takes nl_product, xs_product and q6_product for IQ4_NL's, IQ4_XS's and Q6_K's int8 products where
+   they are built (gguf_iq4_tiled(False): the per-row tiles above, kept for the tests to compare bits with). */
 bool g_iq4_tiled = true;
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
@@ -1090,8 +1098,8 @@ mx::array native_array(const mx::array &x, const mx::array &codes, const mx::arr
 void register_gguf(nb::module_ &m) {
     m.def(
         "gguf_iq4_tiled", [](bool on) { g_iq4_tiled = on; }, nb::arg("on"),
-        "IQ4_NL's int8 products in column and row tiles (the default where built: AVX-512 VNNI and VBMI), or per row "
-        "(False: the path the tiles must equal, for tests)");
+        "IQ4_NL's, IQ4_XS's and Q6_K's int8 products in column and row tiles (the default where built: AVX-512 VNNI and "
+        "VBMI), or per row (False: the path the tiles must equal, for tests)");
     m.def(
         "gguf_matmul",
         [](const mx::array &x, const mx::array &codes, const mx::array &scales, int type, bool int8,
