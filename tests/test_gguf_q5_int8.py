@@ -35,7 +35,7 @@ TYPE_ID = {QT.Q5_0: 6, QT.Q5_1: 7}
 # the largest relative_error measured over 20 seeds of 40 x k matrices, k = 32 / 288 / 704: Q5_0 8.6e-8 / 3.6e-8 /
 # 2.5e-8, Q5_1 3.4e-7 / 1.0e-7 / 9.3e-8 (one block: m s and d q x, each up to 2 |w| |x|, rounded apart)
 TOLERANCE = {QT.Q5_0: 1.5e-7, QT.Q5_1: 5e-7}
-ROW_COUNTS = (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 64, 70)  # a decode step, the tiles' sizes and past them
+ROW_COUNTS = (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 32, 33, 64, 70, 128, 256)  # a decode step, the tiles' sizes and past them
 
 
 def q5_blocks(qtype: QT, rows: int, cols: int, rng) -> np.ndarray:
@@ -97,7 +97,7 @@ def test_products_match_ggufs_dequantization_at_every_row_count(kernels, qtype):
     """x rounded as Q8_0 / Q8_1 times gguf's dequantization in float64; every row the same bits at every row
     count, alone, in another order and on 2 threads."""
     rng = np.random.default_rng(1)
-    n, k = 96, 704  # 22 blocks a row: pairs and none left (AVX-512), 704 = 11 x 64
+    n, k = 101, 704  # 22 blocks a row: pairs and none left (AVX-512), 704 = 11 x 64; 6 chunks of 16 columns and 5
     raw = q5_blocks(qtype, n, k, rng)
     w = gguf.quants.dequantize(raw, qtype).astype(np.float64)
     module = held(raw, qtype)
@@ -112,7 +112,7 @@ def test_products_match_ggufs_dequantization_at_every_row_count(kernels, qtype):
     np.testing.assert_array_equal(product(x_all[37:38], module, qtype), whole[37:38])  # a row alone
     order = rng.permutation(len(x_all))
     np.testing.assert_array_equal(product(x_all[order], module, qtype), whole[order])
-    try:  # 70 x 96 x 704 multiply-adds: past the threshold, the columns on 2 threads
+    try:  # 256 x 101 x 704 multiply-adds: past the threshold, the columns on 2 threads
         qmm.set_threads(2)
         np.testing.assert_array_equal(product(x_all, module, qtype), whole)
     finally:
@@ -131,7 +131,10 @@ def test_odd_block_counts(kernels, qtype):
         x = rng.normal(0, 1, (9, k)).astype(np.float32)
         got = product(x, module, qtype)
         assert relative_error(got, x, w) < TOLERANCE[qtype]
-        np.testing.assert_array_equal(product(x[4:5], module, qtype), got[4:5])
+        for r in range(len(x)):  # each row alone (the one-row path) and the first rows together
+            np.testing.assert_array_equal(product(x[r:r + 1], module, qtype), got[r:r + 1], err_msg=f"k {k} row {r}")
+        for rows in (2, 3, 4, 5, 8):
+            np.testing.assert_array_equal(product(x[:rows], module, qtype), got[:rows], err_msg=f"k {k}, {rows} rows")
 
 
 def test_high_bits_and_offset_matter(kernels):

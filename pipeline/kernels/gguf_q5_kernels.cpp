@@ -36,6 +36,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -116,6 +117,7 @@ RoundedRows round_rows(const float *x, int64_t rows, int64_t k, int type) {
     for (int64_t r = 0; r < rows; r++)
         for (int64_t b = 0; b < blocks; b++) {
             const float *v = x + r * k + b * BLOCK;
+            if (b + 8 < blocks || r + 1 < rows) _mm_prefetch(reinterpret_cast<const char *>(v + 8 * BLOCK), _MM_HINT_T0);
             const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
             const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v1), _mm512_max_ps(_mm512_abs_ps(v0), _mm512_setzero_ps())));
             const float d = amax / 127.0f;
@@ -166,22 +168,24 @@ RoundedRows round_rows(const float *x, int64_t rows, int64_t k, int type) {
         }
 #endif
 #if defined(Q5_PAIRS)
-    out.dpair.resize(rows * (blocks / 2) * 16);
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t p = 0; p < blocks / 2; p++)
-            for (int l = 0; l < 16; l++) out.dpair[(r * (blocks / 2) + p) * 16 + l] = out.d[r * blocks + 2 * p + l / 8];
-    if (rows > 1) {
-        const int64_t pairs = blocks / 2;
+    if (rows == 1) {  // tile<1>'s d_x per pair
+        out.dpair.resize(rows * (blocks / 2) * 16);
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t p = 0; p < blocks / 2; p++)
+                for (int l = 0; l < 16; l++) out.dpair[(r * (blocks / 2) + p) * 16 + l] = out.d[r * blocks + 2 * p + l / 8];
+    } else {  // tile_lanes: every pair, and an odd last block as a pair whose odd block is zeros
+        const int64_t pairs = (blocks + 1) / 2;
         out.lane_q.resize(rows * pairs * 64);
         out.lane_start.resize(rows * pairs * 16);
         const __m512i order = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
         for (int64_t r = 0; r < rows; r++)
             for (int64_t p = 0; p < pairs; p++) {
+                const __mmask16 whole = 2 * p + 1 < blocks ? 0xFFFF : 0x00FF;
                 _mm512_storeu_si512(out.lane_q.data() + (r * pairs + p) * 64,
-                                    _mm512_permutexvar_epi32(order, _mm512_loadu_si512(out.q.data() + r * k + 64 * p)));
+                                    _mm512_permutexvar_epi32(order, _mm512_maskz_loadu_epi32(whole, out.q.data() + r * k + 64 * p)));
                 __m512i start = _mm512_set1_epi32(MAGIC_BITS);
                 if (type == Q5_0)
-                    start = _mm512_add_epi32(start, _mm512_permutexvar_epi32(order, _mm512_loadu_si512(out.c.data() + (r * blocks + 2 * p) * 8)));
+                    start = _mm512_add_epi32(start, _mm512_permutexvar_epi32(order, _mm512_maskz_loadu_epi32(whole, out.c.data() + (r * blocks + 2 * p) * 8)));
                 _mm512_storeu_si512(out.lane_start.data() + (r * pairs + p) * 16, start);
             }
     }
@@ -257,6 +261,8 @@ inline void prefetch(const void *p) {
     __builtin_prefetch(p);
 #endif
 }
+
+constexpr int64_t COLUMNS = 16;  // weight rows a tile of rows runs over before the next tile (product; 16: even shares)
 
 constexpr int64_t PREFETCH = 4096;  // bytes of codes ahead (one row over 64 MiB of Q5_0 576 x 1536: 158 us without, 55 at 2048, 48-51 at 4096 and 8192)
 
@@ -459,40 +465,46 @@ inline __m512i codes_pair_lanes(const uint8_t *p) {
                             _mm512_set1_epi8(31));
 }
 
-/* out[r][col + c] for R rows of x and C weight rows from col (several rows of x): pairs of blocks in the lane order
+/* The 16 lanes' sums of R rows of x and C weight rows from col (several rows of x): pairs of blocks in the lane order
    (lane 2 g: the even block's lane g, 2 g + 1: the odd one's), so that a pair's two d_w d_x are one 64-bit broadcast
    of products made 16 blocks at a time; lanes from MAGIC_BITS (+ c) made floats by a subtraction; per lane the same
-   fused multiply-adds in the same order as tile's, split back into the even and odd chains for finish. Each pair's
-   codes unpacked once for the R rows, each row's bytes loaded once for the C weight rows. */
+   fused multiply-adds in the same order as tile's (an odd last block into the even lanes alone). Each pair's codes
+   unpacked once for the R rows (unpack_lanes), each row's bytes loaded once for the C weight rows. The sums go to
+   sums[r * COLUMNS * 16 + c * 16 + lane], for reduce_columns. */
 template <int R, int C>
-void tile_lanes(const Q5Matrix &m, int64_t col, const RoundedRows &xr, int64_t r0, const int8_t *const *xq,
-                const float *const *xd, const int32_t *const *xc, const float *const *xs, float *const *out,
-                const uint8_t *unpacked) {
-    const int64_t blocks = m.blocks(), pairs = blocks / 2;
+void tile_lanes(const Q5Matrix &m, int64_t col, const RoundedRows &xr, int64_t r0, const float *const *xd,
+                const uint8_t *unpacked, float *sums, float *scale) {
+    const int64_t blocks = m.blocks(), pairs = blocks / 2, stored = (blocks + 1) / 2;
     const uint8_t *codes[C];
     const uint16_t *dw[C];
     for (int c = 0; c < C; c++) {
-        codes[c] = unpacked + c * pairs * 64;
+        codes[c] = unpacked + c * stored * 64;
         dw[c] = m.d_of(col + c);
     }
     const int8_t *lq[R];
     const int32_t *ls[R];
     for (int r = 0; r < R; r++) {
-        lq[r] = xr.lane_q.data() + (r0 + r) * pairs * 64;
-        ls[r] = xr.lane_start.data() + (r0 + r) * pairs * 16;
+        lq[r] = xr.lane_q.data() + (r0 + r) * stored * 64;
+        ls[r] = xr.lane_start.data() + (r0 + r) * stored * 16;
     }
     const __m512 magic = _mm512_set1_ps(MAGIC);
     __m512 acc[R][C];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
-    alignas(64) float scale[R][C][16];  // d_w * d_x of 16 blocks: a pair's two read as one 64-bit broadcast
-    for (int64_t g = 0; g < pairs; g += 8) {
-        const int count = int(std::min<int64_t>(8, pairs - g));
-        const __mmask16 valid = __mmask16((1u << (2 * count)) - 1);
+    // d_w * d_x of every block made first, 16 at a time (scale [k / 512 rounded up][R][C][16]); a pair's two then
+    // read as one 64-bit broadcast at a fixed offset from its group's
+    for (int64_t b = 0; b < blocks; b += 16) {
+        const __mmask16 valid = __mmask16((1u << std::min<int64_t>(16, blocks - b)) - 1);
+        float *group = scale + b * R * C;
         for (int c = 0; c < C; c++) {
-            const __m512 d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, dw[c] + 2 * g));
-            for (int r = 0; r < R; r++) _mm512_store_ps(scale[r][c], _mm512_mul_ps(d, _mm512_maskz_loadu_ps(valid, xd[r] + 2 * g)));
+            const __m512 d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, dw[c] + b));
+            for (int r = 0; r < R; r++)
+                _mm512_store_ps(group + (r * C + c) * 16, _mm512_mul_ps(d, _mm512_maskz_loadu_ps(valid, xd[r] + b)));
         }
+    }
+    for (int64_t g = 0; g < pairs; g += 8) {
+        const float *group = scale + 2 * g * R * C;
+        const int count = int(std::min<int64_t>(8, pairs - g));
         for (int j = 0; j < count; j++) {
             const int64_t p = g + j;
             __m512i q[C];
@@ -502,42 +514,47 @@ void tile_lanes(const Q5Matrix &m, int64_t col, const RoundedRows &xr, int64_t r
                 for (int c = 0; c < C; c++) {
                     const __m512i lanes = _mm512_dpbusd_epi32(_mm512_loadu_si512(ls[r] + 16 * p), q[c], x);
                     double two;
-                    std::memcpy(&two, &scale[r][c][2 * j], 8);
+                    std::memcpy(&two, group + (r * C + c) * 16 + 2 * j, 8);
                     acc[r][c] = _mm512_fmadd_ps(_mm512_sub_ps(_mm512_castsi512_ps(lanes), magic),
                                                 _mm512_castpd_ps(_mm512_set1_pd(two)), acc[r][c]);
                 }
             }
         }
     }
-    const __m512i split = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-    for (int c = 0; c < C; c++) {
-        f32x8 even[R], odd[R];
+    if (pairs < stored) {  // the odd last block: the even chain's lanes alone
+        const int64_t p = pairs;
         for (int r = 0; r < R; r++) {
-            const __m512 both = _mm512_permutexvar_ps(split, acc[r][c]);
-            even[r] = (f32x8)_mm512_castps512_ps256(both);
-            odd[r] = (f32x8)_mm512_extractf32x8_ps(both, 1);
+            const __m512i x = _mm512_loadu_si512(lq[r] + 64 * p);
+            for (int c = 0; c < C; c++) {
+                const __m512i lanes = _mm512_dpbusd_epi32(_mm512_loadu_si512(ls[r] + 16 * p), _mm512_load_si512(codes[c] + 64 * p), x);
+                double two;  // the odd lane's half: the zero of a masked load
+                std::memcpy(&two, scale + (p / 8 * 16 * R * C) + (r * C + c) * 16 + 2 * (p % 8), 8);
+                acc[r][c] = _mm512_mask3_fmadd_ps(_mm512_sub_ps(_mm512_castsi512_ps(lanes), magic),
+                                                  _mm512_castpd_ps(_mm512_set1_pd(two)), acc[r][c], 0x5555);
+            }
         }
-        finish<R>(m, col + c, 2 * pairs, even, odd, xq, xd, xc, xs, out);
     }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) _mm512_store_ps(sums + (r * COLUMNS + c) * 16, acc[r][c]);
 }
 
 /* tile_lanes for count (<= NR) rows of x and `columns` (<= NC) weight rows. */
 template <int NR, int NC, int R = 1>
 void rows_lanes(int64_t count, int64_t columns, const Q5Matrix &m, int64_t col, const RoundedRows &xr, int64_t r0,
-                const int8_t *const *xq, const float *const *xd, const int32_t *const *xc, const float *const *xs,
-                float *const *out, const uint8_t *unpacked) {
+                const float *const *xd, const uint8_t *unpacked, float *sums, float *scale) {
     if constexpr (R < NR) {
-        if (count != R) return rows_lanes<NR, NC, R + 1>(count, columns, m, col, xr, r0, xq, xd, xc, xs, out, unpacked);
+        if (count != R) return rows_lanes<NR, NC, R + 1>(count, columns, m, col, xr, r0, xd, unpacked, sums, scale);
     }
-    if (columns == NC) return tile_lanes<R, NC>(m, col, xr, r0, xq, xd, xc, xs, out, unpacked);
-    const int64_t stride = m.blocks() / 2 * 64;
-    for (int64_t c = 0; c < columns; c++) tile_lanes<R, 1>(m, col + c, xr, r0, xq, xd, xc, xs, out, unpacked + c * stride);
+    if (columns == NC) return tile_lanes<R, NC>(m, col, xr, r0, xd, unpacked, sums, scale);
+    const int64_t stride = (m.blocks() + 1) / 2 * 64;
+    for (int64_t c = 0; c < columns; c++) tile_lanes<R, 1>(m, col + c, xr, r0, xd, unpacked + c * stride, sums + c * 16, scale);
 }
 
 /* Weight rows col .. col + count - 1's pairs of blocks unpacked in the lane order (codes_pair_lanes) to `to`
-   ([count, k / 64, 64]): once per chunk of columns, for all the tiles of rows of x over it. */
+   ([count, (k / 32 + 1) / 2, 64], an odd last block's pair with zeros for its odd block): once per chunk of columns,
+   for all the tiles of rows of x over it. */
 void unpack_lanes(const Q5Matrix &m, int64_t col, int64_t count, uint8_t *to) {
-    const int64_t pairs = m.blocks() / 2;
+    const int64_t blocks = m.blocks(), pairs = blocks / 2, stored = (blocks + 1) / 2;
     const uint8_t *end = m.codes_of(m.n);
     for (int64_t c = 0; c < count; c++) {
         const uint8_t *codes = m.codes_of(col + c);
@@ -545,9 +562,75 @@ void unpack_lanes(const Q5Matrix &m, int64_t col, int64_t count, uint8_t *to) {
         for (int64_t p = 0; p < pairs; p++) {
             const uint8_t *at = codes + PREFETCH + 2 * CODE_BYTES * p;
             if (at < end) prefetch(at);
-            _mm512_store_si512(to + (c * pairs + p) * 64, codes_pair_lanes(codes + 2 * CODE_BYTES * p));
+            _mm512_store_si512(to + (c * stored + p) * 64, codes_pair_lanes(codes + 2 * CODE_BYTES * p));
+        }
+        if (pairs < stored) {  // the odd last block: its 20 bytes, nothing past them
+            alignas(64) uint8_t last[2 * CODE_BYTES] = {};
+            std::memcpy(last, codes + 2 * CODE_BYTES * pairs, CODE_BYTES);
+            _mm512_store_si512(to + (c * stored + pairs) * 64, codes_pair_lanes(last));
         }
     }
+}
+
+/* Q5_1's m of weight rows col .. col + count - 1 as floats, one vector of the 16 columns per block (mt [k / 32, 16],
+   zeros past count): once per chunk, for ms_lanes. */
+void transpose_m(const Q5Matrix &m, int64_t col, int64_t count, float *mt) {
+    const int64_t blocks = m.blocks();
+    const uint16_t *base = m.m_of(col);
+    if (blocks < 2) {
+        for (int64_t b = 0; b < blocks; b++)
+            for (int c = 0; c < 16; c++) mt[b * 16 + c] = c < count ? half_value(base, c * blocks + b) : 0.0f;
+        return;
+    }
+    const __mmask16 valid = __mmask16((1u << count) - 1);
+    const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(int32_t(blocks)));
+    for (int64_t b = 0; b < blocks; b++) {
+        // 4 bytes a column: m[b] and m[b + 1] (low half m[b]); the last block as the high half of m[b - 1], m[b] (so
+        // that nothing past the array is read)
+        const bool last = b + 1 == blocks;
+        const __m512i two = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, rows, base + (last ? b - 1 : b), 2);
+        const __m256i halves = _mm512_cvtepi32_epi16(last ? _mm512_srli_epi32(two, 16) : two);
+        _mm512_store_ps(mt + b * 16, _mm512_cvtph_ps(halves));
+    }
+}
+
+/* The float steps after tile_lanes for one row of x and the chunk's 16 columns from sums [16 columns, 16 lanes]: per
+   column lanes_sum8(even + odd) (lane 2 g + lane 2 g + 1, then the tree), 16 columns at a time by pairwise
+   permutations (each step the same additions as lanes_sum8's, a column per lane at the end). */
+inline __m512 reduce_columns(const float *sums) {
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    const __m512i low4 = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+    const __m512i high4 = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    const __m512i low2 = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29);
+    const __m512i high2 = _mm512_setr_epi32(2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    __m512 v[8], t[4], u[2];
+    for (int i = 0; i < 8; i++) {  // v_g = even_g + odd_g: columns 2 i, 2 i + 1 (8 lanes each)
+        const __m512 a = _mm512_load_ps(sums + 32 * i), b = _mm512_load_ps(sums + 32 * i + 16);
+        v[i] = _mm512_add_ps(_mm512_permutex2var_ps(a, even, b), _mm512_permutex2var_ps(a, odd, b));
+    }
+    for (int i = 0; i < 4; i++)  // t_i = v_i + v_(i+4): columns 4 i .. 4 i + 3 (4 lanes each)
+        t[i] = _mm512_add_ps(_mm512_permutex2var_ps(v[2 * i], low4, v[2 * i + 1]), _mm512_permutex2var_ps(v[2 * i], high4, v[2 * i + 1]));
+    for (int i = 0; i < 2; i++)  // u_0 = t_0 + t_2, u_1 = t_1 + t_3: columns 8 i .. 8 i + 7
+        u[i] = _mm512_add_ps(_mm512_permutex2var_ps(t[2 * i], low2, t[2 * i + 1]), _mm512_permutex2var_ps(t[2 * i], high2, t[2 * i + 1]));
+    return _mm512_add_ps(_mm512_permutex2var_ps(u[0], even, u[1]), _mm512_permutex2var_ps(u[0], odd, u[1]));  // u_0 + u_1
+}
+
+/* Q5_1's lanes_sum8(ms) of one row of x (s per block) for the chunk's 16 columns (mt): lane l of finish's ms is
+   here vector l, a column per lane, the same fused multiply-adds (a last group of fewer than 8 blocks: zeros). */
+inline __m512 ms_lanes(const float *mt, const float *s, int64_t blocks) {
+    __m512 ms[8];
+    for (int l = 0; l < 8; l++) ms[l] = _mm512_setzero_ps();
+    const int64_t whole = blocks / 8 * 8;
+    for (int64_t b0 = 0; b0 < whole; b0 += 8)
+        for (int l = 0; l < 8; l++) ms[l] = _mm512_fmadd_ps(_mm512_load_ps(mt + (b0 + l) * 16), _mm512_set1_ps(s[b0 + l]), ms[l]);
+    if (whole < blocks)
+        for (int l = 0; l < 8; l++)
+            ms[l] = whole + l < blocks ? _mm512_fmadd_ps(_mm512_load_ps(mt + (whole + l) * 16), _mm512_set1_ps(s[whole + l]), ms[l])
+                                       : _mm512_fmadd_ps(_mm512_setzero_ps(), _mm512_setzero_ps(), ms[l]);
+    return _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(ms[0], ms[4]), _mm512_add_ps(ms[2], ms[6])),
+                         _mm512_add_ps(_mm512_add_ps(ms[1], ms[5]), _mm512_add_ps(ms[3], ms[7])));
 }
 #endif
 
@@ -572,8 +655,6 @@ constexpr int MAX_ROWS = std::max(TILE, LANES_ROWS);
 #else
 constexpr int MAX_ROWS = TILE;
 #endif
-constexpr int64_t COLUMNS = 16;  // weight rows a tile of rows runs over before the next tile (product; 16: even shares)
-
 void product(const Q5Matrix &m, const float *x, int64_t rows, float *out) {
     const int64_t k = m.k, n = m.n, blocks = m.blocks();
     const bool threaded = g_threads > 1 && n > 1 && rows * n * k >= THREADED_MIN_WORK;
@@ -595,10 +676,33 @@ void product(const Q5Matrix &m, const float *x, int64_t rows, float *out) {
         const int32_t *cs[MAX_ROWS];
         float *outs[MAX_ROWS];
 #if defined(Q5_PAIRS)
-        // several rows of x: the chunk's weight rows unpacked once (COLUMNS x k bytes, in L1 for every tile of rows)
-        std::vector<__m512i> unpacked(wide ? COLUMNS * (blocks / 2) : 0);
-        const int64_t first = chunk * COLUMNS;
-        if (wide) unpack_lanes(m, first, std::min(n, first + COLUMNS) - first, reinterpret_cast<uint8_t *>(unpacked.data()));
+        if (wide) {
+            // several rows of x: the chunk's weight rows unpacked once (COLUMNS x k bytes, in L1 for every tile of
+            // rows) and Q5_1's m made a vector of the 16 columns per block; each tile of rows' lane sums to `sums`,
+            // then per row its 16 outputs at once (reduce_columns, ms_lanes)
+            const int64_t first = chunk * COLUMNS, columns = std::min(n, first + COLUMNS) - first;
+            std::unique_ptr<__m512i[]> unpacked(new __m512i[COLUMNS * ((blocks + 1) / 2)]), mt(new __m512i[m.type == Q5_1 ? blocks : 0]),
+                scale(new __m512i[LANES_ROWS * LANES_COLS * ((blocks + 15) / 16)]);  // tile_lanes' d_w d_x
+            alignas(64) float sums[LANES_ROWS * COLUMNS * 16] = {};
+            unpack_lanes(m, first, columns, reinterpret_cast<uint8_t *>(unpacked.get()));
+            if (m.type == Q5_1) transpose_m(m, first, columns, reinterpret_cast<float *>(mt.get()));
+            const __mmask16 valid = __mmask16((1u << columns) - 1);
+            for (int64_t r0 = 0; r0 < rows; r0 += LANES_ROWS) {
+                const int64_t count = std::min<int64_t>(LANES_ROWS, rows - r0);
+                for (int64_t i = 0; i < count; i++) ds[i] = xr.d.data() + (r0 + i) * blocks;
+                for (int64_t c = 0; c < columns; c += LANES_COLS)
+                    rows_lanes<LANES_ROWS, LANES_COLS>(count, std::min<int64_t>(LANES_COLS, columns - c), m, first + c, xr, r0,
+                                                       ds, reinterpret_cast<const uint8_t *>(unpacked.get()) + c * ((blocks + 1) / 2) * 64,
+                                                       sums + c * 16, reinterpret_cast<float *>(scale.get()));
+                for (int64_t i = 0; i < count; i++) {
+                    __m512 o = reduce_columns(sums + i * COLUMNS * 16);
+                    if (m.type == Q5_1)
+                        o = _mm512_add_ps(o, ms_lanes(reinterpret_cast<const float *>(mt.get()), xr.s.data() + (r0 + i) * blocks, blocks));
+                    _mm512_mask_storeu_ps(out + (r0 + i) * n + first, valid, o);
+                }
+            }
+            continue;
+        }
 #endif
         for (int64_t r0 = 0; r0 < rows; r0 += step) {
             const int64_t count = std::min<int64_t>(step, rows - r0);
@@ -613,15 +717,6 @@ void product(const Q5Matrix &m, const float *x, int64_t rows, float *out) {
             }
             int64_t col = chunk * COLUMNS;
             const int64_t last = std::min(n, (chunk + 1) * COLUMNS);
-#if defined(Q5_PAIRS)
-            if (wide) {
-                for (; col < last; col += LANES_COLS)
-                    rows_lanes<LANES_ROWS, LANES_COLS>(count, std::min<int64_t>(LANES_COLS, last - col), m, col, xr, r0,
-                                                       qs, ds, cs, ss, outs,
-                                                       reinterpret_cast<const uint8_t *>(unpacked.data()) + (col - first) * (blocks / 2) * 64);
-                continue;
-            }
-#endif
             for (; col < last; col++) rows_tile(count, m, col, qs, ds, cs, ss, dps, outs);
         }
     }
