@@ -25,7 +25,10 @@
  * std::fma in the generic code). Several rows of x (AVX-512, tile_lanes): the pairs' 16 lanes in IQ4_NL's lane order
  * (lane 2 g the even block's lane g, 2 g + 1 the odd one's; x and the codes laid out so, each chunk of 16 weight rows
  * unpacked once for all its tiles of rows), the lanes started at MAGIC_BITS (+ c) and made floats by a subtraction,
- * d_w d_x made 16 blocks at a time: per output the same lanes, the same fused multiply-adds in the same order.
+ * d_w d_x made 16 blocks at a time: per output the same lanes, the same fused multiply-adds in the same order; an odd
+ * last block's fused multiply-adds masked to the even lanes; then each row's 16 columns at once: lanes_sum8(even + odd)
+ * by pairwise permutations (the tree's additions, a column per lane at the end) and Q5_1's m s chains as 8 vectors of
+ * the 16 columns (transpose_m), added in lanes_sum8's tree.
  * Built with the rest of the extension by build.py (-march=native).
  */
 #include <nanobind/nanobind.h>
