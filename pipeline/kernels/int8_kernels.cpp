@@ -455,7 +455,8 @@ class Int8Product : public mx::UnaryPrimitive {
 /* Several products of one x (see `products`), inputs x [rows, k] float32 then (w, scales, biases) per matrix,
    all in the int8 layout with one group size and bit width: one output per matrix, or with `swiglu` (two
    matrices, gate and up) the one output silu(gate) * up, computed as MLX computes it (its Sigmoid, then
-   two multiplies: models/layers.py's swiglu), so the same bits as the three operations it replaces. */
+   two multiplies: models/layers.py's swiglu, by layer_kernels.cpp's swiglu_span), so the same bits as the
+   three operations it replaces. */
 class Int8Products : public mx::Primitive {
    public:
     Int8Products(mx::Stream stream, int group_size, int bits, bool swiglu)
@@ -487,8 +488,7 @@ class Int8Products : public mx::Primitive {
             std::vector<float> up(size);
             float *gate = outputs[0].data<float>();
             products(mats, x.data<float>(), rows, {gate, up.data()});
-            mx::detail::Sigmoid sigmoid;
-            for (int64_t i = 0; i < size; i++) gate[i] = gate[i] * sigmoid(gate[i]) * up[i];
+            swiglu_span(gate, up.data(), gate, size);
         });
     }
 
@@ -518,7 +518,8 @@ class Int8Products : public mx::Primitive {
 /* An MoE layer's gathered gate and up with the SwiGLU, one operation: inputs x [x rows, k] float32, (w, scales,
    biases) of the gate's stack then the up's (int8 layout, [experts, n, ...]), the experts uint32/int32 [pairs],
    and optionally an lhs index per pair (pair p is row lhs[p] of x; without: row p). Output [pairs, n]:
-   silu(gate) * up as models/experts.py's SwitchGLU.activate computes it (MLX's Sigmoid, then two multiplies),
+   silu(gate) * up as models/experts.py's SwitchGLU.activate computes it (MLX's Sigmoid, then two multiplies:
+   swiglu_span),
    the same bits as the two gathered products and the activation it replaces. */
 class Int8GatherSwiGLU : public mx::UnaryPrimitive {
    public:
@@ -553,8 +554,7 @@ class Int8GatherSwiGLU : public mx::UnaryPrimitive {
             float *gate = out.data<float>();
             gathered_products({&stacks[0], &stacks[1]}, expert_of, x.data<float>(), rows, {gate, up.data()},
                               lhs ? &x_of : nullptr, x_rows);
-            mx::detail::Sigmoid sigmoid;
-            for (int64_t i = 0; i < size; i++) gate[i] = gate[i] * sigmoid(gate[i]) * up[i];
+            swiglu_span(gate, up.data(), gate, size);
         });
     }
 

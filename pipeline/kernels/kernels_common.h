@@ -31,6 +31,10 @@ namespace mx = mlx::core;
 
 inline int g_threads = 1;  // the BLAS threads of this rank (pipeline.kernels.blas.num_threads())
 
+/* o[i] = gate[i] * sigmoid(gate[i]) * up[i], i < n (o may be gate): MLX's Sigmoid arithmetic, 16 lanes at once,
+   the bits of models/layers.py's swiglu (layer_kernels.cpp). */
+void swiglu_span(const float *gate, const float *up, float *out, int64_t n);
+
 /* Whether `a` is its buffer's only holder and MLX's allocator owns that buffer (not a mapped file's pages,
    mapped_files.cpp): a buffer an operation may rewrite in place. */
 inline bool sole_owned_buffer(const mx::array &a) {

@@ -201,8 +201,9 @@ static inline v16 sigmoid16(v16 g) {
 #define PIPELINE_SWIGLU_VECTORS 0
 #endif
 
-/* o[i] = g[i] * sigmoid(g[i]) * u[i] for i < n (o may be g). */
-static void swiglu_span(const float *g, const float *u, float *o, int64_t n) {
+/* o[i] = g[i] * sigmoid(g[i]) * u[i] for i < n (o may be g); kernels_common.h declares it for the fused int8
+   SwiGLUs (int8_kernels.cpp). */
+void swiglu_span(const float *g, const float *u, float *o, int64_t n) {
     int64_t i = 0;
 #if PIPELINE_SWIGLU_VECTORS
     if constexpr (mx::simd::max_size<float> == 1) {  // MLX's Sigmoid one element at a time: the arithmetic above
