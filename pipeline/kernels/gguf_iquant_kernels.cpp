@@ -313,24 +313,7 @@ struct RoundedRows {
 /* The rounding of one 256-value block (round_rows' steps on 16 lanes: the same bits), q as is or plus 128 (biased). */
 #if IQ_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__)
 inline float round_block(const float *v, int8_t *q, bool biased) {
-    // the scalar std::max(amax, |v|) passes a NaN by: vmaxps returns its second operand when either is NaN
-    __m512 magnitude = _mm512_setzero_ps();
-    for (int i = 0; i < SUPER; i += 16) magnitude = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(v + i)), magnitude);
-    const float amax = _mm512_reduce_max_ps(magnitude);
-    const float d = amax / 127.0f;
-    float inverse = d > 0.0f ? 1.0f / d : 0.0f;
-    if (!(inverse < INFINITY)) inverse = 0.0f;
-    const __m512 scale = _mm512_set1_ps(inverse), top = _mm512_set1_ps(127.0f), bottom = _mm512_set1_ps(-127.0f);
-    const __m128i bias = _mm_set1_epi8(biased ? int8_t(0x80) : 0);
-    for (int i = 0; i < SUPER; i += 16) {
-        const __m512 f = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(v + i), scale),
-                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m512 clamped = _mm512_min_ps(_mm512_max_ps(f, bottom), top);
-        const __m512 zeroed = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(f, f, _CMP_ORD_Q), clamped);  // NaN: 0
-        _mm_storeu_si128(reinterpret_cast<__m128i *>(q + i),
-                         _mm_xor_si128(_mm512_cvtepi32_epi8(_mm512_cvtps_epi32(zeroed)), bias));
-    }
-    return d;
+    return round_q8_block<SUPER>(v, q, biased ? 0x80 : 0);
 }
 #else
 inline float round_block(const float *v, int8_t *q, bool biased) {

@@ -521,27 +521,6 @@ struct NlRows {
 constexpr int32_t MAGIC_BITS = 0x4B400000;
 constexpr float MAGIC = 12582912.0f;
 
-/* round_rows' rounding of the N values at v (N = 32 or 256; vectors of the same steps): the q bytes to q, d returned. */
-template <int N>
-inline float round_block(const float *v, int8_t *q) {
-    // round_rows' std::max(amax, |v|) passes a NaN by: vmaxps returns its second operand when either is NaN
-    __m512 magnitude = _mm512_setzero_ps();
-    for (int i = 0; i < N; i += 16) magnitude = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(v + i)), magnitude);
-    const float amax = _mm512_reduce_max_ps(magnitude);
-    const float d = amax / 127.0f;
-    float inverse = d > 0.0f ? 1.0f / d : 0.0f;
-    if (!(inverse < INFINITY)) inverse = 0.0f;
-    const __m512 scale = _mm512_set1_ps(inverse), top = _mm512_set1_ps(127.0f), bottom = _mm512_set1_ps(-127.0f);
-    for (int i = 0; i < N; i += 16) {
-        const __m512 f = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(v + i), scale),
-                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m512 clamped = _mm512_min_ps(_mm512_max_ps(f, bottom), top);
-        const __m512 zeroed = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(f, f, _CMP_ORD_Q), clamped);  // NaN: 0
-        _mm_storeu_si128(reinterpret_cast<__m128i *>(q + i), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(zeroed)));
-    }
-    return d;
-}
-
 /* A pair of blocks' 64 values (block 2p's 32, then 2p + 1's) in the lane order: lane l is block 2p + l % 2's values
    4 (l / 2) .. 4 (l / 2) + 3. */
 inline __m512i lane_order(const int8_t *natural) {
@@ -558,7 +537,7 @@ NlRows nl_rows(const float *x, int64_t rows, int64_t k) {
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t p = 0; p < pairs; p++) {
             alignas(64) int8_t natural[64];
-            const float d0 = round_block<32>(x + r * k + 64 * p, natural), d1 = round_block<32>(x + r * k + 64 * p + 32, natural + 32);
+            const float d0 = round_q8_block<32>(x + r * k + 64 * p, natural), d1 = round_q8_block<32>(x + r * k + 64 * p + 32, natural + 32);
             const __m512i q = lane_order(natural);
             _mm512_storeu_si512(out.q.data() + (r * pairs + p) * 64, q);
             // magic - 128 sum(q) per lane: vpdpbusd of 128 (unsigned) and -q
@@ -567,7 +546,7 @@ NlRows nl_rows(const float *x, int64_t rows, int64_t k) {
             out.d[r * pairs * 2 + 2 * p] = d0;
             out.d[r * pairs * 2 + 2 * p + 1] = d1;
         }
-        if (blocks % 2) out.tail_d[r] = round_block<32>(x + r * k + 64 * pairs, out.tail_q.data() + 32 * r);
+        if (blocks % 2) out.tail_d[r] = round_q8_block<32>(x + r * k + 64 * pairs, out.tail_q.data() + 32 * r);
     }
     return out;
 }
@@ -695,7 +674,7 @@ XsRows xs_rows(const float *x, int64_t rows, int64_t k) {
     alignas(64) int8_t natural[SUPER];
     for (int64_t r = 0; r < rows; r++)
         for (int64_t sb = 0; sb < k / SUPER; sb++) {
-            out.d[r * (k / SUPER) + sb] = round_block<SUPER>(x + r * k + SUPER * sb, natural);
+            out.d[r * (k / SUPER) + sb] = round_q8_block<SUPER>(x + r * k + SUPER * sb, natural);
             for (int p = 0; p < 4; p++) {
                 const __m512i v = _mm512_load_si512(natural + 64 * p);
                 _mm512_storeu_si512(out.q.data() + r * k + SUPER * sb + 64 * p, _mm512_shuffle_i64x2(v, v, _MM_SHUFFLE(3, 1, 2, 0)));
@@ -908,7 +887,7 @@ Q6Rows q6_rows(const float *x, int64_t rows, int64_t k) {
     const __m512i flip = _mm512_set1_epi8(int8_t(-128));
     for (int64_t r = 0; r < rows; r++)
         for (int64_t sb = 0; sb < k / SUPER; sb++) {
-            out.d[r * (k / SUPER) + sb] = round_block<SUPER>(x + r * k + SUPER * sb, natural);
+            out.d[r * (k / SUPER) + sb] = round_q8_block<SUPER>(x + r * k + SUPER * sb, natural);
             for (int p = 0; p < 4; p++)
                 _mm512_storeu_si512(out.q.data() + r * k + SUPER * sb + 64 * p, _mm512_xor_si512(_mm512_load_si512(natural + 64 * p), flip));
         }
@@ -981,7 +960,7 @@ Nl16Rows nl16_rows(const float *x, int64_t rows, int64_t k) {
     const __m512i bias = _mm512_set1_epi8(int8_t(-128)), magic = _mm512_set1_epi32(MAGIC_BITS);
     for (int64_t r = 0; r < rows; r++) {
         int8_t *q = out.q.data() + r * k;
-        for (int64_t b = 0; b < blocks; b++) out.d[r * blocks + b] = round_block<32>(x + r * k + BLOCK * b, q + BLOCK * b);
+        for (int64_t b = 0; b < blocks; b++) out.d[r * blocks + b] = round_q8_block<32>(x + r * k + BLOCK * b, q + BLOCK * b);
         for (int64_t i = 0; i < k; i += 64) {
             const int64_t left = std::min<int64_t>(64, k - i);  // 64 or 32
             const __mmask64 bytes = left == 64 ? ~__mmask64(0) : (__mmask64(1) << left) - 1;
@@ -1105,7 +1084,7 @@ Xs16Rows xs16_rows(const float *x, int64_t rows, int64_t k) {
     Xs16Rows out{std::vector<int8_t>(rows * k), std::vector<float>(rows * (k / SUPER))};
     for (int64_t r = 0; r < rows; r++)
         for (int64_t sb = 0; sb < k / SUPER; sb++)
-            out.d[r * (k / SUPER) + sb] = round_block<SUPER>(x + r * k + SUPER * sb, out.q.data() + r * k + SUPER * sb);
+            out.d[r * (k / SUPER) + sb] = round_q8_block<SUPER>(x + r * k + SUPER * sb, out.q.data() + r * k + SUPER * sb);
     return out;
 }
 
@@ -1208,22 +1187,28 @@ void xs16_rows_of(int64_t count, const Xs16Decoded &w, const Xs16Rows &x, int64_
     xs16_tile<R>(w, x, k, r0, sb, acc);
 }
 
-void xs16_product(const NativeMatrix &m, const float *x, int64_t rows, float *out, bool threaded) {
-    const Xs16Rows prepared = xs16_rows(x, rows, m.k);
+/* The 8-lane tiles' product (Q6_K's and IQ4_XS's: their x prepared once, each 16-column tile decoded per super-block
+   for a pass of ROW_BLOCK rows, their 8 float lanes per (row, column) summed at the end in int8_tile's lanes_sum8
+   tree, lane by lane of the columns). */
+template <class Rows, class Decoded, int ROW_BLOCK, int TILE_ROWS, Rows (*prepare)(const float *, int64_t, int64_t),
+          void (*decode)(const NativeMatrix &, int64_t, int, int64_t, Decoded &),
+          void (*rows_of)(int64_t, const Decoded &, const Rows &, int64_t, int64_t, int64_t, float (*)[8][16])>
+void lane_tiles_product(const NativeMatrix &m, const float *x, int64_t rows, float *out, bool threaded) {
+    const Rows prepared = prepare(x, rows, m.k);
     const int64_t tiles = (m.n + 15) / 16, supers = m.k / SUPER;
 #pragma omp parallel for schedule(static) num_threads(g_threads) if (threaded)
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t col = 16 * t;
         const int columns = int(std::min<int64_t>(16, m.n - col));
-        Xs16Decoded w;
-        alignas(64) float acc[XS16_ROW_BLOCK][8][16];
-        for (int64_t b0 = 0; b0 < rows; b0 += XS16_ROW_BLOCK) {
-            const int64_t block = std::min<int64_t>(XS16_ROW_BLOCK, rows - b0);
+        Decoded w;
+        alignas(64) float acc[ROW_BLOCK][8][16];
+        for (int64_t b0 = 0; b0 < rows; b0 += ROW_BLOCK) {
+            const int64_t block = std::min<int64_t>(ROW_BLOCK, rows - b0);
             std::memset(acc, 0, sizeof(float) * 8 * 16 * block);
             for (int64_t sb = 0; sb < supers; sb++) {
-                xs16_decode(m, col, columns, sb, w);
-                for (int64_t r = 0; r < block; r += XS16_TILE_ROWS)
-                    xs16_rows_of(std::min<int64_t>(XS16_TILE_ROWS, block - r), w, prepared, m.k, b0 + r, sb, acc + r);
+                decode(m, col, columns, sb, w);
+                for (int64_t r = 0; r < block; r += TILE_ROWS)
+                    rows_of(std::min<int64_t>(TILE_ROWS, block - r), w, prepared, m.k, b0 + r, sb, acc + r);
             }
             for (int64_t r = 0; r < block; r++) {  // int8_tile's lanes_sum8, lane by lane of the columns
                 const float(*a)[16] = acc[r];
@@ -1236,6 +1221,11 @@ void xs16_product(const NativeMatrix &m, const float *x, int64_t rows, float *ou
     }
 }
 
+void xs16_product(const NativeMatrix &m, const float *x, int64_t rows, float *out, bool threaded) {
+    lane_tiles_product<Xs16Rows, Xs16Decoded, XS16_ROW_BLOCK, XS16_TILE_ROWS, xs16_rows, xs16_decode, xs16_rows_of<>>(
+        m, x, rows, out, threaded);
+}
+
 /* From this many rows xs16_product (measured, 576 x 1536, 1 thread: 4 rows 1.0-1.07x slower than xs_product, 8 rows
    1.2x faster, 32 1.45x, 128 1.4x). */
 constexpr int64_t XS16_MIN_ROWS = 8;
@@ -1243,31 +1233,8 @@ constexpr int64_t XS16_MIN_ROWS = 8;
 constexpr int64_t Q6_TILED_MIN_ROWS = 3;  // 1 and 2 rows: int8_tile (2 rows measured the same, 1 faster)
 
 void q6_product(const NativeMatrix &m, const float *x, int64_t rows, float *out, bool threaded) {
-    const Q6Rows prepared = q6_rows(x, rows, m.k);
-    const int64_t tiles = (m.n + 15) / 16, supers = m.k / SUPER;
-#pragma omp parallel for schedule(static) num_threads(g_threads) if (threaded)
-    for (int64_t t = 0; t < tiles; t++) {
-        const int64_t col = 16 * t;
-        const int columns = int(std::min<int64_t>(16, m.n - col));
-        Q6Decoded w;
-        alignas(64) float acc[Q6_ROW_BLOCK][8][16];
-        for (int64_t b0 = 0; b0 < rows; b0 += Q6_ROW_BLOCK) {
-            const int64_t block = std::min<int64_t>(Q6_ROW_BLOCK, rows - b0);
-            std::memset(acc, 0, sizeof(float) * 8 * 16 * block);
-            for (int64_t sb = 0; sb < supers; sb++) {
-                q6_decode(m, col, columns, sb, w);
-                for (int64_t r = 0; r < block; r += Q6_TILE_ROWS)
-                    q6_rows_of(std::min<int64_t>(Q6_TILE_ROWS, block - r), w, prepared, m.k, b0 + r, sb, acc + r);
-            }
-            for (int64_t r = 0; r < block; r++) {  // int8_tile's lanes_sum8, lane by lane of the columns
-                const float(*a)[16] = acc[r];
-                auto at = [&](int l) { return _mm512_load_ps(a[l]); };
-                const __m512 sum = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(at(0), at(4)), _mm512_add_ps(at(2), at(6))),
-                                                 _mm512_add_ps(_mm512_add_ps(at(1), at(5)), _mm512_add_ps(at(3), at(7))));
-                _mm512_mask_storeu_ps(out + (b0 + r) * m.n + col, __mmask16((1u << columns) - 1), sum);
-            }
-        }
-    }
+    lane_tiles_product<Q6Rows, Q6Decoded, Q6_ROW_BLOCK, Q6_TILE_ROWS, q6_rows, q6_decode, q6_rows_of<>>(m, x, rows, out,
+                                                                                                    threaded);
 }
 #endif
 

@@ -115,7 +115,7 @@ RoundedRows round_rows(const float *x, int64_t rows, int64_t k, int type) {
                     std::vector<float>(type == Q5_1 ? rows * blocks : 0), std::vector<float>(),
                     std::vector<int32_t>(type == Q5_0 ? rows * blocks * 8 : 0)};
 #if defined(Q5_PAIRS)
-    // the same steps in vectors (gguf_kernels.cpp's round_block): round_rows' std::max(amax, |v|) passes a NaN by, as
+    // the same steps in vectors (kernels_common.h's round_q8_block): round_rows' std::max(amax, |v|) passes a NaN by, as
     // vmaxps returns its second operand when either is NaN; the clamp's NaN is 0 by the ordered compare
     for (int64_t r = 0; r < rows; r++)
         for (int64_t b = 0; b < blocks; b++) {

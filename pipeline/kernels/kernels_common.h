@@ -109,6 +109,32 @@ inline float lanes_sum(v16 acc) {
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* The int8 products' rounding of N values (a multiple of 16) as ggml's Q8 types (d = max|x| / 127, q = rint(x / d)
+   clamped to +-127, a NaN 0; d 0 or not finite: zeros), in 16 lanes with the bits of the scalar steps (std::max(amax,
+   |v|) passes a NaN by as vmaxps returns its second operand when either is NaN; the clamp's NaN is 0 by the ordered
+   compare); each q byte xored with `bias` (0x80: q + 128 as unsigned). Returns d. */
+template <int N>
+inline float round_q8_block(const float *v, int8_t *q, uint8_t bias = 0) {
+    __m512 magnitude = _mm512_setzero_ps();
+    for (int i = 0; i < N; i += 16) magnitude = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(v + i)), magnitude);
+    const float amax = _mm512_reduce_max_ps(magnitude);
+    const float d = amax / 127.0f;
+    float inverse = d > 0.0f ? 1.0f / d : 0.0f;
+    if (!(inverse < INFINITY)) inverse = 0.0f;
+    const __m512 scale = _mm512_set1_ps(inverse), top = _mm512_set1_ps(127.0f), bottom = _mm512_set1_ps(-127.0f);
+    const __m128i flip = _mm_set1_epi8(char(bias));
+    for (int i = 0; i < N; i += 16) {
+        const __m512 f = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(v + i), scale),
+                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m512 clamped = _mm512_min_ps(_mm512_max_ps(f, bottom), top);
+        const __m512 zeroed = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(f, f, _CMP_ORD_Q), clamped);  // NaN: 0
+        _mm_storeu_si128(reinterpret_cast<__m128i *>(q + i), _mm_xor_si128(_mm512_cvtepi32_epi8(_mm512_cvtps_epi32(zeroed)), flip));
+    }
+    return d;
+}
+#endif
+
 /* A hint that the cache lines starting in [p, p + bytes) will be read soon (a one-row product's weights stream from
    memory: prefetched some kilobytes ahead, across the 4 KiB pages the hardware prefetcher stops at). Called for
    consecutive spans of a region, it asks for every line once. A hint: never faults, past an array's end too. */
