@@ -310,20 +310,18 @@ def of_current_file(data: dict, row: dict) -> bool:
     return (not hashed and path.is_file() and row["part"] == "perplexity" and recorded == path.stat().st_size)
 
 
-def latest(data: dict, qtype: str, part: str, contender: str) -> dict | None:
-    """The newest run of (type, part, contender) without an error, on the type's file as it is now."""
-    rows = [r for r in data["runs"] if r["type"] == qtype and r["part"] == part and r["contender"] == contender
-            and "error" not in r]
-    rows = [r for r in rows if of_current_file(data, r)]
-    return rows[-1] if rows else None
-
-
 def newest_runs(data: dict, qtype: str, part: str, contender: str) -> list[dict]:
     """The runs of (type, part, contender) at the commit of its newest run, without errors, on the type's
     file as it is now (`--runs N` records N interleaved runs of every contender at one commit)."""
     rows = [r for r in data["runs"] if r["type"] == qtype and r["part"] == part and r["contender"] == contender
             and "error" not in r and of_current_file(data, r)]
     return [r for r in rows if r["commit"] == rows[-1]["commit"]] if rows else []
+
+
+def latest(data: dict, qtype: str, part: str, contender: str) -> dict | None:
+    """The newest run of (type, part, contender) without an error, on the type's file as it is now."""
+    runs = newest_runs(data, qtype, part, contender)
+    return runs[-1] if runs else None
 
 
 def median_of(runs: list[dict], key: str) -> float | None:
